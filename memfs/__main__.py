@@ -1,0 +1,5 @@
+import sys
+
+from memfs.cli import main
+
+sys.exit(main())

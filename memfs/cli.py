@@ -1,0 +1,320 @@
+"""The ``memfs`` command and the ``mount.fuse.memfs`` helper.
+
+User errors print one line (``memfs: error: ...``) and exit 2 without a
+traceback.  ``memfs mount`` returns once the filesystem is mounted and ready;
+the daemon it forks keeps serving until ``umount``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import select
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from memfs import __version__
+from memfs.config import PoolConfig, parse_size
+from memfs.errors import UsageError
+
+log = logging.getLogger(__name__)
+
+EXIT_USAGE = 2
+READY_TIMEOUT = 120.0
+
+
+def runtime_dir() -> Path:
+    """Where daemons keep their pid and log files."""
+    if os.geteuid() == 0:
+        return Path("/run/memfs")
+    base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/memfs-{os.getuid()}"
+    return Path(base) / "memfs" if "XDG_RUNTIME_DIR" in os.environ else Path(base)
+
+
+def instance_name(mountpoint: str) -> str:
+    """A file name for a mountpoint: ``/mnt/memfs`` -> ``mnt-memfs``."""
+    name = re.sub(r"[^A-Za-z0-9_.]+", "-", os.path.realpath(mountpoint).strip("/"))
+    return name or "root"
+
+
+def pid_file(mountpoint: str) -> Path:
+    return runtime_dir() / f"{instance_name(mountpoint)}.pid"
+
+
+def default_log_file(mountpoint: str) -> Path:
+    return runtime_dir() / f"{instance_name(mountpoint)}.log"
+
+
+def is_mounted(path: str) -> bool:
+    real = os.path.realpath(path)
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 1 and _unescape(fields[1]) == real:
+                    return True
+    except OSError:
+        return os.path.ismount(real)
+    return False
+
+
+def _unescape(field: str) -> str:
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def check_mountpoint(path: str) -> str:
+    if not os.path.exists(path):
+        raise UsageError(f"mountpoint {path} does not exist")
+    if not os.path.isdir(path):
+        raise UsageError(f"mountpoint {path} is not a directory")
+    if is_mounted(path):
+        raise UsageError(f"{path} is already a mountpoint (umount it first)")
+    if not os.path.exists("/dev/fuse"):
+        raise UsageError("/dev/fuse is missing: load the fuse kernel module (modprobe fuse)")
+    if not os.access("/dev/fuse", os.R_OK | os.W_OK):
+        raise UsageError("no permission to open /dev/fuse")
+    return os.path.realpath(path)
+
+
+def split_o(values: Sequence[str]) -> list[str]:
+    return [o.strip() for v in values for o in v.split(",") if o.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="memfs", description=__doc__.splitlines()[0])
+    p.add_argument("--version", action="version", version=f"memfs {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    m = sub.add_parser("mount", help="mount a memfs filesystem")
+    m.add_argument("mountpoint")
+    m.add_argument("--size", default="4G", help="pool capacity, e.g. 512M, 4G (default 4G)")
+    m.add_argument("--volumes", default="4", help="number of memory volumes (default 4)")
+    m.add_argument("--stripe-size", default="1M", help="stripe unit (default 1M)")
+    m.add_argument("--chunk-size", default="64K", help="allocation unit (default 64K)")
+    m.add_argument("-o", dest="options", action="append", default=[],
+                   help="FUSE mount options, comma separated; writeback_cache enables "
+                        "the kernel writeback cache")
+    m.add_argument("--attr-timeout", type=float, default=1.0,
+                   help="seconds the kernel may cache attributes and names (default 1)")
+    m.add_argument("--foreground", "-f", action="store_true", help="do not fork into the background")
+    m.add_argument("--debug", "-d", action="store_true", help="log at debug level")
+    m.add_argument("--log", help="daemon log file (default: /run/memfs/MOUNTPOINT.log)")
+
+    u = sub.add_parser("umount", help="unmount and wait for the daemon to exit")
+    u.add_argument("mountpoint")
+    u.add_argument("--lazy", "-l", action="store_true", help="detach now even if busy")
+    return p
+
+
+def pool_from_args(args: argparse.Namespace) -> PoolConfig:
+    try:
+        volumes = int(args.volumes)
+    except ValueError:
+        raise UsageError(f"bad --volumes {args.volumes!r}: expected a whole number") from None
+    return PoolConfig(
+        size=parse_size(args.size, "--size"),
+        volumes=volumes,
+        stripe_size=parse_size(args.stripe_size, "--stripe-size"),
+        chunk_size=parse_size(args.chunk_size, "--chunk-size"),
+    )
+
+
+def setup_logging(debug: bool, log_file: str | None = None) -> None:
+    handler: logging.Handler
+    handler = logging.FileHandler(log_file) if log_file else logging.StreamHandler()
+    handler.setFormatter(
+        logging.Formatter("%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s")
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.DEBUG if debug else logging.INFO)
+    if not debug:
+        logging.getLogger("pyfuse3").setLevel(logging.WARNING)
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    from memfs import mount  # pyfuse3 is only needed here
+
+    mountpoint = check_mountpoint(args.mountpoint)
+    options = split_o(args.options)
+    opts = mount.MountOptions(
+        mountpoint=mountpoint,
+        pool=pool_from_args(args),
+        fuse_options=options,
+        writeback_cache="writeback_cache" in options,
+        attr_timeout=args.attr_timeout,
+    )
+    if args.foreground:
+        setup_logging(args.debug, args.log)
+        return mount.run(opts)
+    return _daemonize(opts, args)
+
+
+def _daemonize(opts: object, args: argparse.Namespace) -> int:
+    """Fork the daemon; return when it reports the mount ready (or failed)."""
+    from memfs import mount
+
+    assert isinstance(opts, mount.MountOptions)
+    log_file = Path(args.log) if args.log else default_log_file(opts.mountpoint)
+    log_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the daemon
+        os.close(rfd)
+        status = 1
+        try:
+            os.setsid()
+            devnull = os.open(os.devnull, os.O_RDWR)
+            logfd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            os.dup2(devnull, 0)
+            os.dup2(logfd, 1)
+            os.dup2(logfd, 2)
+            os.close(devnull)
+            os.close(logfd)
+            setup_logging(args.debug)
+            pidf = pid_file(opts.mountpoint)
+            pidf.write_text(f"{os.getpid()}\n")
+
+            def ready() -> None:
+                os.write(wfd, b"OK\n")
+                os.close(wfd)
+
+            try:
+                status = mount.run(opts, ready)
+            finally:
+                pidf.unlink(missing_ok=True)
+        except UsageError as exc:
+            _report(wfd, str(exc))
+            status = EXIT_USAGE
+        except BaseException as exc:  # noqa: B036 - the parent must hear of any failure
+            logging.getLogger(__name__).exception("daemon failed")
+            _report(wfd, f"{type(exc).__name__}: {exc}")
+        finally:
+            os._exit(status)
+    os.close(wfd)
+    chunks = []
+    deadline = time.monotonic() + READY_TIMEOUT
+    with os.fdopen(rfd, "rb", buffering=0) as r:
+        # Until the daemon says OK/ERR and closes its end, or dies.
+        while (left := deadline - time.monotonic()) > 0:
+            if not select.select([r], [], [], left)[0]:
+                continue
+            b = r.read(4096)
+            if not b:
+                break
+            chunks.append(b)
+        else:
+            print(f"memfs: error: no answer from the daemon in {READY_TIMEOUT:.0f}s "
+                  f"(pid {pid}, log: {log_file})", file=sys.stderr)
+            return 1
+    msg = b"".join(chunks).decode(errors="replace").strip()
+    if msg == "OK":
+        return 0
+    _, status = os.waitpid(pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    reason = msg.removeprefix("ERR ") or f"daemon exited with status {code}"
+    print(f"memfs: error: {reason} (log: {log_file})", file=sys.stderr)
+    return code if code > 0 else 1
+
+
+def _report(wfd: int, message: str) -> None:
+    try:
+        os.write(wfd, f"ERR {message}\n".encode())
+    except OSError:
+        pass
+
+
+def cmd_umount(args: argparse.Namespace) -> int:
+    path = os.path.realpath(args.mountpoint)
+    if not is_mounted(path):
+        raise UsageError(f"{args.mountpoint} is not mounted")
+    pidf = pid_file(path)
+    pid = int(pidf.read_text()) if pidf.exists() else None
+    tool = shutil.which("fusermount3") or shutil.which("fusermount")
+    if tool is None:
+        raise UsageError("fusermount3 not found (apt-get install fuse3)")
+    cmd = [tool, "-u"] + (["-z"] if args.lazy else []) + [path]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode:
+        raise UsageError(res.stderr.strip() or f"{' '.join(cmd)} failed")
+    while pid is not None and _alive(pid):
+        time.sleep(0.05)
+    return 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "mount":
+            return cmd_mount(args)
+        if args.command == "umount":
+            return cmd_umount(args)
+    except UsageError as exc:
+        print(f"memfs: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+    raise AssertionError(args.command)
+
+
+def mount_helper(argv: Sequence[str] | None = None) -> int:
+    """``mount.fuse.memfs SOURCE MOUNTPOINT [-o opts]``, as called by mount(8).
+
+    Options of the form ``size=4G``, ``volumes=4``, ``stripe_size=1M``,
+    ``chunk_size=64K`` become memfs arguments; the rest are FUSE options.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    positional: list[str] = []
+    opts: list[str] = []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "-o" and i + 1 < len(argv):
+            opts.extend(split_o([argv[i + 1]]))
+            i += 2
+            continue
+        if a.startswith("-o") and len(a) > 2:
+            opts.extend(split_o([a[2:]]))
+        elif a in ("-n", "-s", "-v", "-f"):
+            pass  # mount(8) flags: no mtab, sloppy, verbose, fake
+        else:
+            positional.append(a)
+        i += 1
+    if len(positional) != 2:
+        print("usage: mount.fuse.memfs SOURCE MOUNTPOINT [-o options]", file=sys.stderr)
+        return EXIT_USAGE
+    args = ["mount", positional[1]]
+    fuse: list[str] = []
+    named = {"size": "--size", "volumes": "--volumes", "stripe_size": "--stripe-size",
+             "chunk_size": "--chunk-size", "log": "--log", "attr_timeout": "--attr-timeout"}
+    for o in opts:
+        key, sep, value = o.partition("=")
+        if sep and key in named:
+            args += [named[key], value]
+        elif o == "debug":
+            args.append("--debug")
+        else:
+            fuse.append(o)
+    if fuse:
+        args += ["-o", ",".join(fuse)]
+    return main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

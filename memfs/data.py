@@ -1,0 +1,77 @@
+"""The data engine: file byte ranges to striped volume I/O.
+
+Asks the metadata service where a range lives (``map_read``/``map_write``) and
+moves the bytes with the transport, concurrently across volumes when the
+transport can overlap requests.  Holes come back as zeros; fresh chunks are
+zeroed where a write does not cover them.
+
+Copies: a read that falls in one contiguous extent returns the transport's view
+of volume memory (no copy in Python; libfuse copies it into the reply).  Other
+reads are assembled in one buffer.  A write is one copy from the kernel's
+request buffer into volume memory.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import trio
+
+from memfs.meta import Extent, Meta
+from memfs.transport import Buffer, Transport
+
+log = logging.getLogger(__name__)
+
+
+class DataEngine:
+    def __init__(self, meta: Meta, transport: Transport) -> None:
+        self.meta = meta
+        self.transport = transport
+
+    async def read(self, ino: int, offset: int, length: int) -> Buffer:
+        extents = await self.meta.map_read(ino, offset, length)
+        if not extents:
+            return b""
+        if len(extents) == 1:
+            e = extents[0]
+            if e.volume < 0:
+                return bytes(e.length)
+            return await self.transport.read(e.volume, e.voffset, e.length)
+        total = extents[-1].offset + extents[-1].length - offset
+        buf = bytearray(total)  # zero-filled: holes need no work
+        view = memoryview(buf)
+        data = [e for e in extents if e.volume >= 0]
+        if self.transport.concurrent and len({e.volume for e in data}) > 1:
+            async with trio.open_nursery() as nursery:
+                for e in data:
+                    nursery.start_soon(self._readinto, e, view, offset)
+        else:
+            for e in data:
+                await self._readinto(e, view, offset)
+        return buf
+
+    async def _readinto(self, e: Extent, view: memoryview, base: int) -> None:
+        start = e.offset - base
+        await self.transport.readinto(e.volume, e.voffset, view[start : start + e.length])
+
+    async def write(self, ino: int, offset: int, data: Buffer) -> int:
+        src = memoryview(data).cast("B")
+        plan = await self.meta.map_write(ino, offset, len(src))
+        for vol, voff, n in plan.zero:
+            await self.transport.zero(vol, voff, n)
+        if self.transport.concurrent and len({e.volume for e in plan.extents}) > 1:
+            async with trio.open_nursery() as nursery:
+                for e in plan.extents:
+                    nursery.start_soon(self._write_extent, e, src, offset)
+        else:
+            for e in plan.extents:
+                await self._write_extent(e, src, offset)
+        return len(src)
+
+    async def _write_extent(self, e: Extent, src: memoryview, base: int) -> None:
+        start = e.offset - base
+        await self.transport.write(e.volume, e.voffset, src[start : start + e.length])
+
+    async def truncate(self, ino: int, size: int) -> None:
+        for vol, voff, n in await self.meta.truncate(ino, size):
+            await self.transport.zero(vol, voff, n)

@@ -1,0 +1,34 @@
+"""Domain exceptions.
+
+Everything below the FUSE layer raises :class:`FsError` (carrying an errno);
+only ``memfs.fs`` turns it into ``pyfuse3.FUSEError``.  :class:`UsageError` is a
+user mistake on the command line or in a configuration string; the CLI prints
+it as one line and exits non-zero.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+
+class FsError(Exception):
+    """A filesystem operation failed with *errno*."""
+
+    def __init__(self, err: int, msg: str = "") -> None:
+        super().__init__(err, msg or os.strerror(err))
+        self.errno = err
+
+    def __str__(self) -> str:
+        return f"[{errno.errorcode.get(self.errno, self.errno)}] {self.args[1]}"
+
+
+class TransportError(FsError):
+    """Volume memory could not be read or written: always EIO to the application."""
+
+    def __init__(self, msg: str) -> None:
+        super().__init__(errno.EIO, msg)
+
+
+class UsageError(ValueError):
+    """A bad command-line argument or configuration value."""

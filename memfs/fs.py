@@ -1,0 +1,335 @@
+"""The FUSE layer: ``pyfuse3.Operations`` over a metadata service and a data engine.
+
+This is the only place where domain errors become errno replies, and the only
+module that knows about pyfuse3's types.  It holds no storage logic: every call
+is translated to the :class:`memfs.meta.Meta` interface or the
+:class:`memfs.data.DataEngine`.
+
+File handles are inode numbers (open state lives in the metadata service's open
+count); directory handles index a snapshot of the entries taken at opendir, so a
+listing never skips or repeats an entry while others create and delete.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import itertools
+import logging
+import os
+import stat
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, ParamSpec, TypeVar
+
+import pyfuse3
+
+from memfs.data import DataEngine
+from memfs.errors import FsError
+from memfs.meta import NAME_MAX, Attr, Meta, SetAttr
+
+log = logging.getLogger(__name__)
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _errno_boundary(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
+    """Turn domain errors into FUSE replies; anything unexpected is logged and is EIO."""
+
+    @functools.wraps(fn)
+    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return await fn(*args, **kwargs)
+        except FsError as exc:
+            raise pyfuse3.FUSEError(exc.errno) from None
+        except pyfuse3.FUSEError:
+            raise
+        except Exception:
+            log.exception("internal error in %s", fn.__name__)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    return wrapper
+
+
+class Operations(pyfuse3.Operations):
+    supports_dot_lookup = True
+
+    def __init__(
+        self,
+        meta: Meta,
+        data: DataEngine,
+        *,
+        writeback_cache: bool = False,
+        keep_cache: bool = True,
+        attr_timeout: float = 1.0,
+        entry_timeout: float = 1.0,
+        negative_timeout: float = 1.0,
+    ) -> None:
+        super().__init__()
+        self.meta = meta
+        self.data = data
+        self.enable_writeback_cache = writeback_cache
+        self.keep_cache = keep_cache
+        self.attr_timeout = attr_timeout
+        self.entry_timeout = entry_timeout
+        self.negative_timeout = negative_timeout
+        self._dir_handles: dict[int, list[tuple[bytes, int]]] = {}
+        self._dir_inodes: dict[int, int] = {}
+        self._next_dh = itertools.count(1)
+
+    def _entry(self, a: Attr) -> pyfuse3.EntryAttributes:
+        e = pyfuse3.EntryAttributes()
+        e.st_ino = a.ino
+        e.generation = 0
+        e.entry_timeout = self.entry_timeout
+        e.attr_timeout = self.attr_timeout
+        e.st_mode = a.mode
+        e.st_nlink = a.nlink
+        e.st_uid = a.uid
+        e.st_gid = a.gid
+        e.st_rdev = a.rdev
+        e.st_size = a.size
+        e.st_blksize = 1 << 20
+        e.st_blocks = a.blocks
+        e.st_atime_ns = a.atime_ns
+        e.st_mtime_ns = a.mtime_ns
+        e.st_ctime_ns = a.ctime_ns
+        return e
+
+    def _fileinfo(self, ino: int) -> pyfuse3.FileInfo:
+        return pyfuse3.FileInfo(fh=ino, keep_cache=self.keep_cache)
+
+    # -- namespace --------------------------------------------------------------------
+
+    @_errno_boundary
+    async def lookup(
+        self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext | None = None
+    ) -> pyfuse3.EntryAttributes:
+        try:
+            return self._entry(await self.meta.lookup(parent_inode, name))
+        except FsError as exc:
+            if exc.errno != errno.ENOENT or not self.negative_timeout:
+                raise
+        e = pyfuse3.EntryAttributes()  # st_ino 0: a cached negative entry
+        e.entry_timeout = self.negative_timeout
+        return e
+
+    async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
+        """Inode lifetime follows links and open handles, not the kernel's lookups."""
+
+    @_errno_boundary
+    async def getattr(
+        self, inode: int, ctx: pyfuse3.RequestContext | None = None
+    ) -> pyfuse3.EntryAttributes:
+        return self._entry(await self.meta.getattr(inode))
+
+    @_errno_boundary
+    async def setattr(
+        self,
+        inode: int,
+        attr: pyfuse3.EntryAttributes,
+        fields: pyfuse3.SetattrFields,
+        fh: int | None,
+        ctx: pyfuse3.RequestContext,
+    ) -> pyfuse3.EntryAttributes:
+        if fields.update_size:
+            await self.data.truncate(inode, attr.st_size)
+        changes = SetAttr(
+            mode=attr.st_mode if fields.update_mode else None,
+            uid=attr.st_uid if fields.update_uid else None,
+            gid=attr.st_gid if fields.update_gid else None,
+            atime_ns=attr.st_atime_ns if fields.update_atime else None,
+            mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
+        )
+        return self._entry(await self.meta.setattr(inode, changes))
+
+    @_errno_boundary
+    async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
+        return await self.meta.readlink(inode)
+
+    @_errno_boundary
+    async def mknod(
+        self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        a = await self.meta.mknod(parent_inode, name, mode, ctx.uid, ctx.gid, rdev=rdev)
+        return self._entry(a)
+
+    @_errno_boundary
+    async def mkdir(
+        self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        a = await self.meta.mknod(
+            parent_inode, name, stat.S_IFDIR | (mode & 0o7777), ctx.uid, ctx.gid
+        )
+        return self._entry(a)
+
+    @_errno_boundary
+    async def symlink(
+        self, parent_inode: int, name: bytes, target: bytes, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        if len(target) >= os.pathconf("/", "PC_PATH_MAX"):
+            raise FsError(errno.ENAMETOOLONG)
+        a = await self.meta.mknod(
+            parent_inode, name, stat.S_IFLNK | 0o777, ctx.uid, ctx.gid, target=target
+        )
+        return self._entry(a)
+
+    @_errno_boundary
+    async def link(
+        self, inode: int, new_parent_inode: int, new_name: bytes, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        return self._entry(await self.meta.link(inode, new_parent_inode, new_name))
+
+    @_errno_boundary
+    async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        await self.meta.unlink(parent_inode, name)
+
+    @_errno_boundary
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        await self.meta.rmdir(parent_inode, name)
+
+    @_errno_boundary
+    async def rename(
+        self,
+        parent_inode_old: int,
+        name_old: bytes,
+        parent_inode_new: int,
+        name_new: bytes,
+        flags: int,
+        ctx: pyfuse3.RequestContext,
+    ) -> None:
+        await self.meta.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
+
+    # -- files ---------------------------------------------------------------------------
+
+    @_errno_boundary
+    async def create(
+        self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
+    ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        try:
+            a = await self.meta.mknod(
+                parent_inode, name, stat.S_IFREG | (mode & 0o7777), ctx.uid, ctx.gid
+            )
+        except FsError as exc:
+            # Lost a race with another creator: O_CREAT without O_EXCL opens it.
+            if exc.errno != errno.EEXIST or flags & os.O_EXCL:
+                raise
+            a = await self.meta.lookup(parent_inode, name)
+            if stat.S_ISDIR(a.mode):
+                raise FsError(errno.EISDIR) from None
+            if flags & os.O_TRUNC:
+                await self.data.truncate(a.ino, 0)
+        a = await self.meta.open(a.ino)
+        return self._fileinfo(a.ino), self._entry(a)
+
+    @_errno_boundary
+    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        a = await self.meta.open(inode)
+        if stat.S_ISDIR(a.mode):
+            await self.meta.release(inode)
+            raise FsError(errno.EISDIR)
+        return self._fileinfo(inode)
+
+    @_errno_boundary
+    async def read(self, fh: int, off: int, size: int) -> Any:
+        return await self.data.read(fh, off, size)
+
+    @_errno_boundary
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        return await self.data.write(fh, off, buf)
+
+    async def flush(self, fh: int) -> None:
+        """Data is in pool memory as soon as write() returns: nothing to push."""
+
+    @_errno_boundary
+    async def release(self, fh: int) -> None:
+        await self.meta.release(fh)
+
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        """Pool memory is the durable copy in this tier (see ARCHITECTURE: fsync)."""
+
+    # -- directories ------------------------------------------------------------------
+
+    @_errno_boundary
+    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+        if not stat.S_ISDIR((await self.meta.getattr(inode)).mode):
+            raise FsError(errno.ENOTDIR)
+        dh = next(self._next_dh)
+        self._dir_inodes[dh] = inode
+        return dh
+
+    @_errno_boundary
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        inode = self._dir_inodes[fh]
+        if start_id == 0 or fh not in self._dir_handles:
+            # A listing (or rewinddir) starts: take the snapshot it will page through.
+            self._dir_handles[fh] = await self.meta.readdir(inode)
+        entries = self._dir_handles[fh]
+        for idx in range(start_id, len(entries)):
+            name, _ = entries[idx]
+            try:
+                a = await self.meta.lookup(inode, name)
+            except FsError as exc:
+                if exc.errno == errno.ENOENT:
+                    continue  # removed since opendir
+                raise
+            if not pyfuse3.readdir_reply(token, name, self._entry(a), idx + 1):
+                return
+
+    async def releasedir(self, fh: int) -> None:
+        self._dir_handles.pop(fh, None)
+        self._dir_inodes.pop(fh, None)
+
+    async def fsyncdir(self, fh: int, datasync: bool) -> None:
+        """Namespace changes are applied in memory at once."""
+
+    # -- misc ---------------------------------------------------------------------------
+
+    @_errno_boundary
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        s = await self.meta.statfs()
+        out = pyfuse3.StatvfsData()
+        out.f_bsize = s.block_size
+        out.f_frsize = s.block_size
+        out.f_blocks = s.blocks
+        out.f_bfree = s.blocks_free
+        out.f_bavail = s.blocks_free
+        out.f_files = s.files
+        out.f_ffree = s.files_free
+        out.f_favail = s.files_free
+        out.f_namemax = s.name_max
+        return out
+
+    @_errno_boundary
+    async def access(self, inode: int, mode: int, ctx: pyfuse3.RequestContext) -> bool:
+        """Only called without default_permissions (memfs always sets it); kept correct anyway."""
+        a = await self.meta.getattr(inode)
+        if ctx.uid == 0:
+            return not (mode & os.X_OK) or bool(a.mode & 0o111) or stat.S_ISDIR(a.mode)
+        if ctx.uid == a.uid:
+            perm = (a.mode >> 6) & 7
+        elif ctx.gid == a.gid or a.gid in pyfuse3.get_sup_groups(ctx.pid):
+            perm = (a.mode >> 3) & 7
+        else:
+            perm = a.mode & 7
+        return mode & perm == mode
+
+    @_errno_boundary
+    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+        return await self.meta.getxattr(inode, name)
+
+    @_errno_boundary
+    async def setxattr(
+        self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext
+    ) -> None:
+        if len(name) > NAME_MAX:
+            raise FsError(errno.ERANGE)
+        await self.meta.setxattr(inode, name, value)
+
+    @_errno_boundary
+    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
+        return await self.meta.listxattr(inode)
+
+    @_errno_boundary
+    async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        await self.meta.removexattr(inode, name)

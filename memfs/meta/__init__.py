@@ -1,0 +1,172 @@
+"""Metadata: namespace, inodes, layouts and allocation of volume space.
+
+:class:`Meta` is the interface the data engine and the FUSE layer use.  The
+embedded implementation (:class:`memfs.meta.store.MetaStore`) keeps everything
+in this process; a remote client for ``memfs mds`` implements the same
+interface.  One conformance suite (``tests/test_meta_conformance.py``) runs
+against every implementation.
+
+Errors are :class:`memfs.errors.FsError` with the errno POSIX prescribes.
+Permission checks (EACCES/EPERM on mode bits) are the kernel's, through the
+``default_permissions`` mount option; structural checks are done here.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class Attr:
+    """What ``stat`` shows of an inode."""
+
+    ino: int
+    mode: int
+    nlink: int
+    uid: int
+    gid: int
+    rdev: int
+    size: int
+    blocks: int  # 512-byte units actually allocated in the pool
+    atime_ns: int
+    mtime_ns: int
+    ctime_ns: int
+
+
+@dataclass(slots=True)
+class Extent:
+    """A run of file bytes ``[offset, offset+length)`` at ``voffset`` in ``volume``.
+
+    ``volume == -1`` is a hole: it reads as zeros.
+    """
+
+    offset: int
+    length: int
+    volume: int
+    voffset: int
+
+
+@dataclass(slots=True)
+class WritePlan:
+    """Where a write goes, and which bytes of newly allocated chunks must be zeroed.
+
+    Pool memory is reused without clearing, so the parts of a fresh chunk that
+    the write does not cover are zeroed before anyone can read them.
+    """
+
+    extents: list[Extent]
+    zero: list[tuple[int, int, int]]  # (volume, voffset, length)
+
+
+@dataclass(slots=True)
+class StatFs:
+    block_size: int
+    blocks: int
+    blocks_free: int
+    files: int
+    files_free: int
+    name_max: int
+
+
+@dataclass(slots=True)
+class SetAttr:
+    """Attribute changes; ``None`` leaves a field alone.  Size goes via ``truncate``."""
+
+    mode: int | None = None
+    uid: int | None = None
+    gid: int | None = None
+    atime_ns: int | None = None
+    mtime_ns: int | None = None
+
+
+NAME_MAX = 255
+RENAME_NOREPLACE = 1
+RENAME_EXCHANGE = 2
+
+
+class Meta(abc.ABC):
+    """The metadata service as seen by one mount."""
+
+    #: allocation unit in bytes; file chunk *k* covers ``[k*chunk_size, (k+1)*chunk_size)``
+    chunk_size: int
+    #: number of volumes in the pool
+    n_volumes: int
+
+    @abc.abstractmethod
+    async def lookup(self, parent: int, name: bytes) -> Attr: ...
+
+    @abc.abstractmethod
+    async def getattr(self, ino: int) -> Attr: ...
+
+    @abc.abstractmethod
+    async def setattr(self, ino: int, changes: SetAttr) -> Attr:
+        """Apply *changes* and set ctime."""
+
+    @abc.abstractmethod
+    async def truncate(self, ino: int, size: int) -> list[tuple[int, int, int]]:
+        """Set the size, free chunks past it, return ranges the caller must zero."""
+
+    @abc.abstractmethod
+    async def mknod(
+        self, parent: int, name: bytes, mode: int, uid: int, gid: int,
+        rdev: int = 0, target: bytes | None = None,
+    ) -> Attr:
+        """Create a file, directory, symlink (*target*) or special file; EEXIST if taken."""
+
+    @abc.abstractmethod
+    async def link(self, ino: int, parent: int, name: bytes) -> Attr: ...
+
+    @abc.abstractmethod
+    async def unlink(self, parent: int, name: bytes) -> None:
+        """Remove a non-directory entry; the data lives until the last release."""
+
+    @abc.abstractmethod
+    async def rmdir(self, parent: int, name: bytes) -> None: ...
+
+    @abc.abstractmethod
+    async def rename(
+        self, parent: int, name: bytes, new_parent: int, new_name: bytes, flags: int = 0
+    ) -> None:
+        """Atomic rename; *flags* may be RENAME_NOREPLACE or RENAME_EXCHANGE."""
+
+    @abc.abstractmethod
+    async def readlink(self, ino: int) -> bytes: ...
+
+    @abc.abstractmethod
+    async def readdir(self, ino: int) -> list[tuple[bytes, int]]:
+        """A snapshot of the entries of directory *ino* as (name, ino)."""
+
+    @abc.abstractmethod
+    async def open(self, ino: int) -> Attr:
+        """Count an open handle; unlinked inodes live while any handle is open."""
+
+    @abc.abstractmethod
+    async def release(self, ino: int) -> None: ...
+
+    @abc.abstractmethod
+    async def getxattr(self, ino: int, name: bytes) -> bytes: ...
+
+    @abc.abstractmethod
+    async def setxattr(self, ino: int, name: bytes, value: bytes) -> None: ...
+
+    @abc.abstractmethod
+    async def listxattr(self, ino: int) -> list[bytes]: ...
+
+    @abc.abstractmethod
+    async def removexattr(self, ino: int, name: bytes) -> None: ...
+
+    @abc.abstractmethod
+    async def statfs(self) -> StatFs: ...
+
+    @abc.abstractmethod
+    async def map_read(self, ino: int, offset: int, length: int) -> list[Extent]:
+        """Extents covering ``[offset, offset+length)`` clipped at EOF; updates atime."""
+
+    @abc.abstractmethod
+    async def map_write(self, ino: int, offset: int, length: int) -> WritePlan:
+        """Allocate what the write needs (ENOSPC, all or nothing), extend the size,
+        update mtime/ctime, and say where the bytes go."""
+
+    @abc.abstractmethod
+    async def aclose(self) -> None: ...

@@ -1,0 +1,582 @@
+"""The in-memory metadata store: the embedded metadata service.
+
+All state lives in Python dicts in this process.  Methods never await, so each
+one is atomic with respect to the other tasks of the trio loop: no locks needed.
+The same class is meant to sit behind ``memfs mds`` for remote clients.
+
+Invariant that keeps stale pool bytes from ever being visible: every byte of an
+allocated chunk that lies at or past EOF, or that was never written, is zero.
+Fresh chunks are zeroed where a write does not cover them (``WritePlan.zero``)
+and a shrinking truncate zeroes the tail of the chunk holding the new EOF.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import stat
+import time
+
+from memfs.config import PoolConfig
+from memfs.errors import FsError, UsageError
+from memfs.layout import LAYOUT_XATTR, Layout, LayoutSpec
+from memfs.meta import (
+    NAME_MAX,
+    RENAME_EXCHANGE,
+    RENAME_NOREPLACE,
+    Attr,
+    Extent,
+    Meta,
+    SetAttr,
+    StatFs,
+    WritePlan,
+)
+
+log = logging.getLogger(__name__)
+
+ROOT_INO = 1
+XATTR_SIZE_MAX = 65536
+_DAY_NS = 86400 * 10**9
+
+
+class Inode:
+    __slots__ = (
+        "ino", "mode", "uid", "gid", "nlink", "size", "rdev",
+        "atime_ns", "mtime_ns", "ctime_ns",
+        "target", "xattrs", "children", "parent", "spec", "layout", "chunks", "opens",
+    )
+
+    def __init__(self, ino: int, mode: int, uid: int, gid: int, now: int) -> None:
+        self.ino = ino
+        self.mode = mode
+        self.uid = uid
+        self.gid = gid
+        self.nlink = 1
+        self.size = 0
+        self.rdev = 0
+        self.atime_ns = self.mtime_ns = self.ctime_ns = now
+        self.target: bytes | None = None
+        self.xattrs: dict[bytes, bytes] | None = None
+        self.children: dict[bytes, int] | None = None  # directories only
+        self.parent = 0  # directories only
+        self.spec: LayoutSpec | None = None  # directories: default for new files
+        self.layout: Layout | None = None  # regular files
+        self.chunks: dict[int, int] | None = None  # regular files: chunk -> volume offset
+        self.opens = 0
+
+
+class VolumeAllocator:
+    """Free chunks of one volume: a bump pointer plus a LIFO of freed chunks."""
+
+    __slots__ = ("chunk_size", "n_chunks", "next", "freed")
+
+    def __init__(self, n_chunks: int, chunk_size: int) -> None:
+        self.chunk_size = chunk_size
+        self.n_chunks = n_chunks
+        self.next = 0
+        self.freed: list[int] = []
+
+    @property
+    def free(self) -> int:
+        return self.n_chunks - self.next + len(self.freed)
+
+    def alloc(self) -> int:
+        if self.freed:
+            return self.freed.pop() * self.chunk_size
+        if self.next >= self.n_chunks:
+            raise FsError(errno.ENOSPC)
+        self.next += 1
+        return (self.next - 1) * self.chunk_size
+
+    def release(self, voffset: int) -> None:
+        self.freed.append(voffset // self.chunk_size)
+
+
+def _check_name(name: bytes) -> None:
+    if len(name) > NAME_MAX:
+        raise FsError(errno.ENAMETOOLONG)
+    if not name or b"/" in name or name in (b".", b".."):
+        raise FsError(errno.EINVAL, f"invalid name {name!r}")
+
+
+class MetaStore(Meta):
+    """Namespace and allocation for one pool, all in memory."""
+
+    def __init__(
+        self, pool: PoolConfig, *, root_mode: int = 0o1777, root_uid: int = 0, root_gid: int = 0
+    ) -> None:
+        self.chunk_size = pool.chunk_size
+        self.n_volumes = pool.volumes
+        self.default_spec = LayoutSpec(-1, pool.stripe_size, -1)
+        self.allocators = [
+            VolumeAllocator(pool.volume_size // pool.chunk_size, pool.chunk_size)
+            for _ in range(pool.volumes)
+        ]
+        self.inodes: dict[int, Inode] = {}
+        self._next_ino = ROOT_INO
+        root = self._new_inode(stat.S_IFDIR | root_mode, root_uid, root_gid, time.time_ns())
+        root.nlink = 2
+        root.parent = ROOT_INO
+
+    # -- helpers -----------------------------------------------------------------
+
+    def _new_inode(self, mode: int, uid: int, gid: int, now: int) -> Inode:
+        ino = self._next_ino
+        self._next_ino += 1
+        inode = Inode(ino, mode, uid, gid, now)
+        if stat.S_ISDIR(mode):
+            inode.children = {}
+        self.inodes[ino] = inode
+        return inode
+
+    def _get(self, ino: int) -> Inode:
+        try:
+            return self.inodes[ino]
+        except KeyError:
+            raise FsError(errno.ENOENT) from None
+
+    def _dir(self, ino: int) -> Inode:
+        inode = self._get(ino)
+        if inode.children is None:
+            raise FsError(errno.ENOTDIR)
+        return inode
+
+    def _child(self, parent: Inode, name: bytes) -> Inode:
+        assert parent.children is not None
+        try:
+            return self.inodes[parent.children[name]]
+        except KeyError:
+            if len(name) > NAME_MAX:
+                raise FsError(errno.ENAMETOOLONG) from None
+            raise FsError(errno.ENOENT) from None
+
+    def _attr(self, i: Inode) -> Attr:
+        blocks = len(i.chunks) * (self.chunk_size // 512) if i.chunks else 0
+        if i.target is not None:
+            size = len(i.target)
+        elif i.children is not None:
+            size = 4096
+        else:
+            size = i.size
+        return Attr(
+            i.ino, i.mode, i.nlink, i.uid, i.gid, i.rdev, size, blocks,
+            i.atime_ns, i.mtime_ns, i.ctime_ns,
+        )
+
+    def _free_chunks(self, inode: Inode, keep_below: int = 0) -> None:
+        """Return chunks with index >= *keep_below* to their volumes."""
+        if not inode.chunks:
+            return
+        assert inode.layout is not None
+        cs = self.chunk_size
+        doomed = [k for k in inode.chunks if k >= keep_below]
+        for k in doomed:
+            self.allocators[inode.layout.volume_of_chunk(k, cs)].release(inode.chunks.pop(k))
+
+    def _drop_link(self, inode: Inode, now: int) -> None:
+        inode.nlink -= 1
+        inode.ctime_ns = now
+        self._maybe_destroy(inode)
+
+    def _maybe_destroy(self, inode: Inode) -> None:
+        if inode.nlink <= 0 and inode.opens <= 0:
+            self._free_chunks(inode)
+            del self.inodes[inode.ino]
+
+    def _touch_dir(self, d: Inode, now: int) -> None:
+        d.mtime_ns = d.ctime_ns = now
+
+    def _is_ancestor(self, maybe_ancestor: int, ino: int) -> bool:
+        """True if directory *maybe_ancestor* is *ino* or contains it."""
+        while True:
+            if ino == maybe_ancestor:
+                return True
+            if ino == ROOT_INO:
+                return False
+            ino = self.inodes[ino].parent
+
+    def effective_spec(self, d: Inode) -> LayoutSpec:
+        return d.spec.merged(self.default_spec) if d.spec else self.default_spec
+
+    # -- namespace ----------------------------------------------------------------
+
+    async def lookup(self, parent: int, name: bytes) -> Attr:
+        d = self._dir(parent)
+        if name == b".":
+            return self._attr(d)
+        if name == b"..":
+            return self._attr(self._get(d.parent))
+        return self._attr(self._child(d, name))
+
+    async def getattr(self, ino: int) -> Attr:
+        return self._attr(self._get(ino))
+
+    async def setattr(self, ino: int, changes: SetAttr) -> Attr:
+        i = self._get(ino)
+        if changes.mode is not None:
+            i.mode = stat.S_IFMT(i.mode) | (changes.mode & 0o7777)
+        if changes.uid is not None:
+            i.uid = changes.uid
+        if changes.gid is not None:
+            i.gid = changes.gid
+        if changes.atime_ns is not None:
+            i.atime_ns = changes.atime_ns
+        if changes.mtime_ns is not None:
+            i.mtime_ns = changes.mtime_ns
+        i.ctime_ns = time.time_ns()
+        return self._attr(i)
+
+    async def truncate(self, ino: int, size: int) -> list[tuple[int, int, int]]:
+        i = self._get(ino)
+        if i.children is not None:
+            raise FsError(errno.EISDIR)
+        if not stat.S_ISREG(i.mode):
+            raise FsError(errno.EINVAL)
+        if size < 0:
+            raise FsError(errno.EINVAL)
+        zero: list[tuple[int, int, int]] = []
+        if size < i.size and i.chunks:
+            assert i.layout is not None
+            cs = self.chunk_size
+            tail_chunk, tail_off = divmod(size, cs)
+            self._free_chunks(i, keep_below=tail_chunk + (1 if tail_off else 0))
+            if tail_off and tail_chunk in i.chunks:
+                vol = i.layout.volume_of_chunk(tail_chunk, cs)
+                zero.append((vol, i.chunks[tail_chunk] + tail_off, cs - tail_off))
+        i.size = size
+        i.mtime_ns = i.ctime_ns = time.time_ns()
+        return zero
+
+    async def mknod(
+        self, parent: int, name: bytes, mode: int, uid: int, gid: int,
+        rdev: int = 0, target: bytes | None = None,
+    ) -> Attr:
+        d = self._dir(parent)
+        assert d.children is not None
+        _check_name(name)
+        if name in d.children:
+            raise FsError(errno.EEXIST)
+        if d.nlink == 0:  # removed while someone had it as cwd
+            raise FsError(errno.ENOENT)
+        now = time.time_ns()
+        if d.mode & stat.S_ISGID:
+            gid = d.gid
+            if stat.S_ISDIR(mode):
+                mode |= stat.S_ISGID
+        inode = self._new_inode(mode, uid, gid, now)
+        inode.rdev = rdev
+        if stat.S_ISDIR(mode):
+            inode.nlink = 2
+            inode.parent = d.ino
+            inode.spec = d.spec
+            d.nlink += 1
+        elif stat.S_ISLNK(mode):
+            inode.target = target or b""
+        elif stat.S_ISREG(mode):
+            inode.chunks = {}
+            inode.layout = Layout.resolve(
+                self.effective_spec(d), self.n_volumes, self.chunk_size, inode.ino
+            )
+        d.children[name] = inode.ino
+        self._touch_dir(d, now)
+        return self._attr(inode)
+
+    async def link(self, ino: int, parent: int, name: bytes) -> Attr:
+        i = self._get(ino)
+        d = self._dir(parent)
+        assert d.children is not None
+        _check_name(name)
+        if i.children is not None:
+            raise FsError(errno.EPERM)
+        if name in d.children:
+            raise FsError(errno.EEXIST)
+        if i.nlink == 0:  # linkat() of an unlinked open file: not allowed without O_TMPFILE
+            raise FsError(errno.ENOENT)
+        now = time.time_ns()
+        d.children[name] = ino
+        i.nlink += 1
+        i.ctime_ns = now
+        self._touch_dir(d, now)
+        return self._attr(i)
+
+    async def unlink(self, parent: int, name: bytes) -> None:
+        d = self._dir(parent)
+        assert d.children is not None
+        i = self._child(d, name)
+        if i.children is not None:
+            raise FsError(errno.EISDIR)
+        now = time.time_ns()
+        del d.children[name]
+        self._touch_dir(d, now)
+        self._drop_link(i, now)
+
+    async def rmdir(self, parent: int, name: bytes) -> None:
+        d = self._dir(parent)
+        assert d.children is not None
+        if name == b".":
+            raise FsError(errno.EINVAL)
+        if name == b"..":
+            raise FsError(errno.ENOTEMPTY)
+        i = self._child(d, name)
+        if i.children is None:
+            raise FsError(errno.ENOTDIR)
+        if i.children:
+            raise FsError(errno.ENOTEMPTY)
+        now = time.time_ns()
+        del d.children[name]
+        d.nlink -= 1
+        self._touch_dir(d, now)
+        i.nlink = 0
+        self._maybe_destroy(i)
+
+    async def rename(
+        self, parent: int, name: bytes, new_parent: int, new_name: bytes, flags: int = 0
+    ) -> None:
+        if flags & ~(RENAME_NOREPLACE | RENAME_EXCHANGE) or flags == (
+            RENAME_NOREPLACE | RENAME_EXCHANGE
+        ):
+            raise FsError(errno.EINVAL)
+        src_dir = self._dir(parent)
+        dst_dir = self._dir(new_parent)
+        assert src_dir.children is not None and dst_dir.children is not None
+        src = self._child(src_dir, name)
+        _check_name(new_name)
+        dst_ino = dst_dir.children.get(new_name)
+        dst = self.inodes[dst_ino] if dst_ino is not None else None
+        # A directory may not move below itself (the kernel checks this too; a
+        # remote client might not).
+        if src.children is not None and self._is_ancestor(src.ino, dst_dir.ino):
+            raise FsError(errno.EINVAL)
+        now = time.time_ns()
+
+        if flags & RENAME_EXCHANGE:
+            if dst is None:
+                raise FsError(errno.ENOENT)
+            if dst.children is not None and self._is_ancestor(dst.ino, src_dir.ino):
+                raise FsError(errno.EINVAL)
+            src_dir.children[name] = dst.ino
+            dst_dir.children[new_name] = src.ino
+            if src_dir is not dst_dir:
+                for moved, old, new in ((src, src_dir, dst_dir), (dst, dst_dir, src_dir)):
+                    if moved.children is not None:
+                        moved.parent = new.ino
+                        old.nlink -= 1
+                        new.nlink += 1
+            src.ctime_ns = dst.ctime_ns = now
+            self._touch_dir(src_dir, now)
+            self._touch_dir(dst_dir, now)
+            return
+
+        if dst is not None:
+            if flags & RENAME_NOREPLACE:
+                raise FsError(errno.EEXIST)
+            if dst is src:
+                return  # POSIX: two links to one file, nothing happens
+            if src.children is not None:
+                if dst.children is None:
+                    raise FsError(errno.ENOTDIR)
+                if dst.children:
+                    raise FsError(errno.ENOTEMPTY)
+            elif dst.children is not None:
+                raise FsError(errno.EISDIR)
+
+        # All checks passed: from here on nothing can fail.
+        del src_dir.children[name]
+        if dst is not None:
+            if dst.children is not None:
+                dst_dir.nlink -= 1
+                dst.nlink = 0
+                self._maybe_destroy(dst)
+            else:
+                self._drop_link(dst, now)
+        dst_dir.children[new_name] = src.ino
+        if src.children is not None and src_dir is not dst_dir:
+            src.parent = dst_dir.ino
+            src_dir.nlink -= 1
+            dst_dir.nlink += 1
+        src.ctime_ns = now
+        self._touch_dir(src_dir, now)
+        self._touch_dir(dst_dir, now)
+
+    async def readlink(self, ino: int) -> bytes:
+        i = self._get(ino)
+        if i.target is None:
+            raise FsError(errno.EINVAL)
+        return i.target
+
+    async def readdir(self, ino: int) -> list[tuple[bytes, int]]:
+        d = self._dir(ino)
+        assert d.children is not None
+        return list(d.children.items())
+
+    async def open(self, ino: int) -> Attr:
+        i = self._get(ino)
+        i.opens += 1
+        return self._attr(i)
+
+    async def release(self, ino: int) -> None:
+        i = self.inodes.get(ino)
+        if i is None:
+            log.warning("release of unknown inode %d", ino)
+            return
+        i.opens -= 1
+        self._maybe_destroy(i)
+
+    # -- extended attributes -----------------------------------------------------------
+
+    async def getxattr(self, ino: int, name: bytes) -> bytes:
+        i = self._get(ino)
+        if name == LAYOUT_XATTR:
+            if i.layout is not None:
+                return i.layout.format().encode()
+            if i.spec is not None:
+                return i.spec.format().encode()
+            raise FsError(errno.ENODATA)
+        if i.xattrs is None or name not in i.xattrs:
+            raise FsError(errno.ENODATA)
+        return i.xattrs[name]
+
+    async def setxattr(self, ino: int, name: bytes, value: bytes) -> None:
+        i = self._get(ino)
+        if name == LAYOUT_XATTR:
+            self._set_layout(i, value)
+        else:
+            self._check_xattr_name(name)
+            if len(value) > XATTR_SIZE_MAX:
+                raise FsError(errno.E2BIG)
+            if i.xattrs is None:
+                i.xattrs = {}
+            i.xattrs[name] = bytes(value)
+        i.ctime_ns = time.time_ns()
+
+    def _set_layout(self, i: Inode, value: bytes) -> None:
+        try:
+            spec = LayoutSpec.parse(value.decode("utf-8", "replace"))
+            if i.children is not None:
+                # Validate against the pool now rather than at the first create.
+                Layout.resolve(spec.merged(self.default_spec), self.n_volumes, self.chunk_size, 0)
+                i.spec = spec
+                return
+            if not stat.S_ISREG(i.mode):
+                raise FsError(errno.EINVAL, "layouts apply to regular files and directories")
+            if i.chunks or i.size:
+                # Like `lfs setstripe` on a file with data: the layout is fixed once
+                # bytes are placed.
+                raise FsError(errno.EBUSY, "file already has data; layout is fixed")
+            assert i.layout is not None
+            i.layout = Layout.resolve(
+                spec.merged(self.default_spec), self.n_volumes, self.chunk_size, i.ino
+            )
+        except UsageError as exc:
+            raise FsError(errno.EINVAL, str(exc)) from None
+
+    @staticmethod
+    def _check_xattr_name(name: bytes) -> None:
+        # No ACL support: refuse system.* so tools know ACLs are not kept.
+        if name.startswith(b"system."):
+            raise FsError(errno.EOPNOTSUPP)
+        if not name.startswith((b"user.", b"trusted.", b"security.")):
+            raise FsError(errno.EOPNOTSUPP)
+
+    async def listxattr(self, ino: int) -> list[bytes]:
+        i = self._get(ino)
+        return list(i.xattrs) if i.xattrs else []
+
+    async def removexattr(self, ino: int, name: bytes) -> None:
+        i = self._get(ino)
+        if name == LAYOUT_XATTR and i.children is not None and i.spec is not None:
+            i.spec = None
+        elif i.xattrs and name in i.xattrs:
+            del i.xattrs[name]
+        else:
+            raise FsError(errno.ENODATA)
+        i.ctime_ns = time.time_ns()
+
+    async def statfs(self) -> StatFs:
+        total = sum(a.n_chunks for a in self.allocators)
+        free = sum(a.free for a in self.allocators)
+        per = self.chunk_size // 4096
+        files_max = max(total * 16, 1 << 20)
+        return StatFs(4096, total * per, free * per, files_max, files_max - len(self.inodes), NAME_MAX)
+
+    # -- data placement -------------------------------------------------------------
+
+    async def map_read(self, ino: int, offset: int, length: int) -> list[Extent]:
+        i = self._get(ino)
+        if i.chunks is None:
+            raise FsError(errno.EISDIR if i.children is not None else errno.EINVAL)
+        end = min(offset + length, i.size)
+        # relatime: enough for `find -atime` and mail readers, cheap on the read path
+        if i.atime_ns <= i.mtime_ns or i.atime_ns <= i.ctime_ns or time.time_ns() - i.atime_ns > _DAY_NS:
+            i.atime_ns = time.time_ns()
+        if end <= offset:
+            return []
+        return self._extents(i, offset, end)
+
+    def _extents(self, i: Inode, offset: int, end: int) -> list[Extent]:
+        assert i.chunks is not None and i.layout is not None
+        cs = self.chunk_size
+        chunks = i.chunks
+        layout = i.layout
+        out: list[Extent] = []
+        pos = offset
+        while pos < end:
+            k, within = divmod(pos, cs)
+            n = min(cs - within, end - pos)
+            base = chunks.get(k)
+            if base is None:
+                vol, voff = -1, 0
+            else:
+                vol, voff = layout.volume_of_chunk(k, cs), base + within
+            if out:
+                last = out[-1]
+                if last.volume == vol and (vol == -1 or last.voffset + last.length == voff):
+                    last.length += n
+                    pos += n
+                    continue
+            out.append(Extent(pos, n, vol, voff))
+            pos += n
+        return out
+
+    async def map_write(self, ino: int, offset: int, length: int) -> WritePlan:
+        i = self._get(ino)
+        if i.chunks is None:
+            raise FsError(errno.EISDIR if i.children is not None else errno.EINVAL)
+        assert i.layout is not None
+        cs = self.chunk_size
+        end = offset + length
+        chunks = i.chunks
+        zero: list[tuple[int, int, int]] = []
+        if length:
+            first, last = offset // cs, (end - 1) // cs
+            missing = [k for k in range(first, last + 1) if k not in chunks]
+            if missing:
+                self._allocate(i, missing)
+                for k in missing:
+                    vol = i.layout.volume_of_chunk(k, cs)
+                    start = k * cs
+                    if start < offset:
+                        zero.append((vol, chunks[k], offset - start))
+                    if start + cs > end:
+                        zero.append((vol, chunks[k] + end - start, start + cs - end))
+        if end > i.size:
+            i.size = end
+        i.mtime_ns = i.ctime_ns = time.time_ns()
+        return WritePlan(self._extents(i, offset, end) if length else [], zero)
+
+    def _allocate(self, i: Inode, missing: list[int]) -> None:
+        """Allocate all of *missing* or nothing (ENOSPC)."""
+        assert i.chunks is not None and i.layout is not None
+        cs = self.chunk_size
+        need: dict[int, int] = {}
+        for k in missing:
+            vol = i.layout.volume_of_chunk(k, cs)
+            need[vol] = need.get(vol, 0) + 1
+        for vol, n in need.items():
+            if self.allocators[vol].free < n:
+                raise FsError(errno.ENOSPC)
+        for k in missing:
+            i.chunks[k] = self.allocators[i.layout.volume_of_chunk(k, cs)].alloc()
+
+    async def aclose(self) -> None:
+        self.inodes.clear()

@@ -1,0 +1,144 @@
+"""Wires one mount daemon together and runs it.
+
+``pyfuse3.init`` mounts, readiness is reported (to the parent ``memfs mount``
+process through a pipe, and to systemd through ``NOTIFY_SOCKET``), then
+``pyfuse3.main`` serves until ``umount`` or a signal.  ``pyfuse3.close`` always
+runs, so a daemon that fails never leaves a dead mount behind.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import signal
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pyfuse3
+import trio
+
+from memfs.config import PoolConfig
+from memfs.data import DataEngine
+from memfs.errors import UsageError
+from memfs.fs import Operations
+from memfs.meta.store import MetaStore
+from memfs.transport.local import LocalTransport
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class MountOptions:
+    mountpoint: str
+    pool: PoolConfig
+    fuse_options: list[str] = field(default_factory=list)
+    writeback_cache: bool = False
+    attr_timeout: float = 1.0
+    max_tasks: int = 64
+
+
+# Options that mount(8) and fstab pass but that mean nothing to FUSE.
+IGNORED_FUSE_OPTIONS = {"_netdev", "nofail", "noauto", "auto", "defaults", "user", "users", "rw"}
+
+
+def fuse_options(opts: MountOptions) -> set[str]:
+    out = set(pyfuse3.default_options)  # default_permissions: the kernel checks modes
+    out |= {"fsname=memfs", "subtype=memfs"}
+    if os.geteuid() == 0:
+        out.add("allow_other")  # a shared scratch filesystem, like tmpfs
+    for o in opts.fuse_options:
+        if o in IGNORED_FUSE_OPTIONS or not o:
+            continue
+        if o in ("writeback_cache", "no_writeback_cache"):
+            continue  # handled by build(); not a libfuse mount option
+        out.add(o)
+    return out
+
+
+def mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def build(opts: MountOptions) -> Operations:
+    """Create the embedded pool (metadata, volumes) and the FUSE operations over it."""
+    avail = mem_available()
+    if avail is not None and opts.pool.size > avail:
+        raise UsageError(
+            f"--size {opts.pool.size >> 20} MiB exceeds the memory available "
+            f"on this node ({avail >> 20} MiB)"
+        )
+    transport = LocalTransport(opts.pool.volumes, opts.pool.volume_size)
+    meta = MetaStore(opts.pool)
+    return Operations(
+        meta,
+        DataEngine(meta, transport),
+        writeback_cache=opts.writeback_cache,
+        attr_timeout=opts.attr_timeout,
+        entry_timeout=opts.attr_timeout,
+        negative_timeout=opts.attr_timeout,
+    )
+
+
+def sd_notify(message: str) -> None:
+    """Tell systemd (Type=notify) about our state, if it is listening."""
+    addr = os.environ.get("NOTIFY_SOCKET")
+    if not addr:
+        return
+    if addr.startswith("@"):
+        addr = "\0" + addr[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.connect(addr)
+            s.sendall(message.encode())
+    except OSError as exc:
+        log.warning("sd_notify failed: %s", exc)
+
+
+async def _serve(ops: Operations, max_tasks: int) -> None:
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_watch_signals, nursery.cancel_scope)
+        await pyfuse3.main(min_tasks=2, max_tasks=max_tasks)
+        nursery.cancel_scope.cancel()
+
+
+async def _watch_signals(scope: trio.CancelScope) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        async for signum in signals:
+            log.info("received %s, unmounting", signal.Signals(signum).name)
+            pyfuse3.terminate()
+            return
+
+
+def run(opts: MountOptions, ready: Callable[[], None] | None = None) -> int:
+    """Mount, serve until unmounted, clean up.  Returns the exit status."""
+    faulthandler.enable()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    ops = build(opts)
+    pyfuse3.init(ops, opts.mountpoint, fuse_options(opts))
+    unmount = True
+    try:
+        log.info(
+            "mounted %s: %d volumes x %d MiB, stripe %d KiB, chunk %d KiB",
+            opts.mountpoint, opts.pool.volumes, opts.pool.volume_size >> 20,
+            opts.pool.stripe_size >> 10, opts.pool.chunk_size >> 10,
+        )
+        if ready is not None:
+            ready()
+        sd_notify("READY=1")
+        trio.run(_serve, ops, opts.max_tasks)
+        sd_notify("STOPPING=1")
+        unmount = os.path.ismount(opts.mountpoint)
+    finally:
+        pyfuse3.close(unmount=unmount)
+        trio.run(ops.data.transport.aclose)
+        log.info("unmounted %s", opts.mountpoint)
+    return 0

@@ -1,0 +1,80 @@
+"""Transports: one-sided access to (volume, offset) in a memory pool.
+
+A transport knows nothing about files.  It exposes the pool's volumes and moves
+bytes between them and client memory.  Every implementation (``local`` now,
+``tcp`` and ``verbs`` against ``memfs memd`` servers) passes the same conformance
+suite in ``tests/test_transport_conformance.py``.
+
+Buffers that the transport reads into should come from :meth:`Transport.register`:
+for RDMA that is where memory registration happens, once, instead of per I/O.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+Buffer = bytes | bytearray | memoryview  # collections.abc.Buffer is 3.12+
+
+
+@dataclass(frozen=True, slots=True)
+class VolumeInfo:
+    """One volume of the pool as the transport sees it."""
+
+    index: int
+    size: int
+    url: str
+
+
+class Transport(abc.ABC):
+    """One-sided reads and writes of pool memory.
+
+    Errors: :class:`memfs.errors.TransportError` (EIO) for unreachable or failed
+    memory; ``ValueError`` for out-of-range requests (a caller bug).
+    """
+
+    #: True if requests to different volumes proceed in parallel when issued
+    #: concurrently; the data engine only opens a nursery when this is set.
+    concurrent: bool = False
+
+    @property
+    @abc.abstractmethod
+    def volumes(self) -> list[VolumeInfo]:
+        """The volumes of the pool, indexed by ``VolumeInfo.index``."""
+
+    @abc.abstractmethod
+    def register(self, size: int) -> memoryview:
+        """A buffer of *size* bytes usable as a read target, registered once."""
+
+    @abc.abstractmethod
+    async def read(self, volume: int, offset: int, length: int) -> Buffer:
+        """*length* bytes at *offset* of *volume*.
+
+        The result may alias transport memory and is only valid until the next
+        await by the caller; copy it if it must live longer.
+        """
+
+    @abc.abstractmethod
+    async def readinto(self, volume: int, offset: int, buf: memoryview) -> None:
+        """Fill *buf* from *offset* of *volume*."""
+
+    @abc.abstractmethod
+    async def write(self, volume: int, offset: int, data: Buffer) -> None:
+        """Store *data* at *offset* of *volume*."""
+
+    @abc.abstractmethod
+    async def zero(self, volume: int, offset: int, length: int) -> None:
+        """Clear *length* bytes at *offset*: freed memory is reused, never exposed."""
+
+    @abc.abstractmethod
+    async def aclose(self) -> None:
+        """Release volumes and connections."""
+
+    def check_range(self, volume: int, offset: int, length: int) -> None:
+        vols = self.volumes
+        if not 0 <= volume < len(vols):
+            raise ValueError(f"no volume {volume} in a pool of {len(vols)}")
+        if offset < 0 or length < 0 or offset + length > vols[volume].size:
+            raise ValueError(
+                f"range {offset}+{length} outside volume {volume} of {vols[volume].size} bytes"
+            )
