@@ -249,6 +249,20 @@ def cmd_umount(args: argparse.Namespace) -> int:
 
 
 def _alive(pid: int) -> bool:
+    """True while *pid* runs.
+
+    An exited daemon stays a zombie until its parent (init, or a subreaper such
+    as a container's PID 1 or systemd) reaps it, which may be late or never:
+    kill(pid, 0) still succeeds then, so ask /proc for the state.
+    """
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # "pid (comm) S ...": comm may hold spaces and parentheses.
+            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):
+        pass  # no procfs: fall back to signalling it
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

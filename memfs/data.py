@@ -57,13 +57,17 @@ class DataEngine:
     async def write(self, ino: int, offset: int, data: Buffer) -> int:
         src = memoryview(data).cast("B")
         plan = await self.meta.map_write(ino, offset, len(src))
-        for vol, voff, n in plan.zero:
-            await self.transport.zero(vol, voff, n)
-        if self.transport.concurrent and len({e.volume for e in plan.extents}) > 1:
+        # Zero ranges and extents never overlap, so all of them may go out together.
+        volumes = {e.volume for e in plan.extents} | {vol for vol, _, _ in plan.zero}
+        if self.transport.concurrent and len(volumes) > 1:
             async with trio.open_nursery() as nursery:
+                for vol, voff, n in plan.zero:
+                    nursery.start_soon(self.transport.zero, vol, voff, n)
                 for e in plan.extents:
                     nursery.start_soon(self._write_extent, e, src, offset)
         else:
+            for vol, voff, n in plan.zero:
+                await self.transport.zero(vol, voff, n)
             for e in plan.extents:
                 await self._write_extent(e, src, offset)
         return len(src)

@@ -11,12 +11,14 @@ one volume.  ``user.memfs.layout`` (like ``lfs setstripe``) sets the spec.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from memfs.config import format_size, parse_size
 from memfs.errors import UsageError
 
 LAYOUT_XATTR = b"user.memfs.layout"
+_VOLUMES_RE = re.compile(r"(?i)(?<![\w=])volumes=\d+(?:,\d+)*")
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +33,8 @@ class LayoutSpec:
     def parse(cls, text: str) -> LayoutSpec:
         """Parse ``stripe_count=2 stripe_size=1M [stripe_offset=0]`` (commas also separate)."""
         fields: dict[str, int] = {}
+        # ``volumes=1,2,3`` (from Layout.format) is one item: drop it before commas split it.
+        text = _VOLUMES_RE.sub(" ", text)
         aliases = {
             "stripe_count": "stripe_count", "count": "stripe_count", "c": "stripe_count",
             "stripe_size": "stripe_size", "size": "stripe_size", "s": "stripe_size",
@@ -95,15 +99,17 @@ class Layout:
         different volumes when no offset is requested.
         """
         size = spec.stripe_size or chunk_size
-        if size % chunk_size:
+        if size < 0 or size % chunk_size:
             raise UsageError(f"stripe_size must be a multiple of the chunk size {format_size(chunk_size)}")
         count = spec.stripe_count if spec.stripe_count not in (None, -1) else n_volumes
         assert count is not None
+        if count < 1:  # a directly built spec (parse refuses these): no empty layouts
+            raise UsageError(f"stripe_count {count} must be -1 or at least 1")
         if count > n_volumes:
             raise UsageError(f"stripe_count {count} exceeds the {n_volumes} volumes of the pool")
         first = spec.stripe_offset if spec.stripe_offset not in (None, -1) else seed
         assert first is not None
-        if spec.stripe_offset not in (None, -1) and first >= n_volumes:
+        if spec.stripe_offset not in (None, -1) and not 0 <= first < n_volumes:
             raise UsageError(f"stripe_offset {first} is not a volume of this pool (0..{n_volumes - 1})")
         return cls(size, tuple((first + i) % n_volumes for i in range(count)))
 

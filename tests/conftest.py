@@ -146,7 +146,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             lines = f.read().splitlines()
     except OSError:
         return
-    base = str(Path(os.environ.get("TMPDIR", "/tmp")).resolve())
+    factory = getattr(session.config, "_tmp_path_factory", None)
+    if factory is None:
+        return
+    base = str(factory.getbasetemp().resolve())
     for line in lines:
         fields = line.split()
         if len(fields) > 2 and fields[2] == "fuse.memfs" and fields[1].startswith(base):

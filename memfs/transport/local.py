@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import mmap
 
+from memfs.errors import TransportError
 from memfs.transport import Buffer, Transport, VolumeInfo
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,11 @@ class LocalTransport(Transport):
     @property
     def volumes(self) -> list[VolumeInfo]:
         return self._info
+
+    def check_range(self, volume: int, offset: int, length: int) -> None:
+        if not self._views:  # after aclose: EIO for late requests, not an IndexError
+            raise TransportError("local volumes are closed")
+        super().check_range(volume, offset, length)
 
     def register(self, size: int) -> memoryview:
         return memoryview(bytearray(size))

@@ -1,0 +1,202 @@
+"""memfs vs tmpfs, measured in the same run.
+
+Data: fio (POSIX psync engine, 2 jobs, one file per job) for sequential 1 MiB
+write (fsync at end) and read, and random 16 KiB write and read.  Metadata:
+create, stat and remove 20,000 empty files in one directory (one process) and
+split over 2 directories (two processes in parallel).
+
+Runs alternate memfs and tmpfs and the table shows medians, because this kind
+of machine is noisy.  Needs root (mounting tmpfs and memfs) and fio.
+
+    python bench/fsbench.py [--rounds 3] [--size 512M] [--memfs-opt=-o --memfs-opt=writeback_cache]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+JOBS = 2
+
+FIO_CASES = [
+    # name, fio rw, block size, goal (memfs/tmpfs)
+    ("seq write 1M", "write", "1M", 0.5),
+    ("seq read 1M", "read", "1M", 0.5),
+    ("rand write 16K", "randwrite", "16k", 0.25),
+    ("rand read 16K", "randread", "16k", 0.25),
+]
+
+
+@contextmanager
+def mounted_tmpfs(path: Path, size: str) -> Iterator[Path]:
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@contextmanager
+def mounted_memfs(path: Path, size: str, extra: list[str]) -> Iterator[Path]:
+    path.mkdir(parents=True, exist_ok=True)
+    memfs = [sys.executable, "-m", "memfs"]
+    subprocess.run([*memfs, "mount", str(path), "--size", size, *extra], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run([*memfs, "umount", str(path)], check=False)
+
+
+def fio(directory: Path, rw: str, bs: str, size: str, runtime: int) -> float:
+    """Aggregate MiB/s of one fio run."""
+    args = [
+        "fio", "--name=bench", f"--directory={directory}", f"--rw={rw}", f"--bs={bs}",
+        f"--size={size}", f"--numjobs={JOBS}", "--ioengine=psync", "--group_reporting",
+        "--output-format=json", "--end_fsync=1", "--invalidate=1",
+        f"--runtime={runtime}", "--time_based=0", "--file_service_type=sequential",
+    ]
+    out = subprocess.run(args, check=True, capture_output=True, text=True).stdout
+    job = json.loads(out[out.index("{"):])["jobs"][0]
+    part = job["write"] if "write" in rw else job["read"]
+    return float(part["bw_bytes"]) / (1 << 20)
+
+
+def _meta_worker(directory: str, n: int, conn: object) -> None:
+    t0 = time.perf_counter()
+    for i in range(n):
+        os.close(os.open(f"{directory}/f{i}", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+    t1 = time.perf_counter()
+    for i in range(n):
+        os.stat(f"{directory}/f{i}")
+    t2 = time.perf_counter()
+    for i in range(n):
+        os.unlink(f"{directory}/f{i}")
+    t3 = time.perf_counter()
+    conn.send((t0, t1, t2, t3))  # type: ignore[attr-defined]
+
+
+def metadata(root: Path, files: int, dirs: int) -> dict[str, float]:
+    """files/s for create, stat and remove, aggregated over *dirs* parallel processes."""
+    ctx = multiprocessing.get_context("fork")
+    procs, pipes = [], []
+    for d in range(dirs):
+        path = root / f"meta{d}"
+        path.mkdir()
+        r, w = ctx.Pipe(duplex=False)
+        procs.append(ctx.Process(target=_meta_worker, args=(str(path), files // dirs, w)))
+        pipes.append(r)
+    for p in procs:
+        p.start()
+    times = [r.recv() for r in pipes]
+    for p in procs:
+        p.join()
+    for d in range(dirs):
+        (root / f"meta{d}").rmdir()
+    out = {}
+    for i, phase in enumerate(("create", "stat", "remove")):
+        start = min(t[i] for t in times)
+        end = max(t[i + 1] for t in times)
+        out[phase] = files / (end - start)
+    return out
+
+
+def median_runs(rounds: int, fn: Callable[[str], dict[str, float]]) -> dict[str, dict[str, float]]:
+    samples: dict[str, dict[str, list[float]]] = {"memfs": {}, "tmpfs": {}}
+    for r in range(rounds):
+        order = ("memfs", "tmpfs") if r % 2 == 0 else ("tmpfs", "memfs")
+        for fs in order:
+            for key, value in fn(fs).items():
+                samples[fs].setdefault(key, []).append(value)
+    return {fs: {k: statistics.median(v) for k, v in d.items()} for fs, d in samples.items()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--size", default="512M", help="fio file size per job")
+    ap.add_argument("--pool", default="4G", help="memfs pool and tmpfs size")
+    ap.add_argument("--files", type=int, default=20000)
+    ap.add_argument("--runtime", type=int, default=30, help="fio cap per run, seconds")
+    ap.add_argument("--memfs-opt", action="append", default=[], help="extra memfs mount argument")
+    ap.add_argument("--json", help="also write results here")
+    ap.add_argument("--skip-data", action="store_true")
+    ap.add_argument("--skip-meta", action="store_true")
+    args = ap.parse_args()
+    if os.geteuid() != 0 or shutil.which("fio") is None:
+        print("bench needs root and fio (apt-get install fio)", file=sys.stderr)
+        return 2
+
+    base = Path(tempfile.mkdtemp(prefix="memfs-bench-"))
+    results: dict[str, dict[str, dict[str, float]]] = {}
+
+    def mount(fs: str) -> object:
+        if fs == "memfs":
+            return mounted_memfs(base / "memfs", args.pool, args.memfs_opt)
+        return mounted_tmpfs(base / "tmpfs", args.pool)
+
+    try:
+        if not args.skip_data:
+            def data_round(fs: str) -> dict[str, float]:
+                with mount(fs) as root:  # type: ignore[attr-defined]
+                    out = {}
+                    for name, rw, bs, _ in FIO_CASES:
+                        out[name] = fio(root, rw, bs, args.size, args.runtime)
+                        if rw in ("read", "randread"):
+                            # next case lays out its own files
+                            for f in Path(root).glob("bench.*"):
+                                f.unlink()
+                    return out
+
+            results["data"] = median_runs(args.rounds, data_round)
+        if not args.skip_meta:
+            def meta_round(fs: str) -> dict[str, float]:
+                with mount(fs) as root:  # type: ignore[attr-defined]
+                    out = {}
+                    for dirs in (1, 2):
+                        for phase, v in metadata(Path(root), args.files, dirs).items():
+                            out[f"{phase} ({dirs} dir{'s' if dirs > 1 else ''})"] = v
+                    return out
+
+            results["meta"] = median_runs(args.rounds, meta_round)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+    goals = {name: goal for name, _, _, goal in FIO_CASES}
+    print(f"\nmemfs vs tmpfs, medians of {args.rounds} alternating rounds, {JOBS} jobs"
+          f"{' memfs ' + ' '.join(args.memfs_opt) if args.memfs_opt else ''}")
+    for section, unit in (("data", "MiB/s"), ("meta", "files/s")):
+        if section not in results:
+            continue
+        print(f"\n| {section} | memfs {unit} | tmpfs {unit} | ratio | goal |")
+        print("|---|---:|---:|---:|---|")
+        mem, tmp = results[section]["memfs"], results[section]["tmpfs"]
+        for key in mem:
+            ratio = mem[key] / tmp[key] if tmp[key] else float("nan")
+            goal = goals.get(key)
+            if goal is not None:
+                verdict = f">= {goal} {'ok' if ratio >= goal else 'MISSED'}"
+            elif key.startswith("create"):
+                verdict = f">= 5000/s {'ok' if mem[key] >= 5000 else 'MISSED'}"
+            else:
+                verdict = ""
+            print(f"| {key} | {mem[key]:.0f} | {tmp[key]:.0f} | {ratio:.2f} | {verdict} |")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

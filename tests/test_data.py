@@ -1,0 +1,266 @@
+"""The data engine over the real metadata store and local transport, in-process.
+
+Pool memory is reused without clearing, so every test here starts from a pool
+that a previous file filled with 0xFF and then gave back: any byte the engine
+fails to zero (fresh chunk edges, truncated tails, holes) shows up as 0xFF
+instead of passing by luck on never-used, already-zero memory.
+"""
+
+from __future__ import annotations
+
+import random
+import stat
+from collections.abc import AsyncIterator, Awaitable
+
+import pytest
+import trio
+
+from memfs.config import PoolConfig
+from memfs.data import DataEngine
+from memfs.layout import LAYOUT_XATTR
+from memfs.meta import Meta
+from memfs.meta.store import MetaStore
+from memfs.transport import Buffer, Transport, VolumeInfo
+from memfs.transport.local import LocalTransport
+
+K = 1 << 10
+ROOT = 1
+# Small chunks and stripes so that modest files cross many chunks and all volumes.
+POOL = PoolConfig(size=4 << 20, volumes=4, stripe_size=16 * K, chunk_size=4 * K)
+POOL_BYTES = POOL.volume_size * POOL.volumes
+
+
+async def create(meta: Meta, name: bytes) -> int:
+    return (await meta.mknod(ROOT, name, stat.S_IFREG | 0o644, 0, 0)).ino
+
+
+async def read(engine: DataEngine, ino: int, offset: int, length: int) -> bytes:
+    # The engine may return a view of volume memory: copy before the next await.
+    return bytes(await engine.read(ino, offset, length))
+
+
+async def dirty_pool(engine: DataEngine) -> None:
+    """Fill every chunk of the pool with 0xFF through a file, then free it all."""
+    ino = await create(engine.meta, b"dirt")
+    await engine.write(ino, 0, b"\xff" * POOL_BYTES)
+    assert (await engine.meta.statfs()).blocks_free == 0
+    assert await read(engine, ino, POOL_BYTES - 10, 10) == b"\xff" * 10
+    await engine.meta.unlink(ROOT, b"dirt")
+    s = await engine.meta.statfs()
+    assert s.blocks_free == s.blocks
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[DataEngine]:
+    meta = MetaStore(POOL)
+    transport = LocalTransport(POOL.volumes, POOL.volume_size)
+    eng = DataEngine(meta, transport)
+    await dirty_pool(eng)
+    try:
+        yield eng
+    finally:
+        await meta.aclose()
+        await transport.aclose()
+
+
+async def test_random_ops_match_a_model(engine: DataEngine) -> None:
+    rng = random.Random(20240611)
+    ino = await create(engine.meta, b"f")
+    model = bytearray()
+    span = 96 * K  # ~24 chunks over 4 volumes: plenty of overlap, holes and re-use
+    for step in range(600):
+        op = rng.random()
+        if op < 0.5:
+            off = rng.randrange(span)
+            n = rng.choice([1, rng.randrange(1, 100), rng.randrange(1, 20 * K)])
+            data = rng.randbytes(n)
+            assert await engine.write(ino, off, data) == n
+            if off > len(model):
+                model.extend(bytes(off - len(model)))
+            model[off : off + n] = data
+        elif op < 0.6:
+            size = rng.randrange(span + 8 * K)
+            await engine.truncate(ino, size)
+            if size < len(model):
+                del model[size:]
+            else:
+                model.extend(bytes(size - len(model)))
+        else:
+            off = rng.randrange(span + 4 * K)
+            n = rng.randrange(1, 24 * K)
+            assert await read(engine, ino, off, n) == bytes(model[off : off + n]), step
+        assert (await engine.meta.getattr(ino)).size == len(model), step
+    assert await read(engine, ino, 0, len(model) + 1) == bytes(model)
+
+
+async def test_reads_across_holes_extents_and_eof(engine: DataEngine) -> None:
+    cs = POOL.chunk_size
+    ino = await create(engine.meta, b"f")
+    a, b = random.Random(1).randbytes(5000), random.Random(2).randbytes(100)
+    await engine.write(ino, 0, a)
+    await engine.write(ino, 40 * K, b)
+    size = 40 * K + 100
+    expected = a + bytes(40 * K - 5000) + b
+    assert await read(engine, ino, 0, 1 << 20) == expected
+    assert await read(engine, ino, 4000, 2000) == expected[4000:6000]  # data then zeros
+    assert await read(engine, ino, 3 * cs, 2 * cs) == bytes(2 * cs)  # only a hole
+    assert await read(engine, ino, 10, 100) == a[10:110]  # one extent
+    assert await read(engine, ino, 40 * K - 7, 50) == expected[-107:-57]  # hole then data
+    assert await read(engine, ino, size - 1, 10) == b[-1:]
+    assert await read(engine, ino, size, 10) == b""
+    assert await read(engine, ino, size + 5 * cs, 10) == b""
+    assert await read(engine, ino, 0, 0) == b""
+
+
+async def test_truncate_shrink_then_extend_reads_zeros(engine: DataEngine) -> None:
+    ino = await create(engine.meta, b"f")
+    await engine.write(ino, 0, b"\xaa" * (20 * K))
+    await engine.truncate(ino, 5000)
+    await engine.truncate(ino, 20 * K)
+    assert await read(engine, ino, 0, 20 * K) == b"\xaa" * 5000 + bytes(20 * K - 5000)
+
+    # Shrink, then write past the new EOF inside the same chunk: the gap is zeros.
+    await engine.truncate(ino, 4100)
+    await engine.write(ino, 7000, b"z")
+    assert await read(engine, ino, 0, 8 * K) == b"\xaa" * 4100 + bytes(2900) + b"z"
+
+
+async def test_no_stale_bytes_in_new_files(engine: DataEngine) -> None:
+    """Every allocation below reuses a chunk that held 0xFF; only written bytes may
+    be non-zero."""
+    rng = random.Random(7)
+    files = {}
+    for name in (b"a", b"b", b"c"):
+        files[name] = (await create(engine.meta, name), bytearray())
+    for _ in range(60):
+        name = rng.choice(list(files))
+        ino, model = files[name]
+        off = rng.randrange(200 * K)
+        data = bytes([rng.randrange(1, 255)]) * rng.randrange(1, 3000)
+        await engine.write(ino, off, data)
+        if off > len(model):
+            model.extend(bytes(off - len(model)))
+        model[off : off + len(data)] = data
+    for ino, model in files.values():
+        got = await read(engine, ino, 0, len(model))
+        assert b"\xff" not in got
+        assert got == bytes(model)
+
+    # A file pinned to one volume, written in small unaligned pieces.
+    ino = await create(engine.meta, b"pinned")
+    await engine.meta.setxattr(ino, LAYOUT_XATTR, b"stripe_count=1 stripe_offset=2")
+    for off in (5, 3 * POOL.chunk_size + 7, 70_000):
+        await engine.write(ino, off, b"x")
+    got = await read(engine, ino, 0, 70_001)
+    assert got.count(b"x") == 3 and got.count(0) == 70_001 - 3
+
+
+async def test_zero_length_write(engine: DataEngine) -> None:
+    ino = await create(engine.meta, b"f")
+    assert await engine.write(ino, 50 * K, b"") == 0
+    assert (await engine.meta.getattr(ino)).size == 0
+
+
+# -- concurrency across volumes ------------------------------------------------------
+
+
+class SlowTransport(Transport):
+    """In-memory volumes where every request takes one (virtual) second.
+
+    Records when each request ran, so a test can tell requests issued together
+    from requests issued one after another.
+    """
+
+    def __init__(self, n_volumes: int, volume_size: int, concurrent: bool) -> None:
+        self.concurrent = concurrent
+        self._info = [VolumeInfo(i, volume_size, f"slow:{i}") for i in range(n_volumes)]
+        self.mem = [bytearray(b"\xee" * volume_size) for _ in range(n_volumes)]  # dirty
+        self.calls: list[tuple[str, int, float, float]] = []
+
+    @property
+    def volumes(self) -> list[VolumeInfo]:
+        return self._info
+
+    def register(self, size: int) -> memoryview:
+        return memoryview(bytearray(size))
+
+    async def _delay(self, op: str, volume: int) -> None:
+        start = trio.current_time()
+        await trio.sleep(1)
+        self.calls.append((op, volume, start, trio.current_time()))
+
+    async def read(self, volume: int, offset: int, length: int) -> Buffer:
+        self.check_range(volume, offset, length)
+        await self._delay("read", volume)
+        return bytes(self.mem[volume][offset : offset + length])
+
+    async def readinto(self, volume: int, offset: int, buf: memoryview) -> None:
+        self.check_range(volume, offset, len(buf))
+        await self._delay("read", volume)
+        buf[:] = self.mem[volume][offset : offset + len(buf)]
+
+    async def write(self, volume: int, offset: int, data: Buffer) -> None:
+        src = memoryview(data).cast("B")
+        self.check_range(volume, offset, len(src))
+        await self._delay("write", volume)
+        self.mem[volume][offset : offset + len(src)] = src
+
+    async def zero(self, volume: int, offset: int, length: int) -> None:
+        self.check_range(volume, offset, length)
+        await self._delay("zero", volume)
+        self.mem[volume][offset : offset + length] = bytes(length)
+
+    async def aclose(self) -> None:
+        pass
+
+
+def slow_engine(concurrent: bool) -> tuple[DataEngine, SlowTransport]:
+    pool = PoolConfig(size=4 << 20, volumes=4, stripe_size=4 * K, chunk_size=4 * K)
+    transport = SlowTransport(pool.volumes, pool.volume_size, concurrent)
+    return DataEngine(MetaStore(pool), transport), transport
+
+
+async def timed(aw: Awaitable[object]) -> float:
+    start = trio.current_time()
+    await aw
+    return trio.current_time() - start
+
+
+async def test_multi_volume_io_is_concurrent(autojump_clock: trio.abc.Clock) -> None:
+    engine, transport = slow_engine(concurrent=True)
+    ino = await create(engine.meta, b"f")
+    data = random.Random(3).randbytes(4 * 4 * K)
+
+    # Aligned: one write per volume, nothing to zero.
+    assert await timed(engine.write(ino, 0, data)) == pytest.approx(1)
+    assert sorted(v for op, v, _, _ in transport.calls) == [0, 1, 2, 3]
+
+    transport.calls.clear()
+    start = trio.current_time()
+    got = bytes(await engine.read(ino, 0, len(data)))
+    assert trio.current_time() - start == pytest.approx(1)
+    assert got == data
+    assert sorted(v for op, v, _, _ in transport.calls if op == "read") == [0, 1, 2, 3]
+
+    # Unaligned into fresh chunks: the zeroing of the partial chunks overlaps the
+    # data writes instead of adding round trips in front of them.
+    transport.calls.clear()
+    g = await create(engine.meta, b"g")
+    assert await timed(engine.write(g, 100, data)) == pytest.approx(1)
+    ops = sorted(op for op, _, _, _ in transport.calls)
+    assert ops.count("zero") == 2 and ops.count("write") == 5
+    start = trio.current_time()
+    got = bytes(await engine.read(g, 0, 100 + len(data) + 10))
+    assert trio.current_time() - start == pytest.approx(1)
+    assert got == bytes(100) + data
+
+
+async def test_non_concurrent_transport_is_used_serially(autojump_clock: trio.abc.Clock) -> None:
+    """``concurrent=False`` promises nothing about overlap, so the engine must not overlap."""
+    engine, transport = slow_engine(concurrent=False)
+    ino = await create(engine.meta, b"f")
+    data = random.Random(4).randbytes(4 * 4 * K)
+    assert await timed(engine.write(ino, 100, data)) == pytest.approx(7)
+    assert bytes(await engine.read(ino, 0, 100 + len(data))) == bytes(100) + data
+    spans = sorted((s, e) for _, _, s, e in transport.calls)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))
