@@ -18,10 +18,11 @@ import itertools
 import logging
 import os
 import stat
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, ParamSpec, TypeVar
 
 import pyfuse3
+import trio
 
 from memfs.data import DataEngine
 from memfs.errors import FsError
@@ -33,7 +34,7 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-def _errno_boundary(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
+def _errno_boundary(fn: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine[Any, Any, R]]:
     """Turn domain errors into FUSE replies; anything unexpected is logged and is EIO."""
 
     @functools.wraps(fn)
@@ -76,6 +77,11 @@ class Operations(pyfuse3.Operations):
         self._dir_handles: dict[int, list[tuple[bytes, int]]] = {}
         self._dir_inodes: dict[int, int] = {}
         self._next_dh = itertools.count(1)
+        self.initialized = trio.Event()
+
+    def init(self) -> None:
+        """The kernel's INIT request is being answered (the reply follows)."""
+        self.initialized.set()
 
     def _entry(self, a: Attr) -> pyfuse3.EntryAttributes:
         e = pyfuse3.EntryAttributes()

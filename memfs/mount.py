@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import pyfuse3
 import trio
+import trio.lowlevel
 
 from memfs.config import PoolConfig
 from memfs.data import DataEngine
@@ -41,6 +42,7 @@ class MountOptions:
     # process), so one worker serves requests with the least scheduling per
     # request; remote transports need many to overlap network waits.
     max_tasks: int = 1
+    readahead_kib: int = 4096
 
 
 # Options that mount(8) and fstab pass but that mean nothing to FUSE.
@@ -109,6 +111,27 @@ def build(opts: MountOptions) -> Operations:
     )
 
 
+def set_readahead(mountpoint: str, kib: int) -> None:
+    """Raise the kernel readahead of our FUSE connection (default 128 KiB).
+
+    Sequential reads reach the daemon in readahead-sized requests, so 128 KiB
+    means eight round trips per MiB.  Found via mountinfo, not stat(): the
+    mount cannot answer requests before the main loop runs.  Called after the
+    kernel has processed our INIT reply, which resets the value.
+    """
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 4 and fields[4] == mountpoint:
+                    dev = fields[2]
+        with open(f"/sys/class/bdi/{dev}/read_ahead_kb", "w") as f:
+            f.write(str(kib))
+        log.debug("readahead of %s (%s) set to %d KiB", mountpoint, dev, kib)
+    except (OSError, UnboundLocalError) as exc:
+        log.info("cannot set readahead for %s: %s", mountpoint, exc)
+
+
 def sd_notify(message: str) -> None:
     """Tell systemd (Type=notify) about our state, if it is listening."""
     addr = os.environ.get("NOTIFY_SOCKET")
@@ -124,11 +147,19 @@ def sd_notify(message: str) -> None:
         log.warning("sd_notify failed: %s", exc)
 
 
-async def _serve(ops: Operations, max_tasks: int) -> None:
+async def _serve(ops: Operations, opts: MountOptions) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_watch_signals, nursery.cancel_scope)
-        await pyfuse3.main(min_tasks=1, max_tasks=max_tasks)
+        if opts.readahead_kib:
+            nursery.start_soon(_tune_after_init, ops, opts)
+        await pyfuse3.main(min_tasks=1, max_tasks=opts.max_tasks)
         nursery.cancel_scope.cancel()
+
+
+async def _tune_after_init(ops: Operations, opts: MountOptions) -> None:
+    await ops.initialized.wait()
+    await trio.lowlevel.checkpoint()  # the worker that ran init() has sent the reply by now
+    set_readahead(opts.mountpoint, opts.readahead_kib)
 
 
 async def _watch_signals(scope: trio.CancelScope) -> None:
@@ -156,7 +187,7 @@ def run(opts: MountOptions, ready: Callable[[], None] | None = None) -> int:
         if ready is not None:
             ready()
         sd_notify("READY=1")
-        trio.run(_serve, ops, opts.max_tasks)
+        trio.run(_serve, ops, opts)
         sd_notify("STOPPING=1")
         unmount = os.path.ismount(opts.mountpoint)
     finally:

@@ -290,14 +290,14 @@ def test_mmap_read_write(mnt: Mounted) -> None:
 
 
 @pytest.mark.skipif(shutil.which("fio") is None, reason="fio not installed")
-def test_fio_verify(mnt: Mounted) -> None:
+def test_fio_verify(mnt: Mounted, tmp_path: Path) -> None:
     """fio's own crc32c verification of random 16 KiB writes by two jobs."""
     before = daemon_bytes_sent(mnt.pid)
     res = subprocess.run(
         ["fio", "--name=v", "--rw=randwrite", "--bs=16k", "--size=64m", "--numjobs=2",
-         "--verify=crc32c", "--do_verify=1", "--verify_fatal=1", "--output-format=json",
-         f"--directory={mnt.path}"],
-        capture_output=True, text=True, timeout=120,
+         "--verify=crc32c", "--do_verify=1", "--verify_fatal=1", "--verify_state_save=0",
+         "--output-format=json", f"--directory={mnt.path}"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
     )
     assert res.returncode == 0, res.stderr + res.stdout[-2000:]
     assert "verify" not in res.stderr, res.stderr

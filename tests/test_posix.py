@@ -72,6 +72,20 @@ def d(fs: Mounted, request: pytest.FixtureRequest) -> Iterator[Path]:
     shutil.rmtree(path)
 
 
+@pytest.fixture(autouse=True)
+def _close_leaked_fds(fs: Mounted) -> Iterator[None]:
+    """A failed test must not leave fds into the mount: the module's unmount would hang."""
+    before = set(os.listdir("/proc/self/fd"))
+    yield
+    for fd in set(os.listdir("/proc/self/fd")) - before:
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(fs.path)):
+            os.close(int(fd))
+
+
 def expect(err: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
     """Call *fn* and require it to fail with *err*."""
     with pytest.raises(OSError) as info:

@@ -1,0 +1,48 @@
+# memfs: the two commands a new user needs are `make mount` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+MNT    ?= /mnt/memfs
+SIZE   ?= 4G
+MEMFS   = $(VENV)/bin/memfs
+
+.PHONY: install mount umount test lint bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml scripts/setup-debian.sh
+	./scripts/setup-debian.sh
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -e '.[test]'
+	touch $@
+
+mount: install
+	@mkdir -p $(MNT)
+	$(MEMFS) mount $(MNT) --size $(SIZE)
+	@echo "memfs is mounted at $(MNT)"
+	@head -c 64M /dev/urandom > /tmp/memfs-demo.$$$$ && \
+	  cp /tmp/memfs-demo.$$$$ $(MNT)/demo.bin && \
+	  sha256sum /tmp/memfs-demo.$$$$ $(MNT)/demo.bin && \
+	  cmp /tmp/memfs-demo.$$$$ $(MNT)/demo.bin && echo "demo.bin: 64 MiB written and read back identical" && \
+	  rm -f /tmp/memfs-demo.$$$$
+	@ls -l $(MNT)
+	@df -h $(MNT)
+	@echo "unmount with: make umount MNT=$(MNT)   (or: umount $(MNT))"
+
+umount:
+	$(MEMFS) umount $(MNT)
+
+test: install
+	$(VENV)/bin/ruff check memfs tests bench
+	$(VENV)/bin/mypy
+	$(VENV)/bin/pytest -ra
+
+lint: install
+	$(VENV)/bin/ruff check memfs tests bench
+	$(VENV)/bin/mypy
+
+bench: install
+	$(VENV)/bin/python bench/fsbench.py $(BENCH_ARGS)
+
+clean:
+	rm -rf $(VENV) *.egg-info
