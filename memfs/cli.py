@@ -102,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "the kernel writeback cache")
     m.add_argument("--attr-timeout", type=float, default=1.0,
                    help="seconds the kernel may cache attributes and names (default 1)")
+    m.add_argument("--readahead", default="4M",
+                   help="kernel readahead for sequential reads (default 4M; 0 keeps the kernel's)")
     m.add_argument("--foreground", "-f", action="store_true", help="do not fork into the background")
     m.add_argument("--debug", "-d", action="store_true", help="log at debug level")
     m.add_argument("--log", help="daemon log file (default: /run/memfs/MOUNTPOINT.log)")
@@ -149,7 +151,9 @@ def cmd_mount(args: argparse.Namespace) -> int:
         fuse_options=options,
         writeback_cache="writeback_cache" in options,
         attr_timeout=args.attr_timeout,
+        readahead_kib=0 if args.readahead == "0" else parse_size(args.readahead, "--readahead") >> 10,
     )
+    mount.check_memory(opts.pool)
     if args.foreground:
         setup_logging(args.debug, args.log)
         return mount.run(opts)
@@ -316,7 +320,8 @@ def mount_helper(argv: Sequence[str] | None = None) -> int:
     args = ["mount", positional[1]]
     fuse: list[str] = []
     named = {"size": "--size", "volumes": "--volumes", "stripe_size": "--stripe-size",
-             "chunk_size": "--chunk-size", "log": "--log", "attr_timeout": "--attr-timeout"}
+             "chunk_size": "--chunk-size", "log": "--log", "attr_timeout": "--attr-timeout",
+             "readahead": "--readahead"}
     for o in opts:
         key, sep, value = o.partition("=")
         if sep and key in named:

@@ -91,14 +91,19 @@ def tune_malloc() -> None:
         log.debug("mallopt unavailable")
 
 
-def build(opts: MountOptions) -> Operations:
-    """Create the embedded pool (metadata, volumes) and the FUSE operations over it."""
+def check_memory(pool: PoolConfig) -> None:
+    """Refuse a pool this node cannot hold, before anything is allocated."""
     avail = mem_available()
-    if avail is not None and opts.pool.size > avail:
+    if avail is not None and pool.size > avail:
         raise UsageError(
-            f"--size {opts.pool.size >> 20} MiB exceeds the memory available "
+            f"--size {pool.size >> 20} MiB exceeds the memory available "
             f"on this node ({avail >> 20} MiB)"
         )
+
+
+def build(opts: MountOptions) -> Operations:
+    """Create the embedded pool (metadata, volumes) and the FUSE operations over it."""
+    check_memory(opts.pool)
     transport = LocalTransport(opts.pool.volumes, opts.pool.volume_size)
     meta = MetaStore(opts.pool)
     return Operations(
