@@ -271,7 +271,10 @@ class Operations(pyfuse3.Operations):
 
     @_errno_boundary
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
-        if not stat.S_ISDIR((await self.meta.getattr(inode)).mode):
+        # Counted like an open file, so fstat/fdopendir on a directory fd keep
+        # working after rmdir (nlink 0) until the handle is released.
+        if not stat.S_ISDIR((await self.meta.open(inode)).mode):
+            await self.meta.release(inode)
             raise FsError(errno.ENOTDIR)
         dh = next(self._next_dh)
         self._dir_inodes[dh] = inode
@@ -282,7 +285,11 @@ class Operations(pyfuse3.Operations):
         inode = self._dir_inodes[fh]
         if start_id == 0 or fh not in self._dir_handles:
             # A listing (or rewinddir) starts: take the snapshot it will page through.
-            self._dir_handles[fh] = await self.meta.readdir(inode)
+            # POSIX readdir returns "." and ".." when they exist (ls -a shows them).
+            listing = await self.meta.readdir(inode)
+            self._dir_handles[fh] = [(b".", inode), (b"..", 0)] + [
+                e for e in listing if e[0] not in (b".", b"..")
+            ]
         entries = self._dir_handles[fh]
         for idx in range(start_id, len(entries)):
             name, _ = entries[idx]
@@ -295,9 +302,12 @@ class Operations(pyfuse3.Operations):
             if not pyfuse3.readdir_reply(token, name, self._entry(a), idx + 1):
                 return
 
+    @_errno_boundary
     async def releasedir(self, fh: int) -> None:
         self._dir_handles.pop(fh, None)
-        self._dir_inodes.pop(fh, None)
+        inode = self._dir_inodes.pop(fh, None)
+        if inode is not None:
+            await self.meta.release(inode)
 
     async def fsyncdir(self, fh: int, datasync: bool) -> None:
         """Namespace changes are applied in memory at once."""

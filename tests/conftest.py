@@ -152,5 +152,5 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     base = str(factory.getbasetemp().resolve())
     for line in lines:
         fields = line.split()
-        if len(fields) > 2 and fields[2] == "fuse.memfs" and fields[1].startswith(base):
+        if len(fields) > 2 and fields[2] == "fuse.memfs" and fields[1].startswith(base + "/"):
             subprocess.run(["fusermount3", "-u", "-z", fields[1]], capture_output=True)

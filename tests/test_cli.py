@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 
@@ -25,6 +26,7 @@ from memfs.errors import UsageError
 from tests.conftest import MEMFS, MOUNT_SKIP, Mounted
 
 TIMEOUT = 30
+F = TypeVar("F", bound=Callable[..., Any])
 PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -84,7 +86,9 @@ def log_is_clean(log: Path) -> None:
     assert "Traceback" not in text and " ERROR " not in text, text
 
 
-needs_mount = pytest.mark.skipif(MOUNT_SKIP is not None, reason=MOUNT_SKIP or "")
+def needs_mount(fn: F) -> F:
+    """Tests that mount for real: marked, and skipped where mounting cannot work."""
+    return pytest.mark.mount(pytest.mark.skipif(MOUNT_SKIP is not None, reason=MOUNT_SKIP or "")(fn))
 
 
 @pytest.fixture
@@ -157,7 +161,7 @@ def test_bad_arguments(mountpoint: Path, args: list[str], mentions: str) -> None
 @needs_mount
 @pytest.mark.parametrize("foreground", [False, True], ids=["background", "foreground"])
 def test_size_beyond_memory(mountpoint: Path, foreground: bool) -> None:
-    """Refused before any memory is touched (the check runs in the daemon, before mmap)."""
+    """Refused before any memory is allocated or a daemon forked."""
     size = f"{2 * _avail_gib() + 1}G"
     line = assert_one_error_line(
         memfs("mount", str(mountpoint), "--size", size, *(["-f"] if foreground else []))
@@ -177,6 +181,7 @@ def test_mountpoint_not_a_directory(tmp_path: Path) -> None:
     assert "not a directory" in line
 
 
+@pytest.mark.mount
 def test_already_mounted(memfs_mount: Callable[..., Mounted]) -> None:
     m = memfs_mount("--size", "16M")
     line = assert_one_error_line(memfs("mount", str(m.path), "--size", "16M"))

@@ -25,6 +25,8 @@ import pytest
 
 from tests.conftest import Mounted
 
+pytestmark = pytest.mark.mount
+
 STRIPE = 1 << 20
 CHUNK = 64 << 10
 

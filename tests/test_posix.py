@@ -4,7 +4,8 @@ Everything here goes through the kernel with ordinary system calls (and child
 processes where POSIX talks about several processes), so it checks what
 applications see: the kernel's checks, its attribute cache and memfs together.
 One mount serves the whole module (a mount costs ~0.5 s); every test works in a
-directory of its own and compares free space against its own starting point.
+directory of its own, and when that is removed the pool must be whole again, so a
+leak of space or inodes fails the test that caused it.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ import os
 import random
 import select
 import shutil
+import socket
 import stat
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -65,24 +68,29 @@ def fs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mounted]:
 
 @pytest.fixture
 def d(fs: Mounted, request: pytest.FixtureRequest) -> Iterator[Path]:
-    """A fresh directory of the shared mount for one test, removed afterwards."""
+    """A fresh directory of the shared mount for one test.
+
+    Afterwards it is removed and the pool must be whole again: every test gives
+    back all the space and inodes it took, so a leak fails the test that made it.
+    """
     path = fs.path / request.node.name.replace("[", "_").replace("]", "")
     path.mkdir()
     yield path
+    close_fds_into(fs.path)
     shutil.rmtree(path)
+    st = os.statvfs(fs.path)
+    assert wait_bfree(fs.path, st.f_blocks) == st.f_blocks, "space not returned"
+    assert wait_for(lambda: os.statvfs(fs.path).f_ffree, st.f_files - 1), "inodes not freed"
 
 
-@pytest.fixture(autouse=True)
-def _close_leaked_fds(fs: Mounted) -> Iterator[None]:
-    """A failed test must not leave fds into the mount: the module's unmount would hang."""
-    before = set(os.listdir("/proc/self/fd"))
-    yield
-    for fd in set(os.listdir("/proc/self/fd")) - before:
+def close_fds_into(mountpoint: Path) -> None:
+    """Close fds a failed test left open: they would keep the mount (and daemon) alive."""
+    for fd in os.listdir("/proc/self/fd"):
         try:
             target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             continue
-        if target.startswith(str(fs.path)):
+        if target.startswith(f"{mountpoint}/"):
             os.close(int(fd))
 
 
@@ -106,12 +114,17 @@ def bfree(path: Path) -> int:
     return os.statvfs(path).f_bfree
 
 
-def wait_bfree(path: Path, want: int, timeout: float = 5.0) -> int:
-    """Poll free space until it is *want*: the kernel sends RELEASE asynchronously."""
+def wait_for(probe: Callable[[], int], want: int, timeout: float = 5.0) -> bool:
+    """Poll until *probe* gives *want*: the kernel sends RELEASE asynchronously."""
     deadline = time.monotonic() + timeout
-    while (now := bfree(path)) != want and time.monotonic() < deadline:
+    while (now := probe()) != want and time.monotonic() < deadline:
         time.sleep(0.02)
-    return now
+    return now == want
+
+
+def wait_bfree(path: Path, want: int, timeout: float = 5.0) -> int:
+    wait_for(lambda: bfree(path), want, timeout)
+    return bfree(path)
 
 
 def read_uncached(path: Path) -> bytes:
@@ -133,7 +146,11 @@ def in_child(fn: Callable[[], object], *, cwd: Path, uid: int | None = None) -> 
     The child enters *cwd* before dropping privileges: pytest's base temp
     directory is 0700, so the mount is reached by relative paths only.
     """
-    pid = os.fork()
+    with warnings.catch_warnings():
+        # Python >= 3.12 warns about fork() with threads (faulthandler's watchdog);
+        # the child only makes system calls and exits, so no lock can bite it.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
     if pid == 0:
         code = 255
         try:
@@ -166,6 +183,13 @@ def next_tick(t: int) -> None:
     deadline = time.monotonic() + 1
     while coarse_now() <= t and time.monotonic() < deadline:
         time.sleep(0.001)
+
+
+def dot_inos(path: Path) -> dict[str, int]:
+    """Inode numbers readdir gives for "." and ".." (os.listdir hides them)."""
+    out = subprocess.run(["ls", "-a1i", path], capture_output=True, text=True, check=True)
+    found = (line.split(maxsplit=1) for line in out.stdout.splitlines())
+    return {name: int(ino) for ino, name in found if name in (".", "..")}
 
 
 def write_file(path: Path, data: bytes) -> None:
@@ -378,7 +402,7 @@ def test_timestamps_read_updates_atime(d: Path) -> None:
     f = d / "f"
     f.write_bytes(b"x" * 100)
     age(f)  # atime <= mtime: relatime updates it on the next read
-    assert read_uncached(f) == b"x" * 100
+    assert f.read_bytes() == b"x" * 100  # a plain read: no cache the kernel keeps may hide it
     st = os.stat(f)
     assert st.st_atime_ns > OLD_NS and st.st_mtime_ns == OLD_NS
 
@@ -642,6 +666,7 @@ def test_rename_directories(d: Path) -> None:
     os.rename(d / "p" / "m", d / "q" / "m")
     assert (os.stat(d / "p").st_nlink, os.stat(d / "q").st_nlink) == (2, 3)
     assert os.stat(d / "q" / "m" / "..").st_ino == os.stat(d / "q").st_ino
+    assert dot_inos(d / "q" / "m")[".."] == os.stat(d / "q").st_ino  # memfs's own parent link
     assert os.stat(d / "q" / "m" / "deep" / ".." / "..").st_ino == os.stat(d / "q").st_ino
     assert (d / "q" / "m" / "file").read_bytes() == b"M"
     # over an empty directory: allowed, the target is replaced
@@ -697,6 +722,16 @@ def test_renameat2_noreplace_exchange(d: Path) -> None:
     assert os.listdir(a) == ["inside"] and (d / "p2" / "dir").read_bytes() == b"BB"
     assert (os.stat(d / "p1").st_nlink, os.stat(d / "p2").st_nlink) == (3, 2)
     assert os.stat(a / "..").st_ino == os.stat(d / "p1").st_ino
+    assert dot_inos(a)[".."] == os.stat(d / "p1").st_ino
+    # two directories in different parents: both parents keep their counts
+    os.mkdir(d / "p2" / "other")
+    renameat2(a, d / "p2" / "other", RENAME_EXCHANGE)
+    assert (os.stat(d / "p1").st_nlink, os.stat(d / "p2").st_nlink) == (3, 3)
+    assert os.listdir(d / "p2" / "other") == ["inside"] and os.listdir(a) == []
+    assert dot_inos(a)[".."] == os.stat(d / "p1").st_ino
+    assert dot_inos(d / "p2" / "other")[".."] == os.stat(d / "p2").st_ino
+    renameat2(a, d / "p2" / "other", RENAME_EXCHANGE)
+    os.rmdir(d / "p2" / "other")
     # exchanging a directory with its own descendant is refused
     os.mkdir(a / "child")
     expect(errno.EINVAL, renameat2, a, a / "child", RENAME_EXCHANGE)
@@ -791,11 +826,21 @@ def test_fifo(d: Path) -> None:
     assert os.stat(fifo).st_size == 0
 
 
-def test_mknod_char_device(d: Path) -> None:
+def test_mknod_device_and_socket(d: Path) -> None:
     os.mknod(d / "null", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
     st = os.stat(d / "null")
     assert stat.S_ISCHR(st.st_mode) and st.st_rdev == os.makedev(1, 3)
     assert st.st_size == 0 and os.listdir(d) == ["null"]
+    # a unix socket bound in memfs is an S_IFSOCK inode that still connects
+    with socket.socket(socket.AF_UNIX) as srv, socket.socket(socket.AF_UNIX) as cli:
+        srv.bind(str(d / "sock"))
+        srv.listen()
+        assert stat.S_ISSOCK(os.stat(d / "sock").st_mode)
+        cli.connect(str(d / "sock"))
+        conn, _ = srv.accept()
+        with conn:
+            cli.sendall(b"ping")
+            assert conn.recv(4) == b"ping"
 
 
 # -- readdir ----------------------------------------------------------------------------------
@@ -819,7 +864,7 @@ def test_readdir_sizes(d: Path) -> None:
     sample = sorted(names)[::500]
     assert all(by_scandir[n] == (os.stat(many / n).st_ino, True) for n in sample)
     out = subprocess.run(["ls", "-a", many], capture_output=True, text=True, check=True).stdout
-    assert set(out.split()) - {".", ".."} == names
+    assert sorted(out.split()) == sorted([".", "..", *names])  # dot entries exactly once
     os.mkdir(d / "kinds")
     (d / "kinds" / "f").touch()
     os.mkdir(d / "kinds" / "sub")
@@ -873,6 +918,35 @@ def test_readdir_stable_under_churn(d: Path) -> None:
     finally:
         churn.terminate()
         churn.wait(timeout=10)
+
+
+def test_dot_entries(fs: Mounted, d: Path) -> None:
+    """readdir returns "." and ".." with the right inode numbers, also at the mount root."""
+    os.mkdir(d / "sub")
+    out = subprocess.run(["ls", "-a1", d / "sub"], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [".", ".."]
+    assert dot_inos(d / "sub") == {".": os.stat(d / "sub").st_ino, "..": os.stat(d).st_ino}
+    out = subprocess.run(["ls", "-a1", fs.path], capture_output=True, text=True, check=True)
+    assert out.stdout.splitlines().count(".") == 1 and out.stdout.splitlines().count("..") == 1
+
+
+def test_removed_directory_still_open(fs: Mounted, d: Path) -> None:
+    """Like an unlinked open file, a removed directory lives while a handle is open."""
+    os.mkdir(d / "gone")
+    files = os.statvfs(fs.path).f_ffree
+    fd = os.open(d / "gone", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.rmdir(d / "gone")
+        assert not (d / "gone").exists()
+        st = os.fstat(fd)
+        assert stat.S_ISDIR(st.st_mode) and st.st_nlink == 0
+        assert os.listdir(fd) == []
+        expect(errno.ENOENT, os.open, "new", os.O_CREAT | os.O_WRONLY, dir_fd=fd)
+        expect(errno.ENOENT, os.mkdir, "new", dir_fd=fd)
+    finally:
+        os.close(fd)
+    # the inode went with the last handle
+    assert wait_for(lambda: os.statvfs(fs.path).f_ffree, files + 1)
 
 
 def test_rewinddir_sees_new_entries(d: Path) -> None:
@@ -1009,8 +1083,8 @@ def test_layout_xattr(d: Path) -> None:
     assert "stripe_count=1" in os.getxattr(d / "narrow" / "sub" / "h", "user.memfs.layout").decode()
     # an empty file can still change layout; one with data cannot
     os.setxattr(f, "user.memfs.layout", b"stripe_count=2 stripe_size=2M")
-    layout = os.getxattr(f, "user.memfs.layout").decode().split()
-    assert "stripe_count=2" in layout and "stripe_size=2M" in layout
+    fields = os.getxattr(f, "user.memfs.layout").decode().split()
+    assert "stripe_count=2" in fields and "stripe_size=2M" in fields
     data = os.urandom(5 * STRIPE + 3)
     f.write_bytes(data)
     assert read_uncached(f) == data
@@ -1277,4 +1351,4 @@ def test_concurrent_processes(fs: Mounted, d: Path) -> None:
     for me in range(procs_n):
         shutil.rmtree(d / f"p{me}")
     assert wait_bfree(fs.path, start) == start
-    assert os.statvfs(fs.path).f_ffree == files_start
+    assert wait_for(lambda: os.statvfs(fs.path).f_ffree, files_start)
