@@ -37,9 +37,20 @@ def runtime_dir() -> Path:
     return Path(base) / "memfs" if "XDG_RUNTIME_DIR" in os.environ else Path(base)
 
 
+def canonical(path: str) -> str:
+    """Absolute path with symlinks resolved in the parent only.
+
+    ``realpath`` would stat the mountpoint itself, which hangs if its daemon is
+    stuck; mount tables list canonical paths, so the parent is enough.
+    """
+    path = os.path.abspath(path)
+    parent, name = os.path.split(path)
+    return os.path.join(os.path.realpath(parent), name) if name else path
+
+
 def instance_name(mountpoint: str) -> str:
     """A file name for a mountpoint: ``/mnt/memfs`` -> ``mnt-memfs``."""
-    name = re.sub(r"[^A-Za-z0-9_.]+", "-", os.path.realpath(mountpoint).strip("/"))
+    name = re.sub(r"[^A-Za-z0-9_.]+", "-", canonical(mountpoint).strip("/"))
     return name or "root"
 
 
@@ -52,7 +63,7 @@ def default_log_file(mountpoint: str) -> Path:
 
 
 def is_mounted(path: str) -> bool:
-    real = os.path.realpath(path)
+    real = canonical(path)
     try:
         with open("/proc/self/mounts") as f:
             for line in f:
@@ -235,7 +246,7 @@ def _report(wfd: int, message: str) -> None:
 
 
 def cmd_umount(args: argparse.Namespace) -> int:
-    path = os.path.realpath(args.mountpoint)
+    path = canonical(args.mountpoint)
     if not is_mounted(path):
         raise UsageError(f"{args.mountpoint} is not mounted")
     pidf = pid_file(path)
@@ -247,12 +258,12 @@ def cmd_umount(args: argparse.Namespace) -> int:
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode:
         raise UsageError(res.stderr.strip() or f"{' '.join(cmd)} failed")
-    while pid is not None and _alive(pid):
+    while pid is not None and alive(pid):
         time.sleep(0.05)
     return 0
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     """True while *pid* runs.
 
     An exited daemon stays a zombie until its parent (init, or a subreaper such

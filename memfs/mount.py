@@ -181,8 +181,10 @@ def run(opts: MountOptions, ready: Callable[[], None] | None = None) -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     tune_malloc()
     ops = build(opts)
-    pyfuse3.init(ops, opts.mountpoint, fuse_options(opts))
-    unmount = True
+    try:
+        pyfuse3.init(ops, opts.mountpoint, fuse_options(opts))
+    except RuntimeError as exc:  # libfuse printed its reason on stderr already
+        raise UsageError(f"cannot mount {opts.mountpoint}: {exc}") from None
     try:
         log.info(
             "mounted %s: %d volumes x %d MiB, stripe %d KiB, chunk %d KiB",
@@ -194,9 +196,11 @@ def run(opts: MountOptions, ready: Callable[[], None] | None = None) -> int:
         sd_notify("READY=1")
         trio.run(_serve, ops, opts)
         sd_notify("STOPPING=1")
-        unmount = os.path.ismount(opts.mountpoint)
     finally:
-        pyfuse3.close(unmount=unmount)
+        # Always unmount: libfuse closes /dev/fuse first (so nothing can wait on
+        # us any more) and skips the umount if the kernel already dropped it.
+        # Never stat the mountpoint here: no one is left to answer.
+        pyfuse3.close(unmount=True)
         trio.run(ops.data.transport.aclose)
         log.info("unmounted %s", opts.mountpoint)
     return 0

@@ -256,11 +256,6 @@ def test_background_mount_and_umount(
 
 
 @needs_mount
-@pytest.mark.xfail(
-    strict=True,
-    reason="mount.run() checks os.path.ismount(MNT) after SIGTERM stopped the request loop: "
-    "the daemon stats its own mount and waits forever for itself to answer",
-)
 def test_background_sigterm(mountpoint: Path, tmp_path: Path, subreaper: Callable[[], None]) -> None:
     """SIGTERM to the daemon (what systemd sends) unmounts and exits 0."""
     log = tmp_path / "daemon.log"
@@ -324,11 +319,6 @@ def test_foreground_umount_command(mountpoint: Path, tmp_path: Path) -> None:
 
 
 @needs_mount
-@pytest.mark.xfail(
-    strict=True,
-    reason="mount.run() checks os.path.ismount(MNT) after SIGTERM stopped the request loop: "
-    "the daemon stats its own mount and waits forever for itself to answer",
-)
 def test_foreground_sigterm(mountpoint: Path, tmp_path: Path) -> None:
     """SIGTERM (Ctrl-C's sibling, and what a supervisor sends) unmounts and exits 0."""
     log = tmp_path / "fg.log"

@@ -356,7 +356,7 @@ async def test_rename_replace_frees_space(meta: Meta) -> None:
     assert end.files_free == start.files_free + 1
 
 
-async def test_rename_replace_open_target_keeps_it_alive(meta: Meta) -> None:
+async def test_rename_replace_open_target_keeps_italive(meta: Meta) -> None:
     await mkfile(meta, b"a")
     b = await mkfile(meta, b"b")
     await meta.open(b.ino)
