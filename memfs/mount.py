@@ -8,7 +8,6 @@ runs, so a daemon that fails never leaves a dead mount behind.
 
 from __future__ import annotations
 
-import ctypes
 import faulthandler
 import logging
 import os
@@ -72,23 +71,6 @@ def mem_available() -> int | None:
     except OSError:
         pass
     return None
-
-
-def tune_malloc() -> None:
-    """Keep 1 MiB request buffers on the heap.
-
-    pyfuse3 allocates a fresh ``bytes`` per write request; above glibc's mmap
-    threshold each one is an mmap/munmap pair plus 256 page faults.  Measured
-    here: a first 1 GiB dd into a fresh mount ran at 0.38 GB/s before, see the
-    README's benchmark table for after.
-    """
-    try:
-        libc = ctypes.CDLL(None)
-        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-        libc.mallopt(M_MMAP_THRESHOLD, 16 << 20)
-        libc.mallopt(M_TRIM_THRESHOLD, 128 << 20)
-    except (OSError, AttributeError):  # not glibc
-        log.debug("mallopt unavailable")
 
 
 def check_memory(pool: PoolConfig) -> None:
@@ -179,7 +161,6 @@ def run(opts: MountOptions, ready: Callable[[], None] | None = None) -> int:
     """Mount, serve until unmounted, clean up.  Returns the exit status."""
     faulthandler.enable()
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    tune_malloc()
     ops = build(opts)
     try:
         pyfuse3.init(ops, opts.mountpoint, fuse_options(opts))

@@ -558,22 +558,21 @@ class MetaStore(Meta):
         end = offset + length
         chunks = i.chunks
         zero: list[tuple[int, int, int]] = []
-        if length:
-            first, last = offset // cs, (end - 1) // cs
-            missing = [k for k in range(first, last + 1) if k not in chunks]
-            if missing:
-                self._allocate(i, missing)
-                for k in missing:
-                    vol = i.layout.volume_of_chunk(k, cs)
-                    start = k * cs
-                    if start < offset:
-                        zero.append((vol, chunks[k], offset - start))
-                    if start + cs > end:
-                        zero.append((vol, chunks[k] + end - start, start + cs - end))
+        first, last = offset // cs, (end - 1) // cs
+        missing = [k for k in range(first, last + 1) if k not in chunks]
+        if missing:
+            self._allocate(i, missing)
+            for k in missing:
+                vol = i.layout.volume_of_chunk(k, cs)
+                start = k * cs
+                if start < offset:
+                    zero.append((vol, chunks[k], offset - start))
+                if start + cs > end:
+                    zero.append((vol, chunks[k] + end - start, start + cs - end))
         if end > i.size:
             i.size = end
         i.mtime_ns = i.ctime_ns = _now()
-        return WritePlan(self._extents(i, offset, end) if length else [], zero)
+        return WritePlan(self._extents(i, offset, end), zero)
 
     def _allocate(self, i: Inode, missing: list[int]) -> None:
         """Allocate all of *missing* or nothing (ENOSPC)."""
