@@ -36,37 +36,12 @@ async def local(n_volumes: int, volume_size: int) -> AsyncIterator[Transport]:
         await t.aclose()
 
 
-def _rdma_unavailable() -> str | None:
-    try:
-        from pyverbs.device import get_device_list
-    except ImportError:
-        return "no RDMA device (pyverbs is not installed)"
-    try:
-        devices = get_device_list()
-    except Exception as exc:  # pyverbs raises its own errors when libibverbs is unhappy
-        return f"no RDMA device ({exc})"
-    return None if devices else "no RDMA device"
-
-
-RDMA_SKIP = _rdma_unavailable()
-
-
-@asynccontextmanager
-async def verbs(n_volumes: int, volume_size: int) -> AsyncIterator[Transport]:
-    # Start n_volumes ``memfs memd`` servers on the RDMA device here and yield a
-    # connected memfs.transport.verbs transport once it exists.
-    pytest.skip("the verbs transport is not implemented yet")
-    yield  # pragma: no cover  (unreachable: makes this an async generator)
-
-
-# One line per implementation.  Add ``pytest.param(tcp, id="tcp")`` here: a factory
-# that starts ``memfs memd`` servers (n_volumes x volume_size) in-process or as
-# subprocesses and yields a connected TCP transport, closing both afterwards.
+# One line per implementation.  The tcp and verbs transports (issue 3) join here
+# as factories that start ``memfs memd`` servers (n_volumes x volume_size) and
+# yield a connected client, closing both afterwards; verbs with a skipif that
+# names the reason where pyverbs finds no RDMA device.
 IMPLEMENTATIONS = [
     pytest.param(local, id="local"),
-    pytest.param(
-        verbs, id="verbs", marks=pytest.mark.skipif(RDMA_SKIP is not None, reason=str(RDMA_SKIP))
-    ),
 ]
 
 
