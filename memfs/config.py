@@ -64,3 +64,64 @@ class PoolConfig:
         """Bytes per volume, rounded down to whole chunks."""
         per = self.size // self.volumes
         return per - per % self.chunk_size
+
+
+# -- pool specs ---------------------------------------------------------------------
+
+SCHEMES = ("tcp", "verbs")
+_VOLUME_RE = re.compile(r"^(?P<scheme>[a-z]+)://(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d+)/(?P<vol>\d+)$")
+
+
+@dataclass(frozen=True, slots=True)
+class VolumeAddr:
+    """One volume of a pool: ``tcp://host:port/N`` is volume N of the memd at host:port."""
+
+    scheme: str
+    host: str
+    port: int
+    volume: int
+
+    @property
+    def server(self) -> tuple[str, int]:
+        return (self.host, self.port)
+
+    def __str__(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{self.scheme}://{host}:{self.port}/{self.volume}"
+
+
+def parse_pool_spec(spec: str) -> list[VolumeAddr]:
+    """Parse ``tcp://10.0.0.2:7100/0+tcp://10.0.0.2:7100/1+verbs://mem3:7100/0``.
+
+    Grammar: ``SPEC := VOLUME ("+" VOLUME)*``, ``VOLUME := SCHEME "://" HOST ":"
+    PORT "/" INDEX`` with SCHEME ``tcp`` or ``verbs``, HOST a name, an IPv4
+    address or a bracketed IPv6 address.  The order is the pool's volume order.
+    """
+    vols: list[VolumeAddr] = []
+    if not spec.strip():
+        raise UsageError("empty pool spec")
+    for item in spec.strip().split("+"):
+        m = _VOLUME_RE.match(item.strip())
+        if not m:
+            raise UsageError(
+                f"bad pool volume {item!r}: expected SCHEME://HOST:PORT/INDEX, "
+                "e.g. tcp://10.0.0.2:7100/0"
+            )
+        if m["scheme"] not in SCHEMES:
+            raise UsageError(f"bad pool volume {item!r}: scheme must be one of {', '.join(SCHEMES)}")
+        port = int(m["port"])
+        if not 0 < port < 65536:
+            raise UsageError(f"bad pool volume {item!r}: port out of range")
+        vol = VolumeAddr(m["scheme"], m["host"].strip("[]"), port, int(m["vol"]))
+        if vol in vols:
+            raise UsageError(f"pool volume {item} is listed twice")
+        vols.append(vol)
+    return vols
+
+
+def parse_hostport(text: str, what: str = "address") -> tuple[str, int]:
+    """``HOST:PORT`` or ``[V6]:PORT``."""
+    m = re.match(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]*):(\d+)$", text.strip())
+    if not m or not 0 <= int(m[2]) < 65536:
+        raise UsageError(f"bad {what} {text!r}: expected HOST:PORT")
+    return (m[1].strip("[]") or "0.0.0.0", int(m[2]))

@@ -1,0 +1,321 @@
+"""The memfs wire protocol: framing, codecs and authentication, with no I/O.
+
+Every message on a memfs connection (memory server or metadata server) is a
+frame: a fixed 12-byte header followed by ``length`` payload bytes::
+
+    magic "MF" | version u8 | kind u8 | request id u32 | payload length u32
+
+(network byte order).  Requests carry a client-chosen id; the reply to a request
+carries the same id, so several requests can be outstanding on one connection
+and replies matched as they come.  A frame whose header is wrong in any way
+(magic, version, unknown kind, length above the receiver's limit) is a protocol
+error: the receiver closes that connection.
+
+Payloads:
+
+* data requests to ``memfs memd`` use fixed structs (:data:`READ`,
+  :data:`WRITE`, :data:`ZERO`); WRITE's data follows its struct, READ's reply
+  payload is the raw bytes, so a receiver can ``recv_into`` the destination;
+* control and metadata messages carry one value in a small tagged binary
+  encoding (:func:`encode` / :func:`decode`: None, bool, int64, float, bytes,
+  str, list, dict);
+* errors carry an errno and a message (:func:`encode_error`).
+
+Authentication (:class:`Handshake`): the server sends a random nonce; the
+client answers with its own nonce and ``HMAC-SHA256(secret, "memfs-client" |
+role | server nonce | client nonce)``; the server checks it and proves itself
+with ``HMAC(secret, "memfs-server" | client nonce | server nonce)``.  The secret
+never crosses the wire; a server refuses every other frame before this
+succeeds.
+"""
+
+from __future__ import annotations
+
+import enum
+import errno as errno_mod
+import hashlib
+import hmac
+import os
+import stat
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from memfs.errors import UsageError
+
+MAGIC = b"MF"
+VERSION = 1
+HEADER = struct.Struct("!2sBBII")
+HEADER_SIZE = HEADER.size  # 12
+#: default largest payload a receiver accepts: a 16 MiB write plus its struct
+MAX_PAYLOAD = (16 << 20) + 64
+NONCE_SIZE = 32
+MAC_SIZE = 32
+
+
+class Kind(enum.IntEnum):
+    # handshake
+    HELLO = 1  # server -> client: server nonce
+    AUTH = 2  # client -> server: role, client nonce, client proof
+    WELCOME = 3  # server -> client: server proof
+    # replies
+    OK = 10  # payload depends on the request
+    ERROR = 11  # errno u32 + utf-8 message
+    # memory server
+    INFO = 20  # -> OK(value: pool description)
+    READ = 21  # READ struct -> OK(raw bytes)
+    WRITE = 22  # WRITE struct + data -> OK(empty)
+    ZERO = 23  # ZERO struct -> OK(empty)
+    # metadata server
+    CALL = 30  # value [method, args...] -> OK(value)
+
+
+_KINDS = frozenset(int(k) for k in Kind)
+
+READ = struct.Struct("!IQI")  # volume, offset, length
+WRITE = struct.Struct("!IQ")  # volume, offset; data follows
+ZERO = struct.Struct("!IQQ")  # volume, offset, length
+_ERRNO = struct.Struct("!I")
+
+
+class WireError(Exception):
+    """The peer broke the protocol; the connection must be closed."""
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    kind: Kind
+    req_id: int
+    length: int
+
+
+def pack_header(kind: Kind, req_id: int, length: int) -> bytes:
+    return HEADER.pack(MAGIC, VERSION, kind, req_id & 0xFFFFFFFF, length)
+
+
+def parse_header(data: bytes | bytearray | memoryview, max_payload: int = MAX_PAYLOAD) -> Header:
+    """Validate and decode a 12-byte header."""
+    if len(data) != HEADER_SIZE:
+        raise WireError(f"header of {len(data)} bytes")
+    magic, version, kind, req_id, length = HEADER.unpack(data)
+    if magic != MAGIC:
+        raise WireError(f"bad magic {bytes(magic)!r}")
+    if version != VERSION:
+        raise WireError(f"protocol version {version}, expected {VERSION}")
+    if kind not in _KINDS:
+        raise WireError(f"unknown frame kind {kind}")
+    if length > max_payload:
+        raise WireError(f"payload of {length} bytes exceeds the limit of {max_payload}")
+    return Header(Kind(kind), req_id, length)
+
+
+def frame(kind: Kind, req_id: int, payload: bytes = b"") -> bytes:
+    return pack_header(kind, req_id, len(payload)) + payload
+
+
+# -- errors -------------------------------------------------------------------------
+
+
+def encode_error(err: int, message: str = "") -> bytes:
+    return _ERRNO.pack(err) + message.encode("utf-8", "replace")[:1024]
+
+
+def decode_error(payload: bytes | bytearray | memoryview) -> tuple[int, str]:
+    if len(payload) < _ERRNO.size:
+        raise WireError("truncated error payload")
+    (err,) = _ERRNO.unpack_from(payload)
+    return err or errno_mod.EIO, bytes(payload[_ERRNO.size :]).decode("utf-8", "replace")
+
+
+# -- data request structs --------------------------------------------------------------
+
+
+def unpack_exact(st: struct.Struct, payload: bytes | bytearray | memoryview) -> tuple[Any, ...]:
+    """Unpack a fixed struct that must be the whole payload."""
+    if len(payload) != st.size:
+        raise WireError(f"payload of {len(payload)} bytes, expected {st.size}")
+    return st.unpack(payload)
+
+
+# -- value codec -----------------------------------------------------------------------
+
+_I64 = struct.Struct("!q")
+_F64 = struct.Struct("!d")
+_LEN = struct.Struct("!I")
+MAX_DEPTH = 32
+
+
+def encode(value: Any) -> bytes:
+    """Encode None, bool, int (64-bit), float, bytes, str, list/tuple, dict."""
+    out = bytearray()
+    _enc(value, out, 0)
+    return bytes(out)
+
+
+def _enc(v: Any, out: bytearray, depth: int) -> None:
+    if depth > MAX_DEPTH:
+        raise ValueError("value nested too deeply")
+    if v is None:
+        out += b"N"
+    elif v is True:
+        out += b"T"
+    elif v is False:
+        out += b"F"
+    elif isinstance(v, int):
+        if not -(1 << 63) <= v < (1 << 63):
+            raise ValueError(f"integer {v} does not fit in 64 bits")
+        out += b"i" + _I64.pack(v)
+    elif isinstance(v, float):
+        out += b"f" + _F64.pack(v)
+    elif isinstance(v, (bytes, bytearray, memoryview)):
+        b = bytes(v)
+        out += b"b" + _LEN.pack(len(b)) + b
+    elif isinstance(v, str):
+        b = v.encode("utf-8")
+        out += b"s" + _LEN.pack(len(b)) + b
+    elif isinstance(v, (list, tuple)):
+        out += b"l" + _LEN.pack(len(v))
+        for item in v:
+            _enc(item, out, depth + 1)
+    elif isinstance(v, dict):
+        out += b"d" + _LEN.pack(len(v))
+        for key, item in v.items():
+            _enc(key, out, depth + 1)
+            _enc(item, out, depth + 1)
+    else:
+        raise TypeError(f"cannot encode {type(v).__name__}")
+
+
+def decode(data: bytes | bytearray | memoryview) -> Any:
+    """Inverse of :func:`encode`; any malformed input raises :class:`WireError`."""
+    view = memoryview(data).cast("B")
+    try:
+        value, pos = _dec(view, 0, 0)
+    except (struct.error, IndexError, UnicodeDecodeError, TypeError) as exc:
+        raise WireError(f"malformed value: {exc}") from None
+    if pos != len(view):
+        raise WireError(f"{len(view) - pos} trailing bytes after value")
+    return value
+
+
+def _dec(v: memoryview, pos: int, depth: int) -> tuple[Any, int]:
+    if depth > MAX_DEPTH:
+        raise WireError("value nested too deeply")
+    tag = v[pos]
+    pos += 1
+    if tag == 0x4E:  # N
+        return None, pos
+    if tag == 0x54:  # T
+        return True, pos
+    if tag == 0x46:  # F
+        return False, pos
+    if tag == 0x69:  # i
+        return _I64.unpack_from(v, pos)[0], pos + 8
+    if tag == 0x66:  # f
+        return _F64.unpack_from(v, pos)[0], pos + 8
+    if tag in (0x62, 0x73):  # b, s
+        (n,) = _LEN.unpack_from(v, pos)
+        pos += 4
+        if pos + n > len(v):
+            raise WireError("string runs past the end")
+        raw = bytes(v[pos : pos + n])
+        return (raw if tag == 0x62 else raw.decode("utf-8")), pos + n
+    if tag == 0x6C:  # l
+        (n,) = _LEN.unpack_from(v, pos)
+        pos += 4
+        if n > len(v) - pos:  # every item takes at least one byte
+            raise WireError("list longer than its frame")
+        items = []
+        for _ in range(n):
+            item, pos = _dec(v, pos, depth + 1)
+            items.append(item)
+        return items, pos
+    if tag == 0x64:  # d
+        (n,) = _LEN.unpack_from(v, pos)
+        pos += 4
+        if 2 * n > len(v) - pos:
+            raise WireError("dict longer than its frame")
+        d: dict[Any, Any] = {}
+        for _ in range(n):
+            key, pos = _dec(v, pos, depth + 1)
+            if isinstance(key, (list, dict)):
+                raise WireError("unhashable dict key")
+            d[key], pos = _dec(v, pos, depth + 1)
+        return d, pos
+    raise WireError(f"unknown value tag {tag:#x}")
+
+
+# -- authentication ------------------------------------------------------------------------
+
+
+def load_secret(path: str | os.PathLike[str]) -> bytes:
+    """Read a shared secret file; it must be private (no group/other access) and non-empty."""
+    p = Path(path)
+    try:
+        st = p.stat()
+        data = p.read_bytes().strip()
+    except OSError as exc:
+        raise UsageError(f"cannot read secret file {p}: {exc.strerror}") from None
+    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise UsageError(f"secret file {p} is readable by others (mode {st.st_mode & 0o777:o}); chmod 600 it")
+    if len(data) < 16:
+        raise UsageError(f"secret file {p} holds fewer than 16 bytes")
+    return data
+
+
+def _mac(secret: bytes, *parts: bytes) -> bytes:
+    return hmac.new(secret, b"".join(parts), hashlib.sha256).digest()
+
+
+_AUTH_HEAD = struct.Struct(f"!{NONCE_SIZE}s{MAC_SIZE}sB")
+
+
+class Handshake:
+    """The challenge-response exchange for one connection, for either side.
+
+    Server: ``hello()`` -> send; ``check_auth(payload)`` -> role or WireError;
+    then send ``welcome()``.  Client: ``auth(hello_payload, role)`` -> send;
+    ``check_welcome(payload)``.  An empty secret means "no authentication
+    configured": both sides still run the exchange, with an empty key.
+    """
+
+    def __init__(self, secret: bytes) -> None:
+        self.secret = secret
+        self.server_nonce = b""
+        self.client_nonce = b""
+
+    # server side
+    def hello(self) -> bytes:
+        self.server_nonce = os.urandom(NONCE_SIZE)
+        return self.server_nonce
+
+    def check_auth(self, payload: bytes | bytearray | memoryview) -> str:
+        if len(payload) < _AUTH_HEAD.size:
+            raise WireError("truncated AUTH")
+        nonce, mac, role_len = _AUTH_HEAD.unpack_from(payload)
+        role_raw = bytes(payload[_AUTH_HEAD.size :])
+        if len(role_raw) != role_len:
+            raise WireError("bad AUTH role length")
+        expected = _mac(self.secret, b"memfs-client\0", role_raw, self.server_nonce, nonce)
+        if not hmac.compare_digest(mac, expected):
+            raise WireError("authentication failed")
+        self.client_nonce = nonce
+        return role_raw.decode("ascii", "replace")
+
+    def welcome(self) -> bytes:
+        return _mac(self.secret, b"memfs-server\0", self.client_nonce, self.server_nonce)
+
+    # client side
+    def auth(self, hello: bytes | bytearray | memoryview, role: str) -> bytes:
+        if len(hello) != NONCE_SIZE:
+            raise WireError("bad HELLO")
+        self.server_nonce = bytes(hello)
+        self.client_nonce = os.urandom(NONCE_SIZE)
+        role_raw = role.encode("ascii")
+        mac = _mac(self.secret, b"memfs-client\0", role_raw, self.server_nonce, self.client_nonce)
+        return _AUTH_HEAD.pack(self.client_nonce, mac, len(role_raw)) + role_raw
+
+    def check_welcome(self, payload: bytes | bytearray | memoryview) -> None:
+        if not hmac.compare_digest(bytes(payload), self.welcome()):
+            raise WireError("server failed to prove it knows the secret")
