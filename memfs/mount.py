@@ -13,7 +13,8 @@ import logging
 import os
 import signal
 import socket
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import pyfuse3
@@ -24,7 +25,9 @@ from memfs.config import PoolConfig
 from memfs.data import DataEngine
 from memfs.errors import UsageError
 from memfs.fs import Operations
+from memfs.meta import Meta
 from memfs.meta.store import MetaStore
+from memfs.transport import Transport
 from memfs.transport.local import LocalTransport
 
 log = logging.getLogger(__name__)
@@ -83,19 +86,18 @@ def check_memory(pool: PoolConfig) -> None:
         )
 
 
-def build(opts: MountOptions) -> Operations:
-    """Create the embedded pool (metadata, volumes) and the FUSE operations over it."""
+@asynccontextmanager
+async def open_backend(opts: MountOptions) -> AsyncIterator[tuple[Meta, Transport]]:
+    """The metadata service and transport this mount uses, closed on exit.
+
+    Embedded: both live in this process.
+    """
     check_memory(opts.pool)
     transport = LocalTransport(opts.pool.volumes, opts.pool.volume_size)
-    meta = MetaStore(opts.pool)
-    return Operations(
-        meta,
-        DataEngine(meta, transport),
-        writeback_cache=opts.writeback_cache,
-        attr_timeout=opts.attr_timeout,
-        entry_timeout=opts.attr_timeout,
-        negative_timeout=opts.attr_timeout,
-    )
+    try:
+        yield MetaStore(opts.pool), transport
+    finally:
+        await transport.aclose()
 
 
 def set_readahead(mountpoint: str, kib: int) -> None:
@@ -134,22 +136,13 @@ def sd_notify(message: str) -> None:
         log.warning("sd_notify failed: %s", exc)
 
 
-async def _serve(ops: Operations, opts: MountOptions) -> None:
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(_watch_signals, nursery.cancel_scope)
-        if opts.readahead_kib:
-            nursery.start_soon(_tune_after_init, ops, opts)
-        await pyfuse3.main(min_tasks=1, max_tasks=opts.max_tasks)
-        nursery.cancel_scope.cancel()
-
-
 async def _tune_after_init(ops: Operations, opts: MountOptions) -> None:
     await ops.initialized.wait()
     await trio.lowlevel.checkpoint()  # the worker that ran init() has sent the reply by now
     set_readahead(opts.mountpoint, opts.readahead_kib)
 
 
-async def _watch_signals(scope: trio.CancelScope) -> None:
+async def _watch_signals() -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async for signum in signals:
             log.info("received %s, unmounting", signal.Signals(signum).name)
@@ -161,27 +154,43 @@ def run(opts: MountOptions, ready: Callable[[], None] | None = None) -> int:
     """Mount, serve until unmounted, clean up.  Returns the exit status."""
     faulthandler.enable()
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    ops = build(opts)
-    try:
-        pyfuse3.init(ops, opts.mountpoint, fuse_options(opts))
-    except RuntimeError as exc:  # libfuse printed its reason on stderr already
-        raise UsageError(f"cannot mount {opts.mountpoint}: {exc}") from None
-    try:
-        log.info(
-            "mounted %s: %d volumes x %d MiB, stripe %d KiB, chunk %d KiB",
-            opts.mountpoint, opts.pool.volumes, opts.pool.volume_size >> 20,
-            opts.pool.stripe_size >> 10, opts.pool.chunk_size >> 10,
-        )
-        if ready is not None:
-            ready()
-        sd_notify("READY=1")
-        trio.run(_serve, ops, opts)
-        sd_notify("STOPPING=1")
-    finally:
-        # Always unmount: libfuse closes /dev/fuse first (so nothing can wait on
-        # us any more) and skips the umount if the kernel already dropped it.
-        # Never stat the mountpoint here: no one is left to answer.
-        pyfuse3.close(unmount=True)
-        trio.run(ops.data.transport.aclose)
-        log.info("unmounted %s", opts.mountpoint)
+    trio.run(_main, opts, ready)
     return 0
+
+
+async def _main(opts: MountOptions, ready: Callable[[], None] | None) -> None:
+    async with open_backend(opts) as (meta, transport):
+        ops = Operations(
+            meta,
+            DataEngine(meta, transport),
+            writeback_cache=opts.writeback_cache,
+            attr_timeout=opts.attr_timeout,
+            entry_timeout=opts.attr_timeout,
+            negative_timeout=opts.attr_timeout,
+        )
+        try:
+            pyfuse3.init(ops, opts.mountpoint, fuse_options(opts))
+        except RuntimeError as exc:  # libfuse printed its reason on stderr already
+            raise UsageError(f"cannot mount {opts.mountpoint}: {exc}") from None
+        try:
+            log.info(
+                "mounted %s: %d volumes x %d MiB, stripe %d KiB, chunk %d KiB",
+                opts.mountpoint, opts.pool.volumes, opts.pool.volume_size >> 20,
+                opts.pool.stripe_size >> 10, opts.pool.chunk_size >> 10,
+            )
+            if ready is not None:
+                ready()
+            sd_notify("READY=1")
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_watch_signals)
+                if opts.readahead_kib:
+                    nursery.start_soon(_tune_after_init, ops, opts)
+                await pyfuse3.main(min_tasks=1, max_tasks=opts.max_tasks)
+                nursery.cancel_scope.cancel()
+            sd_notify("STOPPING=1")
+        finally:
+            # Always unmount: libfuse closes /dev/fuse first (so nothing can wait
+            # on us any more) and skips the umount if the kernel already dropped
+            # it.  Never stat the mountpoint here: no one is left to answer.
+            pyfuse3.close(unmount=True)
+            log.info("unmounted %s", opts.mountpoint)
