@@ -5,7 +5,7 @@ MNT    ?= /mnt/memfs
 SIZE   ?= 4G
 MEMFS   = $(VENV)/bin/memfs
 
-.PHONY: install mount umount test lint bench clean
+.PHONY: install mount umount test lint bench bench-tcp clean
 
 install: $(VENV)/.installed
 
@@ -43,6 +43,9 @@ lint: install
 
 bench: install
 	$(VENV)/bin/python bench/fsbench.py $(BENCH_ARGS)
+
+bench-tcp: install
+	$(VENV)/bin/python bench/tcpbench.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -12,7 +12,6 @@ import faulthandler
 import logging
 import os
 import signal
-import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from memfs.config import PoolConfig
 from memfs.data import DataEngine
 from memfs.errors import UsageError
 from memfs.fs import Operations
+from memfs.host import mem_available, sd_notify
 from memfs.meta import Meta
 from memfs.meta.store import MetaStore
 from memfs.transport import Transport
@@ -65,17 +65,6 @@ def fuse_options(opts: MountOptions) -> set[str]:
     return out
 
 
-def mem_available() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def check_memory(pool: PoolConfig) -> None:
     """Refuse a pool this node cannot hold, before anything is allocated."""
     avail = mem_available()
@@ -95,7 +84,9 @@ async def open_backend(opts: MountOptions) -> AsyncIterator[tuple[Meta, Transpor
     check_memory(opts.pool)
     transport = LocalTransport(opts.pool.volumes, opts.pool.volume_size)
     try:
-        yield MetaStore(opts.pool), transport
+        # The root directory belongs to whoever mounts (root: 0/0, as before), so a
+        # user's own mount is theirs to chmod and chown, like a tmpfs they mounted.
+        yield MetaStore(opts.pool, root_uid=os.getuid(), root_gid=os.getgid()), transport
     finally:
         await transport.aclose()
 
@@ -119,21 +110,6 @@ def set_readahead(mountpoint: str, kib: int) -> None:
         log.debug("readahead of %s (%s) set to %d KiB", mountpoint, dev, kib)
     except (OSError, UnboundLocalError) as exc:
         log.info("cannot set readahead for %s: %s", mountpoint, exc)
-
-
-def sd_notify(message: str) -> None:
-    """Tell systemd (Type=notify) about our state, if it is listening."""
-    addr = os.environ.get("NOTIFY_SOCKET")
-    if not addr:
-        return
-    if addr.startswith("@"):
-        addr = "\0" + addr[1:]
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-            s.connect(addr)
-            s.sendall(message.encode())
-    except OSError as exc:
-        log.warning("sd_notify failed: %s", exc)
 
 
 async def _tune_after_init(ops: Operations, opts: MountOptions) -> None:

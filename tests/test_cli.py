@@ -9,10 +9,13 @@ and end it with status 0.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,6 +31,7 @@ from tests.conftest import MEMFS, MOUNT_SKIP, Mounted
 TIMEOUT = 30
 F = TypeVar("F", bound=Callable[..., Any])
 PR_SET_CHILD_SUBREAPER = 36
+NOBODY = 65534
 
 
 def memfs(*args: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess[str]:
@@ -147,6 +151,14 @@ BAD_ARGS = {
     "stripe_not_chunk_multiple": (["--stripe-size", "96K"], "--stripe-size"),
     "stripe_smaller_than_chunk": (["--stripe-size", "16K"], "--stripe-size"),
     "chunk_not_power_of_two": (["--chunk-size", "48K"], "--chunk-size"),
+    # The kernel would make a negative timeout 0 and a nan anything at all.
+    "attr_timeout_negative": (["--attr-timeout", "-1"], "--attr-timeout"),
+    "attr_timeout_nan": (["--attr-timeout", "nan"], "--attr-timeout"),
+    "attr_timeout_inf": (["--attr-timeout", "inf"], "--attr-timeout"),
+    # Opened by the parent, not the daemon: no traceback on the terminal.
+    "log_is_a_directory": (["--log", "/"], "log file"),
+    "log_unwritable": (["--log", "/proc/no/such.log"], "log file"),
+    "log_is_a_directory_foreground": (["--log", "/", "--foreground"], "log file"),
 }
 
 
@@ -372,3 +384,162 @@ def test_mount_helper_bad_option(mountpoint: Path) -> None:
         capture_output=True, text=True, timeout=TIMEOUT,
     )
     assert "--size" in assert_one_error_line(res)
+
+
+# -- review findings: what the user meets around crashes and other mounts ------------
+
+
+@needs_mount
+def test_mount_failure_says_why(mountpoint: Path) -> None:
+    """libfuse's and fusermount3's reason reaches the user, not only the daemon log."""
+    line = assert_one_error_line(memfs("mount", str(mountpoint), "--size", "16M", "-o", "no_such_opt"))
+    assert "unknown option" in line and "no_such_opt" in line, line
+    assert not is_mounted(str(mountpoint))
+
+
+@needs_mount
+def test_umount_refuses_other_filesystems(mountpoint: Path) -> None:
+    """As root, fusermount3 -u unmounts anything; ``memfs umount`` must not."""
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "review-tmpfs", str(mountpoint)], check=True)
+    try:
+        line = assert_one_error_line(memfs("umount", str(mountpoint)))
+        assert "tmpfs" in line and "not memfs" in line, line
+        assert is_mounted(str(mountpoint))
+    finally:
+        subprocess.run(["umount", str(mountpoint)], check=True)
+
+
+@needs_mount
+def test_daemon_leaves_the_callers_directory(mountpoint: Path, tmp_path: Path) -> None:
+    """A daemon started from inside another filesystem must not keep it busy."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    res = subprocess.run(
+        [*MEMFS, "mount", str(mountpoint), "--size", "16M", "--log", str(tmp_path / "d.log")],
+        capture_output=True, text=True, timeout=TIMEOUT, cwd=elsewhere,
+    )
+    assert res.returncode == 0, res.stderr
+    pid = int(pid_file(str(mountpoint)).read_text())
+    try:
+        assert os.readlink(f"/proc/{pid}/cwd") == "/"
+    finally:
+        assert memfs("umount", str(mountpoint)).returncode == 0
+
+
+@pytest.mark.mount
+def test_mount_through_symlink_does_not_stack(memfs_mount: Callable[..., Mounted], tmp_path: Path) -> None:
+    m = memfs_mount("--size", "16M")
+    link = tmp_path / "link"
+    link.symlink_to(m.path)
+    assert "already" in assert_one_error_line(memfs("mount", str(link), "--size", "16M"))
+    res = memfs("umount", str(link))  # umount(8) takes a symlink to the mountpoint too
+    assert res.returncode == 0, res.stderr
+    assert not is_mounted(str(m.path))
+
+
+@pytest.mark.mount
+def test_after_sigkill(memfs_mount: Callable[..., Mounted]) -> None:
+    """A killed daemon (SIGKILL, the OOM killer): the mount answers ENOTCONN.
+
+    ``memfs mount`` says it is still mounted (not "does not exist"), and ``memfs
+    umount`` cleans up without waiting for whatever process has the dead
+    daemon's pid by now, and removes the stale pid file.
+    """
+    m = memfs_mount("--size", "16M")
+    os.kill(m.pid, signal.SIGKILL)
+    deadline = time.monotonic() + TIMEOUT
+    while cli.alive(m.pid):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    with pytest.raises(OSError) as info:
+        os.stat(m.path)
+    assert info.value.errno == errno.ENOTCONN
+    line = assert_one_error_line(memfs("mount", str(m.path), "--size", "16M"))
+    assert "already a mountpoint" in line, line
+    pidf = pid_file(str(m.path))
+    with subprocess.Popen(["sleep", "60"]) as other:  # the pid, recycled
+        try:
+            pidf.write_text(f"{other.pid}\n")
+            res = memfs("umount", str(m.path), timeout=10)
+            assert res.returncode == 0, res.stderr
+        finally:
+            other.kill()
+    assert not is_mounted(str(m.path))
+    assert not pidf.exists()
+    usable_again = memfs("mount", str(m.path), "--size", "16M", "--log", str(m.log))
+    assert usable_again.returncode == 0, usable_again.stderr
+    m.pid = int(pidf.read_text())  # the fixture unmounts this one
+    usable(m.path, 16 << 20)
+
+
+@needs_mount
+def test_non_root_mount_belongs_to_the_user() -> None:
+    """A user's own mount: its root directory is theirs (chmod works), and a
+    mount they may not make fails with fusermount3's reason."""
+    if shutil.which("setpriv") is None:
+        pytest.skip("setpriv missing (util-linux)")
+    base = Path(tempfile.mkdtemp(prefix="memfs-user-", dir="/tmp"))
+    mnt = base / "mnt"
+    mnt.mkdir()
+    os.chown(base, NOBODY, NOBODY)
+    os.chown(mnt, NOBODY, NOBODY)
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(base)}  # pid and log files go there
+
+    def as_nobody(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *args],
+            capture_output=True, text=True, timeout=TIMEOUT, env=env, cwd="/",
+        )
+
+    try:
+        theirs = base / "root-owned"
+        theirs.mkdir(mode=0o755)
+        line = assert_one_error_line(as_nobody(sys.executable, "-m", "memfs", "mount", str(theirs)))
+        assert "fusermount3: user has no write access" in line, line
+        # --log elsewhere: the runtime directory for the pid file does not exist yet.
+        log = base / "user.log"
+        res = as_nobody(sys.executable, "-m", "memfs", "mount", str(mnt), "--size", "16M", "--log", str(log))
+        assert res.returncode == 0, res.stderr
+        assert (base / "memfs").is_dir() and "mounted" in log.read_text()
+        probe = f"import os; os.chmod({str(mnt)!r}, 0o700); st = os.stat({str(mnt)!r}); " \
+                "print(st.st_uid, st.st_gid, oct(st.st_mode & 0o7777))"
+        res = as_nobody(sys.executable, "-c", probe)
+        assert res.stdout.split() == [str(NOBODY), str(NOBODY), "0o700"], res
+        res = as_nobody(sys.executable, "-m", "memfs", "umount", str(mnt))
+        assert res.returncode == 0, res.stderr
+        assert not is_mounted(str(mnt))
+    finally:
+        if is_mounted(str(mnt)):
+            subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
+        shutil.rmtree(base)
+
+
+def test_instance_names_are_unique() -> None:
+    """Pid and log file names: escaped like ``systemd-escape -p``, so never shared."""
+    assert cli.instance_name("/mnt/memfs") == "mnt-memfs"
+    assert cli.instance_name("/mnt/a-b") != cli.instance_name("/mnt/a/b")
+    assert cli.instance_name("/mnt/a b") != cli.instance_name("/mnt/a/b")
+    assert cli.instance_name("/root") != cli.instance_name("/")
+
+
+@needs_mount
+def test_umount_of_one_of_two_similar_names(tmp_path: Path) -> None:
+    """``/x/a/b`` and ``/x/a-b`` once shared a pid file: umount of the first waited
+    for the daemon of the second, forever."""
+    one, two = tmp_path / "a" / "b", tmp_path / "a-b"
+    one.mkdir(parents=True)
+    two.mkdir()
+    try:
+        for mnt in (one, two):
+            res = memfs("mount", str(mnt), "--size", "16M", "--log", str(tmp_path / f"{mnt.name}.log"))
+            assert res.returncode == 0, res.stderr
+        res = memfs("umount", str(one), timeout=15)
+        assert res.returncode == 0, res.stderr
+        assert not is_mounted(str(one))
+        usable(two, 16 << 20)
+        res = memfs("umount", str(two), timeout=15)
+        assert res.returncode == 0, res.stderr
+    finally:
+        for mnt in (one, two):
+            if is_mounted(str(mnt)):
+                subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)

@@ -18,6 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from memfs.config import PoolConfig
+from memfs.data import DataEngine
+from memfs.fs import Operations
+from memfs.meta.store import MetaStore
+from memfs.transport.local import LocalTransport
 from tests.conftest import Mounted
 
 pytestmark = pytest.mark.mount
@@ -302,3 +307,22 @@ def test_no_leak(memfs_mount: Callable[..., Mounted]) -> None:
     blocks_free = st0.f_bfree * st0.f_frsize
     assert wait_free(m, blocks_free) == blocks_free
     assert os.statvfs(m.path).f_ffree == st0.f_ffree, "inodes leaked"
+
+
+async def test_statfs_past_the_nominal_inode_count() -> None:
+    """Inodes are not capped, so there may be more than statfs's nominal f_files.
+
+    f_ffree must then be 0, not negative: statvfs fields are unsigned, and the
+    negative count made every statfs (df) fail with EIO.  Creating a million
+    real inodes takes seconds, so stand-ins fill the embedded store's table.
+    """
+    pool = PoolConfig(size=16 << 20, volumes=2)
+    store = MetaStore(pool)
+    ops = Operations(store, DataEngine(store, LocalTransport(pool.volumes, pool.volume_size)))
+    nominal = (await store.statfs()).files
+    root = store.inodes[1]
+    store.inodes.update((10**9 + k, root) for k in range(nominal))
+    st = await ops.statfs(None)  # type: ignore[arg-type]  # ctx is not used
+    assert st.f_ffree == st.f_favail == 0
+    assert st.f_files >= len(store.inodes)
+    await ops.data.transport.aclose()

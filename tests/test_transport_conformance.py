@@ -1,7 +1,7 @@
 """Conformance suite for the :class:`memfs.transport.Transport` interface.
 
-Every transport (``local`` now; ``tcp`` and ``verbs`` against ``memfs memd`` later)
-runs this same suite through the ``transport`` fixture.  The data engine relies on
+Every transport (``local``, ``tcp`` against in-process memory servers; ``verbs``
+later) runs this same suite through the ``transport`` fixture.  The data engine relies on
 exactly these properties: bytes land where asked, the ends of a volume are
 reachable, out-of-range requests are refused instead of touching a neighbour, and
 concurrent requests from many trio tasks do not interfere.
@@ -17,9 +17,12 @@ import pytest
 import trio
 import trio.lowlevel
 
+from memfs.config import VolumeAddr
 from memfs.errors import TransportError
 from memfs.transport import Transport
 from memfs.transport.local import LocalTransport
+from memfs.transport.memd import MemoryServer
+from memfs.transport.tcp import open_tcp_transport
 
 N_VOLUMES = 4
 VOLUME_SIZE = 4 << 20  # bigger than internal buffers (LocalTransport zeroes 1 MiB per copy)
@@ -36,12 +39,30 @@ async def local(n_volumes: int, volume_size: int) -> AsyncIterator[Transport]:
         await t.aclose()
 
 
-# One line per implementation.  The tcp and verbs transports (issue 3) join here
-# as factories that start ``memfs memd`` servers (n_volumes x volume_size) and
-# yield a connected client, closing both afterwards; verbs with a skipif that
-# names the reason where pyverbs finds no RDMA device.
+@asynccontextmanager
+async def tcp(n_volumes: int, volume_size: int) -> AsyncIterator[Transport]:
+    """Two in-process memory servers on 127.0.0.1, pool volumes alternating between them."""
+    secret = b"conformance-secret-0123456789"
+    servers = [MemoryServer(n_volumes // 2, volume_size, secret) for _ in range(2)]
+    try:
+        async with trio.open_nursery() as nursery:
+            ports = [await nursery.start(s.serve, "127.0.0.1", 0) for s in servers]
+            pool = [VolumeAddr("tcp", "127.0.0.1", ports[i % 2], i // 2) for i in range(n_volumes)]
+            async with open_tcp_transport(pool, secret, io_timeout=10.0) as t:
+                yield t
+            nursery.cancel_scope.cancel()
+    finally:
+        for s in servers:
+            await s.aclose()
+
+
+# One line per implementation.  The verbs transport (issue 3) joins here as a
+# factory that starts ``memfs memd`` servers (n_volumes x volume_size) and
+# yields a connected client, with a skipif that names the reason where pyverbs
+# finds no RDMA device.
 IMPLEMENTATIONS = [
     pytest.param(local, id="local"),
+    pytest.param(tcp, id="tcp"),
 ]
 
 

@@ -16,6 +16,7 @@ import errno
 import logging
 import stat
 import time
+from collections.abc import Callable
 
 from memfs.config import PoolConfig
 from memfs.errors import FsError, UsageError
@@ -123,7 +124,16 @@ class MetaStore(Meta):
         ]
         self.inodes: dict[int, Inode] = {}
         self._next_ino = ROOT_INO
-        root = self._new_inode(stat.S_IFDIR | root_mode, root_uid, root_gid, _now())
+        #: the clock every timestamp comes from; the metadata server injects one that
+        #: it records, so journal replay stamps exactly the same times
+        self.now: Callable[[], int] = _now
+        #: called with the number of every inode destroyed (the journal records it)
+        self.on_destroy: Callable[[int], None] | None = None
+        #: journal replay: destroy nothing implicitly; the recorded destructions are
+        #: applied with :meth:`destroy` (open counts, which decide when an unlinked
+        #: inode dies, are not journaled)
+        self.defer_destroy = False
+        root = self._new_inode(stat.S_IFDIR | root_mode, root_uid, root_gid, self.now())
         root.nlink = 2
         root.parent = ROOT_INO
 
@@ -188,9 +198,21 @@ class MetaStore(Meta):
         self._maybe_destroy(inode)
 
     def _maybe_destroy(self, inode: Inode) -> None:
-        if inode.nlink <= 0 and inode.opens <= 0:
-            self._free_chunks(inode)
-            del self.inodes[inode.ino]
+        if inode.nlink <= 0 and inode.opens <= 0 and not self.defer_destroy:
+            self._destroy(inode)
+
+    def _destroy(self, inode: Inode) -> None:
+        self._free_chunks(inode)
+        del self.inodes[inode.ino]
+        if self.on_destroy is not None:
+            self.on_destroy(inode.ino)
+
+    def destroy(self, ino: int) -> None:
+        """Free unlinked inode *ino* now, whatever its open count (journal replay)."""
+        inode = self._get(ino)
+        if inode.nlink > 0:
+            raise FsError(errno.EBUSY, f"inode {ino} still has {inode.nlink} links")
+        self._destroy(inode)
 
     def _touch_dir(self, d: Inode, now: int) -> None:
         d.mtime_ns = d.ctime_ns = now
@@ -232,7 +254,7 @@ class MetaStore(Meta):
             i.atime_ns = changes.atime_ns
         if changes.mtime_ns is not None:
             i.mtime_ns = changes.mtime_ns
-        i.ctime_ns = _now()
+        i.ctime_ns = self.now()
         return self._attr(i)
 
     async def truncate(self, ino: int, size: int) -> list[tuple[int, int, int]]:
@@ -253,7 +275,7 @@ class MetaStore(Meta):
                 vol = i.layout.volume_of_chunk(tail_chunk, cs)
                 zero.append((vol, i.chunks[tail_chunk] + tail_off, cs - tail_off))
         i.size = size
-        i.mtime_ns = i.ctime_ns = _now()
+        i.mtime_ns = i.ctime_ns = self.now()
         return zero
 
     async def mknod(
@@ -267,7 +289,7 @@ class MetaStore(Meta):
             raise FsError(errno.EEXIST)
         if d.nlink == 0:  # removed while someone had it as cwd
             raise FsError(errno.ENOENT)
-        now = _now()
+        now = self.now()
         if d.mode & stat.S_ISGID:
             gid = d.gid
             if stat.S_ISDIR(mode):
@@ -301,7 +323,7 @@ class MetaStore(Meta):
             raise FsError(errno.EEXIST)
         if i.nlink == 0:  # linkat() of an unlinked open file: not allowed without O_TMPFILE
             raise FsError(errno.ENOENT)
-        now = _now()
+        now = self.now()
         d.children[name] = ino
         i.nlink += 1
         i.ctime_ns = now
@@ -314,7 +336,7 @@ class MetaStore(Meta):
         i = self._child(d, name)
         if i.children is not None:
             raise FsError(errno.EISDIR)
-        now = _now()
+        now = self.now()
         del d.children[name]
         self._touch_dir(d, now)
         self._drop_link(i, now)
@@ -331,7 +353,7 @@ class MetaStore(Meta):
             raise FsError(errno.ENOTDIR)
         if i.children:
             raise FsError(errno.ENOTEMPTY)
-        now = _now()
+        now = self.now()
         del d.children[name]
         d.nlink -= 1
         self._touch_dir(d, now)
@@ -356,7 +378,7 @@ class MetaStore(Meta):
         # remote client might not).
         if src.children is not None and self._is_ancestor(src.ino, dst_dir.ino):
             raise FsError(errno.EINVAL)
-        now = _now()
+        now = self.now()
 
         if flags & RENAME_EXCHANGE:
             if dst is None:
@@ -456,7 +478,7 @@ class MetaStore(Meta):
             if i.xattrs is None:
                 i.xattrs = {}
             i.xattrs[name] = bytes(value)
-        i.ctime_ns = _now()
+        i.ctime_ns = self.now()
 
     def _set_layout(self, i: Inode, value: bytes) -> None:
         try:
@@ -499,14 +521,17 @@ class MetaStore(Meta):
             del i.xattrs[name]
         else:
             raise FsError(errno.ENODATA)
-        i.ctime_ns = _now()
+        i.ctime_ns = self.now()
 
     async def statfs(self) -> StatFs:
         total = sum(a.n_chunks for a in self.allocators)
         free = sum(a.free for a in self.allocators)
         per = self.chunk_size // 4096
-        files_max = max(total * 16, 1 << 20)
-        return StatFs(4096, total * per, free * per, files_max, files_max - len(self.inodes), NAME_MAX)
+        # Inodes are not limited (beyond daemon memory); the count shown must only
+        # never go negative (statvfs fields are unsigned: df would get EIO).
+        used = len(self.inodes)
+        files = max(total * 16, 1 << 20, used)
+        return StatFs(4096, total * per, free * per, files, files - used, NAME_MAX)
 
     # -- data placement -------------------------------------------------------------
 
@@ -516,8 +541,8 @@ class MetaStore(Meta):
             raise FsError(errno.EISDIR if i.children is not None else errno.EINVAL)
         end = min(offset + length, i.size)
         # relatime: enough for `find -atime` and mail readers, cheap on the read path
-        if i.atime_ns <= i.mtime_ns or i.atime_ns <= i.ctime_ns or _now() - i.atime_ns > _DAY_NS:
-            i.atime_ns = _now()
+        if i.atime_ns <= i.mtime_ns or i.atime_ns <= i.ctime_ns or self.now() - i.atime_ns > _DAY_NS:
+            i.atime_ns = self.now()
         if end <= offset:
             return []
         return self._extents(i, offset, end)
@@ -571,7 +596,7 @@ class MetaStore(Meta):
                     zero.append((vol, chunks[k] + end - start, start + cs - end))
         if end > i.size:
             i.size = end
-        i.mtime_ns = i.ctime_ns = _now()
+        i.mtime_ns = i.ctime_ns = self.now()
         return WritePlan(self._extents(i, offset, end), zero)
 
     def _allocate(self, i: Inode, missing: list[int]) -> None:

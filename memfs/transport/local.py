@@ -50,6 +50,16 @@ class LocalTransport(Transport):
             raise TransportError("local volumes are closed")
         super().check_range(volume, offset, length)
 
+    def volume_memory(self, volume: int) -> memoryview:
+        """The memory of *volume* itself.
+
+        For the memory server, which moves bytes between sockets and volumes
+        with ``recv_into``/``sendmsg`` and no copy in between.
+        """
+        if not self._views:
+            raise TransportError("local volumes are closed")
+        return self._views[volume]
+
     def register(self, size: int) -> memoryview:
         return memoryview(bytearray(size))
 

@@ -1,0 +1,153 @@
+"""Wires the metadata server daemon (``memfs mds``) together and runs it.
+
+The pool's geometry comes from the command line and, unless ``--volume-size``
+is given, from the memory servers themselves (their INFO, through the tcp
+transport: this module sits above both ``meta`` and ``transport``).  Then the
+journal is recovered (if any), :class:`~memfs.meta.server.MetaServer` listens,
+one ready line goes to stdout and ``READY=1`` to systemd, and SIGTERM/SIGINT
+stop it with status 0.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import signal
+import sys
+from dataclasses import dataclass
+
+import trio
+
+from memfs.config import PoolConfig, VolumeAddr, format_size
+from memfs.errors import FsError, UsageError
+from memfs.host import sd_notify
+from memfs.meta.journal import Journal, JournalError
+from memfs.meta.server import MetaServer
+from memfs.meta.store import MetaStore
+
+log = logging.getLogger(__name__)
+
+INFO_TIMEOUT = 10.0
+
+
+@dataclass
+class MdsOptions:
+    host: str
+    port: int
+    pool: list[VolumeAddr]
+    secret: bytes
+    chunk_size: int
+    stripe_size: int
+    #: bytes per volume; None: ask the memory servers
+    volume_size: int | None = None
+    journal_dir: str | None = None
+    #: seconds a vanished client's open files are kept for it (MetaServer.session_grace)
+    grace: float = 60.0
+
+
+class StartupError(Exception):
+    """The daemon cannot start for a reason that is not a command-line mistake."""
+
+
+def run(opts: MdsOptions) -> int:
+    """Serve in the foreground until SIGTERM/SIGINT.  Returns the exit status.
+
+    Raises :class:`UsageError` (bad arguments, unusable journal directory, address
+    in use) and :class:`StartupError` (damaged journal, memory servers unreachable).
+    """
+    faulthandler.enable()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # Check the pool geometry and lock the journal before anything listens.
+    if opts.volume_size is not None:
+        pool_config(opts, opts.volume_size)
+    journal = Journal(opts.journal_dir) if opts.journal_dir else None
+    try:
+        if journal is not None:
+            journal.lock()
+        try:
+            return trio.run(_main, opts, journal)
+        except BaseExceptionGroup as group:
+            # Our tasks raise only to stop: report the one reason, however nested.
+            leaves = [e for e in _leaves(group) if not isinstance(e, trio.Cancelled)]
+            if len(leaves) == 1:
+                raise leaves[0] from None
+            raise
+    except JournalError as exc:  # while serving: the journal cannot be written
+        log.error("stopping: %s", exc)
+        return 1
+    finally:
+        if journal is not None:
+            journal.close()
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for e in exc.exceptions for leaf in _leaves(e)]
+    return [exc]
+
+
+def pool_config(opts: MdsOptions, volume_size: int) -> PoolConfig:
+    return PoolConfig(
+        size=volume_size * len(opts.pool), volumes=len(opts.pool),
+        stripe_size=opts.stripe_size, chunk_size=opts.chunk_size,
+    )
+
+
+async def query_volume_size(pool: list[VolumeAddr], secret: bytes) -> int:
+    """The size of the pool's volumes, from the memory servers' INFO."""
+    if any(v.scheme != "tcp" for v in pool):
+        raise UsageError("only tcp:// volumes can be asked for their size: pass --volume-size")
+    try:
+        from memfs.transport.tcp import open_tcp_transport
+    except ImportError:  # pragma: no cover - the tcp transport is part of memfs
+        raise UsageError("no tcp transport to ask the memory servers: pass --volume-size") from None
+    try:
+        async with open_tcp_transport(pool, secret, io_timeout=INFO_TIMEOUT) as t:
+            sizes = [v.size for v in t.volumes]
+    except FsError as exc:
+        raise StartupError(
+            f"cannot ask the memory servers for their volume sizes: {exc.args[1]} "
+            "(start them first, or pass --volume-size)"
+        ) from None
+    size = min(sizes)
+    if size != max(sizes):
+        log.warning("pool volumes differ in size (%s .. %s): using %s of each",
+                    format_size(size), format_size(max(sizes)), format_size(size))
+    return size
+
+
+async def _main(opts: MdsOptions, journal: Journal | None) -> int:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        volume_size = opts.volume_size or await query_volume_size(opts.pool, opts.secret)
+        config = pool_config(opts, volume_size)
+        try:
+            store = await journal.open(config) if journal else MetaStore(config)
+        except JournalError as exc:
+            raise StartupError(str(exc)) from None
+        server = MetaServer(store, opts.secret, opts.pool, journal, session_grace=opts.grace)
+        async with trio.open_nursery() as nursery:
+            try:
+                port = await nursery.start(server.serve, opts.host, opts.port)
+            except OSError as exc:
+                raise UsageError(
+                    f"cannot listen on {opts.host}:{opts.port}: {exc.strerror or exc}"
+                ) from None
+            host = f"[{opts.host}]" if ":" in opts.host else opts.host
+            print(f"mds listening on {host}:{port}", flush=True)
+            log.info(
+                "pool of %d volumes x %s (chunk %s, stripe %s)%s", config.volumes,
+                format_size(config.volume_size), format_size(config.chunk_size),
+                format_size(config.stripe_size),
+                f", journal {opts.journal_dir}" if journal else "; no journal: nothing survives a restart",
+            )
+            if not opts.secret:
+                log.warning("no --secret-file: anyone who can reach %s:%d may change metadata",
+                            host, port)
+            sd_notify("READY=1")
+            async for signum in signals:
+                log.info("received %s, stopping", signal.Signals(signum).name)
+                sd_notify("STOPPING=1")
+                nursery.cancel_scope.cancel()
+                break
+    sys.stdout.flush()
+    return 0

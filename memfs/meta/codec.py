@@ -1,0 +1,260 @@
+"""Metadata values <-> plain wire values, and the table of remote-callable methods.
+
+Pure functions, no I/O: the metadata server, its client and the journal all use
+them, so a value means the same on the wire and in the journal.  Dataclasses
+travel as fixed-length lists of their fields (in declaration order), which
+:func:`memfs.wire.encode` turns into bytes.
+
+Every decoder checks shapes and types strictly and raises
+:class:`memfs.wire.WireError` on anything else: the server treats that as a
+broken peer and closes the connection, and journal replay as corruption.
+
+:data:`METHODS` is the allow-list of :class:`memfs.meta.Meta` methods a client
+may call (the server never looks a name up with ``getattr``), with the type of
+each argument, how the result travels, whether the call changes metadata (the
+journal records it) and whether a client may safely send it again after a lost
+connection (only calls that change nothing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from memfs.meta import Attr, Extent, Meta, SetAttr, StatFs, WritePlan
+from memfs.wire import WireError
+
+ZeroRanges = list[tuple[int, int, int]]
+
+
+def check_int(v: Any, what: str) -> int:
+    # bool is an int subclass; a bool where an int belongs is a malformed value.
+    if type(v) is not int:
+        raise WireError(f"{what}: expected an integer, got {type(v).__name__}")
+    return v
+
+
+
+def _opt_int(v: Any, what: str) -> int | None:
+    return None if v is None else check_int(v, what)
+
+
+def check_bytes(v: Any, what: str) -> bytes:
+    if type(v) is not bytes:
+        raise WireError(f"{what}: expected bytes, got {type(v).__name__}")
+    return v
+
+
+def _opt_bytes(v: Any, what: str) -> bytes | None:
+    return None if v is None else check_bytes(v, what)
+
+
+
+def check_list(v: Any, what: str, n: int | None = None) -> list[Any]:
+    if type(v) is not list:
+        raise WireError(f"{what}: expected a list, got {type(v).__name__}")
+    if n is not None and len(v) != n:
+        raise WireError(f"{what}: expected {n} items, got {len(v)}")
+    return v
+
+
+def _ints(v: Any, what: str, n: int) -> list[int]:
+    return [check_int(x, what) for x in check_list(v, what, n)]
+
+
+# -- dataclasses ---------------------------------------------------------------------
+
+
+def attr_to_wire(a: Attr) -> list[int]:
+    return [a.ino, a.mode, a.nlink, a.uid, a.gid, a.rdev, a.size, a.blocks,
+            a.atime_ns, a.mtime_ns, a.ctime_ns]
+
+
+def attr_from_wire(v: Any) -> Attr:
+    return Attr(*_ints(v, "attr", 11))
+
+
+def extent_to_wire(e: Extent) -> list[int]:
+    return [e.offset, e.length, e.volume, e.voffset]
+
+
+def extent_from_wire(v: Any) -> Extent:
+    return Extent(*_ints(v, "extent", 4))
+
+
+def extents_to_wire(es: list[Extent]) -> list[list[int]]:
+    return [[e.offset, e.length, e.volume, e.voffset] for e in es]
+
+
+def extents_from_wire(v: Any) -> list[Extent]:
+    return [extent_from_wire(x) for x in check_list(v, "extents")]
+
+
+def zero_to_wire(z: ZeroRanges) -> list[list[int]]:
+    return [[vol, off, n] for vol, off, n in z]
+
+
+def zero_from_wire(v: Any) -> ZeroRanges:
+    out = []
+    for x in check_list(v, "zero ranges"):
+        vol, off, n = _ints(x, "zero range", 3)
+        out.append((vol, off, n))
+    return out
+
+
+def plan_to_wire(p: WritePlan) -> list[Any]:
+    return [extents_to_wire(p.extents), zero_to_wire(p.zero)]
+
+
+def plan_from_wire(v: Any) -> WritePlan:
+    extents, zero = check_list(v, "write plan", 2)
+    return WritePlan(extents_from_wire(extents), zero_from_wire(zero))
+
+
+def statfs_to_wire(s: StatFs) -> list[int]:
+    return [s.block_size, s.blocks, s.blocks_free, s.files, s.files_free, s.name_max]
+
+
+def statfs_from_wire(v: Any) -> StatFs:
+    return StatFs(*_ints(v, "statfs", 6))
+
+
+def setattr_to_wire(s: SetAttr) -> list[int | None]:
+    return [s.mode, s.uid, s.gid, s.atime_ns, s.mtime_ns]
+
+
+def setattr_from_wire(v: Any) -> SetAttr:
+    return SetAttr(*[_opt_int(x, "setattr") for x in check_list(v, "setattr", 5)])
+
+
+def entries_to_wire(entries: list[tuple[bytes, int]]) -> list[list[Any]]:
+    return [[name, ino] for name, ino in entries]
+
+
+def entries_from_wire(v: Any) -> list[tuple[bytes, int]]:
+    out = []
+    for x in check_list(v, "directory entries"):
+        name, ino = check_list(x, "directory entry", 2)
+        out.append((check_bytes(name, "entry name"), check_int(ino, "entry inode")))
+    return out
+
+
+def names_from_wire(v: Any) -> list[bytes]:
+    return [check_bytes(x, "xattr name") for x in check_list(v, "xattr names")]
+
+
+def _none_from_wire(v: Any) -> None:
+    if v is not None:
+        raise WireError(f"expected no result, got {type(v).__name__}")
+
+
+def _same(v: Any) -> Any:
+    return v
+
+
+# -- the method table -----------------------------------------------------------------
+
+#: argument kinds: how each argument is checked and decoded (``to_wire`` is the inverse)
+_ARG_FROM: dict[str, Callable[[Any, str], Any]] = {
+    "int": check_int,
+    "bytes": check_bytes,
+    "bytes?": _opt_bytes,
+    "setattr": lambda v, what: setattr_from_wire(v),
+}
+_ARG_TO: dict[str, Callable[[Any], Any]] = {
+    "int": _same, "bytes": _same, "bytes?": _same, "setattr": setattr_to_wire,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Method:
+    name: str
+    args: tuple[str, ...]
+    result_to_wire: Callable[[Any], Any]
+    result_from_wire: Callable[[Any], Any]
+    #: the Meta method itself, for a given implementation (explicit, never by name)
+    bind: Callable[[Meta], Callable[..., Awaitable[Any]]]
+    #: changes metadata: the journal records it
+    mutates: bool = False
+    #: changes nothing (atime aside): a client may send it again after a lost connection
+    retry: bool = False
+
+
+def _m(
+    name: str, args: str, to: Callable[[Any], Any], frm: Callable[[Any], Any], kind: str,
+    bind: Callable[[Meta], Callable[..., Awaitable[Any]]],
+) -> Method:
+    return Method(
+        name, tuple(args.split()), to, frm, bind, mutates=kind == "mutates", retry=kind == "read"
+    )
+
+
+def _none_to_wire(v: None) -> None:
+    return None
+
+
+# kind: "read" (no change, retried), "mutates" (journaled, never retried), "session" (open
+# counts: per client session on the server, never journaled, never retried)
+METHODS: dict[str, Method] = {m.name: m for m in [
+    _m("lookup", "int bytes", attr_to_wire, attr_from_wire, "read", lambda m: m.lookup),
+    _m("getattr", "int", attr_to_wire, attr_from_wire, "read", lambda m: m.getattr),
+    _m("setattr", "int setattr", attr_to_wire, attr_from_wire, "mutates", lambda m: m.setattr),
+    _m("truncate", "int int", zero_to_wire, zero_from_wire, "mutates", lambda m: m.truncate),
+    _m("mknod", "int bytes int int int int bytes?", attr_to_wire, attr_from_wire, "mutates", lambda m: m.mknod),
+    _m("link", "int int bytes", attr_to_wire, attr_from_wire, "mutates", lambda m: m.link),
+    _m("unlink", "int bytes", _none_to_wire, _none_from_wire, "mutates", lambda m: m.unlink),
+    _m("rmdir", "int bytes", _none_to_wire, _none_from_wire, "mutates", lambda m: m.rmdir),
+    _m("rename", "int bytes int bytes int", _none_to_wire, _none_from_wire, "mutates", lambda m: m.rename),
+    _m("readlink", "int", _same, lambda v: check_bytes(v, "link target"), "read", lambda m: m.readlink),
+    _m("readdir", "int", entries_to_wire, entries_from_wire, "read", lambda m: m.readdir),
+    _m("open", "int", attr_to_wire, attr_from_wire, "session", lambda m: m.open),
+    _m("release", "int", _none_to_wire, _none_from_wire, "session", lambda m: m.release),
+    _m("getxattr", "int bytes", _same, lambda v: check_bytes(v, "xattr value"), "read", lambda m: m.getxattr),
+    _m("setxattr", "int bytes bytes", _none_to_wire, _none_from_wire, "mutates", lambda m: m.setxattr),
+    _m("listxattr", "int", _same, names_from_wire, "read", lambda m: m.listxattr),
+    _m("removexattr", "int bytes", _none_to_wire, _none_from_wire, "mutates", lambda m: m.removexattr),
+    _m("statfs", "", statfs_to_wire, statfs_from_wire, "read", lambda m: m.statfs),
+    # map_read may move atime (relatime); the server journals that when it happens,
+    # but sending it twice is harmless.
+    _m("map_read", "int int int", extents_to_wire, extents_from_wire, "read", lambda m: m.map_read),
+    _m("map_write", "int int int", plan_to_wire, plan_from_wire, "mutates", lambda m: m.map_write),
+]}
+
+
+class UnknownMethod(Exception):
+    """A well-formed call to a method that is not on the allow-list."""
+
+
+def encode_call(method: str, *args: Any) -> list[Any]:
+    """The wire value of a call: ``[method, *args]``."""
+    m = METHODS[method]
+    if len(args) != len(m.args):
+        raise TypeError(f"{method} takes {len(m.args)} arguments, got {len(args)}")
+    return [method, *(_ARG_TO[k](a) for k, a in zip(m.args, args, strict=True))]
+
+
+def decode_call(value: Any) -> tuple[Method, list[Any]]:
+    """Check a call value and decode its arguments.
+
+    :class:`UnknownMethod` for a name off the allow-list (the caller answers ENOSYS);
+    :class:`WireError` for anything malformed.
+    """
+    items = check_list(value, "call")
+    if not items or type(items[0]) is not str:
+        raise WireError("call: expected [method, args...]")
+    m = METHODS.get(items[0])
+    if m is None:
+        raise UnknownMethod(items[0])
+    return m, decode_args(m, items[1:])
+
+
+def decode_args(m: Method, raw: list[Any]) -> list[Any]:
+    if len(raw) != len(m.args):
+        raise WireError(f"{m.name}: expected {len(m.args)} arguments, got {len(raw)}")
+    return [_ARG_FROM[k](v, f"{m.name} argument {i}") for i, (k, v) in enumerate(zip(m.args, raw, strict=True))]
+
+
+async def call_store(meta: Meta, method: str, args: list[Any]) -> Any:
+    """Call allow-listed *method* of *meta* with decoded *args*."""
+    return await METHODS[method].bind(meta)(*args)

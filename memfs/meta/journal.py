@@ -1,0 +1,564 @@
+"""The metadata server's journal and snapshots: what ``memfs mds --journal DIR`` keeps.
+
+Why: file data lives in memory servers that outlive a metadata server restart.
+If the namespace, the layouts and the chunk allocations come back exactly as
+they were, every byte in the memory servers is found again; if allocation
+diverged by one chunk, two files would share memory.  So replay must be exact.
+
+What is recorded: every call that changes metadata, with its arguments in wire
+form (:mod:`memfs.meta.codec`) and the one timestamp the store used for it (the
+server gives the store a clock that is frozen per call), plus every destruction
+of an inode (``_destroy``) and atime moves by ``map_read``.  Open counts are not
+recorded: they belong to client sessions, which re-register them after a
+restart.  That is also why destructions are explicit: whether ``unlink`` frees
+a file at once depends on open counts, so replay never destroys implicitly
+(``MetaStore.defer_destroy``) and applies the recorded destructions instead.
+
+Files in DIR::
+
+    snapshot.<seq>   whole store state after record <seq> (wire.encode'd), written to
+                     snapshot.<seq>.tmp, fsynced, renamed, directory fsynced
+    journal.<seq>    records <seq>+1, <seq>+2, ... appended after that snapshot
+    lock             flock'ed while a server uses DIR
+
+Record framing: ``length u32 | crc32 u32 | payload`` with payload
+``wire.encode([seq, t, method, *args])``.  Records are numbered without gaps.
+
+Recovery: load the newest snapshot, replay the journals whose base is at or
+after it, in order; seq numbers must continue without a gap.  A bad record at
+the very end of the newest journal (a torn write: cut short, bad checksum, or
+zeros) is dropped with a warning; any other damage is a :class:`JournalError`
+and the server refuses to start.  Then a fresh snapshot is written and older
+files are removed, so a torn tail is never appended to.
+
+Durability: group commit.  Records are appended to a buffer in the event loop;
+one committer task writes the buffer and ``fdatasync``s it in a worker thread,
+and everything appended meanwhile goes out with the next write.  The server
+sends no reply (to any call) before every record appended up to that call is
+durable, so no client ever observes metadata a crash could take back.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import struct
+import zlib
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from memfs import wire
+from memfs.config import PoolConfig, format_size
+from memfs.errors import FsError, UsageError
+from memfs.layout import Layout, LayoutSpec
+from memfs.meta import codec
+from memfs.meta.store import Inode, MetaStore, _now
+
+log = logging.getLogger(__name__)
+
+SNAP_MAGIC = b"MFSNAP01"
+JOURNAL_MAGIC = b"MFJOUR01"
+_SNAP_HEAD = struct.Struct("!8sQI")  # magic, payload length, crc32
+_JOURNAL_HEAD = struct.Struct("!8sQ")  # magic, base seq
+_REC = struct.Struct("!II")  # payload length, crc32
+MAX_RECORD = 16 << 20
+SNAPSHOT_FORMAT = 1
+DESTROY = "_destroy"
+
+#: the Inode fields a snapshot keeps, in order; ``opens`` is deliberately absent
+INODE_FIELDS = (
+    "ino", "mode", "uid", "gid", "nlink", "size", "rdev", "atime_ns", "mtime_ns", "ctime_ns",
+    "target", "xattrs", "children", "parent", "spec", "layout", "chunks",
+)
+
+
+class JournalError(Exception):
+    """DIR cannot be used as it is: damaged, or written for another pool."""
+
+
+def _name(kind: str, seq: int) -> str:
+    return f"{kind}.{seq:020d}"
+
+
+def _parse_name(name: str) -> tuple[str, int] | None:
+    kind, dot, num = name.partition(".")
+    if dot and kind in ("snapshot", "journal") and len(num) == 20 and num.isdigit():
+        return kind, int(num)
+    return None
+
+
+def pool_key(pool: PoolConfig) -> list[int]:
+    return [pool.volumes, pool.volume_size, pool.chunk_size, pool.stripe_size]
+
+
+def _describe_key(key: list[int]) -> str:
+    vols, vsize, chunk, stripe = key
+    return f"{vols} volumes x {format_size(vsize)}, chunk {format_size(chunk)}, stripe {format_size(stripe)}"
+
+
+# -- snapshots: store state <-> plain values ------------------------------------------
+
+
+def _spec_to(s: LayoutSpec | None) -> list[int | None] | None:
+    return None if s is None else [s.stripe_count, s.stripe_size, s.stripe_offset]
+
+
+def _spec_from(v: Any) -> LayoutSpec | None:
+    return None if v is None else LayoutSpec(*v)
+
+
+def dump_state(store: MetaStore, seq: int, pool: PoolConfig, fsid: bytes = b"") -> dict[str, Any]:
+    """The whole state of *store* as plain values, copied (later changes do not leak in).
+
+    Dict orders are kept on purpose: chunk order decides the order in which a
+    truncate returns chunks to the LIFO free lists, and so future allocations.
+    """
+    inodes = []
+    for i in store.inodes.values():
+        inodes.append([
+            i.ino, i.mode, i.uid, i.gid, i.nlink, i.size, i.rdev,
+            i.atime_ns, i.mtime_ns, i.ctime_ns,
+            i.target,
+            None if i.xattrs is None else dict(i.xattrs),
+            None if i.children is None else dict(i.children),
+            i.parent,
+            _spec_to(i.spec),
+            None if i.layout is None else [i.layout.stripe_size, list(i.layout.volumes)],
+            None if i.chunks is None else dict(i.chunks),
+        ])
+    return {
+        "format": SNAPSHOT_FORMAT,
+        "fsid": fsid,
+        "seq": seq,
+        "pool": pool_key(pool),
+        "next_ino": store._next_ino,
+        "default_spec": _spec_to(store.default_spec),
+        "allocators": [[a.next, list(a.freed)] for a in store.allocators],
+        "inodes": inodes,
+    }
+
+
+def load_state(state: Any, pool: PoolConfig) -> MetaStore:
+    """A store holding *state* (from :func:`dump_state`); open counts start at zero."""
+    try:
+        if state["format"] != SNAPSHOT_FORMAT:
+            raise JournalError(f"snapshot format {state['format']}, expected {SNAPSHOT_FORMAT}")
+        if type(state["fsid"]) is not bytes:
+            raise JournalError("snapshot has no filesystem id")
+        if state["pool"] != pool_key(pool):
+            raise JournalError(
+                f"it holds a pool of {_describe_key(state['pool'])}, but this server was "
+                f"started with {_describe_key(pool_key(pool))}"
+            )
+        store = MetaStore(pool)
+        store.inodes.clear()
+        store._next_ino = state["next_ino"]
+        spec = _spec_from(state["default_spec"])
+        assert spec is not None
+        store.default_spec = spec
+        if len(state["allocators"]) != len(store.allocators):
+            raise JournalError("snapshot has the wrong number of volumes")
+        for a, (nxt, freed) in zip(store.allocators, state["allocators"], strict=True):
+            a.next = nxt
+            a.freed = list(freed)
+        for v in state["inodes"]:
+            (ino, mode, uid, gid, nlink, size, rdev, atime, mtime, ctime,
+             target, xattrs, children, parent, spec_v, layout, chunks) = v
+            i = Inode(ino, mode, uid, gid, 0)
+            i.nlink, i.size, i.rdev = nlink, size, rdev
+            i.atime_ns, i.mtime_ns, i.ctime_ns = atime, mtime, ctime
+            i.target, i.xattrs, i.children, i.parent = target, xattrs, children, parent
+            i.spec = _spec_from(spec_v)
+            i.layout = None if layout is None else Layout(layout[0], tuple(layout[1]))
+            i.chunks = chunks
+            store.inodes[ino] = i
+        return store
+    except (KeyError, TypeError, ValueError, AssertionError) as exc:
+        raise JournalError(f"snapshot content is malformed: {exc!r}") from None
+
+
+# -- file helpers (run in worker threads) ---------------------------------------------------
+
+
+def _fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: bytes | bytearray) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def write_snapshot(d: Path, seq: int, state: dict[str, Any], fsync: bool = True) -> Path:
+    data = wire.encode(state)
+    final = d / _name("snapshot", seq)
+    tmp = d / (final.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        _write_all(fd, _SNAP_HEAD.pack(SNAP_MAGIC, len(data), zlib.crc32(data)))
+        _write_all(fd, data)
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, final)
+    if fsync:
+        _fsync_dir(d)
+    return final
+
+
+def read_snapshot(path: Path) -> Any:
+    data = path.read_bytes()
+    if len(data) < _SNAP_HEAD.size:
+        raise JournalError(f"{path}: truncated snapshot")
+    magic, n, crc = _SNAP_HEAD.unpack_from(data)
+    body = data[_SNAP_HEAD.size :]
+    if magic != SNAP_MAGIC:
+        raise JournalError(f"{path}: not a memfs snapshot")
+    if len(body) != n or zlib.crc32(body) != crc:
+        raise JournalError(f"{path}: snapshot is damaged (length or checksum mismatch)")
+    try:
+        return wire.decode(body)
+    except wire.WireError as exc:
+        raise JournalError(f"{path}: snapshot does not decode: {exc}") from None
+
+
+def encode_record(seq: int, t: int, method: str, args: list[Any]) -> bytes:
+    payload = wire.encode([seq, t, method, *args])
+    return _REC.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+def read_records(path: Path, base: int, last: bool) -> list[list[Any]]:
+    """The records of one journal file, each ``[seq, t, method, *args]``.
+
+    A damaged end is forgiven only in the newest file (*last*): a crash in the
+    middle of a write leaves exactly that.
+    """
+    data = path.read_bytes()
+
+    def damaged(pos: int, why: str, end: int) -> None:
+        tail_is_torn = end >= len(data) or not data[pos:].strip(b"\0")
+        if last and tail_is_torn:
+            log.warning(
+                "journal %s: ignoring a torn record at offset %d (%s; %d bytes): "
+                "the server stopped in the middle of writing it", path, pos, why, len(data) - pos,
+            )
+            return
+        raise JournalError(f"{path}: damaged record at offset {pos}: {why}")
+
+    if len(data) < _JOURNAL_HEAD.size:
+        damaged(0, "truncated file header", len(data))
+        return []
+    magic, file_base = _JOURNAL_HEAD.unpack_from(data)
+    if magic != JOURNAL_MAGIC or file_base != base:
+        raise JournalError(f"{path}: not a memfs journal for base {base}")
+    out: list[list[Any]] = []
+    pos = _JOURNAL_HEAD.size
+    while pos < len(data):
+        if len(data) - pos < _REC.size:
+            damaged(pos, "truncated record header", len(data))
+            break
+        n, crc = _REC.unpack_from(data, pos)
+        start, end = pos + _REC.size, pos + _REC.size + n
+        if n == 0 or n > MAX_RECORD:
+            damaged(pos, f"impossible length {n}", end)
+            break
+        if end > len(data):
+            damaged(pos, f"record of {n} bytes cut short", end)
+            break
+        payload = data[start:end]
+        if zlib.crc32(payload) != crc:
+            damaged(pos, "checksum mismatch", end)
+            break
+        try:
+            rec = wire.decode(payload)
+        except wire.WireError as exc:
+            raise JournalError(f"{path}: record at offset {pos} does not decode: {exc}") from None
+        if not (isinstance(rec, list) and len(rec) >= 3 and type(rec[0]) is int
+                and type(rec[1]) is int and type(rec[2]) is str):
+            raise JournalError(f"{path}: record at offset {pos} is malformed")
+        out.append(rec)
+        pos = end
+    return out
+
+
+class _FrozenClock:
+    """The store's clock during one call: the time recorded for it."""
+
+    __slots__ = ("t",)
+
+    def __init__(self) -> None:
+        self.t = 0
+
+    def __call__(self) -> int:
+        return self.t
+
+
+async def apply_record(store: MetaStore, clock: _FrozenClock, rec: list[Any]) -> None:
+    """Replay one record on *store* (with ``defer_destroy`` set)."""
+    seq, t, method, *raw = rec
+    clock.t = t
+    try:
+        if method == DESTROY:
+            (ino,) = raw
+            store.destroy(codec.check_int(ino, "inode"))
+            return
+        m = codec.METHODS.get(method)
+        if m is None or not (m.mutates or method == "map_read"):
+            raise JournalError(f"record {seq}: {method!r} is not a journaled call")
+        args = codec.decode_args(m, raw)
+        await codec.call_store(store, method, args)
+    except (FsError, wire.WireError, ValueError) as exc:
+        raise JournalError(f"record {seq} ({method}) does not replay: {exc}") from None
+
+
+class Journal:
+    """Appends metadata changes to DIR and keeps snapshots there (see module doc)."""
+
+    def __init__(
+        self, directory: str | os.PathLike[str], *,
+        snapshot_every: int = 200_000, snapshot_bytes: int = 256 << 20, fsync: bool = True,
+    ) -> None:
+        self.dir = Path(directory)
+        self.snapshot_every = snapshot_every
+        self.snapshot_bytes = snapshot_bytes
+        self.fsync = fsync
+        #: last record appended / last record on stable storage
+        self.seq = 0
+        self.durable_seq = 0
+        self.pool: PoolConfig | None = None
+        #: names this filesystem for its whole life: set when DIR is first used, kept in
+        #: every snapshot; clients refuse a server that comes back with another one
+        self.fsid = b""
+        self.store: MetaStore | None = None
+        self._buf = bytearray()
+        self._wake = trio.Event()
+        self._durable = trio.Event()
+        self._fd = -1
+        self._lock_fd = -1
+        self._base = 0
+        self._since_snapshot = 0
+        self._bytes_since_snapshot = 0
+        self._snapshotting = False
+
+    # -- start-up ----------------------------------------------------------------------
+
+    def lock(self) -> None:
+        """Create DIR if needed, check it is writable and that no other server uses it."""
+        try:
+            self.dir.mkdir(mode=0o700, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(f"cannot create journal directory {self.dir}: {exc.strerror}") from None
+        if not self.dir.is_dir():
+            raise UsageError(f"journal directory {self.dir} is not a directory")
+        if not os.access(self.dir, os.W_OK | os.X_OK):
+            raise UsageError(f"journal directory {self.dir} is not writable")
+        try:
+            fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            raise UsageError(f"journal directory {self.dir} is not writable: {exc.strerror}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise UsageError(f"journal directory {self.dir} is in use by another memfs mds") from None
+            raise UsageError(f"cannot lock journal directory {self.dir}: {exc.strerror}") from None
+        self._lock_fd = fd
+
+    async def open(self, pool: PoolConfig) -> MetaStore:
+        """Lock DIR, recover the store it holds (or a fresh one), start a new journal.
+
+        Raises :class:`JournalError` for damage and :class:`UsageError` for an
+        unusable directory.
+        """
+        if self._lock_fd < 0:
+            self.lock()
+        self.pool = pool
+        store, seq = await self._recover(pool)
+        self.seq = self.durable_seq = seq
+        state = dump_state(store, seq, pool, self.fsid)
+        await trio.to_thread.run_sync(write_snapshot, self.dir, seq, state, self.fsync)
+        self._fd = await trio.to_thread.run_sync(self._new_journal, seq)
+        await trio.to_thread.run_sync(self._remove_before, seq)
+        self.store = store
+        return store
+
+    def _scan(self) -> tuple[dict[int, Path], dict[int, Path]]:
+        """Snapshots and journals in DIR by seq; leftover temporary snapshots go."""
+        snapshots: dict[int, Path] = {}
+        journals: dict[int, Path] = {}
+        for p in self.dir.iterdir():
+            if p.name.endswith(".tmp") and _parse_name(p.name[:-4]):
+                p.unlink()  # a snapshot that was never renamed into place
+                continue
+            parsed = _parse_name(p.name)
+            if parsed:
+                (snapshots if parsed[0] == "snapshot" else journals)[parsed[1]] = p
+        return snapshots, journals
+
+    async def _recover(self, pool: PoolConfig) -> tuple[MetaStore, int]:
+        snapshots, journals = await trio.to_thread.run_sync(self._scan)
+        if not snapshots:
+            if journals:
+                raise JournalError(f"{self.dir} holds journals but no snapshot")
+            log.info("journal %s is empty: starting a new filesystem", self.dir)
+            self.fsid = os.urandom(16)
+            return MetaStore(pool), 0
+        snap_seq = max(snapshots)
+        state = await trio.to_thread.run_sync(read_snapshot, snapshots[snap_seq])
+        if not isinstance(state, dict) or state.get("seq") != snap_seq:
+            raise JournalError(f"{snapshots[snap_seq]}: snapshot does not match its name")
+        try:
+            store = load_state(state, pool)
+            self.fsid = state["fsid"]
+        except JournalError as exc:
+            raise JournalError(f"journal {self.dir}: {exc}") from None
+        seq = snap_seq
+        bases = sorted(b for b in journals if b >= snap_seq)
+        clock = _FrozenClock()
+        store.now = clock
+        store.defer_destroy = True
+        replayed = 0
+        for k, base in enumerate(bases):
+            if base != seq:
+                raise JournalError(
+                    f"{journals[base]}: starts after record {base} but the journal before "
+                    f"it ends at record {seq} (a journal file is missing)"
+                )
+            last = k == len(bases) - 1
+            for rec in await trio.to_thread.run_sync(read_records, journals[base], base, last):
+                if rec[0] != seq + 1:
+                    raise JournalError(f"{journals[base]}: record {rec[0]} follows record {seq}")
+                await apply_record(store, clock, rec)
+                seq += 1
+                replayed += 1
+        store.defer_destroy = False
+        store.now = _now
+        log.info(
+            "journal %s: loaded snapshot %d and replayed %d records: %d inodes",
+            self.dir, snap_seq, replayed, len(store.inodes),
+        )
+        return store, seq
+
+    def _new_journal(self, base: int) -> int:
+        path = self.dir / _name("journal", base)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
+        try:
+            _write_all(fd, _JOURNAL_HEAD.pack(JOURNAL_MAGIC, base))
+            if self.fsync:
+                os.fsync(fd)
+                _fsync_dir(self.dir)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._base = base
+        return fd
+
+    def _remove_before(self, seq: int) -> None:
+        """Drop snapshots and journals that the snapshot at *seq* makes redundant."""
+        for p in self.dir.iterdir():
+            parsed = _parse_name(p.name)
+            if parsed and parsed[1] < seq:
+                p.unlink()
+
+    # -- appending ----------------------------------------------------------------------
+
+    def append(self, t: int, method: str, args: list[Any]) -> int:
+        """Record a change (in memory: :meth:`run` makes it durable).  Returns its seq."""
+        self.seq += 1
+        rec = encode_record(self.seq, t, method, args)
+        self._buf += rec
+        self._since_snapshot += 1
+        self._bytes_since_snapshot += len(rec)
+        self._wake.set()
+        return self.seq
+
+    def append_destroy(self, ino: int) -> int:
+        return self.append(0, DESTROY, [ino])
+
+    async def wait_durable(self, seq: int) -> None:
+        while self.durable_seq < seq:
+            await self._durable.wait()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The committer: write and fdatasync what was appended; snapshot now and then."""
+        if self.store is None:
+            raise RuntimeError("Journal.open() first")
+        try:
+            async with trio.open_nursery() as nursery:
+                task_status.started()
+                while True:
+                    await self._wake.wait()
+                    self._wake = trio.Event()
+                    await self._flush()
+                    if not self._snapshotting and (
+                        self._since_snapshot >= self.snapshot_every
+                        or self._bytes_since_snapshot >= self.snapshot_bytes
+                    ):
+                        await self._rotate(nursery)
+        finally:
+            # Cancelled (server stopping): what was appended is written before we go.
+            with trio.CancelScope(shield=True):
+                await self._flush()
+
+    async def _flush(self) -> None:
+        if not self._buf or self._fd < 0:
+            return
+        buf, upto, fd = self._buf, self.seq, self._fd
+        self._buf = bytearray()
+        try:
+            # write() only copies to the page cache: cheaper inline than a thread hop.
+            _write_all(fd, buf)
+            if self.fsync:
+                await trio.to_thread.run_sync(os.fdatasync, fd)
+        except OSError as exc:
+            raise self._failed(exc) from None
+        self.durable_seq = upto
+        self._durable.set()
+        self._durable = trio.Event()
+
+    async def _rotate(self, nursery: trio.Nursery) -> None:
+        """Start a new journal at the current seq and snapshot the state there."""
+        assert self.store is not None and self.pool is not None
+        seq = self.seq
+        state = dump_state(self.store, seq, self.pool, self.fsid)  # no await since reading self.seq
+        await self._flush()  # the old journal gets exactly the records up to seq
+        old = self._fd
+        try:
+            self._fd = await trio.to_thread.run_sync(self._new_journal, seq)
+        except OSError as exc:
+            raise self._failed(exc) from None
+        os.close(old)
+        self._since_snapshot = self._bytes_since_snapshot = 0
+        self._snapshotting = True
+        nursery.start_soon(self._snapshot, seq, state)
+
+    def _failed(self, exc: OSError) -> JournalError:
+        """Nothing more can be promised durable: the server must stop."""
+        return JournalError(f"cannot write to journal {self.dir}: {exc}")
+
+    async def _snapshot(self, seq: int, state: dict[str, Any]) -> None:
+        try:
+            await trio.to_thread.run_sync(write_snapshot, self.dir, seq, state, self.fsync)
+            await trio.to_thread.run_sync(self._remove_before, seq)
+        except OSError as exc:
+            raise self._failed(exc) from None
+        self._snapshotting = False
+        log.info("journal %s: snapshot at record %d", self.dir, seq)
+
+    def close(self) -> None:
+        for fd in (self._fd, self._lock_fd):
+            if fd >= 0:
+                os.close(fd)
+        self._fd = self._lock_fd = -1

@@ -1,0 +1,228 @@
+"""The tcp transport's own promises, in-process, beyond the shared conformance suite.
+
+Some guarantees need a server that misbehaves on cue, so here the test plays the
+memory server itself: a caller that gives up (cancelled) must never find bytes
+landing in its buffer afterwards, however the reply is cut; replies may come in
+any order; a server that never answers costs ``io_timeout``, not forever.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from functools import partial
+
+import pytest
+import trio
+import trio.testing
+
+from memfs import wire
+from memfs.config import VolumeAddr
+from memfs.errors import TransportError, UsageError
+from memfs.transport.memd import MemoryServer
+from memfs.transport.tcp import MAX_IO, open_tcp_transport
+from memfs.wire import Kind
+
+SECRET = b"tcp-transport-test-secret"
+SIZE = 1 << 20
+
+
+async def recv_exactly(stream: trio.SocketStream, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = await stream.receive_some(n - len(buf))
+        if not chunk:
+            raise EOFError
+        buf += chunk
+    return bytes(buf)
+
+
+async def recv_frame(stream: trio.SocketStream) -> tuple[wire.Header, bytes]:
+    h = wire.parse_header(await recv_exactly(stream, wire.HEADER_SIZE))
+    return h, await recv_exactly(stream, h.length)
+
+
+Script = Callable[[trio.SocketStream], Awaitable[None]]
+
+
+@asynccontextmanager
+async def fake_memd(script: Script, incarnation: int = 42) -> AsyncIterator[VolumeAddr]:
+    """A one-volume memory server on 127.0.0.1 that authenticates each connection,
+    answers INFO, then hands the connection to *script*."""
+
+    async def handler(stream: trio.SocketStream) -> None:
+        hs = wire.Handshake(SECRET)
+        await stream.send_all(wire.frame(Kind.HELLO, 0, hs.hello()))
+        _, auth = await recv_frame(stream)
+        hs.check_auth(auth)
+        await stream.send_all(wire.frame(Kind.WELCOME, 0, hs.welcome()))
+        h, _ = await recv_frame(stream)
+        assert h.kind is Kind.INFO
+        info = wire.encode({"incarnation": incarnation, "volumes": [SIZE]})
+        await stream.send_all(wire.frame(Kind.OK, h.req_id, info))
+        try:
+            await script(stream)
+        except (EOFError, trio.BrokenResourceError):
+            pass
+        await stream.aclose()
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(partial(trio.serve_tcp, handler, 0, host="127.0.0.1"))
+        port = listeners[0].socket.getsockname()[1]
+        yield VolumeAddr("tcp", "127.0.0.1", port, 0)
+        nursery.cancel_scope.cancel()
+
+
+async def test_cancelled_read_never_writes_the_callers_buffer() -> None:
+    half_sent = trio.Event()
+    go_on = trio.Event()
+
+    async def script(stream: trio.SocketStream) -> None:
+        h, _ = await recv_frame(stream)  # the READ
+        assert h.kind is Kind.READ
+        await stream.send_all(wire.pack_header(Kind.OK, h.req_id, 1000) + b"\1" * 300)
+        half_sent.set()
+        await go_on.wait()
+        await stream.send_all(b"\2" * 700)
+        h, _ = await recv_frame(stream)  # a WRITE after it
+        await stream.send_all(wire.frame(Kind.OK, h.req_id))
+        await recv_frame(stream)
+
+    async with fake_memd(script) as vol, open_tcp_transport(
+        [vol], SECRET, connections_per_server=1, io_timeout=5
+    ) as t:
+        buf = t.register(1000)
+        buf[:] = b"\xaa" * 1000
+
+        async def reader(task_status: trio.TaskStatus[trio.CancelScope]) -> None:
+            with trio.CancelScope() as scope:
+                task_status.started(scope)
+                await t.readinto(0, 0, buf)
+
+        async with trio.open_nursery() as nursery:
+            scope = await nursery.start(reader)
+            await half_sent.wait()
+            await trio.testing.wait_all_tasks_blocked()  # the first 300 bytes are in
+            scope.cancel()
+        go_on.set()
+        await t.write(0, 0, b"x")  # its reply comes after the rest of the READ's
+        assert bytes(buf[300:]) == b"\xaa" * 700, "bytes arrived after the caller gave up"
+
+
+async def test_replies_matched_by_id_in_any_order() -> None:
+    async def script(stream: trio.SocketStream) -> None:
+        reqs = [await recv_frame(stream) for _ in range(3)]
+        for h, payload in reversed(reqs):
+            _, offset, n = wire.unpack_exact(wire.READ, payload)
+            await stream.send_all(wire.frame(Kind.OK, h.req_id, bytes([offset]) * n))
+        await recv_frame(stream)
+
+    async with fake_memd(script) as vol, open_tcp_transport(
+        [vol], SECRET, connections_per_server=1, io_timeout=5
+    ) as t:
+        got: dict[int, bytes] = {}
+
+        async def read(offset: int) -> None:
+            got[offset] = bytes(await t.read(0, offset, 10 + offset))
+
+        async with trio.open_nursery() as nursery:
+            for offset in (1, 2, 3):
+                nursery.start_soon(read, offset)
+        assert got == {o: bytes([o]) * (10 + o) for o in (1, 2, 3)}
+
+
+async def test_protocol_errors_fail_requests_not_the_client(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.expected_warnings = True  # type: ignore[attr-defined]
+    connections = 0
+
+    async def script(stream: trio.SocketStream) -> None:
+        nonlocal connections
+        connections += 1
+        h, _ = await recv_frame(stream)
+        if connections == 1:  # a reply to a request never made
+            await stream.send_all(wire.frame(Kind.OK, h.req_id + 1000))
+        elif connections == 2:  # an errno from the server
+            await stream.send_all(wire.frame(Kind.ERROR, h.req_id,
+                                             wire.encode_error(errno.EINVAL, "nope")))
+            await recv_frame(stream)
+        await trio.sleep_forever()
+
+    async with fake_memd(script) as vol, open_tcp_transport(
+        [vol], SECRET, connections_per_server=1, io_timeout=5
+    ) as t:
+        with trio.fail_after(5), pytest.raises(TransportError, match="unknown request"):
+            await t.read(0, 0, 10)
+        with trio.fail_after(5), pytest.raises(TransportError, match="nope"):
+            await t.write(0, 0, b"y")  # reconnected lazily
+
+
+async def test_hung_server_costs_io_timeout(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.expected_warnings = True  # type: ignore[attr-defined]
+
+    async def script(stream: trio.SocketStream) -> None:
+        await trio.sleep_forever()  # reads nothing, answers nothing
+
+    async with fake_memd(script) as vol, open_tcp_transport(
+        [vol], SECRET, connections_per_server=1, io_timeout=0.3
+    ) as t:
+        for _ in range(2):
+            start = trio.current_time()
+            with pytest.raises(TransportError, match="did not answer within 0.3s"):
+                await t.read(0, 0, 10)
+            assert 0.25 < trio.current_time() - start < 2.0
+
+    # a server that accepts connections but never says HELLO
+    with trio.socket.socket() as listener:
+        await listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        vol = VolumeAddr("tcp", "127.0.0.1", listener.getsockname()[1], 0)
+        with trio.fail_after(3), pytest.raises(TransportError, match="did not answer"):
+            async with open_tcp_transport([vol], SECRET, io_timeout=0.3):
+                pass
+
+
+@asynccontextmanager
+async def memory_server(n_volumes: int, size: int) -> AsyncIterator[int]:
+    server = MemoryServer(n_volumes, size, SECRET)
+    try:
+        async with trio.open_nursery() as nursery:
+            yield await nursery.start(server.serve, "127.0.0.1", 0)
+            nursery.cancel_scope.cancel()
+    finally:
+        await server.aclose()
+
+
+async def test_bad_pools() -> None:
+    async with memory_server(2, SIZE) as port:
+        with pytest.raises(UsageError, match="has 2 volumes"):
+            async with open_tcp_transport([VolumeAddr("tcp", "127.0.0.1", port, 2)], SECRET):
+                pass
+        with pytest.raises(UsageError, match="tcp:// volumes only"):
+            async with open_tcp_transport([VolumeAddr("verbs", "127.0.0.1", port, 0)], SECRET):
+                pass
+        with pytest.raises(UsageError, match="at least one volume"):
+            async with open_tcp_transport([], SECRET):
+                pass
+
+
+async def test_requests_larger_than_a_frame() -> None:
+    size = MAX_IO * 2 + 4096
+    async with memory_server(1, size) as port, open_tcp_transport(
+        [VolumeAddr("tcp", "127.0.0.1", port, 0)], SECRET, connections_per_server=3
+    ) as t:
+        data = bytes(range(256)) * (size // 256)
+        await t.write(0, 0, data)
+        buf = t.register(size)
+        await t.readinto(0, 0, buf)
+        assert bytes(buf) == data
+        await t.zero(0, 1, size - 2)
+        assert bytes(await t.read(0, 0, size)) == data[:1] + bytes(size - 2) + data[-1:]
+
+
+async def test_errors_inside_the_body_come_out_unwrapped() -> None:
+    """The context manager owns a nursery, but callers see their own exception."""
+    async with memory_server(1, SIZE) as port:
+        with pytest.raises(KeyError):
+            async with open_tcp_transport([VolumeAddr("tcp", "127.0.0.1", port, 0)], SECRET):
+                raise KeyError("mine")

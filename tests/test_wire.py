@@ -1,0 +1,274 @@
+"""The wire protocol as pure functions: codec, framing, errors, handshake, fuzzing.
+
+Servers feed whatever arrives on a socket into :func:`wire.parse_header` and
+:func:`wire.decode`; the only acceptable reaction to garbage is
+:class:`wire.WireError` (the connection is closed), never another exception
+that could take a server task down, and never a hang or a huge allocation.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+import random
+import struct
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from memfs import wire
+from memfs.errors import UsageError
+from memfs.wire import Kind, WireError
+
+
+def random_value(rng: random.Random, depth: int = 0) -> Any:
+    kinds = ["none", "bool", "int", "float", "bytes", "str"]
+    if depth < 4:
+        kinds += ["list", "dict"]
+    k = rng.choice(kinds)
+    if k == "none":
+        return None
+    if k == "bool":
+        return rng.random() < 0.5
+    if k == "int":
+        return rng.choice([0, -1, 1, (1 << 63) - 1, -(1 << 63), rng.randint(-(1 << 63), (1 << 63) - 1)])
+    if k == "float":
+        return rng.choice([0.0, -0.0, math.inf, -math.inf, 1e308, rng.uniform(-1e9, 1e9)])
+    if k == "bytes":
+        return rng.randbytes(rng.randrange(0, 40))
+    if k == "str":
+        return "".join(chr(rng.choice([rng.randrange(32, 127), rng.randrange(0x100, 0xD7FF)]))
+                       for _ in range(rng.randrange(0, 20)))
+    if k == "list":
+        return [random_value(rng, depth + 1) for _ in range(rng.randrange(0, 6))]
+    keys: list[Any] = [rng.randrange(-5, 1000), rng.randbytes(3), f"k{rng.random()}", None, True]
+    return {rng.choice(keys): random_value(rng, depth + 1) for _ in range(rng.randrange(0, 6))}
+
+
+def test_codec_round_trip_random_values() -> None:
+    rng = random.Random(1234)
+    for _ in range(2000):
+        v = random_value(rng)
+        assert wire.decode(wire.encode(v)) == v
+
+
+def test_codec_specific_values() -> None:
+    v: Any
+    for v in [None, True, False, 0, -(1 << 63), (1 << 63) - 1, 1.5, b"", "", "héllo", [], {},
+              {"a": [1, {"b": b"\0"}]}]:
+        assert wire.decode(wire.encode(v)) == v
+    # tuples and bytes-likes encode as lists and bytes
+    assert wire.decode(wire.encode((1, 2))) == [1, 2]
+    assert wire.decode(wire.encode(bytearray(b"xy"))) == b"xy"
+    assert wire.decode(wire.encode(memoryview(b"xy"))) == b"xy"
+    # bool stays bool, not int
+    assert wire.decode(wire.encode([True, 1]))[0] is True
+    nan = wire.decode(wire.encode(math.nan))
+    assert math.isnan(nan)
+
+
+def test_codec_refuses_what_it_cannot_carry() -> None:
+    with pytest.raises(ValueError):
+        wire.encode(1 << 63)
+    with pytest.raises(ValueError):
+        wire.encode(-(1 << 63) - 1)
+    with pytest.raises(TypeError):
+        wire.encode(object())
+    with pytest.raises(TypeError):
+        wire.encode({1, 2})
+    deep: Any = []
+    for _ in range(wire.MAX_DEPTH + 2):
+        deep = [deep]
+    with pytest.raises(ValueError):
+        wire.encode(deep)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",  # no tag
+        b"X",  # unknown tag
+        b"i\0\0",  # truncated int
+        b"f\0",  # truncated float
+        b"s\0\0\0\x05abc",  # string past the end
+        b"s\0\0\0\x02\xff\xfe",  # invalid utf-8
+        b"l\0\0\0\x05N",  # list longer than the frame
+        b"d\0\0\0\x01l\0\0\0\0N",  # a list as a key: unhashable
+        b"d\0\0\0\x01N",  # dict value missing
+        b"NN",  # trailing bytes
+        b"l\0\0\0\x01" * (wire.MAX_DEPTH + 2) + b"N",  # too deep
+        b"d\xff\xff\xff\xff",  # absurd count
+    ],
+)
+def test_decode_malformed(data: bytes) -> None:
+    with pytest.raises(WireError):
+        wire.decode(data)
+
+
+def test_header_round_trip() -> None:
+    for kind in Kind:
+        for req_id in (0, 1, 0xFFFFFFFF):
+            h = wire.parse_header(wire.pack_header(kind, req_id, 77))
+            assert (h.kind, h.req_id, h.length) == (kind, req_id, 77)
+    f = wire.frame(Kind.OK, 9, b"abc")
+    assert wire.parse_header(f[: wire.HEADER_SIZE]).length == 3 and f[wire.HEADER_SIZE:] == b"abc"
+    # ids wrap to 32 bits
+    assert wire.parse_header(wire.pack_header(Kind.OK, (1 << 32) + 5, 0)).req_id == 5
+
+
+@pytest.mark.parametrize(
+    ("header", "message"),
+    [
+        (b"MF\x01", "header of 3 bytes"),
+        (wire.pack_header(Kind.OK, 1, 0) + b"x", "header of 13 bytes"),
+        (b"XX" + wire.pack_header(Kind.OK, 1, 0)[2:], "bad magic"),
+        (wire.HEADER.pack(wire.MAGIC, 2, Kind.OK, 1, 0), "version 2"),
+        (wire.HEADER.pack(wire.MAGIC, wire.VERSION, 99, 1, 0), "unknown frame kind 99"),
+        (wire.HEADER.pack(wire.MAGIC, wire.VERSION, 0, 1, 0), "unknown frame kind 0"),
+        (wire.pack_header(Kind.WRITE, 1, wire.MAX_PAYLOAD + 1), "exceeds the limit"),
+    ],
+)
+def test_header_errors(header: bytes, message: str) -> None:
+    with pytest.raises(WireError, match=message):
+        wire.parse_header(header)
+
+
+def test_header_limit_is_the_receivers() -> None:
+    h = wire.pack_header(Kind.AUTH, 0, 1000)
+    assert wire.parse_header(h).length == 1000
+    with pytest.raises(WireError):
+        wire.parse_header(h, max_payload=512)
+
+
+def test_error_payloads() -> None:
+    assert wire.decode_error(wire.encode_error(errno.EINVAL, "bad range")) == (errno.EINVAL, "bad range")
+    assert wire.decode_error(wire.encode_error(errno.ENOSPC)) == (errno.ENOSPC, "")
+    # errno 0 is not "success": an error reply always means failure
+    assert wire.decode_error(wire.encode_error(0, "x"))[0] == errno.EIO
+    # messages are capped and survive invalid utf-8
+    assert len(wire.encode_error(1, "x" * 5000)) == 4 + 1024
+    assert wire.decode_error(struct.pack("!I", 5) + b"\xff")[1] == "\ufffd"
+    with pytest.raises(WireError):
+        wire.decode_error(b"\0\0")
+
+
+def test_data_structs() -> None:
+    payload = wire.READ.pack(3, 1 << 40, 4096)
+    assert wire.unpack_exact(wire.READ, payload) == (3, 1 << 40, 4096)
+    with pytest.raises(WireError):
+        wire.unpack_exact(wire.READ, payload + b"\0")
+    with pytest.raises(WireError):
+        wire.unpack_exact(wire.ZERO, payload)
+
+
+def shake(server_secret: bytes, client_secret: bytes, role: str = "tcp") -> str:
+    server, client = wire.Handshake(server_secret), wire.Handshake(client_secret)
+    auth = client.auth(server.hello(), role)
+    got = server.check_auth(auth)
+    client.check_welcome(server.welcome())
+    return got
+
+
+def test_handshake_success() -> None:
+    assert shake(b"s" * 32, b"s" * 32, "memd-client") == "memd-client"
+    assert shake(b"", b"") == "tcp"  # unauthenticated servers still run the exchange
+
+
+def test_handshake_wrong_secret() -> None:
+    with pytest.raises(WireError, match="authentication failed"):
+        shake(b"s" * 32, b"t" * 32)
+    with pytest.raises(WireError, match="authentication failed"):
+        shake(b"s" * 32, b"")
+
+
+def test_handshake_tampering() -> None:
+    secret = b"k" * 32
+    server, client = wire.Handshake(secret), wire.Handshake(secret)
+    auth = bytearray(client.auth(server.hello(), "tcp"))
+    for pos in (0, wire.NONCE_SIZE - 1, wire.NONCE_SIZE, len(auth) - 1):  # nonce, mac, role
+        bad = bytearray(auth)
+        bad[pos] ^= 1
+        with pytest.raises(WireError):
+            server.check_auth(bytes(bad))
+    # a changed role length or a truncated AUTH
+    with pytest.raises(WireError):
+        server.check_auth(bytes(auth[:-1]))
+    with pytest.raises(WireError):
+        server.check_auth(bytes(auth[:10]))
+    # a replayed AUTH does not fit another server nonce
+    other = wire.Handshake(secret)
+    other.hello()
+    with pytest.raises(WireError):
+        other.check_auth(bytes(auth))
+    # the client detects a server that does not know the secret
+    server.check_auth(bytes(auth))
+    impostor = wire.Handshake(b"x" * 32)
+    impostor.server_nonce, impostor.client_nonce = server.server_nonce, server.client_nonce
+    with pytest.raises(WireError, match="prove"):
+        client.check_welcome(impostor.welcome())
+    with pytest.raises(WireError):
+        client.auth(b"short", "tcp")
+
+
+def test_load_secret(tmp_path: Path) -> None:
+    f = tmp_path / "secret"
+    f.write_bytes(b"0123456789abcdef0123\n")
+    f.chmod(0o600)
+    assert wire.load_secret(f) == b"0123456789abcdef0123"
+    f.chmod(0o644)
+    with pytest.raises(UsageError, match="readable by others"):
+        wire.load_secret(f)
+    f.chmod(0o600)
+    f.write_bytes(b"short")
+    with pytest.raises(UsageError, match="fewer than 16"):
+        wire.load_secret(f)
+    with pytest.raises(UsageError, match="cannot read"):
+        wire.load_secret(tmp_path / "missing")
+
+
+def mutate(rng: random.Random, data: bytes) -> bytes:
+    b = bytearray(data)
+    for _ in range(rng.randrange(1, 4)):
+        op = rng.randrange(4)
+        if op == 0 and b:
+            b[rng.randrange(len(b))] = rng.randrange(256)
+        elif op == 1 and b:
+            del b[rng.randrange(len(b)):]
+        elif op == 2:
+            b.insert(rng.randrange(len(b) + 1), rng.randrange(256))
+        else:
+            pos = rng.randrange(len(b) + 1)
+            b[pos:pos] = rng.choice([b"\xff\xff\xff\xff", b"\0\0\0\0", b"l", b"d", b"s"])
+    return bytes(b)
+
+
+@pytest.mark.timeout(60)
+def test_fuzz_decode_and_parse_header() -> None:
+    """20,000 random and mutated inputs: WireError or a value, nothing else, quickly."""
+    rng = random.Random(20261121)
+    seeds = [wire.encode(random_value(rng)) for _ in range(200)]
+    headers = [wire.pack_header(k, rng.randrange(1 << 32), rng.randrange(1 << 16)) for k in Kind]
+    t0 = time.monotonic()
+    outcomes = {"ok": 0, "error": 0}
+    for i in range(20_000):
+        r = i % 4
+        if r == 0:
+            data = rng.randbytes(rng.randrange(0, 64))
+        elif r == 1:
+            data = mutate(rng, rng.choice(seeds))
+        elif r == 2:
+            data = mutate(rng, rng.choice(headers))
+        else:
+            data = os.urandom(wire.HEADER_SIZE)
+        for fn in (wire.decode, wire.parse_header):
+            try:
+                fn(data)
+            except WireError:
+                outcomes["error"] += 1
+            else:
+                outcomes["ok"] += 1
+    assert outcomes["error"] > 10_000 and outcomes["ok"] > 100, outcomes
+    assert time.monotonic() - t0 < 30
