@@ -2,8 +2,8 @@
 
 Asks the metadata service where a range lives (``map_read``/``map_write``) and
 moves the bytes with the transport, concurrently across volumes when the
-transport can overlap requests.  Holes come back as zeros; fresh chunks are
-zeroed where a write does not cover them.
+transport can overlap requests.  Holes come back as zeros; newly allocated
+chunks are zero already (the scrubber cleared them when they were freed).
 
 Copies: a read that falls in one contiguous extent returns the transport's view
 of volume memory (no copy in Python; libfuse copies it into the reply).  Other
@@ -13,10 +13,12 @@ request buffer into volume memory.
 
 from __future__ import annotations
 
+import errno
 import logging
 
 import trio
 
+from memfs.errors import FsError, SpaceBusy
 from memfs.meta import Extent, Meta
 from memfs.transport import Buffer, Transport
 
@@ -56,18 +58,20 @@ class DataEngine:
 
     async def write(self, ino: int, offset: int, data: Buffer) -> int:
         src = memoryview(data).cast("B")
-        plan = await self.meta.map_write(ino, offset, len(src))
-        # Zero ranges and extents never overlap, so all of them may go out together.
-        volumes = {e.volume for e in plan.extents} | {vol for vol, _, _ in plan.zero}
-        if self.transport.concurrent and len(volumes) > 1:
+        try:
+            plan = await self.meta.map_write(ino, offset, len(src))
+        except SpaceBusy:
+            # Only freed-but-unzeroed space is left: wait for the scrubber, once.
+            await self.meta.reclaim()
+            try:
+                plan = await self.meta.map_write(ino, offset, len(src))
+            except SpaceBusy:
+                raise FsError(errno.ENOSPC) from None
+        if self.transport.concurrent and len({e.volume for e in plan.extents}) > 1:
             async with trio.open_nursery() as nursery:
-                for vol, voff, n in plan.zero:
-                    nursery.start_soon(self.transport.zero, vol, voff, n)
                 for e in plan.extents:
                     nursery.start_soon(self._write_extent, e, src, offset)
         else:
-            for vol, voff, n in plan.zero:
-                await self.transport.zero(vol, voff, n)
             for e in plan.extents:
                 await self._write_extent(e, src, offset)
         return len(src)

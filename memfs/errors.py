@@ -23,6 +23,17 @@ class FsError(Exception):
         return f"[{errno.errorcode.get(self.errno, self.errno)}] {self.args[1]}"
 
 
+class SpaceBusy(FsError):
+    """No clean chunk is free, but freed ones are waiting to be zeroed.
+
+    Internal: the data engine answers it with ``Meta.reclaim()`` and one retry,
+    so applications only ever see ENOSPC.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(errno.EAGAIN, "freed space is still being zeroed")
+
+
 class TransportError(FsError):
     """Volume memory could not be read or written: always EIO to the application."""
 

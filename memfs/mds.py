@@ -24,6 +24,7 @@ from memfs.host import sd_notify
 from memfs.meta.journal import Journal, JournalError
 from memfs.meta.server import MetaServer
 from memfs.meta.store import MetaStore
+from memfs.scrub import Scrubber
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,29 @@ async def query_volume_size(pool: list[VolumeAddr], secret: bytes) -> int:
     return size
 
 
+async def _scrub(store: MetaStore, pool: list[VolumeAddr], secret: bytes) -> None:
+    """Zero freed chunks through the memory servers, for as long as we run.
+
+    Until they are reachable, freed space stays dirty (unusable, never exposed).
+    """
+    if any(v.scheme != "tcp" for v in pool):
+        log.warning("freed space is only reused on tcp:// volumes: the pool has others")
+        return
+    from memfs.transport.tcp import open_tcp_transport
+
+    delay = 1.0
+    while True:
+        try:
+            async with open_tcp_transport(pool, secret, io_timeout=INFO_TIMEOUT) as t:
+                delay = 1.0
+                await Scrubber(store, t).run()
+        except FsError as exc:
+            store.reclaimer = None
+            log.warning("memory servers unreachable, freed space waits: %s", exc.args[1])
+        await trio.sleep(delay)
+        delay = min(delay * 2, 30.0)
+
+
 async def _main(opts: MdsOptions, journal: Journal | None) -> int:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         volume_size = opts.volume_size or await query_volume_size(opts.pool, opts.secret)
@@ -126,6 +150,7 @@ async def _main(opts: MdsOptions, journal: Journal | None) -> int:
             raise StartupError(str(exc)) from None
         server = MetaServer(store, opts.secret, opts.pool, journal, session_grace=opts.grace)
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(_scrub, store, opts.pool, opts.secret)
             try:
                 port = await nursery.start(server.serve, opts.host, opts.port)
             except OSError as exc:

@@ -27,6 +27,7 @@ from memfs.fs import Operations
 from memfs.host import mem_available, sd_notify
 from memfs.meta import Meta
 from memfs.meta.store import MetaStore
+from memfs.scrub import Scrubber
 from memfs.transport import Transport
 from memfs.transport.local import LocalTransport
 
@@ -86,7 +87,11 @@ async def open_backend(opts: MountOptions) -> AsyncIterator[tuple[Meta, Transpor
     try:
         # The root directory belongs to whoever mounts (root: 0/0, as before), so a
         # user's own mount is theirs to chmod and chown, like a tmpfs they mounted.
-        yield MetaStore(opts.pool, root_uid=os.getuid(), root_gid=os.getgid()), transport
+        store = MetaStore(opts.pool, root_uid=os.getuid(), root_gid=os.getgid())
+        async with trio.open_nursery() as nursery:
+            await nursery.start(Scrubber(store, transport).run)
+            yield store, transport
+            nursery.cancel_scope.cancel()
     finally:
         await transport.aclose()
 

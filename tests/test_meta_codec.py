@@ -31,9 +31,9 @@ ATTRS = [
 ]
 EXTENTS = [Extent(0, 1, 0, 0), Extent(1 << 40, 1 << 20, 3, 1 << 33), Extent(5, 7, -1, 0)]
 PLANS = [
-    WritePlan([], []),
-    WritePlan([Extent(0, 4096, 1, 65536)], []),
-    WritePlan(EXTENTS, [(0, 0, 100), (3, 1 << 33, 65436)]),
+    WritePlan([]),
+    WritePlan([Extent(0, 4096, 1, 65536)]),
+    WritePlan(EXTENTS),
 ]
 STATFS = [StatFs(4096, 0, 0, 0, 0, 255), StatFs(4096, 1 << 40, 1 << 39, 1 << 20, 17, 255)]
 SETATTRS = [
@@ -124,6 +124,7 @@ SAMPLE_ARGS: dict[str, tuple[Any, ...]] = {
     "listxattr": (7,),
     "removexattr": (7, b"user.a"),
     "statfs": (),
+    "reclaim": (),
     "map_read": (7, 0, 1 << 20),
     "map_write": (7, 4096, 100),
 }

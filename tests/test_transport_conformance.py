@@ -91,6 +91,13 @@ async def test_volumes(transport: Transport) -> None:
     assert len(set(urls)) == N_VOLUMES, "each volume needs its own address"
 
 
+async def test_volumes_start_zeroed(transport: Transport) -> None:
+    """Never-used chunks are handed out without zeroing: fresh volumes must read as zeros."""
+    for v in transport.volumes:
+        for offset in (0, v.size // 2, v.size - 65536):
+            assert bytes(await transport.read(v.index, offset, 65536)) == bytes(65536)
+
+
 async def test_round_trip_at_volume_ends(transport: Transport) -> None:
     n = 4096
     for vol in range(N_VOLUMES):

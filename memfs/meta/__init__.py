@@ -49,14 +49,9 @@ class Extent:
 
 @dataclass(slots=True)
 class WritePlan:
-    """Where a write goes, and which bytes of newly allocated chunks must be zeroed.
-
-    Pool memory is reused without clearing, so the parts of a fresh chunk that
-    the write does not cover are zeroed before anyone can read them.
-    """
+    """Where a write goes.  Newly allocated chunks are already zero (scrub-on-free)."""
 
     extents: list[Extent]
-    zero: list[tuple[int, int, int]]  # (volume, voffset, length)
 
 
 @dataclass(slots=True)
@@ -165,8 +160,17 @@ class Meta(abc.ABC):
 
     @abc.abstractmethod
     async def map_write(self, ino: int, offset: int, length: int) -> WritePlan:
-        """Allocate what the write needs (ENOSPC, all or nothing), extend the size,
-        update mtime/ctime, and say where the bytes go."""
+        """Allocate what the write needs (ENOSPC, all or nothing; SpaceBusy while
+        freed space is still being zeroed), extend the size, update mtime/ctime,
+        and say where the bytes go."""
+
+    @abc.abstractmethod
+    async def reclaim(self) -> None:
+        """Wait until space freed by unlink/truncate is zeroed and allocatable again.
+
+        ``map_write`` raises :class:`memfs.errors.SpaceBusy` (EAGAIN) when only
+        such space is left; the data engine then calls this and retries once.
+        """
 
     @abc.abstractmethod
     async def aclose(self) -> None: ...

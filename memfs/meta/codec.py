@@ -104,12 +104,12 @@ def zero_from_wire(v: Any) -> ZeroRanges:
 
 
 def plan_to_wire(p: WritePlan) -> list[Any]:
-    return [extents_to_wire(p.extents), zero_to_wire(p.zero)]
+    return [extents_to_wire(p.extents)]
 
 
 def plan_from_wire(v: Any) -> WritePlan:
-    extents, zero = check_list(v, "write plan", 2)
-    return WritePlan(extents_from_wire(extents), zero_from_wire(zero))
+    (extents,) = check_list(v, "write plan", 1)
+    return WritePlan(extents_from_wire(extents))
 
 
 def statfs_to_wire(s: StatFs) -> list[int]:
@@ -219,6 +219,8 @@ METHODS: dict[str, Method] = {m.name: m for m in [
     # but sending it twice is harmless.
     _m("map_read", "int int int", extents_to_wire, extents_from_wire, "read", lambda m: m.map_read),
     _m("map_write", "int int int", plan_to_wire, plan_from_wire, "mutates", lambda m: m.map_write),
+    # waits for the server's scrubber; the chunks it cleans are journaled as they go
+    _m("reclaim", "", _none_to_wire, _none_from_wire, "session", lambda m: m.reclaim),
 ]}
 
 

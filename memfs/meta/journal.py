@@ -66,8 +66,9 @@ _SNAP_HEAD = struct.Struct("!8sQI")  # magic, payload length, crc32
 _JOURNAL_HEAD = struct.Struct("!8sQ")  # magic, base seq
 _REC = struct.Struct("!II")  # payload length, crc32
 MAX_RECORD = 16 << 20
-SNAPSHOT_FORMAT = 1
+SNAPSHOT_FORMAT = 2
 DESTROY = "_destroy"
+CLEAN = "_clean"  # chunks the scrubber zeroed: dirty -> allocatable
 
 #: the Inode fields a snapshot keeps, in order; ``opens`` is deliberately absent
 INODE_FIELDS = (
@@ -137,7 +138,10 @@ def dump_state(store: MetaStore, seq: int, pool: PoolConfig, fsid: bytes = b"") 
         "pool": pool_key(pool),
         "next_ino": store._next_ino,
         "default_spec": _spec_to(store.default_spec),
-        "allocators": [[a.next, list(a.freed)] for a in store.allocators],
+        # Chunks out with the scrubber count as dirty: zeroed again after a restart.
+        "allocators": [
+            [a.next, list(a.freed), [*a.dirty, *sorted(a.scrubbing)]] for a in store.allocators
+        ],
         "inodes": inodes,
     }
 
@@ -162,9 +166,10 @@ def load_state(state: Any, pool: PoolConfig) -> MetaStore:
         store.default_spec = spec
         if len(state["allocators"]) != len(store.allocators):
             raise JournalError("snapshot has the wrong number of volumes")
-        for a, (nxt, freed) in zip(store.allocators, state["allocators"], strict=True):
+        for a, (nxt, freed, dirty) in zip(store.allocators, state["allocators"], strict=True):
             a.next = nxt
             a.freed = list(freed)
+            a.dirty = dict.fromkeys(dirty)
         for v in state["inodes"]:
             (ino, mode, uid, gid, nlink, size, rdev, atime, mtime, ctime,
              target, xattrs, children, parent, spec_v, layout, chunks) = v
@@ -312,6 +317,10 @@ async def apply_record(store: MetaStore, clock: _FrozenClock, rec: list[Any]) ->
         if method == DESTROY:
             (ino,) = raw
             store.destroy(codec.check_int(ino, "inode"))
+            return
+        if method == CLEAN:
+            flat = [codec.check_int(x, "chunk") for x in raw]
+            store.put_clean(list(zip(flat[0::2], flat[1::2], strict=True)))
             return
         m = codec.METHODS.get(method)
         if m is None or not (m.mutates or method == "map_read"):
@@ -486,6 +495,9 @@ class Journal:
 
     def append_destroy(self, ino: int) -> int:
         return self.append(0, DESTROY, [ino])
+
+    def append_clean(self, chunks: list[tuple[int, int]]) -> int:
+        return self.append(0, CLEAN, [x for chunk in chunks for x in chunk])
 
     async def wait_durable(self, seq: int) -> None:
         while self.durable_seq < seq:

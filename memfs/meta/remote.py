@@ -18,8 +18,8 @@ and not answered are
 * sent again if they change nothing (``lookup``, ``getattr``, ``readlink``,
   ``readdir``, ``getxattr``, ``listxattr``, ``statfs``, ``map_read``);
 * failed with EIO otherwise: the server may or may not have applied them, and
-  applying some twice is wrong (a second ``map_write`` would return no zero
-  ranges for chunks the first one allocated, exposing stale pool bytes).
+  applying some twice is wrong (a second ``rename`` or ``unlink`` answers
+  ENOENT for what the first one did).
 
 Open handles: the client counts the inodes it holds open.  On every
 (re)connection it names its session (a random id) and states those counts; the
@@ -525,6 +525,9 @@ class RemoteMeta(Meta):
 
     async def map_write(self, ino: int, offset: int, length: int) -> WritePlan:
         return await self._call("map_write", ino, offset, length)
+
+    async def reclaim(self) -> None:
+        await self._call("reclaim")
 
 
 @asynccontextmanager

@@ -118,8 +118,14 @@ class MetaServer:
         store.now = self._clock
         self._destroyed: list[int] = []
         store.on_destroy = self._destroyed.append
+        if journal is not None:
+            store.on_clean = self._cleaned
         self._sessions: dict[bytes, _Session] = {}
         self._nursery: trio.Nursery | None = None
+
+    def _cleaned(self, chunks: list[tuple[int, int]]) -> None:
+        assert self.journal is not None
+        self.journal.append_clean(chunks)
 
     def _clock(self) -> int:
         return self._t

@@ -6,8 +6,9 @@ The same class is meant to sit behind ``memfs mds`` for remote clients.
 
 Invariant that keeps stale pool bytes from ever being visible: every byte of an
 allocated chunk that lies at or past EOF, or that was never written, is zero.
-Fresh chunks are zeroed where a write does not cover them (``WritePlan.zero``)
-and a shrinking truncate zeroes the tail of the chunk holding the new EOF.
+Only clean chunks are allocated (freed ones are zeroed by the scrubber,
+:mod:`memfs.scrub`, before reuse), and a shrinking truncate returns the tail of
+the chunk holding the new EOF for the caller to zero.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ import errno
 import logging
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from memfs.config import PoolConfig
-from memfs.errors import FsError, UsageError
+from memfs.errors import FsError, SpaceBusy, UsageError
 from memfs.layout import LAYOUT_XATTR, Layout, LayoutSpec
 from memfs.meta import (
     NAME_MAX,
@@ -76,19 +77,33 @@ class Inode:
 
 
 class VolumeAllocator:
-    """Free chunks of one volume: a bump pointer plus a LIFO of freed chunks."""
+    """Chunks of one volume: a bump pointer, a LIFO of clean freed chunks, and the
+    dirty chunks (freed, not yet zeroed by the scrubber).
 
-    __slots__ = ("chunk_size", "n_chunks", "next", "freed")
+    Only clean chunks are handed out, so a newly allocated chunk reads as zeros
+    and no writer ever has to zero anything: two clients writing disjoint parts
+    of one fresh chunk cannot undo each other.
+    """
+
+    __slots__ = ("chunk_size", "n_chunks", "next", "freed", "dirty", "scrubbing")
 
     def __init__(self, n_chunks: int, chunk_size: int) -> None:
         self.chunk_size = chunk_size
         self.n_chunks = n_chunks
         self.next = 0
         self.freed: list[int] = []
+        self.dirty: dict[int, None] = {}  # an ordered set of chunk numbers
+        self.scrubbing: set[int] = set()  # taken by the scrubber, not yet back
 
     @property
     def free(self) -> int:
+        """Chunks that can be allocated now."""
         return self.n_chunks - self.next + len(self.freed)
+
+    @property
+    def reclaimable(self) -> int:
+        """Freed chunks that become allocatable once scrubbed."""
+        return len(self.dirty) + len(self.scrubbing)
 
     def alloc(self) -> int:
         if self.freed:
@@ -99,7 +114,7 @@ class VolumeAllocator:
         return (self.next - 1) * self.chunk_size
 
     def release(self, voffset: int) -> None:
-        self.freed.append(voffset // self.chunk_size)
+        self.dirty[voffset // self.chunk_size] = None
 
 
 def _check_name(name: bytes) -> None:
@@ -133,6 +148,13 @@ class MetaStore(Meta):
         #: applied with :meth:`destroy` (open counts, which decide when an unlinked
         #: inode dies, are not journaled)
         self.defer_destroy = False
+        #: zeroes dirty chunks and hands them back (the scrubber); None: freed space
+        #: stays unusable, which is safe, until something that can zero it attaches
+        self.reclaimer: Callable[[], Awaitable[None]] | None = None
+        #: called when chunks become dirty (wakes the scrubber)
+        self.on_dirty: Callable[[], None] | None = None
+        #: called with chunks put back clean (the journal records it)
+        self.on_clean: Callable[[list[tuple[int, int]]], None] | None = None
         root = self._new_inode(stat.S_IFDIR | root_mode, root_uid, root_gid, self.now())
         root.nlink = 2
         root.parent = ROOT_INO
@@ -191,6 +213,8 @@ class MetaStore(Meta):
         doomed = [k for k in inode.chunks if k >= keep_below]
         for k in doomed:
             self.allocators[inode.layout.volume_of_chunk(k, cs)].release(inode.chunks.pop(k))
+        if doomed and self.on_dirty is not None:
+            self.on_dirty()
 
     def _drop_link(self, inode: Inode, now: int) -> None:
         inode.nlink -= 1
@@ -525,7 +549,7 @@ class MetaStore(Meta):
 
     async def statfs(self) -> StatFs:
         total = sum(a.n_chunks for a in self.allocators)
-        free = sum(a.free for a in self.allocators)
+        free = sum(a.free + a.reclaimable for a in self.allocators)
         per = self.chunk_size // 4096
         # Inodes are not limited (beyond daemon memory); the count shown must only
         # never go negative (statvfs fields are unsigned: df would get EIO).
@@ -578,26 +602,18 @@ class MetaStore(Meta):
             raise FsError(errno.EISDIR if i.children is not None else errno.EINVAL)
         assert i.layout is not None
         if not length:  # POSIX: a zero-length write has no other results (size, mtime)
-            return WritePlan([], [])
+            return WritePlan([])
         cs = self.chunk_size
         end = offset + length
         chunks = i.chunks
-        zero: list[tuple[int, int, int]] = []
         first, last = offset // cs, (end - 1) // cs
         missing = [k for k in range(first, last + 1) if k not in chunks]
         if missing:
-            self._allocate(i, missing)
-            for k in missing:
-                vol = i.layout.volume_of_chunk(k, cs)
-                start = k * cs
-                if start < offset:
-                    zero.append((vol, chunks[k], offset - start))
-                if start + cs > end:
-                    zero.append((vol, chunks[k] + end - start, start + cs - end))
+            self._allocate(i, missing)  # clean chunks: they read as zeros already
         if end > i.size:
             i.size = end
         i.mtime_ns = i.ctime_ns = self.now()
-        return WritePlan(self._extents(i, offset, end), zero)
+        return WritePlan(self._extents(i, offset, end))
 
     def _allocate(self, i: Inode, missing: list[int]) -> None:
         """Allocate all of *missing* or nothing (ENOSPC)."""
@@ -608,10 +624,58 @@ class MetaStore(Meta):
             vol = i.layout.volume_of_chunk(k, cs)
             need[vol] = need.get(vol, 0) + 1
         for vol, n in need.items():
-            if self.allocators[vol].free < n:
+            a = self.allocators[vol]
+            if a.free < n:
+                if a.free + a.reclaimable >= n:
+                    raise SpaceBusy()
                 raise FsError(errno.ENOSPC)
         for k in missing:
             i.chunks[k] = self.allocators[i.layout.volume_of_chunk(k, cs)].alloc()
+
+    # -- scrubbing ---------------------------------------------------------------
+
+    @property
+    def dirty_chunks(self) -> int:
+        return sum(len(a.dirty) for a in self.allocators)
+
+    def take_dirty(self, limit: int) -> list[tuple[int, int]]:
+        """Up to *limit* dirty chunks as (volume, voffset), now owned by the scrubber."""
+        out: list[tuple[int, int]] = []
+        for vol, a in enumerate(self.allocators):
+            while a.dirty and len(out) < limit:
+                idx = next(iter(a.dirty))
+                del a.dirty[idx]
+                a.scrubbing.add(idx)
+                out.append((vol, idx * self.chunk_size))
+        return out
+
+    def put_clean(self, chunks: list[tuple[int, int]]) -> None:
+        """Chunks that now hold zeros become allocatable (in the order given)."""
+        for vol, voff in chunks:
+            a = self.allocators[vol]
+            idx = voff // self.chunk_size
+            if idx in a.scrubbing:
+                a.scrubbing.discard(idx)
+            else:  # journal replay: never taken
+                del a.dirty[idx]
+            a.freed.append(idx)
+        if self.on_clean is not None and chunks:
+            self.on_clean(chunks)
+
+    def return_dirty(self, chunks: list[tuple[int, int]]) -> None:
+        """The scrubber could not zero these: they stay dirty."""
+        for vol, voff in chunks:
+            a = self.allocators[vol]
+            a.scrubbing.discard(voff // self.chunk_size)
+            a.dirty[voff // self.chunk_size] = None
+
+    def recycle_unzeroed(self) -> None:
+        """Metadata-only use (no data plane, e.g. tests): dirty chunks become clean as they are."""
+        self.put_clean(self.take_dirty(1 << 62))
+
+    async def reclaim(self) -> None:
+        if self.reclaimer is not None:
+            await self.reclaimer()
 
     async def aclose(self) -> None:
         self.inodes.clear()

@@ -5,6 +5,10 @@ bytes between them and client memory.  Every implementation (``local`` now,
 ``tcp`` and ``verbs`` against ``memfs memd`` servers) passes the same conformance
 suite in ``tests/test_transport_conformance.py``.
 
+Volumes start zero-filled (fresh anonymous memory): the metadata store hands out
+never-used chunks without zeroing them, and freed ones only after the scrubber
+has zeroed them (see :mod:`memfs.scrub`).
+
 Buffers that the transport reads into should come from :meth:`Transport.register`:
 for RDMA that is where memory registration happens, once, instead of per I/O.
 """
