@@ -139,8 +139,10 @@ def dump_state(store: MetaStore, seq: int, pool: PoolConfig, fsid: bytes = b"") 
         "next_ino": store._next_ino,
         "default_spec": _spec_to(store.default_spec),
         # Chunks out with the scrubber count as dirty: zeroed again after a restart.
+        # (Dirty order only decides scrub order; which chunks become clean, and in
+        # what order, is journaled with each CLEAN record.)
         "allocators": [
-            [a.next, list(a.freed), [*a.dirty, *sorted(a.scrubbing)]] for a in store.allocators
+            [a.next, list(a.freed), sorted([*a.dirty, *a.scrubbing])] for a in store.allocators
         ],
         "inodes": inodes,
     }

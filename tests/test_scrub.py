@@ -1,0 +1,88 @@
+"""The scrubber: freed chunks are zeroed before anyone can be given them again."""
+
+from __future__ import annotations
+
+import errno
+import stat
+
+import pytest
+import trio
+import trio.testing
+
+from memfs.config import PoolConfig
+from memfs.data import DataEngine
+from memfs.errors import FsError, TransportError
+from memfs.meta.store import MetaStore
+from memfs.scrub import Scrubber
+from memfs.transport.local import LocalTransport
+
+K = 1 << 10
+POOL = PoolConfig(size=1 << 20, volumes=2, stripe_size=16 * K, chunk_size=4 * K)
+ROOT = 1
+
+
+async def filled_then_freed(store: MetaStore, engine: DataEngine) -> list[tuple[int, int]]:
+    """Fill the whole pool with 0xFF through a file, unlink it; return its chunks."""
+    ino = (await store.mknod(ROOT, b"f", stat.S_IFREG | 0o644, 0, 0)).ino
+    await engine.write(ino, 0, b"\xff" * POOL.volume_size * POOL.volumes)
+    extents = await store.map_read(ino, 0, POOL.volume_size * POOL.volumes)
+    await store.unlink(ROOT, b"f")
+    return [(e.volume, e.voffset) for e in extents]
+
+
+async def test_background_scrub_zeroes_freed_chunks() -> None:
+    store = MetaStore(POOL)
+    transport = LocalTransport(POOL.volumes, POOL.volume_size)
+    engine = DataEngine(store, transport)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(Scrubber(store, transport).run)
+        extents = await filled_then_freed(store, engine)
+        assert store.dirty_chunks or all(a.free for a in store.allocators)
+        with trio.fail_after(5):
+            await trio.testing.wait_all_tasks_blocked()  # the scrubber went back to waiting
+        assert store.dirty_chunks == 0 and not any(a.scrubbing for a in store.allocators)
+        nursery.cancel_scope.cancel()
+    for vol in range(POOL.volumes):
+        assert bytes(await transport.read(vol, 0, POOL.volume_size)) == bytes(POOL.volume_size)
+    assert extents  # the file really covered the pool
+    s = await store.statfs()
+    assert s.blocks_free == s.blocks
+    await transport.aclose()
+
+
+async def test_write_waits_for_scrub_when_only_freed_space_is_left() -> None:
+    store = MetaStore(POOL)
+    transport = LocalTransport(POOL.volumes, POOL.volume_size)
+    Scrubber(store, transport)  # on demand only
+    engine = DataEngine(store, transport)
+    await filled_then_freed(store, engine)
+    assert all(a.free == 0 for a in store.allocators)
+    g = (await store.mknod(ROOT, b"g", stat.S_IFREG | 0o644, 0, 0)).ino
+    await engine.write(g, 100, b"x")  # SpaceBusy -> reclaim -> retry
+    await engine.truncate(g, 4 * K)  # extend: the rest of the chunk must read as zeros
+    assert bytes(await engine.read(g, 0, 4 * K)) == bytes(100) + b"x" + bytes(4 * K - 101)
+    await transport.aclose()
+
+
+class BrokenZero(LocalTransport):
+    async def zero(self, volume: int, offset: int, length: int) -> None:
+        raise TransportError("memory server gone")
+
+
+async def test_unzeroable_chunks_stay_dirty_and_are_never_handed_out(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.expected_warnings = True  # type: ignore[attr-defined]
+    store = MetaStore(POOL)
+    transport = BrokenZero(POOL.volumes, POOL.volume_size)
+    Scrubber(store, transport)
+    engine = DataEngine(store, transport)
+    await filled_then_freed(store, engine)
+    dirty = store.dirty_chunks
+    g = (await store.mknod(ROOT, b"g", stat.S_IFREG | 0o644, 0, 0)).ino
+    with pytest.raises(FsError) as info:
+        await engine.write(g, 0, b"x")
+    assert info.value.errno == errno.ENOSPC
+    assert store.dirty_chunks == dirty  # returned, not lost, not recycled
+    assert "cannot zero" in caplog.text
+    await transport.aclose()
