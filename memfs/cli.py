@@ -143,8 +143,14 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("-o", dest="options", action="append", default=[],
                    help="FUSE mount options, comma separated; writeback_cache enables "
                         "the kernel writeback cache")
-    m.add_argument("--attr-timeout", type=float, default=1.0,
-                   help="seconds the kernel may cache attributes and names (default 1)")
+    m.add_argument("--attr-timeout", type=float, default=None,
+                   help="seconds the kernel may cache attributes and names "
+                        "(default 1; 0 with --mds, so other nodes' changes show at once)")
+    m.add_argument("--mds", metavar="HOST:PORT",
+                   help="cluster mode: use this metadata server (and its memory servers) "
+                        "instead of an embedded pool; --size/--volumes/--stripe-size/"
+                        "--chunk-size then come from the server")
+    m.add_argument("--secret-file", help="shared secret (mode 0600) for --mds and its memory servers")
     m.add_argument("--readahead", default="4M",
                    help="kernel readahead for sequential reads (default 4M; 0 keeps the kernel's)")
     m.add_argument("--foreground", "-f", action="store_true", help="do not fork into the background")
@@ -211,11 +217,15 @@ def setup_logging(debug: bool, log_file: str | None = None) -> None:
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
-    from memfs import mount  # pyfuse3 is only needed here
+    from memfs import mount, wire  # pyfuse3 is only needed here
 
     mountpoint = check_mountpoint(args.mountpoint)
+    if args.attr_timeout is None:
+        args.attr_timeout = 0.0 if args.mds else 1.0
     if not 0 <= args.attr_timeout < float("inf"):  # also refuses nan
         raise UsageError(f"bad --attr-timeout {args.attr_timeout}: expected seconds, 0 or more")
+    if args.secret_file and not args.mds:
+        raise UsageError("--secret-file goes with --mds (an embedded pool has no network)")
     options = split_o(args.options)
     opts = mount.MountOptions(
         mountpoint=mountpoint,
@@ -225,7 +235,12 @@ def cmd_mount(args: argparse.Namespace) -> int:
         attr_timeout=args.attr_timeout,
         readahead_kib=0 if args.readahead == "0" else parse_size(args.readahead, "--readahead") >> 10,
     )
-    mount.check_memory(opts.pool)
+    if args.mds:
+        opts.mds = parse_hostport(args.mds, "--mds")
+        opts.secret = wire.load_secret(args.secret_file) if args.secret_file else b""
+        opts.max_tasks = 64  # requests wait on the network: overlap them
+    else:
+        mount.check_memory(opts.pool)
     if args.foreground:
         try:
             setup_logging(args.debug, args.log)

@@ -20,16 +20,18 @@ import pyfuse3
 import trio
 import trio.lowlevel
 
-from memfs.config import PoolConfig
+from memfs.config import PoolConfig, parse_pool_spec
 from memfs.data import DataEngine
-from memfs.errors import UsageError
+from memfs.errors import FsError, UsageError
 from memfs.fs import Operations
 from memfs.host import mem_available, sd_notify
 from memfs.meta import Meta
+from memfs.meta.remote import open_remote_meta
 from memfs.meta.store import MetaStore
 from memfs.scrub import Scrubber
 from memfs.transport import Transport
 from memfs.transport.local import LocalTransport
+from memfs.transport.tcp import open_tcp_transport
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +48,9 @@ class MountOptions:
     # request; remote transports need many to overlap network waits.
     max_tasks: int = 1
     readahead_kib: int = 4096
+    #: cluster mode: the metadata server to use instead of an embedded pool
+    mds: tuple[str, int] | None = None
+    secret: bytes = b""
 
 
 # Options that mount(8) and fstab pass but that mean nothing to FUSE.
@@ -80,8 +85,13 @@ def check_memory(pool: PoolConfig) -> None:
 async def open_backend(opts: MountOptions) -> AsyncIterator[tuple[Meta, Transport]]:
     """The metadata service and transport this mount uses, closed on exit.
 
-    Embedded: both live in this process.
+    Embedded: both live in this process.  Cluster (``opts.mds``): the metadata
+    server says which memory servers hold the pool; data goes to them directly.
     """
+    if opts.mds is not None:
+        async with _open_remote(opts, *opts.mds) as backend:
+            yield backend
+        return
     check_memory(opts.pool)
     transport = LocalTransport(opts.pool.volumes, opts.pool.volume_size)
     try:
@@ -94,6 +104,24 @@ async def open_backend(opts: MountOptions) -> AsyncIterator[tuple[Meta, Transpor
             nursery.cancel_scope.cancel()
     finally:
         await transport.aclose()
+
+
+@asynccontextmanager
+async def _open_remote(
+    opts: MountOptions, host: str, port: int
+) -> AsyncIterator[tuple[Meta, Transport]]:
+    where = f"{host}:{port}"
+    try:
+        async with open_remote_meta(host, port, opts.secret) as meta:
+            desc = await meta.describe()
+            if not desc.volumes:
+                raise UsageError(f"the metadata server at {where} has no pool of memory servers")
+            volumes = parse_pool_spec("+".join(desc.volumes))
+            async with open_tcp_transport(volumes, opts.secret) as transport:
+                log.info("pool of %d volumes from the metadata server at %s", len(volumes), where)
+                yield meta, transport
+    except FsError as exc:
+        raise UsageError(f"cannot use the metadata server at {where}: {exc.args[1]}") from None
 
 
 def set_readahead(mountpoint: str, kib: int) -> None:
@@ -145,6 +173,9 @@ async def _main(opts: MountOptions, ready: Callable[[], None] | None) -> None:
             meta,
             DataEngine(meta, transport),
             writeback_cache=opts.writeback_cache,
+            # Other nodes change files too: drop cached pages at every open
+            # (close-to-open), and let attributes expire per --attr-timeout.
+            keep_cache=opts.mds is None,
             attr_timeout=opts.attr_timeout,
             entry_timeout=opts.attr_timeout,
             negative_timeout=opts.attr_timeout,
@@ -154,11 +185,14 @@ async def _main(opts: MountOptions, ready: Callable[[], None] | None) -> None:
         except RuntimeError as exc:  # libfuse printed its reason on stderr already
             raise UsageError(f"cannot mount {opts.mountpoint}: {exc}") from None
         try:
-            log.info(
-                "mounted %s: %d volumes x %d MiB, stripe %d KiB, chunk %d KiB",
-                opts.mountpoint, opts.pool.volumes, opts.pool.volume_size >> 20,
-                opts.pool.stripe_size >> 10, opts.pool.chunk_size >> 10,
-            )
+            if opts.mds is None:
+                log.info(
+                    "mounted %s: %d volumes x %d MiB, stripe %d KiB, chunk %d KiB",
+                    opts.mountpoint, opts.pool.volumes, opts.pool.volume_size >> 20,
+                    opts.pool.stripe_size >> 10, opts.pool.chunk_size >> 10,
+                )
+            else:
+                log.info("mounted %s from the metadata server at %s:%d", opts.mountpoint, *opts.mds)
             if ready is not None:
                 ready()
             sd_notify("READY=1")
