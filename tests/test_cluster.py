@@ -1,0 +1,188 @@
+"""Several hosts on one machine: 2 memory servers, 1 metadata server, 2 client mounts.
+
+Every host is a network namespace made by the test (see ``tests/netns.py``) and
+removed afterwards; traffic stays on their private bridge.  The clients mount
+for real (``memfs mount --mds``), so this is what two compute nodes see.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from memfs.cli import is_mounted, pid_file
+from tests.conftest import MOUNT_SKIP, wait_gone
+from tests.netns import TestNet, netns_unavailable
+
+SKIP = MOUNT_SKIP or netns_unavailable()
+pytestmark = [pytest.mark.mount, pytest.mark.skipif(SKIP is not None, reason=str(SKIP))]
+
+MEMFS = [sys.executable, "-m", "memfs"]
+PORT_MEMD, PORT_MDS = 7100, 7000
+
+
+@dataclass
+class Cluster:
+    net: TestNet
+    secret: Path
+    mnt: dict[str, Path]
+    servers: dict[str, subprocess.Popen[bytes]]
+
+
+def wait_line(proc: subprocess.Popen[bytes], prefix: str, timeout: float = 30) -> None:
+    """Read the server's unbuffered stdout until its ready line."""
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    seen = b""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if select.select([fd], [], [], 0.2)[0]:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            seen += chunk
+            if any(line.startswith(prefix.encode()) for line in seen.splitlines()):
+                return
+    raise AssertionError(f"no {prefix!r} from {proc.args!r}: exit {proc.poll()!r}, said {seen[-2000:]!r}")
+
+
+def start(
+    net: TestNet, host: str, argv: list[str], ready: str, log: Path
+) -> subprocess.Popen[bytes]:
+    """A server on *host*; its log (stderr) goes to a file, so no pipe can fill up."""
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(
+            net.cmd(host, [*MEMFS, *argv]), stdout=subprocess.PIPE, stderr=err, bufsize=0,
+        )
+    try:
+        wait_line(proc, ready)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()  # type: ignore[union-attr]
+        raise
+    return proc
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    secret = tmp_path / "secret"
+    secret.write_bytes(os.urandom(24).hex().encode())
+    secret.chmod(0o600)
+    servers: dict[str, subprocess.Popen[bytes]] = {}
+    mnt: dict[str, Path] = {}
+    with TestNet(["mem1", "mem2", "mds", "c1", "c2"]) as net:
+        try:
+            for host in ("mem1", "mem2"):
+                servers[host] = start(net, host, [
+                    "memd", "--listen", f"{net.addr[host]}:{PORT_MEMD}", "--volumes", "2",
+                    "--size", "128M", "--secret-file", str(secret),
+                ], "memd listening", tmp_path / f"{host}.log")
+            spec = "+".join(
+                f"tcp://{net.addr[h]}:{PORT_MEMD}/{v}" for v in (0, 1) for h in ("mem1", "mem2")
+            )
+            servers["mds"] = start(net, "mds", [
+                "mds", "--listen", f"{net.addr['mds']}:{PORT_MDS}", "--pool", spec,
+                "--secret-file", str(secret),
+            ], "mds listening", tmp_path / "mds.log")
+            for host in ("c1", "c2"):
+                path = tmp_path / host
+                path.mkdir()
+                res = subprocess.run(net.cmd(host, [
+                    *MEMFS, "mount", str(path), "--mds", f"{net.addr['mds']}:{PORT_MDS}",
+                    "--secret-file", str(secret), "--log", str(tmp_path / f"{host}.log"),
+                ]), capture_output=True, text=True, timeout=60)
+                assert res.returncode == 0, res.stderr
+                mnt[host] = path
+            yield Cluster(net, secret, mnt, servers)
+        finally:
+            for path in mnt.values():
+                pid = int(pid_file(str(path)).read_text()) if pid_file(str(path)).exists() else None
+                subprocess.run(["fusermount3", "-u", "-z", str(path)], capture_output=True)
+                if pid is not None and not wait_gone(pid, 20):
+                    os.kill(pid, signal.SIGKILL)
+            for proc in servers.values():
+                proc.terminate()
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                assert proc.stdout is not None
+                proc.stdout.close()
+    for path in mnt.values():
+        assert not is_mounted(str(path))
+    for host in ("mem1", "mem2", "mds", "c1", "c2"):
+        log = (tmp_path / f"{host}.log").read_text()
+        assert "Traceback" not in log and " ERROR " not in log, log
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def test_written_on_one_node_read_on_the_other(cluster: Cluster) -> None:
+    c1, c2 = cluster.mnt["c1"], cluster.mnt["c2"]
+    rng = random.Random(1)
+    files = {f"f{n}": rng.randbytes(n) for n in (0, 1, 65535, 1 << 20, (1 << 20) + 1, 9 << 20)}
+    (c1 / "dir").mkdir()
+    for name, data in files.items():
+        (c1 / "dir" / name).write_bytes(data)
+    for name, data in files.items():
+        assert sha((c2 / "dir" / name).read_bytes()) == sha(data), name
+        assert (c2 / "dir" / name).stat().st_size == len(data)
+    assert sorted(os.listdir(c2 / "dir")) == sorted(files)
+
+
+def test_shared_file_disjoint_blocks(cluster: Cluster) -> None:
+    """IOR's shared-file pattern: each node writes every other block of one file, then
+    reads the other node's blocks.  The block size is not a multiple of the chunk
+    size, so both nodes write into the same fresh chunks."""
+    c1, c2 = cluster.mnt["c1"], cluster.mnt["c2"]
+    block, nblocks = 100_000, 64
+    blocks = [random.Random(i).randbytes(block) for i in range(nblocks)]
+    fds = {
+        0: os.open(c1 / "shared", os.O_CREAT | os.O_RDWR, 0o644),
+        1: os.open(c2 / "shared", os.O_CREAT | os.O_RDWR, 0o644),
+    }
+    try:
+        for i, data in enumerate(blocks):
+            os.pwrite(fds[i % 2], data, i * block)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    for node, mnt in enumerate((c1, c2)):
+        data = (mnt / "shared").read_bytes()
+        assert len(data) == block * nblocks
+        other = [i for i in range(nblocks) if i % 2 != node]
+        for i in other:
+            assert data[i * block : (i + 1) * block] == blocks[i], (node, i)
+
+
+def test_close_to_open_and_namespace_visibility(cluster: Cluster) -> None:
+    c1, c2 = cluster.mnt["c1"], cluster.mnt["c2"]
+    (c1 / "a").write_bytes(b"old contents")
+    assert (c2 / "a").read_bytes() == b"old contents"  # c2 now has it cached
+    time.sleep(0.01)
+    (c1 / "a").write_bytes(b"new, longer contents")
+    # Closed on c1, opened afterwards on c2: the whole new file, right size and mtime.
+    assert (c2 / "a").read_bytes() == b"new, longer contents"
+    s1, s2 = (c1 / "a").stat(), (c2 / "a").stat()
+    assert (s2.st_size, s2.st_mtime_ns) == (s1.st_size, s1.st_mtime_ns)
+    os.rename(c1 / "a", c1 / "b")
+    assert not (c2 / "a").exists() and (c2 / "b").read_bytes() == b"new, longer contents"
+    os.unlink(c2 / "b")
+    assert not (c1 / "b").exists()
+    os.mkdir(c2 / "d")
+    assert (c1 / "d").is_dir()
