@@ -494,8 +494,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def mount_helper(argv: Sequence[str] | None = None) -> int:
     """``mount.fuse.memfs SOURCE MOUNTPOINT [-o opts]``, as called by mount(8).
 
-    Options of the form ``size=4G``, ``volumes=4``, ``stripe_size=1M``,
-    ``chunk_size=64K`` become memfs arguments; the rest are FUSE options.
+    SOURCE ``HOST:PORT`` mounts from that metadata server (``--mds``); any
+    other SOURCE (e.g. ``memfs``) mounts an embedded pool.  Options of the form
+    ``size=4G``, ``volumes=4``, ``stripe_size=1M``, ``chunk_size=64K``,
+    ``secret_file=F`` become memfs arguments; the rest are FUSE options.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     positional: list[str] = []
@@ -518,10 +520,12 @@ def mount_helper(argv: Sequence[str] | None = None) -> int:
         print("usage: mount.fuse.memfs SOURCE MOUNTPOINT [-o options]", file=sys.stderr)
         return EXIT_USAGE
     args = ["mount", positional[1]]
+    if re.match(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):\d+$", positional[0]):
+        args += ["--mds", positional[0]]
     fuse: list[str] = []
     named = {"size": "--size", "volumes": "--volumes", "stripe_size": "--stripe-size",
              "chunk_size": "--chunk-size", "log": "--log", "attr_timeout": "--attr-timeout",
-             "readahead": "--readahead"}
+             "readahead": "--readahead", "secret_file": "--secret-file"}
     for o in opts:
         key, sep, value = o.partition("=")
         if sep and key in named:

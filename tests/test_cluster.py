@@ -31,6 +31,7 @@ pytestmark = [pytest.mark.mount, pytest.mark.skipif(SKIP is not None, reason=str
 
 MEMFS = [sys.executable, "-m", "memfs"]
 PORT_MEMD, PORT_MDS = 7100, 7000
+HELPER = "import sys; from memfs.cli import mount_helper; sys.exit(mount_helper())"
 
 
 @dataclass
@@ -118,13 +119,19 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
                 "--secret-file", str(secret), "--journal", str(tmp_path / "journal"),
             ]
             servers["mds"] = start(net, "mds", argv["mds"], "mds listening", tmp_path / "mds.log")
+            mds = f"{net.addr['mds']}:{PORT_MDS}"
             for host in ("c1", "c2"):
                 path = tmp_path / host
                 path.mkdir()
-                res = subprocess.run(net.cmd(host, [
-                    *MEMFS, "mount", str(path), "--mds", f"{net.addr['mds']}:{PORT_MDS}",
-                    "--secret-file", str(secret), "--log", str(tmp_path / f"{host}.log"),
-                ]), capture_output=True, text=True, timeout=60)
+                log = tmp_path / f"{host}.log"
+                if host == "c1":
+                    argv_mount = [*MEMFS, "mount", str(path), "--mds", mds,
+                                  "--secret-file", str(secret), "--log", str(log)]
+                else:  # what mount(8) runs for an fstab line `HOST:PORT MNT fuse.memfs ...`
+                    argv_mount = [sys.executable, "-c", HELPER, mds, str(path), "-o",
+                                  f"secret_file={secret},log={log},_netdev,nofail"]
+                res = subprocess.run(net.cmd(host, argv_mount), capture_output=True, text=True,
+                                     timeout=60)
                 assert res.returncode == 0, res.stderr
                 mnt[host] = path
             yield Cluster(net, secret, mnt, servers, argv, tmp_path)
