@@ -5,7 +5,7 @@ MNT    ?= /mnt/memfs
 SIZE   ?= 4G
 MEMFS   = $(VENV)/bin/memfs
 
-.PHONY: install mount umount test lint bench bench-tcp clean
+.PHONY: install mount umount test lint bench bench-fs bench-tcp clean
 
 install: $(VENV)/.installed
 
@@ -41,11 +41,14 @@ lint: install
 	$(VENV)/bin/ruff check memfs tests bench
 	$(VENV)/bin/mypy
 
-bench: install
+# memfs vs tmpfs (fio, metadata), then the tcp data path vs raw loopback sockets.
+bench: bench-fs bench-tcp
+
+bench-fs: install
 	$(VENV)/bin/python bench/fsbench.py $(BENCH_ARGS)
 
 bench-tcp: install
-	$(VENV)/bin/python bench/tcpbench.py $(BENCH_ARGS)
+	$(VENV)/bin/python bench/tcpbench.py $(TCP_BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info
