@@ -32,6 +32,20 @@ pytestmark = [pytest.mark.mount, pytest.mark.skipif(SKIP is not None, reason=str
 MEMFS = [sys.executable, "-m", "memfs"]
 PORT_MEMD, PORT_MDS = 7100, 7000
 HELPER = "import sys; from memfs.cli import mount_helper; sys.exit(mount_helper())"
+STREAM_WRITER = """
+import os, sys, time
+fd = os.open(sys.argv[1], os.O_CREAT | os.O_WRONLY, 0o644)
+block = os.urandom(1 << 20)
+print("writing", flush=True)
+deadline = time.monotonic() + 60
+try:
+    while time.monotonic() < deadline:
+        os.pwrite(fd, block, 0)
+        os.pwrite(fd, block, 1 << 20)
+    print("no error")
+except OSError as exc:
+    print("errno", exc.errno)
+"""
 
 
 @dataclass
@@ -230,7 +244,23 @@ def test_dead_memory_server_gives_eio_not_a_hang(cluster: Cluster) -> None:
     kept = os.urandom(2 << 20)
     (safe / "kept").write_bytes(kept)
 
-    cluster.kill("mem1")
+    # A writer streaming into a wide file while mem1 dies: it gets EIO, not a hang.
+    writer = subprocess.Popen([sys.executable, "-c", STREAM_WRITER, str(c1 / "stream")],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout is not None
+        assert writer.stdout.readline().strip() == "writing"
+        time.sleep(0.3)
+        cluster.kill("mem1")
+        t0 = time.monotonic()
+        out, _ = writer.communicate(timeout=25)
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+            writer.wait()
+    assert out.strip() == f"errno {errno.EIO}", out
+    assert time.monotonic() - t0 < 25
+
     t0 = time.monotonic()
     with pytest.raises(OSError) as info:
         (c2 / "wide").read_bytes()
