@@ -19,7 +19,13 @@ Payloads:
 * control and metadata messages carry one value in a small tagged binary
   encoding (:func:`encode` / :func:`decode`: None, bool, int64, float, bytes,
   str, list, dict);
-* errors carry an errno and a message (:func:`encode_error`).
+* errors carry an errno and a message (:func:`encode_error`);
+* the RDMA (``verbs``) connection exchange has fixed structs too: a
+  VERBS_CONNECT request carries the client's queue pair
+  (:func:`encode_verbs_endpoint`), its OK reply the server's queue pair and
+  the ``(address, rkey, size)`` of every volume (:func:`encode_verbs_accept`).
+  Like every request it is only read after the handshake, so RDMA keys only
+  ever go to authenticated clients.
 
 Authentication (:class:`Handshake`): the server sends a random nonce; the
 client answers with its own nonce and ``HMAC-SHA256(secret, "memfs-client" |
@@ -67,6 +73,7 @@ class Kind(enum.IntEnum):
     READ = 21  # READ struct -> OK(raw bytes)
     WRITE = 22  # WRITE struct + data -> OK(empty)
     ZERO = 23  # ZERO struct -> OK(empty)
+    VERBS_CONNECT = 24  # VERBS_ENDPOINT struct -> OK(verbs accept) or ERROR(ENODEV)
     # metadata server
     CALL = 30  # value [method, args...] -> OK(value)
 
@@ -136,6 +143,113 @@ def unpack_exact(st: struct.Struct, payload: bytes | bytearray | memoryview) -> 
     if len(payload) != st.size:
         raise WireError(f"payload of {len(payload)} bytes, expected {st.size}")
     return st.unpack(payload)
+
+
+# -- RDMA (verbs) connection exchange ---------------------------------------------------
+
+#: one RC queue pair: number, first packet sequence number, port LID, port GID,
+#: path MTU (``ibv_mtu``: 1 = 256 .. 5 = 4096 bytes), and how many RDMA READs it
+#: takes at once (as a responder) or wants outstanding (as a requester)
+VERBS_ENDPOINT = struct.Struct("!IIH16sBB")
+#: one registered volume: virtual address, remote key, size in bytes
+VERBS_REGION = struct.Struct("!QIQ")
+_COUNT = struct.Struct("!I")
+#: memd serves at most 1024 volumes
+MAX_VERBS_REGIONS = 1024
+VERBS_ACCEPT_MAX = VERBS_ENDPOINT.size + _COUNT.size + MAX_VERBS_REGIONS * VERBS_REGION.size
+_U24 = 1 << 24
+_U64 = 1 << 64
+
+
+@dataclass(frozen=True, slots=True)
+class VerbsEndpoint:
+    """One side of a reliable-connected queue pair, as its peer needs to know it."""
+
+    qpn: int
+    psn: int
+    lid: int
+    gid: bytes
+    mtu: int
+    rd_atomic: int
+
+
+@dataclass(frozen=True, slots=True)
+class VerbsRegion:
+    """A volume registered for remote access: where it is, its key, its size."""
+
+    addr: int
+    rkey: int
+    size: int
+
+
+def _endpoint_problem(ep: VerbsEndpoint) -> str | None:
+    if not 0 < ep.qpn < _U24:
+        return f"queue pair number {ep.qpn} is not a 24-bit number above 0"
+    if not 0 <= ep.psn < _U24:
+        return f"packet sequence number {ep.psn} is not a 24-bit number"
+    if not 0 <= ep.lid < (1 << 16):
+        return f"LID {ep.lid} is not a 16-bit number"
+    if len(ep.gid) != 16:
+        return f"GID of {len(ep.gid)} bytes, expected 16"
+    if ep.lid == 0 and not any(ep.gid):
+        return "neither a LID nor a GID: the queue pair cannot be reached"
+    if not 1 <= ep.mtu <= 5:
+        return f"path MTU code {ep.mtu} (expected 1..5, 256..4096 bytes)"
+    if not 1 <= ep.rd_atomic <= 255:
+        return f"RDMA read depth {ep.rd_atomic} (expected 1..255)"
+    return None
+
+
+def encode_verbs_endpoint(ep: VerbsEndpoint) -> bytes:
+    """The VERBS_CONNECT payload; ``ValueError`` for values that do not fit."""
+    problem = _endpoint_problem(ep)
+    if problem:
+        raise ValueError(problem)
+    return VERBS_ENDPOINT.pack(ep.qpn, ep.psn, ep.lid, bytes(ep.gid), ep.mtu, ep.rd_atomic)
+
+
+def decode_verbs_endpoint(payload: bytes | bytearray | memoryview) -> VerbsEndpoint:
+    """Inverse of :func:`encode_verbs_endpoint`; anything malformed is :class:`WireError`."""
+    qpn, psn, lid, gid, mtu, rd_atomic = unpack_exact(VERBS_ENDPOINT, payload)
+    ep = VerbsEndpoint(qpn, psn, lid, bytes(gid), mtu, rd_atomic)
+    problem = _endpoint_problem(ep)
+    if problem:
+        raise WireError(f"bad queue pair: {problem}")
+    return ep
+
+
+def encode_verbs_accept(ep: VerbsEndpoint, regions: list[VerbsRegion]) -> bytes:
+    """The OK payload answering VERBS_CONNECT: the server's queue pair, then its volumes."""
+    if len(regions) > MAX_VERBS_REGIONS:
+        raise ValueError(f"{len(regions)} regions (at most {MAX_VERBS_REGIONS})")
+    out = bytearray(encode_verbs_endpoint(ep))
+    out += _COUNT.pack(len(regions))
+    for r in regions:
+        if not (0 < r.size and 0 <= r.addr and r.addr + r.size <= _U64 and 0 <= r.rkey < (1 << 32)):
+            raise ValueError(f"bad region {r}")
+        out += VERBS_REGION.pack(r.addr, r.rkey, r.size)
+    return bytes(out)
+
+
+def decode_verbs_accept(
+    payload: bytes | bytearray | memoryview,
+) -> tuple[VerbsEndpoint, list[VerbsRegion]]:
+    """Inverse of :func:`encode_verbs_accept`; anything malformed is :class:`WireError`."""
+    view = memoryview(payload).cast("B")
+    head = VERBS_ENDPOINT.size + _COUNT.size
+    if len(view) < head:
+        raise WireError(f"verbs accept of {len(view)} bytes")
+    ep = decode_verbs_endpoint(view[: VERBS_ENDPOINT.size])
+    (n,) = _COUNT.unpack_from(view, VERBS_ENDPOINT.size)
+    if n > MAX_VERBS_REGIONS or len(view) != head + n * VERBS_REGION.size:
+        raise WireError(f"verbs accept of {len(view)} bytes announces {n} regions")
+    regions = []
+    for i in range(n):
+        addr, rkey, size = VERBS_REGION.unpack_from(view, head + i * VERBS_REGION.size)
+        if size == 0 or addr + size > _U64:
+            raise WireError(f"bad region {i}: {size} bytes at {addr:#x}")
+        regions.append(VerbsRegion(addr, rkey, size))
+    return ep, regions
 
 
 # -- value codec -----------------------------------------------------------------------

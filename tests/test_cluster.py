@@ -167,8 +167,8 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
     for path in mnt.values():
         assert not is_mounted(str(path))
     for log_file in tmp_path.glob("*.log"):
-        log = log_file.read_text()
-        assert "Traceback" not in log, log
+        text = log_file.read_text()
+        assert "Traceback" not in text, text
 
 
 def sha(data: bytes) -> str:

@@ -45,7 +45,8 @@ import trio
 from memfs import wire
 from memfs.errors import FsError
 from memfs.meta import Attr, Extent, Meta, SetAttr, StatFs, WritePlan, codec
-from memfs.meta.conn import MAX_REPLY, ROLE, FrameSocket, connect
+from memfs.meta.conn import MAX_REPLY, ROLE, FrameSocket
+from memfs.net import connect
 from memfs.wire import Kind, WireError
 
 log = logging.getLogger(__name__)

@@ -43,11 +43,10 @@ from typing import Any
 import trio
 import trio.lowlevel
 
-from memfs import wire
+from memfs import net, wire
 from memfs.config import VolumeAddr
 from memfs.errors import FsError, UsageError
 from memfs.meta import codec
-from memfs.meta import conn as conn_mod
 from memfs.meta.conn import MAX_REPLY, ROLE, FrameSocket
 from memfs.meta.journal import Journal
 from memfs.meta.store import MetaStore
@@ -139,7 +138,7 @@ class MetaServer:
 
         Reports the bound port through *task_status* once connections are accepted.
         """
-        listeners = conn_mod.listen(host, port)
+        listeners = net.listen(host, port)
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -153,7 +152,7 @@ class MetaServer:
                 task_status.started(self.port)
         finally:
             for sock in listeners:
-                conn_mod.close_socket(sock)
+                net.close_socket(sock)
 
     async def _accept(self, listener: socket.socket) -> None:
         assert self._nursery is not None

@@ -15,7 +15,6 @@ only through :func:`close_socket`, which wakes it).
 
 from __future__ import annotations
 
-import os
 import socket
 from collections.abc import Callable, Iterable
 
@@ -23,45 +22,15 @@ import trio
 import trio.lowlevel
 
 from memfs import wire
+from memfs.net import close_socket, connect
+
+__all__ = ["close_socket", "connect"]  # re-exported for the transport modules
 
 Buf = bytes | bytearray | memoryview
 
 
 class PeerClosed(ConnectionError):
     """The peer closed the connection in the middle of a message."""
-
-
-def close_socket(sock: socket.socket) -> None:
-    """Close *sock*, waking any task waiting on it (with ``ClosedResourceError``)."""
-    if sock.fileno() >= 0:
-        trio.lowlevel.notify_closing(sock)
-        sock.close()
-
-
-async def connect(host: str, port: int) -> socket.socket:
-    """A connected non-blocking TCP socket with TCP_NODELAY (requests are small frames)."""
-    infos = await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    error: OSError = OSError(f"no address for {host}")
-    for family, type_, proto, _, addr in infos:
-        sock = socket.socket(family, type_, proto)
-        try:
-            sock.setblocking(False)
-            try:
-                sock.connect(addr)
-            except BlockingIOError:
-                await trio.lowlevel.wait_writable(sock)
-                err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-                if err:
-                    raise OSError(err, f"connect to {host}:{port}: {os.strerror(err)}") from None
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            return sock
-        except OSError as exc:
-            close_socket(sock)
-            error = exc
-        except BaseException:
-            close_socket(sock)
-            raise
-    raise error
 
 
 async def recv_some_into(sock: socket.socket, view: memoryview) -> int:

@@ -1,0 +1,70 @@
+"""Socket set-up shared by the metadata and memory-server protocols.
+
+Both drive non-blocking stdlib sockets directly from trio (see
+:mod:`memfs.transport.sockio` and :mod:`memfs.meta.conn` for why); connecting,
+listening and closing are the same for both.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import trio
+import trio.lowlevel
+
+
+def close_socket(sock: socket.socket) -> None:
+    """Close *sock*, waking any task waiting on it (with ``ClosedResourceError``)."""
+    if sock.fileno() >= 0:
+        trio.lowlevel.notify_closing(sock)
+        sock.close()
+
+
+async def connect(host: str, port: int) -> socket.socket:
+    """A connected non-blocking TCP socket with TCP_NODELAY (requests are small frames)."""
+    infos = await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    error: OSError = OSError(f"no address for {host}")
+    for family, type_, proto, _, addr in infos:
+        sock = socket.socket(family, type_, proto)
+        try:
+            sock.setblocking(False)
+            try:
+                sock.connect(addr)
+            except BlockingIOError:
+                await trio.lowlevel.wait_writable(sock)
+                err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                if err:
+                    raise OSError(err, f"connect to {host}:{port}: {os.strerror(err)}") from None
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return sock
+        except OSError as exc:
+            close_socket(sock)
+            error = exc
+        except BaseException:
+            close_socket(sock)
+            raise
+    raise error
+
+
+def listen(host: str, port: int, backlog: int = 128) -> list[socket.socket]:
+    """Non-blocking listening sockets for *host*:*port* (one address when *port* is 0)."""
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    socks: list[socket.socket] = []
+    try:
+        for family, type_, proto, _, addr in infos:
+            sock = socket.socket(family, type_, proto)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(addr)
+            sock.listen(backlog)
+            sock.setblocking(False)
+            if port == 0:
+                break  # every socket would get a different port
+    except BaseException:
+        for s in socks:
+            s.close()
+        raise
+    return socks
