@@ -44,16 +44,7 @@ async def recv_some_into(sock: socket.socket, view: memoryview) -> int:
 
 async def recv_exactly_into(sock: socket.socket, view: memoryview) -> None:
     """Fill *view* completely; :class:`PeerClosed` if the stream ends first."""
-    got, n = 0, len(view)
-    while got < n:
-        try:
-            k = sock.recv_into(view[got:])
-        except BlockingIOError:
-            await trio.lowlevel.wait_readable(sock)
-            continue
-        if k == 0:
-            raise PeerClosed(f"connection closed after {got} of {n} bytes")
-        got += k
+    await recv_exactly_into_current(sock, len(view), lambda: view)
 
 
 async def recv_exactly_into_current(
