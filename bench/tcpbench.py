@@ -12,7 +12,9 @@ Transport: two ``memfs memd`` subprocesses (2 volumes each), a
 per server), ``--tasks`` concurrent tasks issuing 1 MiB writes, then 1 MiB
 reads (``readinto`` registered buffers), ``--total`` bytes each way.
 
-Rounds alternate raw and transport runs; the table shows medians.
+Rounds alternate raw and transport runs; the table shows medians.  As root
+with fio, it first also measures a real ``memfs mount --mds`` over an mds and
+two fresh memory servers (fio, one job, 1 MiB sequential write then read).
 
     python bench/tcpbench.py [--total 1G] [--rounds 3] [--tasks 8]
 """
@@ -20,16 +22,20 @@ Rounds alternate raw and transport runs; the table shows medians.
 from __future__ import annotations
 
 import argparse
+import json
 import mmap
 import multiprocessing
+import os
 import random
 import re
 import select
+import shutil
 import signal
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -171,6 +177,51 @@ async def transport_throughput(ports: list[int], total: int, tasks: int,
     return rates[0], rates[1]
 
 
+@contextmanager
+def cluster_mount(ports: list[int]) -> Iterator[str]:
+    """An mds over the memory servers and a ``memfs mount --mds`` of it; yields the mountpoint."""
+    spec = "+".join(f"tcp://127.0.0.1:{ports[i % N_SERVERS]}/{i // N_SERVERS}"
+                    for i in range(N_SERVERS * VOLUMES_PER_SERVER))
+    mds = subprocess.Popen(
+        [sys.executable, "-m", "memfs", "mds", "--listen", "127.0.0.1:0", "--pool", spec],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    mnt = tempfile.mkdtemp(prefix="memfs-tcpbench-")
+    try:
+        assert mds.stdout is not None
+        ready, _, _ = select.select([mds.stdout], [], [], 60)
+        m = re.search(r"listening on 127\.0\.0\.1:(\d+)", mds.stdout.readline() if ready else "")
+        if not m:
+            raise SystemExit("mds did not start")
+        subprocess.run([sys.executable, "-m", "memfs", "mount", mnt, "--mds",
+                        f"127.0.0.1:{m[1]}"], check=True)
+        try:
+            yield mnt
+        finally:
+            subprocess.run([sys.executable, "-m", "memfs", "umount", mnt], check=False)
+    finally:
+        mds.send_signal(signal.SIGTERM)
+        try:
+            mds.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            mds.kill()
+            mds.wait()
+        if mds.stdout is not None:
+            mds.stdout.close()
+        os.rmdir(mnt)
+
+
+def fio_mibs(directory: str, rw: str, size: int) -> float:
+    out = subprocess.run(
+        ["fio", "--name=tcpbench", f"--directory={directory}", f"--rw={rw}", "--bs=1M",
+         f"--size={size}", "--numjobs=1", "--ioengine=psync", "--end_fsync=1",
+         "--invalidate=1", "--output-format=json"],
+        check=True, capture_output=True, text=True,
+    ).stdout
+    job = json.loads(out[out.index("{"):])["jobs"][0]
+    return float(job["write" if "write" in rw else "read"]["bw_bytes"]) / MIB
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--total", default="1G", help="bytes moved per measurement (default 1G)")
@@ -181,6 +232,19 @@ def main() -> int:
     # The pool holds the whole total, so the writes touch every byte once.
     volume_size = max(total // (N_SERVERS * VOLUMES_PER_SERVER) // MSG, 1) * MSG
     results: dict[str, list[float]] = {"raw": [], "raw_cold": [], "write": [], "read": []}
+    # Through a real mount: needs root, /dev/fuse and fio; fresh memory servers, since
+    # the transport runs below write straight into volumes the mds would think empty.
+    with_mount = os.geteuid() == 0 and os.path.exists("/dev/fuse") and shutil.which("fio")
+    if with_mount:
+        results["mount_write"], results["mount_read"] = [], []
+        with memd_servers(volume_size) as ports, cluster_mount(ports) as mnt:
+            for r in range(args.rounds):
+                results["mount_write"].append(fio_mibs(mnt, "write", total // 2))
+                results["mount_read"].append(fio_mibs(mnt, "read", total // 2))
+                os.unlink(os.path.join(mnt, "tcpbench.0.0"))
+                print(f"round {r + 1}: memfs mount over tcp: write "
+                      f"{results['mount_write'][-1]:.0f}, read {results['mount_read'][-1]:.0f} MiB/s",
+                      file=sys.stderr)
     with ExitStack() as stack:
         ports = stack.enter_context(memd_servers(volume_size))
         for r in range(args.rounds):
@@ -205,6 +269,11 @@ def main() -> int:
         ("write", "TcpTransport write, 1 MiB requests"),
         ("read", "TcpTransport read, 1 MiB requests"),
     ]
+    if with_mount:
+        rows += [
+            ("mount_write", "memfs mount --mds, fio 1 MiB write (1 job)"),
+            ("mount_read", "memfs mount --mds, fio 1 MiB read (1 job)"),
+        ]
     for key, label in rows:
         print(f"| {label:<46} | {med[key]:>7.0f} | {med[key] / raw:>6.2f} |")
     return 0
