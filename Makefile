@@ -9,11 +9,12 @@ MEMFS   = $(VENV)/bin/memfs
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml scripts/setup-debian.sh
+$(VENV)/.installed: pyproject.toml scripts/setup-debian.sh scripts/link-pyverbs.sh
 	./scripts/setup-debian.sh
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q -e '.[test]'
+	./scripts/link-pyverbs.sh $(VENV)
 	touch $@
 
 mount: install

@@ -168,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--size", required=True, help="bytes per volume, e.g. 4G")
     d.add_argument("--secret-file", help="shared secret (mode 0600) clients must prove they know; "
                                           "without it anyone who can reach the port may use it")
+    d.add_argument("--rdma-device", default="auto", metavar="NAME",
+                   help="RDMA device for verbs:// clients: auto (default: the first one pyverbs "
+                        "finds, if any), off, or a name such as mlx5_0")
     d.add_argument("--debug", "-d", action="store_true", help="log at debug level")
 
     ms = sub.add_parser("mds", help="serve metadata to memfs mounts over TCP (foreground)")
@@ -374,7 +377,7 @@ def cmd_memd(args: argparse.Namespace) -> int:
     size = parse_size(args.size, "--size")
     secret = wire.load_secret(args.secret_file) if args.secret_file else b""
     setup_logging(args.debug)
-    return memd.run(volumes, size, host, port, secret)
+    return memd.run(volumes, size, host, port, secret, rdma_device=args.rdma_device)
 
 
 def cmd_mds(args: argparse.Namespace) -> int:

@@ -95,15 +95,18 @@ def pool_config(opts: MdsOptions, volume_size: int) -> PoolConfig:
 
 
 async def query_volume_size(pool: list[VolumeAddr], secret: bytes) -> int:
-    """The size of the pool's volumes, from the memory servers' INFO."""
-    if any(v.scheme != "tcp" for v in pool):
-        raise UsageError("only tcp:// volumes can be asked for their size: pass --volume-size")
+    """The size of the pool's volumes, from the memory servers' INFO.
+
+    Over TCP whatever the scheme: every memd answers INFO there, ``verbs://``
+    volumes included.
+    """
     try:
+        from memfs.transport.pool import as_tcp
         from memfs.transport.tcp import open_tcp_transport
     except ImportError:  # pragma: no cover - the tcp transport is part of memfs
         raise UsageError("no tcp transport to ask the memory servers: pass --volume-size") from None
     try:
-        async with open_tcp_transport(pool, secret, io_timeout=INFO_TIMEOUT) as t:
+        async with open_tcp_transport(as_tcp(pool), secret, io_timeout=INFO_TIMEOUT) as t:
             sizes = [v.size for v in t.volumes]
     except FsError as exc:
         raise StartupError(
@@ -121,16 +124,16 @@ async def _scrub(store: MetaStore, pool: list[VolumeAddr], secret: bytes) -> Non
     """Zero freed chunks through the memory servers, for as long as we run.
 
     Until they are reachable, freed space stays dirty (unusable, never exposed).
+    Over TCP whatever the scheme (every memd serves its ``verbs://`` volumes
+    there too): zeroing is not on the clients' data path.
     """
-    if any(v.scheme != "tcp" for v in pool):
-        log.warning("freed space is only reused on tcp:// volumes: the pool has others")
-        return
+    from memfs.transport.pool import as_tcp
     from memfs.transport.tcp import open_tcp_transport
 
     delay = 1.0
     while True:
         try:
-            async with open_tcp_transport(pool, secret, io_timeout=INFO_TIMEOUT) as t:
+            async with open_tcp_transport(as_tcp(pool), secret, io_timeout=INFO_TIMEOUT) as t:
                 delay = 1.0
                 await Scrubber(store, t).run()
         except FsError as exc:

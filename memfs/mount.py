@@ -31,7 +31,7 @@ from memfs.meta.store import MetaStore
 from memfs.scrub import Scrubber
 from memfs.transport import Transport
 from memfs.transport.local import LocalTransport
-from memfs.transport.tcp import open_tcp_transport
+from memfs.transport.pool import open_pool_transport
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ async def _open_remote(
             if not desc.volumes:
                 raise UsageError(f"the metadata server at {where} has no pool of memory servers")
             volumes = parse_pool_spec("+".join(desc.volumes))
-            async with open_tcp_transport(volumes, opts.secret) as transport:
+            async with open_pool_transport(volumes, opts.secret) as transport:
                 log.info("pool of %d volumes from the metadata server at %s", len(volumes), where)
                 yield meta, transport
     except FsError as exc:

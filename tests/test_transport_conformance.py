@@ -1,7 +1,10 @@
 """Conformance suite for the :class:`memfs.transport.Transport` interface.
 
-Every transport (``local``, ``tcp`` against in-process memory servers; ``verbs``
-later) runs this same suite through the ``transport`` fixture.  The data engine relies on
+Every transport (``local``; ``tcp`` against in-process memory servers; ``verbs``
+against in-process memory servers with RDMA, on a real device where pyverbs
+finds one, else skipped; and ``verbs-sim``, the same transport code on a
+simulated device, see ``tests/verbs_sim.py``) runs this same suite through the
+``transport`` fixture.  The data engine relies on
 exactly these properties: bytes land where asked, the ends of a volume are
 reachable, out-of-range requests are refused instead of touching a neighbour, and
 concurrent requests from many trio tasks do not interfere.
@@ -23,6 +26,8 @@ from memfs.transport import Transport
 from memfs.transport.local import LocalTransport
 from memfs.transport.memd import MemoryServer
 from memfs.transport.tcp import open_tcp_transport
+from memfs.transport.verbs import RdmaDevice, open_rdma_device, open_verbs_transport, rdma_devices
+from tests.verbs_sim import SimDevice, SimFabric
 
 N_VOLUMES = 4
 VOLUME_SIZE = 4 << 20  # bigger than internal buffers (LocalTransport zeroes 1 MiB per copy)
@@ -56,13 +61,52 @@ async def tcp(n_volumes: int, volume_size: int) -> AsyncIterator[Transport]:
             await s.aclose()
 
 
-# One line per implementation.  The verbs transport (issue 3) joins here as a
-# factory that starts ``memfs memd`` servers (n_volumes x volume_size) and
-# yields a connected client, with a skipif that names the reason where pyverbs
-# finds no RDMA device.
+@asynccontextmanager
+async def _verbs_pool(
+    n_volumes: int, volume_size: int, devices: list[RdmaDevice], client: RdmaDevice
+) -> AsyncIterator[Transport]:
+    """Two in-process memory servers with RDMA on *devices*, a verbs client on *client*."""
+    secret = b"conformance-secret-0123456789"
+    servers = [MemoryServer(n_volumes // 2, volume_size, secret, rdma=d) for d in devices]
+    try:
+        async with trio.open_nursery() as nursery:
+            ports = [await nursery.start(s.serve, "127.0.0.1", 0) for s in servers]
+            pool = [VolumeAddr("verbs", "127.0.0.1", ports[i % 2], i // 2)
+                    for i in range(n_volumes)]
+            async with open_verbs_transport(pool, secret, device=client, io_timeout=10.0) as t:
+                yield t
+            nursery.cancel_scope.cancel()
+    finally:
+        for s in servers:
+            await s.aclose()  # closes its device
+        client.close()
+
+
+@asynccontextmanager
+async def verbs(n_volumes: int, volume_size: int) -> AsyncIterator[Transport]:
+    """The real thing: pyverbs on this node's first RDMA device, looped back through it."""
+    async with _verbs_pool(n_volumes, volume_size, [open_rdma_device() for _ in range(2)],
+                           open_rdma_device()) as t:
+        yield t
+
+
+@asynccontextmanager
+async def verbs_sim(n_volumes: int, volume_size: int) -> AsyncIterator[Transport]:
+    """The verbs transport and memd's RDMA side on a simulated device (no pyverbs)."""
+    fabric = SimFabric()
+    async with _verbs_pool(n_volumes, volume_size,
+                           [SimDevice(fabric, f"memd{i}") for i in range(2)],
+                           SimDevice(fabric, "client")) as t:
+        yield t
+
+
+# One line per implementation.
 IMPLEMENTATIONS = [
     pytest.param(local, id="local"),
     pytest.param(tcp, id="tcp"),
+    pytest.param(verbs, id="verbs", marks=pytest.mark.skipif(
+        not rdma_devices(), reason="no RDMA device: pyverbs finds none on this machine")),
+    pytest.param(verbs_sim, id="verbs-sim"),
 ]
 
 

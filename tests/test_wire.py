@@ -272,3 +272,113 @@ def test_fuzz_decode_and_parse_header() -> None:
                 outcomes["ok"] += 1
     assert outcomes["error"] > 10_000 and outcomes["ok"] > 100, outcomes
     assert time.monotonic() - t0 < 30
+
+
+# -- the RDMA (verbs) connection exchange -----------------------------------------------
+
+EP = wire.VerbsEndpoint(qpn=0x1234, psn=0xABCDEF, lid=7, gid=bytes(range(16)), mtu=5, rd_atomic=16)
+
+
+def test_verbs_endpoint_round_trip() -> None:
+    payload = wire.encode_verbs_endpoint(EP)
+    assert len(payload) == wire.VERBS_ENDPOINT.size == 28
+    assert wire.decode_verbs_endpoint(payload) == EP
+    # RoCE: no LID, a GID; InfiniBand: a LID, no GID
+    for ep in (wire.VerbsEndpoint(1, 0, 0, b"\xfe\x80" + bytes(13) + b"\x01", 1, 1),
+               wire.VerbsEndpoint((1 << 24) - 1, (1 << 24) - 1, 0xFFFF, bytes(16), 3, 255)):
+        assert wire.decode_verbs_endpoint(wire.encode_verbs_endpoint(ep)) == ep
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"qpn": 0}, "queue pair number"),
+        ({"qpn": 1 << 24}, "queue pair number"),
+        ({"psn": 1 << 24}, "packet sequence"),
+        ({"lid": 1 << 16}, "LID"),
+        ({"gid": bytes(15)}, "GID of 15 bytes"),
+        ({"lid": 0, "gid": bytes(16)}, "neither a LID nor a GID"),
+        ({"mtu": 0}, "MTU"),
+        ({"mtu": 6}, "MTU"),
+        ({"rd_atomic": 0}, "read depth"),
+    ],
+)
+def test_verbs_endpoint_refused(change: dict[str, Any], message: str) -> None:
+    fields = {"qpn": EP.qpn, "psn": EP.psn, "lid": EP.lid, "gid": EP.gid, "mtu": EP.mtu,
+              "rd_atomic": EP.rd_atomic, **change}
+    bad = wire.VerbsEndpoint(**fields)
+    with pytest.raises(ValueError, match=message):
+        wire.encode_verbs_endpoint(bad)
+    if len(bad.gid) == 16 and all(0 <= v < (1 << 32) for v in (bad.qpn, bad.psn)) \
+            and bad.lid < (1 << 16):
+        raw = wire.VERBS_ENDPOINT.pack(bad.qpn, bad.psn, bad.lid, bad.gid, bad.mtu, bad.rd_atomic)
+        with pytest.raises(WireError, match=message):
+            wire.decode_verbs_endpoint(raw)
+
+
+def test_verbs_endpoint_wrong_size() -> None:
+    payload = wire.encode_verbs_endpoint(EP)
+    for bad in (b"", payload[:-1], payload + b"\0"):
+        with pytest.raises(WireError):
+            wire.decode_verbs_endpoint(bad)
+
+
+def test_verbs_accept_round_trip() -> None:
+    regions = [wire.VerbsRegion(0x7F00_0000_0000 + i * (1 << 30), 0x1000 + i, 1 << 30)
+               for i in range(4)]
+    payload = wire.encode_verbs_accept(EP, regions)
+    assert len(payload) == 28 + 4 + 4 * 20
+    assert wire.decode_verbs_accept(payload) == (EP, regions)
+    assert wire.decode_verbs_accept(bytearray(wire.encode_verbs_accept(EP, []))) == (EP, [])
+    # the largest pool memd serves fits the limit clients read
+    many = [wire.VerbsRegion(4096 * i, i, 4096) for i in range(wire.MAX_VERBS_REGIONS)]
+    big = wire.encode_verbs_accept(EP, many)
+    assert len(big) == wire.VERBS_ACCEPT_MAX
+    assert wire.decode_verbs_accept(memoryview(big))[1] == many
+
+
+def test_verbs_accept_refused() -> None:
+    good = wire.encode_verbs_accept(EP, [wire.VerbsRegion(4096, 5, 4096)])
+    head = wire.VERBS_ENDPOINT.size
+    for bad in (
+        good[:-1],  # truncated region
+        good + b"\0",  # trailing byte
+        good[:head],  # no count
+        good[:head] + struct.pack("!I", 2) + good[head + 4 :],  # count says 2, one follows
+        good[:head] + struct.pack("!I", 1 << 31),  # absurd count, no allocation
+        good[: head + 4] + wire.VERBS_REGION.pack(4096, 5, 0),  # empty region
+        good[: head + 4] + wire.VERBS_REGION.pack((1 << 64) - 4096, 5, 8192),  # wraps
+        wire.VERBS_ENDPOINT.pack(0, 0, 0, bytes(16), 0, 0) + good[head:],  # bad endpoint
+    ):
+        with pytest.raises(WireError):
+            wire.decode_verbs_accept(bad)
+    with pytest.raises(ValueError):
+        wire.encode_verbs_accept(EP, [wire.VerbsRegion(0, 1, 0)])
+    with pytest.raises(ValueError):
+        wire.encode_verbs_accept(EP, [wire.VerbsRegion(0, 1, 1)] * (wire.MAX_VERBS_REGIONS + 1))
+
+
+def test_verbs_connect_is_a_frame_kind() -> None:
+    frame = wire.frame(Kind.VERBS_CONNECT, 9, wire.encode_verbs_endpoint(EP))
+    h = wire.parse_header(frame[: wire.HEADER_SIZE])
+    assert (h.kind, h.req_id, h.length) == (Kind.VERBS_CONNECT, 9, wire.VERBS_ENDPOINT.size)
+
+
+@pytest.mark.timeout(60)
+def test_fuzz_verbs_codec() -> None:
+    """Random and mutated exchanges: WireError or a value, nothing else."""
+    rng = random.Random(4404)
+    seeds = [wire.encode_verbs_accept(EP, [wire.VerbsRegion(rng.randrange(1 << 40), i, 1 << 20)
+                                          for i in range(rng.randrange(5))]) for _ in range(20)]
+    seeds.append(wire.encode_verbs_endpoint(EP))
+    outcomes = {"ok": 0, "error": 0}
+    for i in range(10_000):
+        data = rng.randbytes(rng.randrange(64)) if i % 3 == 0 else mutate(rng, rng.choice(seeds))
+        for fn in (wire.decode_verbs_endpoint, wire.decode_verbs_accept):
+            try:
+                fn(data)
+            except WireError:
+                outcomes["error"] += 1
+            else:
+                outcomes["ok"] += 1
+    assert outcomes["error"] > 5_000 and outcomes["ok"] > 50, outcomes

@@ -7,9 +7,16 @@ number of clients:
 
 * every connection starts with the HMAC handshake (HELLO, AUTH, WELCOME); a
   client that fails it is dropped before a single request is read;
-* then requests (INFO, READ, WRITE, ZERO) are served in order, one at a time
-  per connection; a client may pipeline them, and each reply carries its
-  request's id;
+* then requests (INFO, READ, WRITE, ZERO, VERBS_CONNECT) are served in
+  order, one at a time per connection; a client may pipeline them, and each
+  reply carries its request's id;
+* with an RDMA device (:mod:`memfs.transport.verbs`; ``memfs memd
+  --rdma-device``, by default the first one pyverbs finds) every volume is
+  registered once at start for remote reads and writes, and VERBS_CONNECT
+  gives an authenticated client an RC queue pair plus each volume's address
+  and rkey: its reads and writes then bypass this process entirely.  The
+  queue pair lives as long as the connection that asked for it.  Without a
+  device VERBS_CONNECT is answered ENODEV with the reason;
 * data moves between the socket and volume memory with no copy in Python:
   WRITE payloads are received straight into the volume (after the range is
   checked), READ replies are sent straight from it with ``sendmsg``;
@@ -37,7 +44,7 @@ import secrets
 import signal
 import socket
 import struct
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 import trio.lowlevel
@@ -56,6 +63,9 @@ from memfs.transport.sockio import (
 )
 from memfs.wire import Kind
 
+if TYPE_CHECKING:
+    from memfs.transport.verbs import MemoryRegion, QueuePair, RdmaDevice
+
 log = logging.getLogger(__name__)
 
 #: a started frame must be completely received, served and answered within this
@@ -69,6 +79,15 @@ _DISCARD = 1 << 20
 
 class _Drop(Exception):
     """End this connection, logging the reason as a warning."""
+
+
+class _ConnState:
+    """What one connection owns beyond its socket."""
+
+    __slots__ = ("qp",)
+
+    def __init__(self) -> None:
+        self.qp: QueuePair | None = None
 
 
 def format_addr(host: str, port: int) -> str:
@@ -91,6 +110,7 @@ class MemoryServer:
         frame_timeout: float = FRAME_TIMEOUT,
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
         max_payload: int = wire.MAX_PAYLOAD,
+        rdma: RdmaDevice | None = None,
     ) -> None:
         self.memory = LocalTransport(n_volumes, volume_size)
         # A random 63-bit number: the value codec carries signed 64-bit integers.
@@ -103,11 +123,54 @@ class MemoryServer:
             {"incarnation": self.incarnation, "volumes": [v.size for v in self.memory.volumes]}
         )
         self._views = [self.memory.volume_memory(i) for i in range(n_volumes)]
+        #: the RDMA device, once the volumes are registered with it
+        self.rdma: RdmaDevice | None = None
+        #: why VERBS_CONNECT is answered ENODEV
+        self.rdma_absent = "this memory server has no RDMA device"
+        self._regions: list[MemoryRegion] = []
+        self._verbs_regions: list[wire.VerbsRegion] = []
+        self._qps: set[QueuePair] = set()
+        if rdma is not None:
+            self.enable_rdma(rdma)
+
+    def enable_rdma(self, device: RdmaDevice) -> None:
+        """Register every volume with *device* (which this server then owns and closes).
+
+        Raises :class:`memfs.transport.verbs.RdmaError` (leaving RDMA off) if
+        the device refuses a volume.
+        """
+        regions = []
+        try:
+            for view in self._views:
+                regions.append(device.register(view, remote=True))
+        except BaseException:
+            for r in regions:
+                r.close()
+            raise
+        self.rdma = device
+        self._regions = regions
+        self._verbs_regions = [wire.VerbsRegion(r.addr, r.rkey, r.length) for r in regions]
+        log.info("RDMA: %d volumes registered with %s", len(regions), device.name)
 
     async def aclose(self) -> None:
         """Give the volumes back (after serving has stopped)."""
+        for qp in list(self._qps):
+            self._close_qp(qp)
+        for r in self._regions:
+            r.close()
+        self._regions.clear()
+        if self.rdma is not None:
+            self.rdma.close()
+            self.rdma = None
         self._views.clear()
         await self.memory.aclose()
+
+    def _close_qp(self, qp: QueuePair) -> None:
+        self._qps.discard(qp)
+        try:
+            qp.close()
+        except Exception as exc:
+            log.error("%s", exc)
 
     # -- listening -----------------------------------------------------------------
 
@@ -167,6 +230,7 @@ class MemoryServer:
 
     async def _connection(self, sock: socket.socket, peer: str) -> None:
         """Serve one client; whatever it sends, only this connection ends."""
+        state = _ConnState()
         try:
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -179,7 +243,7 @@ class MemoryServer:
                 log.info("%s connected and left without a word", peer)  # a port probe
                 return
             log.debug("%s authenticated (%s)", peer, role)
-            await self._serve_requests(sock)
+            await self._serve_requests(sock, state)
             log.debug("%s disconnected", peer)
         except (wire.WireError, _Drop) as exc:
             log.warning("closing connection from %s: %s", peer, exc)
@@ -190,6 +254,9 @@ class MemoryServer:
         except Exception:
             log.exception("connection from %s: unexpected error", peer)
         finally:
+            if state.qp is not None:
+                log.debug("%s: destroying its RDMA queue pair", peer)
+                self._close_qp(state.qp)
             close_socket(sock)
 
     async def _handshake(self, sock: socket.socket) -> str | None:
@@ -210,7 +277,7 @@ class MemoryServer:
         await send_all(sock, [wire.frame(Kind.WELCOME, h.req_id, hs.welcome())])
         return role
 
-    async def _serve_requests(self, sock: socket.socket) -> None:
+    async def _serve_requests(self, sock: socket.socket, state: _ConnState) -> None:
         head = bytearray(wire.HEADER_SIZE)
         hv = memoryview(head)
         small = bytearray(32)
@@ -222,13 +289,15 @@ class MemoryServer:
                 if n < wire.HEADER_SIZE:
                     await recv_exactly_into(sock, hv[n:])
                 h = wire.parse_header(head, self.max_payload)
-                await self._request(sock, h, small)
+                await self._request(sock, h, small, state)
             if scope.cancelled_caught:
                 raise _Drop(f"a frame was not completed within {self.frame_timeout:g}s")
             # A client that pipelines without pause must not starve the others.
             await trio.lowlevel.checkpoint()
 
-    async def _request(self, sock: socket.socket, h: wire.Header, small: bytearray) -> None:
+    async def _request(
+        self, sock: socket.socket, h: wire.Header, small: bytearray, state: _ConnState
+    ) -> None:
         kind = h.kind
         if kind is Kind.WRITE:
             if h.length < wire.WRITE.size:
@@ -270,8 +339,46 @@ class MemoryServer:
             if h.length:
                 raise wire.WireError(f"INFO payload of {h.length} bytes")
             await send_all(sock, [wire.frame(Kind.OK, h.req_id, self._info)])
+        elif kind is Kind.VERBS_CONNECT:
+            if h.length != wire.VERBS_ENDPOINT.size:
+                raise wire.WireError(f"VERBS_CONNECT payload of {h.length} bytes")
+            payload = bytearray(h.length)
+            await recv_exactly_into(sock, memoryview(payload))
+            peer = wire.decode_verbs_endpoint(payload)
+            err, reply = self._verbs_connect(sock, peer, state)
+            if err:
+                await self._error(sock, h.req_id, err, reply.decode())
+            else:
+                await send_all(sock, [wire.frame(Kind.OK, h.req_id, reply)])
         else:
             raise wire.WireError(f"unexpected {kind.name} frame")
+
+    def _verbs_connect(
+        self, sock: socket.socket, peer: wire.VerbsEndpoint, state: _ConnState
+    ) -> tuple[int, bytes]:
+        """A queue pair for this (authenticated) connection: (0, accept) or (errno, message)."""
+        from memfs.transport.verbs import RdmaError, set_keepalive
+
+        if self.rdma is None:
+            return errno.ENODEV, f"no RDMA on this memory server: {self.rdma_absent}".encode()
+        if state.qp is not None:
+            return errno.EBUSY, b"this connection has a queue pair already"
+        try:
+            qp = self.rdma.create_qp(1, remote_access=True)  # it never sends: one WR is plenty
+        except RdmaError as exc:
+            log.warning("VERBS_CONNECT: %s", exc)
+            return errno.EAGAIN, str(exc).encode()
+        try:
+            qp.connect(peer)
+        except RdmaError as exc:
+            log.warning("VERBS_CONNECT: %s", exc)
+            self._close_qp(qp)
+            return errno.EIO, str(exc).encode()
+        state.qp = qp
+        self._qps.add(qp)
+        set_keepalive(sock)  # a vanished client's queue pair goes with its connection
+        log.debug("RDMA queue pair %d connected to %d", qp.endpoint.qpn, peer.qpn)
+        return 0, wire.encode_verbs_accept(qp.endpoint, self._verbs_regions)
 
     def _check(self, volume: int, offset: int, length: int) -> str | None:
         try:
@@ -303,8 +410,13 @@ async def _discard(sock: socket.socket, n: int) -> None:
 # -- the daemon -------------------------------------------------------------------------
 
 
-def run(n_volumes: int, volume_size: int, host: str, port: int, secret: bytes) -> int:
-    """``memfs memd``: serve in the foreground until SIGTERM/SIGINT; the exit status."""
+def run(n_volumes: int, volume_size: int, host: str, port: int, secret: bytes,
+        rdma_device: str = "auto") -> int:
+    """``memfs memd``: serve in the foreground until SIGTERM/SIGINT; the exit status.
+
+    *rdma_device*: ``auto`` (the first device pyverbs finds, if any), ``off``,
+    or a device name (a user error if it cannot be used).
+    """
     faulthandler.enable()
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     total = n_volumes * volume_size
@@ -318,11 +430,33 @@ def run(n_volumes: int, volume_size: int, host: str, port: int, secret: bytes) -
         server = MemoryServer(n_volumes, volume_size, secret)
     except MemoryError as exc:
         raise UsageError(str(exc)) from None
-    trio.run(_serve_until_signalled, server, host, port)
+    trio.run(_serve_until_signalled, server, host, port, rdma_device)
     return 0
 
 
-async def _serve_until_signalled(server: MemoryServer, host: str, port: int) -> None:
+def _setup_rdma(server: MemoryServer, spec: str) -> None:
+    """Register the volumes with the RDMA device *spec* names, or say why there is none."""
+    from memfs.transport.verbs import RdmaError, server_device
+
+    device, why = server_device(spec)
+    if device is not None:
+        try:
+            server.enable_rdma(device)
+        except RdmaError as exc:
+            device.close()
+            if spec != "auto":
+                raise UsageError(f"--rdma-device {spec}: {exc}") from None
+            why = f"registering the volumes with {device.name} failed: {exc}"
+            log.warning("RDMA off: %s", why)
+    if server.rdma is None:
+        server.rdma_absent = why
+        if spec == "auto":
+            log.info("RDMA off: %s", why)
+
+
+async def _serve_until_signalled(
+    server: MemoryServer, host: str, port: int, rdma_device: str = "off"
+) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         try:
             sock = await server.listen(host, port)
@@ -330,6 +464,11 @@ async def _serve_until_signalled(server: MemoryServer, host: str, port: int) -> 
             raise UsageError(
                 f"cannot listen on {format_addr(host, port)}: {exc.strerror or exc}"
             ) from None
+        try:
+            _setup_rdma(server, rdma_device)  # once the port is ours: errors come in order
+        except BaseException:
+            sock.close()
+            raise
         async with trio.open_nursery() as nursery:
             bound = await nursery.start(server.serve_socket, sock)
             if not server.secret:

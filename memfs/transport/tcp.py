@@ -74,6 +74,39 @@ def _name(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+async def memd_handshake(sock: socket.socket, secret: bytes, role: str) -> tuple[int, list[int]]:
+    """HELLO, AUTH, WELCOME, then INFO: (incarnation, volume sizes) of a memory server.
+
+    Shared by the tcp and verbs transports (the verbs transport's control
+    connection starts the same way).  No deadline here: callers set one.
+    """
+    hs = wire.Handshake(secret)
+    h, hello = await recv_frame(sock, wire.NONCE_SIZE)
+    if h.kind is not Kind.HELLO:
+        raise wire.WireError(f"expected HELLO, got {h.kind.name}")
+    await send_all(sock, [wire.frame(Kind.AUTH, 0, hs.auth(hello, role))])
+    try:
+        h, welcome = await recv_frame(sock, wire.MAC_SIZE)
+    except PeerClosed:
+        raise wire.WireError("authentication refused (wrong secret?)") from None
+    if h.kind is not Kind.WELCOME:
+        raise wire.WireError(f"expected WELCOME, got {h.kind.name}")
+    hs.check_welcome(welcome)
+    await send_all(sock, [wire.frame(Kind.INFO, _INFO_ID)])
+    h, payload = await recv_frame(sock, _INFO_MAX)
+    if h.kind is not Kind.OK or h.req_id != _INFO_ID:
+        raise wire.WireError(f"unexpected {h.kind.name} reply to INFO")
+    info = wire.decode(payload)
+    if not (
+        isinstance(info, dict)
+        and isinstance(info.get("incarnation"), int)
+        and isinstance(info.get("volumes"), list)
+        and all(isinstance(s, int) and s > 0 for s in info["volumes"])
+    ):
+        raise wire.WireError(f"malformed INFO reply {info!r:.200}")
+    return info["incarnation"], info["volumes"]
+
+
 class _Pending:
     """One request awaiting its reply."""
 
@@ -332,32 +365,7 @@ class TcpTransport(Transport):
         return conn
 
     async def _handshake(self, sock: socket.socket) -> tuple[int, list[int]]:
-        """HELLO, AUTH, WELCOME, then INFO: (incarnation, volume sizes)."""
-        hs = wire.Handshake(self._secret)
-        h, hello = await recv_frame(sock, wire.NONCE_SIZE)
-        if h.kind is not Kind.HELLO:
-            raise wire.WireError(f"expected HELLO, got {h.kind.name}")
-        await send_all(sock, [wire.frame(Kind.AUTH, 0, hs.auth(hello, ROLE))])
-        try:
-            h, welcome = await recv_frame(sock, wire.MAC_SIZE)
-        except PeerClosed:
-            raise wire.WireError("authentication refused (wrong secret?)") from None
-        if h.kind is not Kind.WELCOME:
-            raise wire.WireError(f"expected WELCOME, got {h.kind.name}")
-        hs.check_welcome(welcome)
-        await send_all(sock, [wire.frame(Kind.INFO, _INFO_ID)])
-        h, payload = await recv_frame(sock, _INFO_MAX)
-        if h.kind is not Kind.OK or h.req_id != _INFO_ID:
-            raise wire.WireError(f"unexpected {h.kind.name} reply to INFO")
-        info = wire.decode(payload)
-        if not (
-            isinstance(info, dict)
-            and isinstance(info.get("incarnation"), int)
-            and isinstance(info.get("volumes"), list)
-            and all(isinstance(s, int) and s > 0 for s in info["volumes"])
-        ):
-            raise wire.WireError(f"malformed INFO reply {info!r:.200}")
-        return info["incarnation"], info["volumes"]
+        return await memd_handshake(sock, self._secret, ROLE)
 
     async def _conn_for(self, server: _Server) -> _Conn:
         if server.lost:
