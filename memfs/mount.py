@@ -59,7 +59,14 @@ IGNORED_FUSE_OPTIONS = {"_netdev", "nofail", "noauto", "auto", "defaults", "user
 
 def fuse_options(opts: MountOptions) -> set[str]:
     out = set(pyfuse3.default_options)  # default_permissions: the kernel checks modes
-    out |= {"fsname=memfs", "subtype=memfs"}
+    # The mount table's source: what an fstab line names (``memfs``, or the mds's
+    # HOST:PORT), so that ``mount -a`` sees the line is mounted already.
+    if opts.mds is None:
+        fsname = "memfs"
+    else:
+        host, port = opts.mds
+        fsname = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    out |= {f"fsname={fsname}", "subtype=memfs"}
     if os.geteuid() == 0:
         out.add("allow_other")  # a shared scratch filesystem, like tmpfs
     for o in opts.fuse_options:
@@ -110,7 +117,7 @@ async def open_backend(opts: MountOptions) -> AsyncIterator[tuple[Meta, Transpor
 async def _open_remote(
     opts: MountOptions, host: str, port: int
 ) -> AsyncIterator[tuple[Meta, Transport]]:
-    where = f"{host}:{port}"
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
         async with open_remote_meta(host, port, opts.secret) as meta:
             desc = await meta.describe()
@@ -121,7 +128,8 @@ async def _open_remote(
                 log.info("pool of %d volumes from the metadata server at %s", len(volumes), where)
                 yield meta, transport
     except FsError as exc:
-        raise UsageError(f"cannot use the metadata server at {where}: {exc.args[1]}") from None
+        msg = exc.args[1]
+        raise UsageError(msg if where in msg else f"cannot mount from {where}: {msg}") from None
 
 
 def set_readahead(mountpoint: str, kib: int) -> None:

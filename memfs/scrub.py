@@ -23,6 +23,9 @@ log = logging.getLogger(__name__)
 
 BATCH = 64  # chunks per round (4 MiB at 64 KiB): bounds how long a round holds the loop
 RETRY_DELAY = 1.0
+#: a volume whose server does not zero a batch within this is skipped for the round:
+#: well below the clients' 10 s call timeout, which a write waiting in reclaim() shares
+ZERO_TIMEOUT = 3.0
 
 
 class Scrubber:
@@ -31,6 +34,8 @@ class Scrubber:
         self.transport = transport
         self._lock = trio.Lock()
         self._wake = trio.Event()
+        #: volumes the last round could not zero, with the reason (logged once)
+        self._failing: dict[int, str] = {}
         store.reclaimer = self.drain
         store.on_dirty = self.poke
 
@@ -39,41 +44,71 @@ class Scrubber:
         self._wake.set()
 
     async def drain(self) -> None:
-        """Zero every dirty chunk now (what ``Meta.reclaim`` waits for)."""
+        """Zero every dirty chunk now (what ``Meta.reclaim`` waits for).
+
+        Volumes that failed in the last round are left to the background rounds,
+        which retry them: a write waiting here must not wait for a dead or hung
+        memory server (its chunks stay dirty), nor time out on it.
+        """
+        await self._drain(retry=False)
+
+    async def _drain(self, *, retry: bool) -> None:
+        """One round.  Volumes whose memory server fails are skipped for the rest of
+        it: one dead server must not keep the others' freed space from being reused."""
         async with self._lock:
-            while self.store.dirty_chunks:
-                batch = self.store.take_dirty(BATCH)
-                try:
-                    await self._zero(batch)
-                except TransportError as exc:
-                    self.store.return_dirty(batch)
-                    log.warning("cannot zero %d freed chunks yet: %s", len(batch), exc)
-                    return
+            failed: dict[int, str] = {} if retry else dict(self._failing)
+            skipped = set(failed)
+            while batch := self.store.take_dirty(BATCH, skip=failed):
+                bad = await self._zero(batch)
+                if bad:
+                    self.store.return_dirty([c for c in batch if c[0] in bad])
+                    batch = [c for c in batch if c[0] not in bad]
+                    failed.update(bad)
                 self.store.put_clean(batch)
                 await trio.lowlevel.checkpoint()  # let FUSE requests in between rounds
+            for vol, msg in failed.items():
+                if vol not in skipped and self._failing.get(vol) != msg:  # once, not every retry
+                    log.warning("cannot zero freed chunks of volume %d yet: %s", vol, msg)
+            for vol in set(self._failing) - set(failed):
+                if not self.store.allocators[vol].dirty:
+                    log.info("freed chunks of volume %d are being zeroed again", vol)
+            self._failing = failed
 
-    async def _zero(self, batch: list[tuple[int, int]]) -> None:
+    async def _zero(self, batch: list[tuple[int, int]]) -> dict[int, str]:
+        """Zero *batch*; returns the volumes that failed, with the reason."""
         cs = self.store.chunk_size
         by_volume: dict[int, list[int]] = defaultdict(list)
         for vol, voff in batch:
             by_volume[vol].append(voff)
-        runs: list[tuple[int, int, int]] = []
-        for vol, offs in by_volume.items():
+        failed: dict[int, str] = {}
+
+        async def zero_volume(vol: int, offs: list[int]) -> None:
             offs.sort()
+            runs: list[tuple[int, int]] = []
             start = prev = offs[0]
             for off in offs[1:]:
                 if off != prev + cs:
-                    runs.append((vol, start, prev + cs - start))
+                    runs.append((start, prev + cs - start))
                     start = off
                 prev = off
-            runs.append((vol, start, prev + cs - start))
+            runs.append((start, prev + cs - start))
+            try:
+                with trio.move_on_after(ZERO_TIMEOUT) as scope:
+                    for off, length in runs:
+                        await self.transport.zero(vol, off, length)
+                if scope.cancelled_caught:
+                    failed[vol] = f"not zeroed within {ZERO_TIMEOUT:g} s"
+            except TransportError as exc:
+                failed[vol] = str(exc)
+
         if self.transport.concurrent and len(by_volume) > 1:
             async with trio.open_nursery() as nursery:
-                for run in runs:
-                    nursery.start_soon(self.transport.zero, *run)
+                for vol, offs in by_volume.items():
+                    nursery.start_soon(zero_volume, vol, offs)
         else:
-            for run in runs:
-                await self.transport.zero(*run)
+            for vol, offs in by_volume.items():
+                await zero_volume(vol, offs)
+        return failed
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Scrub in the background whenever chunks are freed."""
@@ -83,6 +118,6 @@ class Scrubber:
                 await self._wake.wait()
                 self._wake = trio.Event()
             before = self.store.dirty_chunks
-            await self.drain()
+            await self._drain(retry=True)
             if self.store.dirty_chunks >= before:  # no progress: transport trouble
                 await trio.sleep(RETRY_DELAY)

@@ -13,6 +13,7 @@ import errno
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -543,3 +544,33 @@ def test_umount_of_one_of_two_similar_names(tmp_path: Path) -> None:
         for mnt in (one, two):
             if is_mounted(str(mnt)):
                 subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
+
+
+@needs_mount
+def test_cluster_mount_mistakes_are_one_line(mountpoint: Path, tmp_path: Path) -> None:
+    """No metadata server there, a malformed address, a bad secret file: one line
+    each, exit 2, nothing mounted (and the line says it once, not three times)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    secret = tmp_path / "secret"
+    secret.write_bytes(os.urandom(32).hex().encode())
+    secret.chmod(0o644)
+    cases = {
+        (f"127.0.0.1:{port}", None): f"cannot reach the metadata server at 127.0.0.1:{port}: "
+                                     "Connection refused (log: ",
+        ("127.0.0.1", None): "bad --mds '127.0.0.1'",
+        ("127.0.0.1:99999", None): "bad --mds",
+        (f"127.0.0.1:{port}", str(secret)): "readable by others",
+        (f"127.0.0.1:{port}", str(tmp_path / "none")): "cannot read secret file",
+    }
+    for (mds, secret_file), mentions in cases.items():
+        args = ["mount", str(mountpoint), "--mds", mds, "--log", str(tmp_path / "mount.log")]
+        if secret_file:
+            args += ["--secret-file", secret_file]
+        res = memfs(*args)
+        line = assert_one_error_line(res)
+        assert res.returncode == cli.EXIT_USAGE, res
+        assert mentions in line, line
+        assert line.count("metadata server") <= 1, line
+        assert not is_mounted(str(mountpoint))

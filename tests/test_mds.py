@@ -522,3 +522,21 @@ def test_readiness_sigterm_and_user_errors(start_mds: Callable[..., Mds], tmp_pa
         assert res.returncode == 2, (args, res)
         lines = res.stderr.splitlines()
         assert len(lines) == 1 and lines[0].startswith("memfs: error: ") and message in lines[0], res
+
+
+def test_client_vanishing_mid_conversation_is_no_error(start_mds: Callable[..., Mds]) -> None:
+    """A client that goes away with calls and replies in flight (killed, or it gave
+    up on a hung server and closed) is an ordinary event: no ERROR, no traceback."""
+    mds = start_mds()
+    for _ in range(5):
+        with authed(mds.port) as sock:
+            for i in range(300):
+                sock.sendall(wire.frame(Kind.CALL, i + 1, wire.encode(["statfs"])))
+            # Reset, not FIN: the server's next send or receive fails.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    with authed(mds.port) as good:
+        kind, _ = call(good, ["statfs"])
+        assert kind is Kind.OK
+    assert mds.proc.poll() is None
+    log = mds.log_text()
+    assert "Traceback" not in log and " ERROR " not in log, log

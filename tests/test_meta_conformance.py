@@ -25,7 +25,7 @@ import pytest
 import trio
 
 from memfs.config import PoolConfig
-from memfs.errors import FsError
+from memfs.errors import FsError, SpaceBusy
 from memfs.layout import LAYOUT_XATTR, Layout, LayoutSpec
 from memfs.meta import (
     NAME_MAX,
@@ -846,6 +846,21 @@ async def test_enospc_whole_pool(meta: Meta) -> None:
     assert (await meta.statfs()).blocks_free == 0
     await meta.unlink(ROOT, b"f")
     assert (await meta.statfs()).blocks_free == before.blocks_free
+
+
+async def test_freed_but_dirty_space_is_space_busy(meta: Meta) -> None:
+    """With only freed, not yet zeroed space left, map_write raises SpaceBusy (what
+    the data engine answers with reclaim() and a retry), not a plain EAGAIN: a
+    remote one reached the application as "Resource temporarily unavailable"."""
+    f = await mkfile(meta, b"f")
+    total = POOL.volume_size * POOL.volumes
+    await meta.map_write(f.ino, 0, total)
+    await meta.unlink(ROOT, b"f")
+    g = await mkfile(meta, b"g")
+    with pytest.raises(SpaceBusy):
+        await meta.map_write(g.ino, 0, total)
+    await meta.reclaim()
+    await meta.map_write(g.ino, 0, total)
 
 
 async def test_striping_follows_layout(meta: Meta) -> None:

@@ -12,6 +12,7 @@ import trio.testing
 from memfs.config import PoolConfig
 from memfs.data import DataEngine
 from memfs.errors import FsError, TransportError
+from memfs.layout import LAYOUT_XATTR
 from memfs.meta.store import MetaStore
 from memfs.scrub import Scrubber
 from memfs.transport.local import LocalTransport
@@ -85,4 +86,54 @@ async def test_unzeroable_chunks_stay_dirty_and_are_never_handed_out(
     assert info.value.errno == errno.ENOSPC
     assert store.dirty_chunks == dirty  # returned, not lost, not recycled
     assert "cannot zero" in caplog.text
+    await transport.aclose()
+
+
+class DeadVolume(LocalTransport):
+    """Volume 0's memory server is gone; the others work."""
+
+    async def zero(self, volume: int, offset: int, length: int) -> None:
+        if volume == 0:
+            raise TransportError("memory server of volume 0 gone")
+        await super().zero(volume, offset, length)
+
+
+class ConcurrentDeadVolume(DeadVolume):
+    concurrent = True  # like the tcp transport: volumes are zeroed in parallel
+
+
+class HungVolume(LocalTransport):
+    """Volume 0's memory server is stopped (SIGSTOP): its requests never finish."""
+
+    concurrent = True
+
+    async def zero(self, volume: int, offset: int, length: int) -> None:
+        if volume == 0:
+            await trio.sleep_forever()
+        await super().zero(volume, offset, length)
+
+
+@pytest.mark.parametrize("transport_class", [DeadVolume, ConcurrentDeadVolume, HungVolume])
+async def test_one_dead_volume_does_not_keep_the_others_dirty(
+    transport_class: type[LocalTransport], caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Freed chunks of healthy volumes are reused although volume 0 cannot be zeroed
+    (they used to wait behind it forever: ENOSPC on a nearly empty pool), and
+    the background scrubber survives the failure and warns once, not every round."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]
+    store = MetaStore(POOL)
+    transport = transport_class(POOL.volumes, POOL.volume_size)
+    engine = DataEngine(store, transport)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(Scrubber(store, transport).run)
+        await filled_then_freed(store, engine)
+        g = (await store.mknod(ROOT, b"g", stat.S_IFREG | 0o644, 0, 0)).ino
+        await store.setxattr(g, LAYOUT_XATTR, b"stripe_count=1 stripe_offset=1")
+        with trio.fail_after(8):  # a client's call to the mds gives up after 10 s
+            await engine.write(g, 0, b"y" * POOL.volume_size)  # all of volume 1 again
+        await trio.sleep(2.5)  # a few retry rounds of the background scrubber
+        assert bytes(await engine.read(g, 0, POOL.volume_size)) == b"y" * POOL.volume_size
+        assert store.allocators[0].reclaimable == POOL.volume_size // POOL.chunk_size
+        nursery.cancel_scope.cancel()
+    assert caplog.text.count("cannot zero freed chunks of volume 0") == 1, caplog.text
     await transport.aclose()

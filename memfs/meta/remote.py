@@ -43,7 +43,7 @@ from typing import Any
 import trio
 
 from memfs import wire
-from memfs.errors import FsError
+from memfs.errors import FsError, SpaceBusy
 from memfs.meta import Attr, Extent, Meta, SetAttr, StatFs, WritePlan, codec
 from memfs.meta.conn import MAX_REPLY, ROLE, FrameSocket
 from memfs.net import connect
@@ -249,8 +249,11 @@ class RemoteMeta(Meta):
         try:
             self._first = await self._connect(True)
         except _CONNECT_ERRORS as exc:
+            why: object = exc
+            if isinstance(exc, OSError) and exc.errno:  # not the errno and address again
+                why = os.strerror(exc.errno) if exc.errno > 0 else exc.strerror
             raise FsError(
-                errno.EIO, f"cannot reach the metadata server at {self.address}: {exc or 'timed out'}"
+                errno.EIO, f"cannot reach the metadata server at {self.address}: {why or 'timed out'}"
             ) from None
 
     async def run(self) -> None:
@@ -330,9 +333,14 @@ class RemoteMeta(Meta):
         if h.kind is not Kind.HELLO:
             raise WireError(f"expected HELLO, got {h.kind.name}")
         await fs.send(wire.frame(Kind.AUTH, 0, hs.auth(payload, ROLE)))
-        got = await fs.receive()
+        try:
+            got = await fs.receive()
+        except trio.BrokenResourceError:  # reset: e.g. a memory server refusing our role
+            got = None
         if got is None:
-            raise AuthRefused(f"{self.address} refused authentication (wrong secret?)")
+            raise AuthRefused(
+                f"{self.address} refused authentication (wrong secret, or not a metadata server?)"
+            )
         h, payload = got
         if h.kind is Kind.ERROR:
             raise AuthRefused(f"{self.address} refused authentication: {wire.decode_error(payload)[1]}")
@@ -422,6 +430,10 @@ class RemoteMeta(Meta):
         kind, body = await self._roundtrip(method, payload, retry=m.retry, on_ok=on_ok, on_send=on_send)
         if kind is Kind.ERROR:
             err, msg = wire.decode_error(body)
+            if err == errno.EAGAIN and method == "map_write":
+                # Only freed space is left: the data engine reclaims and retries on
+                # SpaceBusy (a plain EAGAIN would reach the application).
+                raise SpaceBusy()
             raise FsError(err, msg)
         try:
             return m.result_from_wire(wire.decode(body))

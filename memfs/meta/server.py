@@ -285,6 +285,11 @@ class MetaServer:
                 nursery.cancel_scope.cancel()
             except _CloseConnection:
                 nursery.cancel_scope.cancel()
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                # The client went away (killed, or gave up on us): not an error.  Caught
+                # here, or the nursery would wrap it in a group that _handle logs as one.
+                log.info("%s: connection lost: %s", conn.peer, exc)
+                nursery.cancel_scope.cancel()
 
     async def _send_replies(self, conn: _Conn, fs: FrameSocket, scope: trio.CancelScope) -> None:
         """Send replies in order, each only once the changes it may reflect are durable."""

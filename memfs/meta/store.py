@@ -17,7 +17,7 @@ import errno
 import logging
 import stat
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Container
 
 from memfs.config import PoolConfig
 from memfs.errors import FsError, SpaceBusy, UsageError
@@ -638,11 +638,18 @@ class MetaStore(Meta):
     def dirty_chunks(self) -> int:
         return sum(len(a.dirty) for a in self.allocators)
 
-    def take_dirty(self, limit: int) -> list[tuple[int, int]]:
-        """Up to *limit* dirty chunks as (volume, voffset), now owned by the scrubber."""
+    def take_dirty(self, limit: int, skip: Container[int] = ()) -> list[tuple[int, int]]:
+        """Up to *limit* dirty chunks as (volume, voffset), now owned by the scrubber.
+
+        None from the volumes in *skip* (the scrubber cannot zero them right now).
+        Shared out over the volumes: they are zeroed in parallel, and a slow one
+        does not hold up the others' turn.
+        """
         out: list[tuple[int, int]] = []
-        for vol, a in enumerate(self.allocators):
-            while a.dirty and len(out) < limit:
+        vols = [(vol, a) for vol, a in enumerate(self.allocators) if a.dirty and vol not in skip]
+        share = max(1, limit // len(vols)) if vols else 0
+        for vol, a in vols:
+            for _ in range(min(share, limit - len(out), len(a.dirty))):
                 idx = next(iter(a.dirty))
                 del a.dirty[idx]
                 a.scrubbing.add(idx)
