@@ -146,7 +146,7 @@ class RawClient:
         h, hello = self.recv_frame()
         assert h.kind is Kind.HELLO
         hs = wire.Handshake(secret)
-        self.sock.sendall(wire.frame(Kind.AUTH, 0, hs.auth(hello, "test")))
+        self.sock.sendall(wire.frame(Kind.AUTH, 0, hs.auth(hello, "tcp")))
         h, welcome = self.recv_frame()
         assert h.kind is Kind.WELCOME
         hs.check_welcome(welcome)
@@ -242,6 +242,19 @@ async def test_transport_wrong_secret(start_memd: Callable[..., Memd],
     with trio.fail_after(10), pytest.raises(TransportError, match="cannot connect"):
         async with open_tcp_transport([VolumeAddr("tcp", "127.0.0.1", 1, 0)], SECRET):
             pass
+
+
+async def test_metadata_client_pointed_at_memd_is_told_so(start_memd: Callable[..., Memd]) -> None:
+    """`memfs mount --mds` given a memd's address: a clear refusal, not a reset."""
+    from memfs.errors import FsError
+    from memfs.meta.remote import open_remote_meta
+
+    m = start_memd()
+    with trio.fail_after(20), pytest.raises(FsError) as info:
+        async with open_remote_meta("127.0.0.1", m.port, SECRET, timeout=5):
+            pass
+    assert "memory server (memd)" in str(info.value), info.value
+    assert "does not serve 'meta' clients" in m.log_text()
 
 
 # -- malformed frames ---------------------------------------------------------------------

@@ -72,6 +72,8 @@ log = logging.getLogger(__name__)
 FRAME_TIMEOUT = 30.0
 #: from accept to a completed AUTH
 HANDSHAKE_TIMEOUT = 10.0
+#: the client roles a memory server serves (the tcp and verbs transports)
+SERVED_ROLES = ("tcp", "verbs")
 #: AUTH is 65 bytes plus a short role name; nothing larger is read before it
 _AUTH_MAX = 512
 _DISCARD = 1 << 20
@@ -274,6 +276,11 @@ class MemoryServer:
         if h.kind is not Kind.AUTH:
             raise wire.WireError(f"expected AUTH, got {h.kind.name}")
         role = hs.check_auth(payload)
+        if role not in SERVED_ROLES:
+            # e.g. `memfs mount --mds` pointed at a memd: say so instead of a reset
+            why = f"this is a memory server (memd); it does not serve {role!r} clients"
+            await send_all(sock, [wire.frame(Kind.ERROR, h.req_id, wire.encode_error(errno.EACCES, why))])
+            raise wire.WireError(why)
         await send_all(sock, [wire.frame(Kind.WELCOME, h.req_id, hs.welcome())])
         return role
 
