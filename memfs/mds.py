@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import faulthandler
 import logging
+import os
 import signal
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import trio
 
+from memfs import wire
 from memfs.config import PoolConfig, VolumeAddr, format_size
 from memfs.errors import FsError, UsageError
 from memfs.host import sd_notify
@@ -120,7 +123,35 @@ async def query_volume_size(pool: list[VolumeAddr], secret: bytes) -> int:
     return size
 
 
-async def _scrub(store: MetaStore, pool: list[VolumeAddr], secret: bytes) -> None:
+def _load_incarnations(journal_dir: str | None) -> dict[str, int]:
+    if not journal_dir:
+        return {}
+    try:
+        value = wire.decode(Path(journal_dir, INCARNATIONS).read_bytes())
+    except FileNotFoundError:
+        return {}
+    except (OSError, wire.WireError) as exc:
+        raise StartupError(f"cannot read {INCARNATIONS} in {journal_dir}: {exc}") from None
+    if type(value) is not dict:
+        raise StartupError(f"{INCARNATIONS} in {journal_dir} is malformed")
+    return {str(k): int(v) for k, v in value.items()}
+
+
+def _save_incarnations(journal_dir: str, incarnations: dict[str, int]) -> None:
+    """Atomically: a crash leaves the old file or the new one."""
+    path = Path(journal_dir, INCARNATIONS)
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+        f.write(wire.encode(incarnations))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+async def _scrub(
+    store: MetaStore, pool: list[VolumeAddr], secret: bytes, server: MetaServer,
+    journal_dir: str | None,
+) -> None:
     """Zero freed chunks through the memory servers, for as long as we run.
 
     Until they are reachable, freed space stays dirty (unusable, never exposed).
@@ -133,14 +164,25 @@ async def _scrub(store: MetaStore, pool: list[VolumeAddr], secret: bytes) -> Non
     delay = 1.0
     while True:
         try:
-            async with open_tcp_transport(as_tcp(pool), secret, io_timeout=INFO_TIMEOUT) as t:
+            async with open_tcp_transport(as_tcp(pool), secret, io_timeout=INFO_TIMEOUT,
+                                          incarnations=server.incarnations) as t:
                 delay = 1.0
+                # The memory this pool's data lives in: remembered (with the journal)
+                # so that a memory server restarted blank is never taken for it.
+                known = {**t.incarnations(), **server.incarnations}
+                if known != server.incarnations:
+                    if journal_dir:
+                        await trio.to_thread.run_sync(_save_incarnations, journal_dir, known)
+                    server.incarnations.update(known)
                 await Scrubber(store, t).run()
         except FsError as exc:
             store.reclaimer = None
             log.warning("memory servers unreachable, freed space waits: %s", exc.args[1])
         await trio.sleep(delay)
         delay = min(delay * 2, 30.0)
+
+
+INCARNATIONS = "incarnations"
 
 
 async def _main(opts: MdsOptions, journal: Journal | None) -> int:
@@ -153,7 +195,8 @@ async def _main(opts: MdsOptions, journal: Journal | None) -> int:
             raise StartupError(str(exc)) from None
         server = MetaServer(store, opts.secret, opts.pool, journal, session_grace=opts.grace)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_scrub, store, opts.pool, opts.secret)
+            server.incarnations.update(_load_incarnations(opts.journal_dir))
+            nursery.start_soon(_scrub, store, opts.pool, opts.secret, server, opts.journal_dir)
             try:
                 port = await nursery.start(server.serve, opts.host, opts.port)
             except OSError as exc:

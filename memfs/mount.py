@@ -124,7 +124,7 @@ async def _open_remote(
             if not desc.volumes:
                 raise UsageError(f"the metadata server at {where} has no pool of memory servers")
             volumes = parse_pool_spec("+".join(desc.volumes))
-            async with open_pool_transport(volumes, opts.secret) as transport:
+            async with open_pool_transport(volumes, opts.secret, incarnations=desc.incarnations) as transport:
                 log.info("pool of %d volumes from the metadata server at %s", len(volumes), where)
                 yield meta, transport
     except FsError as exc:

@@ -276,6 +276,21 @@ def test_dead_memory_server_gives_eio_not_a_hang(cluster: Cluster) -> None:
     assert info.value.errno == errno.EIO
     assert sha((c1 / "on-mem2" / "kept").read_bytes()) == sha(kept)
 
+    # A node that mounts only now has never seen mem1's old memory: the mds tells it
+    # which incarnation the pool's data lives in, so it too reports EIO, not zeros.
+    late = cluster.tmp / "late"
+    late.mkdir()
+    res = subprocess.run(cluster.net.cmd("c1", [
+        *MEMFS, "mount", str(late), "--mds", f"{cluster.net.addr['mds']}:{PORT_MDS}",
+        "--secret-file", str(cluster.secret), "--log", str(cluster.tmp / "late.log"),
+    ]), capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    cluster.mnt["late"] = late  # unmounted by the fixture
+    with pytest.raises(OSError) as info:
+        (late / "wide").read_bytes()
+    assert info.value.errno == errno.EIO
+    assert sha((late / "on-mem2" / "kept").read_bytes()) == sha(kept)
+
 
 def test_metadata_server_restart_with_journal(cluster: Cluster) -> None:
     """SIGKILL the mds and start it again from its journal: the clients carry on,

@@ -540,3 +540,18 @@ def test_client_vanishing_mid_conversation_is_no_error(start_mds: Callable[..., 
     assert mds.proc.poll() is None
     log = mds.log_text()
     assert "Traceback" not in log and " ERROR " not in log, log
+
+
+def test_memory_server_incarnations_are_kept_with_the_journal(tmp_path: Path) -> None:
+    """What memory the pool's data lives in survives an mds restart (with --journal),
+    so a memory server that restarted blank meanwhile is still recognised as lost."""
+    from memfs.mds import INCARNATIONS, StartupError, _load_incarnations, _save_incarnations
+
+    assert _load_incarnations(None) == {}
+    assert _load_incarnations(str(tmp_path)) == {}
+    known = {"10.0.0.2:7100": 12345, "[::1]:7101": (1 << 62) + 7}
+    _save_incarnations(str(tmp_path), known)
+    assert _load_incarnations(str(tmp_path)) == known
+    (tmp_path / INCARNATIONS).write_bytes(b"garbage")
+    with pytest.raises(StartupError):
+        _load_incarnations(str(tmp_path))

@@ -37,7 +37,7 @@ import os
 import random
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import trio
@@ -62,6 +62,12 @@ _CONNECT_ERRORS = (
 )
 
 
+def _incarnations(v: Any) -> dict[str, int]:
+    if type(v) is not dict or not all(type(k) is str for k in v):
+        raise WireError("describe: malformed incarnations")
+    return {k: codec.check_int(x, "incarnation") for k, x in v.items()}
+
+
 @dataclass(frozen=True, slots=True)
 class PoolDescription:
     """What the server says a client needs to reach the data (``describe``)."""
@@ -72,6 +78,8 @@ class PoolDescription:
     chunk_size: int
     stripe_size: int
     fsid: bytes  # the filesystem's identity: changes only if the server lost its metadata
+    #: memory server "host:port" -> incarnation holding the pool's data (may be empty)
+    incarnations: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_wire(cls, v: Any) -> PoolDescription:
@@ -85,6 +93,7 @@ class PoolDescription:
                 chunk_size=codec.check_int(v["chunk_size"], "chunk_size"),
                 stripe_size=codec.check_int(v["stripe_size"], "stripe_size"),
                 fsid=codec.check_bytes(v["fsid"], "fsid"),
+                incarnations=_incarnations(v.get("incarnations", {})),
             )
         except KeyError as exc:
             raise WireError(f"describe: missing {exc}") from None

@@ -111,6 +111,9 @@ class MetaServer:
         #: this filesystem's id (``describe``): kept by the journal across restarts; without
         #: one, a restarted server is a new filesystem and clients must not carry on
         self.fsid = journal.fsid if journal is not None and journal.fsid else os.urandom(16)
+        #: memory server "host:port" -> the incarnation holding this pool's data (set by
+        #: memfs.mds once known); clients treat any other incarnation as lost memory
+        self.incarnations: dict[str, int] = {}
         # One timestamp per call, recorded in the journal, so replay stamps the same.
         self._real_now = store.now
         self._t = self._real_now()
@@ -390,6 +393,8 @@ class MetaServer:
                 "volume_size": s.allocators[0].n_chunks * s.chunk_size,
                 "chunk_size": s.chunk_size,
                 "stripe_size": s.default_spec.stripe_size,
+                # memory server "host:port" -> incarnation the pool's data lives in
+                "incarnations": dict(self.incarnations),
             }
         if name == "session" and len(raw) == 2:
             sid = codec.check_bytes(raw[0], "session id")

@@ -8,7 +8,7 @@ control exchange on that TCP port.  A pool uses one scheme for all volumes.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
@@ -46,6 +46,7 @@ async def open_pool_transport(
     *,
     io_timeout: float = DEFAULT_IO_TIMEOUT,
     verbs_device: RdmaDevice | str | None = None,
+    incarnations: Mapping[str, int] | None = None,
 ) -> AsyncIterator[Transport]:
     """Open the transport for *volumes* (tcp or verbs) and close it on exit.
 
@@ -63,5 +64,6 @@ async def open_pool_transport(
                                         io_timeout=io_timeout) as vt:
             yield vt
     else:
-        async with open_tcp_transport(volumes, secret, io_timeout=io_timeout) as tt:
+        async with open_tcp_transport(volumes, secret, io_timeout=io_timeout,
+                                      incarnations=incarnations) as tt:
             yield tt

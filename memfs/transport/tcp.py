@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 
 import trio
@@ -240,6 +240,7 @@ async def open_tcp_transport(
     *,
     connections_per_server: int = 2,
     io_timeout: float = DEFAULT_IO_TIMEOUT,
+    incarnations: Mapping[str, int] | None = None,
 ) -> AsyncIterator[TcpTransport]:
     """Connect to the servers of *volumes* and yield the transport; close it on exit.
 
@@ -248,6 +249,9 @@ async def open_tcp_transport(
     """
     t = TcpTransport(volumes, secret, connections_per_server=connections_per_server,
                      io_timeout=io_timeout)
+    for srv in t._servers.values():  # known to the pool: a different one means lost memory
+        if incarnations and srv.name in incarnations:
+            srv.incarnation = incarnations[srv.name]
     error: BaseException | None = None
     try:
         async with trio.open_nursery() as nursery:
@@ -304,7 +308,12 @@ class TcpTransport(Transport):
     async def _open(self) -> None:
         for server in self._servers.values():
             with trio.move_on_after(self.io_timeout) as scope:
-                await self._connect(server, 0)
+                try:
+                    await self._connect(server, 0)
+                except TransportError:
+                    if not server.lost:  # unreachable: no pool without it
+                        raise
+                    # restarted since the pool knew it: its volumes answer EIO
             if scope.cancelled_caught:
                 raise TransportError(
                     f"memory server {server.name} did not answer within {self.io_timeout:g}s"
@@ -328,6 +337,15 @@ class TcpTransport(Transport):
         self._close()
         await trio.lowlevel.checkpoint()
 
+    def incarnations(self) -> dict[str, int]:
+        """Each server's incarnation as first seen ("host:port" -> number).
+
+        Handed to later clients (through the mds) as ``open_tcp_transport(...,
+        incarnations=)``, so a client that first meets a server after it
+        restarted blank also reports its volumes as lost, not as zeros.
+        """
+        return {s.name: s.incarnation for s in self._servers.values() if s.incarnation is not None}
+
     async def _connect(self, server: _Server, slot: int) -> _Conn:
         """Connect, authenticate, check the incarnation and start the reader."""
         try:
@@ -347,8 +365,10 @@ class TcpTransport(Transport):
         if self._closed:
             close_socket(sock)
             raise TransportError("the tcp transport is closed")
+        if not server.sizes:
+            server.sizes = sizes
         if server.incarnation is None:
-            server.incarnation, server.sizes = incarnation, sizes
+            server.incarnation = incarnation
         elif incarnation != server.incarnation or server.lost:
             close_socket(sock)
             if not server.lost:
