@@ -39,6 +39,7 @@ import os
 import socket
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
+from typing import Any
 
 import trio
 import trio.lowlevel
@@ -206,6 +207,20 @@ class _Conn:
             await trio.lowlevel.checkpoint()
 
 
+def volume_infos(vmap: Sequence[tuple[Any, int]], addrs: Sequence[VolumeAddr]) -> list[VolumeInfo]:
+    """The pool's volumes from (server, remote volume) pairs whose servers know
+    their volume sizes (``.sizes``, ``.name``): shared by the tcp and verbs clients."""
+    infos = []
+    for i, (server, remote) in enumerate(vmap):
+        if remote >= len(server.sizes):
+            raise UsageError(
+                f"pool volume {addrs[i]}: memory server {server.name} has "
+                f"{len(server.sizes)} volumes"
+            )
+        infos.append(VolumeInfo(i, server.sizes[remote], str(addrs[i])))
+    return infos
+
+
 class _Server:
     """What the client knows about one memory server."""
 
@@ -318,13 +333,7 @@ class TcpTransport(Transport):
                 raise TransportError(
                     f"memory server {server.name} did not answer within {self.io_timeout:g}s"
                 )
-        for i, (server, remote) in enumerate(self._map):
-            if remote >= len(server.sizes):
-                raise UsageError(
-                    f"pool volume {self._addrs[i]}: memory server {server.name} has "
-                    f"{len(server.sizes)} volumes"
-                )
-            self._info.append(VolumeInfo(i, server.sizes[remote], str(self._addrs[i])))
+        self._info.extend(volume_infos(self._map, self._addrs))
 
     def _close(self) -> None:
         if self._closed:

@@ -81,7 +81,7 @@ from memfs.config import VolumeAddr
 from memfs.errors import TransportError, UsageError
 from memfs.transport import Buffer, Transport, VolumeInfo
 from memfs.transport.sockio import close_socket, connect, recv_frame, send_all
-from memfs.transport.tcp import memd_handshake
+from memfs.transport.tcp import memd_handshake, volume_infos
 from memfs.wire import Kind, VerbsEndpoint, VerbsRegion
 
 log = logging.getLogger(__name__)
@@ -733,13 +733,7 @@ class VerbsTransport(Transport):
                 raise TransportError(
                     f"memory server {server.name} did not answer within {self.io_timeout:g}s"
                 )
-        for i, (server, remote) in enumerate(self._map):
-            if remote >= len(server.sizes):
-                raise UsageError(
-                    f"pool volume {self._addrs[i]}: memory server {server.name} has "
-                    f"{len(server.sizes)} volumes"
-                )
-            self._info.append(VolumeInfo(i, server.sizes[remote], str(self._addrs[i])))
+        self._info.extend(volume_infos(self._map, self._addrs))
 
     def _close(self) -> None:
         if self._closed:
