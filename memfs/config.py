@@ -125,3 +125,28 @@ def parse_hostport(text: str, what: str = "address") -> tuple[str, int]:
     if not m or not 0 <= int(m[2]) < 65536:
         raise UsageError(f"bad {what} {text!r}: expected HOST:PORT")
     return (m[1].strip("[]") or "0.0.0.0", int(m[2]))
+
+
+@dataclass(frozen=True)
+class FlushConfig:
+    """Burst-buffer settings: write-behind to a backing directory (``--backing``).
+
+    *delay*: seconds after a file's last change before it is written back.
+    *dirty_max*: bytes of not-yet-written-back data at which writers wait
+    (None: half the pool).  *workers*: files written back in parallel.
+    *fsync*: fsync each file before it is renamed into place (a node crash
+    then cannot leave an empty file behind in DIR).
+    """
+
+    backing: str
+    delay: float = 5.0
+    dirty_max: int | None = None
+    workers: int = 4
+    fsync: bool = True
+    discard_on_unmount: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.delay < 86400:
+            raise UsageError(f"bad --flush-delay {self.delay}: expected seconds from 0 to 86400")
+        if not 1 <= self.workers <= 256:
+            raise UsageError(f"bad --flush-workers {self.workers}: expected 1 to 256")

@@ -19,7 +19,7 @@ import logging
 import trio
 
 from memfs.errors import FsError, SpaceBusy
-from memfs.meta import Extent, Meta
+from memfs.meta import NOT_RESIDENT, Extent, Meta
 from memfs.transport import Buffer, Transport
 
 log = logging.getLogger(__name__)
@@ -34,6 +34,8 @@ class DataEngine:
         extents = await self.meta.map_read(ino, offset, length)
         if not extents:
             return b""
+        if any(e.volume == NOT_RESIDENT for e in extents):  # never zeros for missing data
+            raise FsError(errno.EIO, f"inode {ino}: data not fetched from the backing directory")
         if len(extents) == 1:
             e = extents[0]
             if e.volume < 0:

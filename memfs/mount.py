@@ -20,9 +20,10 @@ import pyfuse3
 import trio
 import trio.lowlevel
 
-from memfs.config import PoolConfig, parse_pool_spec
+from memfs.config import FlushConfig, PoolConfig, parse_pool_spec
 from memfs.data import DataEngine
 from memfs.errors import FsError, UsageError
+from memfs.flush import BackedMeta
 from memfs.fs import Operations
 from memfs.host import mem_available, sd_notify
 from memfs.meta import Meta
@@ -51,6 +52,10 @@ class MountOptions:
     #: cluster mode: the metadata server to use instead of an embedded pool
     mds: tuple[str, int] | None = None
     secret: bytes = b""
+    #: burst buffer: write back to (and stage in from) a backing directory
+    flush: FlushConfig | None = None
+    #: where ``memfs flush/status/stage-in`` reach this daemon (a Unix socket)
+    control_path: str | None = None
 
 
 # Options that mount(8) and fstab pass but that mean nothing to FUSE.
@@ -176,44 +181,94 @@ def run(opts: MountOptions, ready: Callable[[], None] | None = None) -> int:
 
 
 async def _main(opts: MountOptions, ready: Callable[[], None] | None) -> None:
-    async with open_backend(opts) as (meta, transport):
-        ops = Operations(
-            meta,
-            DataEngine(meta, transport),
-            writeback_cache=opts.writeback_cache,
-            # Other nodes change files too: drop cached pages at every open
-            # (close-to-open), and let attributes expire per --attr-timeout.
-            keep_cache=opts.mds is None,
-            attr_timeout=opts.attr_timeout,
-            entry_timeout=opts.attr_timeout,
-            negative_timeout=opts.attr_timeout,
-        )
-        try:
-            pyfuse3.init(ops, opts.mountpoint, fuse_options(opts))
-        except RuntimeError as exc:  # libfuse printed its reason on stderr already
-            raise UsageError(f"cannot mount {opts.mountpoint}: {exc}") from None
-        try:
-            if opts.mds is None:
-                log.info(
-                    "mounted %s: %d volumes x %d MiB, stripe %d KiB, chunk %d KiB",
-                    opts.mountpoint, opts.pool.volumes, opts.pool.volume_size >> 20,
-                    opts.pool.stripe_size >> 10, opts.pool.chunk_size >> 10,
-                )
+    async with open_backend(opts) as (meta, transport), trio.open_nursery() as background:
+        backed: BackedMeta | None = None
+        if opts.flush is not None:
+            assert isinstance(meta, MetaStore), "cluster mounts write back in the mds"
+            backed = BackedMeta(meta, transport, opts.flush)
+            try:
+                await backed.load()
+            except OSError as exc:
+                raise UsageError(f"cannot use backing directory {opts.flush.backing}: {exc}") from None
+            await background.start(backed.run)
+            meta = backed
+            # Writers may wait for write-back (the dirty cap) and reads for the backing
+            # directory: other requests must not queue behind them.
+            opts.max_tasks = max(opts.max_tasks, 16)
+        if opts.control_path is not None:
+            from memfs.control import serve_control
+
+            await background.start(serve_control, opts.control_path, meta)
+        await _serve(opts, meta, transport, ready)
+        if backed is not None:
+            if opts.flush is not None and opts.flush.discard_on_unmount:
+                files, nbytes = backed.pending
+                if files:
+                    log.warning("discarding %d MiB (%d files) not written back, as asked "
+                                "(--discard-on-unmount)", nbytes >> 20, files)
             else:
-                log.info("mounted %s from the metadata server at %s:%d", opts.mountpoint, *opts.mds)
-            if ready is not None:
-                ready()
-            sd_notify("READY=1")
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(_watch_signals)
-                if opts.readahead_kib:
-                    nursery.start_soon(_tune_after_init, ops, opts)
-                await pyfuse3.main(min_tasks=1, max_tasks=opts.max_tasks)
-                nursery.cancel_scope.cancel()
-            sd_notify("STOPPING=1")
-        finally:
-            # Always unmount: libfuse closes /dev/fuse first (so nothing can wait
-            # on us any more) and skips the umount if the kernel already dropped
-            # it.  Never stat the mountpoint here: no one is left to answer.
-            pyfuse3.close(unmount=True)
-            log.info("unmounted %s", opts.mountpoint)
+                await _drain(backed)
+        background.cancel_scope.cancel()
+
+
+async def _drain(backed: BackedMeta) -> None:
+    """Write everything back before exiting; a second SIGTERM/SIGINT gives up."""
+    with trio.CancelScope() as scope:
+        async with trio.open_nursery() as nursery:
+
+            async def give_up() -> None:
+                with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                    async for _ in signals:
+                        files, nbytes = backed.pending
+                        log.error("exiting without writing back %d MiB (%d files): asked to",
+                                  nbytes >> 20, files)
+                        scope.cancel()
+
+            nursery.start_soon(give_up)
+            await backed.drain()
+            nursery.cancel_scope.cancel()
+
+
+async def _serve(
+    opts: MountOptions, meta: Meta, transport: Transport, ready: Callable[[], None] | None
+) -> None:
+    ops = Operations(
+        meta,
+        DataEngine(meta, transport),
+        writeback_cache=opts.writeback_cache,
+        # Other nodes change files too: drop cached pages at every open
+        # (close-to-open), and let attributes expire per --attr-timeout.
+        keep_cache=opts.mds is None,
+        attr_timeout=opts.attr_timeout,
+        entry_timeout=opts.attr_timeout,
+        negative_timeout=opts.attr_timeout,
+    )
+    try:
+        pyfuse3.init(ops, opts.mountpoint, fuse_options(opts))
+    except RuntimeError as exc:  # libfuse printed its reason on stderr already
+        raise UsageError(f"cannot mount {opts.mountpoint}: {exc}") from None
+    try:
+        if opts.mds is None:
+            log.info(
+                "mounted %s: %d volumes x %d MiB, stripe %d KiB, chunk %d KiB",
+                opts.mountpoint, opts.pool.volumes, opts.pool.volume_size >> 20,
+                opts.pool.stripe_size >> 10, opts.pool.chunk_size >> 10,
+            )
+        else:
+            log.info("mounted %s from the metadata server at %s:%d", opts.mountpoint, *opts.mds)
+        if ready is not None:
+            ready()
+        sd_notify("READY=1")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_watch_signals)
+            if opts.readahead_kib:
+                nursery.start_soon(_tune_after_init, ops, opts)
+            await pyfuse3.main(min_tasks=1, max_tasks=opts.max_tasks)
+            nursery.cancel_scope.cancel()
+        sd_notify("STOPPING=1")
+    finally:
+        # Always unmount: libfuse closes /dev/fuse first (so nothing can wait
+        # on us any more) and skips the umount if the kernel already dropped
+        # it.  Never stat the mountpoint here: no one is left to answer.
+        pyfuse3.close(unmount=True)
+        log.info("unmounted %s", opts.mountpoint)

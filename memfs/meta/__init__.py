@@ -14,7 +14,11 @@ Permission checks (EACCES/EPERM on mode bits) are the kernel's, through the
 from __future__ import annotations
 
 import abc
+import errno
 from dataclasses import dataclass
+from typing import Any
+
+from memfs.errors import FsError
 
 
 @dataclass(slots=True)
@@ -38,7 +42,9 @@ class Attr:
 class Extent:
     """A run of file bytes ``[offset, offset+length)`` at ``voffset`` in ``volume``.
 
-    ``volume == -1`` is a hole: it reads as zeros.
+    ``volume == -1`` is a hole: it reads as zeros.  ``volume == NOT_RESIDENT``
+    (only inside a mount with a backing directory, never handed to the data
+    engine) is data that lives in the backing directory and must be fetched.
     """
 
     offset: int
@@ -78,6 +84,8 @@ class SetAttr:
 NAME_MAX = 255
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
+#: Extent.volume of bytes that are only in the backing directory
+NOT_RESIDENT = -2
 
 
 class Meta(abc.ABC):
@@ -171,6 +179,14 @@ class Meta(abc.ABC):
         ``map_write`` raises :class:`memfs.errors.SpaceBusy` (EAGAIN) when only
         such space is left; the data engine then calls this and retries once.
         """
+
+    async def control(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
+        """A burst-buffer command (``memfs flush/status/stage-in``; see :mod:`memfs.flush`).
+
+        Only a mount with a backing directory (embedded ``--backing``, or an mds
+        started with one) has them; everything else answers ENOTSUP.
+        """
+        raise FsError(errno.ENOTSUP, "this filesystem has no backing directory (--backing)")
 
     @abc.abstractmethod
     async def aclose(self) -> None: ...

@@ -66,15 +66,17 @@ _SNAP_HEAD = struct.Struct("!8sQI")  # magic, payload length, crc32
 _JOURNAL_HEAD = struct.Struct("!8sQ")  # magic, base seq
 _REC = struct.Struct("!II")  # payload length, crc32
 MAX_RECORD = 16 << 20
-SNAPSHOT_FORMAT = 2
+SNAPSHOT_FORMAT = 3  # 3: inodes gain ``backed``; format 2 still loads
 DESTROY = "_destroy"
 CLEAN = "_clean"  # chunks the scrubber zeroed: dirty -> allocatable
 
 #: the Inode fields a snapshot keeps, in order; ``opens`` is deliberately absent
 INODE_FIELDS = (
     "ino", "mode", "uid", "gid", "nlink", "size", "rdev", "atime_ns", "mtime_ns", "ctime_ns",
-    "target", "xattrs", "children", "parent", "spec", "layout", "chunks",
+    "target", "xattrs", "children", "parent", "spec", "layout", "chunks", "backed",
 )
+#: Inode fields a snapshot does not hold: derived from the directories on load
+DERIVED_FIELDS = ("name", "links")
 
 
 class JournalError(Exception):
@@ -130,6 +132,7 @@ def dump_state(store: MetaStore, seq: int, pool: PoolConfig, fsid: bytes = b"") 
             _spec_to(i.spec),
             None if i.layout is None else [i.layout.stripe_size, list(i.layout.volumes)],
             None if i.chunks is None else dict(i.chunks),
+            i.backed,
         ])
     return {
         "format": SNAPSHOT_FORMAT,
@@ -151,7 +154,7 @@ def dump_state(store: MetaStore, seq: int, pool: PoolConfig, fsid: bytes = b"") 
 def load_state(state: Any, pool: PoolConfig) -> MetaStore:
     """A store holding *state* (from :func:`dump_state`); open counts start at zero."""
     try:
-        if state["format"] != SNAPSHOT_FORMAT:
+        if state["format"] not in (2, SNAPSHOT_FORMAT):
             raise JournalError(f"snapshot format {state['format']}, expected {SNAPSHOT_FORMAT}")
         if type(state["fsid"]) is not bytes:
             raise JournalError("snapshot has no filesystem id")
@@ -173,8 +176,10 @@ def load_state(state: Any, pool: PoolConfig) -> MetaStore:
             a.freed = list(freed)
             a.dirty = dict.fromkeys(dirty)
         for v in state["inodes"]:
+            if state["format"] == 2:
+                v = [*v, 0]
             (ino, mode, uid, gid, nlink, size, rdev, atime, mtime, ctime,
-             target, xattrs, children, parent, spec_v, layout, chunks) = v
+             target, xattrs, children, parent, spec_v, layout, chunks, backed) = v
             i = Inode(ino, mode, uid, gid, 0)
             i.nlink, i.size, i.rdev = nlink, size, rdev
             i.atime_ns, i.mtime_ns, i.ctime_ns = atime, mtime, ctime
@@ -182,7 +187,9 @@ def load_state(state: Any, pool: PoolConfig) -> MetaStore:
             i.spec = _spec_from(spec_v)
             i.layout = None if layout is None else Layout(layout[0], tuple(layout[1]))
             i.chunks = chunks
+            i.backed = backed
             store.inodes[ino] = i
+        store.rebuild_names()
         return store
     except (KeyError, TypeError, ValueError, AssertionError) as exc:
         raise JournalError(f"snapshot content is malformed: {exc!r}") from None

@@ -18,12 +18,14 @@ import logging
 import stat
 import time
 from collections.abc import Awaitable, Callable, Container
+from typing import Protocol
 
 from memfs.config import PoolConfig
 from memfs.errors import FsError, SpaceBusy, UsageError
 from memfs.layout import LAYOUT_XATTR, Layout, LayoutSpec
 from memfs.meta import (
     NAME_MAX,
+    NOT_RESIDENT,
     RENAME_EXCHANGE,
     RENAME_NOREPLACE,
     Attr,
@@ -54,7 +56,8 @@ class Inode:
     __slots__ = (
         "ino", "mode", "uid", "gid", "nlink", "size", "rdev",
         "atime_ns", "mtime_ns", "ctime_ns",
-        "target", "xattrs", "children", "parent", "spec", "layout", "chunks", "opens",
+        "target", "xattrs", "children", "parent", "name", "links",
+        "spec", "layout", "chunks", "opens", "backed",
     )
 
     def __init__(self, ino: int, mode: int, uid: int, gid: int, now: int) -> None:
@@ -69,11 +72,48 @@ class Inode:
         self.target: bytes | None = None
         self.xattrs: dict[bytes, bytes] | None = None
         self.children: dict[bytes, int] | None = None  # directories only
-        self.parent = 0  # directories only
+        # The entry naming this inode: (parent, name) of its first link; further
+        # hard links in ``links``.  Write-back needs paths, which only these give.
+        self.parent = 0
+        self.name = b""
+        self.links: list[tuple[int, bytes]] | None = None
+        #: bytes below this offset whose chunk is missing live only in the backing
+        #: directory (staged lazily or evicted): they are fetched, never read as holes
+        self.backed = 0
         self.spec: LayoutSpec | None = None  # directories: default for new files
         self.layout: Layout | None = None  # regular files
         self.chunks: dict[int, int] | None = None  # regular files: chunk -> volume offset
         self.opens = 0
+
+
+class Watcher(Protocol):
+    """Told of every change that write-back to a backing directory must follow.
+
+    Called from inside store methods, after the change, synchronously: paths
+    computed in a callback are those of the namespace right after that change.
+    """
+
+    def wrote(self, ino: int, first: int, last: int) -> None:
+        """Chunks *first*..*last* of *ino* were written (or are about to be)."""
+
+    def truncated(self, ino: int) -> None: ...
+
+    def attrs_changed(self, ino: int) -> None:
+        """mode, owner, times or xattrs changed (not atime alone)."""
+
+    def created(self, ino: int) -> None:
+        """A new name for *ino* (mknod, mkdir, symlink, link)."""
+
+    def removed(self, parent: int, name: bytes, ino: int) -> None:
+        """Entry *name* of *parent* (which named *ino*) is gone (unlink, rmdir)."""
+
+    def renamed(
+        self, parent: int, name: bytes, new_parent: int, new_name: bytes,
+        exchange: bool, replaced: int,
+    ) -> None:
+        """A rename happened; *replaced*: the inode the target used to name (0: none)."""
+
+    def destroyed(self, ino: int) -> None: ...
 
 
 class VolumeAllocator:
@@ -155,6 +195,8 @@ class MetaStore(Meta):
         self.on_dirty: Callable[[], None] | None = None
         #: called with chunks put back clean (the journal records it)
         self.on_clean: Callable[[list[tuple[int, int]]], None] | None = None
+        #: write-back to a backing directory (memfs.flush) follows changes through this
+        self.watcher: Watcher | None = None
         root = self._new_inode(stat.S_IFDIR | root_mode, root_uid, root_gid, self.now())
         root.nlink = 2
         root.parent = ROOT_INO
@@ -230,6 +272,8 @@ class MetaStore(Meta):
         del self.inodes[inode.ino]
         if self.on_destroy is not None:
             self.on_destroy(inode.ino)
+        if self.watcher is not None:
+            self.watcher.destroyed(inode.ino)
 
     def destroy(self, ino: int) -> None:
         """Free unlinked inode *ino* now, whatever its open count (journal replay)."""
@@ -252,6 +296,86 @@ class MetaStore(Meta):
 
     def effective_spec(self, d: Inode) -> LayoutSpec:
         return d.spec.merged(self.default_spec) if d.spec else self.default_spec
+
+    # -- names -------------------------------------------------------------------
+
+    @staticmethod
+    def _unname(i: Inode, parent: int, name: bytes) -> None:
+        """Entry (parent, name) no longer names *i*."""
+        if i.parent == parent and i.name == name:
+            if i.links:
+                i.parent, i.name = i.links.pop()
+            # else: the last name; kept (``..`` of an open removed directory)
+        elif i.links and (parent, name) in i.links:
+            i.links.remove((parent, name))
+        if i.links is not None and not i.links:
+            i.links = None
+
+    @staticmethod
+    def _rename_link(i: Inode, parent: int, name: bytes, new_parent: int, new_name: bytes) -> None:
+        if i.parent == parent and i.name == name:
+            i.parent, i.name = new_parent, new_name
+        elif i.links and (parent, name) in i.links:
+            i.links[i.links.index((parent, name))] = (new_parent, new_name)
+
+    def entry_path(self, parent: int, name: bytes) -> bytes | None:
+        """The path of entry *name* in directory *parent*, relative to the root."""
+        p = self.path(parent)
+        if p is None:
+            return None
+        return p + b"/" + name if p else name
+
+    def path(self, ino: int) -> bytes | None:
+        """The path of *ino* relative to the root (``b""`` for the root), None if unlinked."""
+        parts: list[bytes] = []
+        while ino != ROOT_INO:
+            i = self.inodes.get(ino)
+            if i is None or i.nlink <= 0:
+                return None
+            parts.append(i.name)
+            ino = i.parent
+        return b"/".join(reversed(parts))
+
+    def paths(self, ino: int) -> list[bytes]:
+        """Every path naming *ino* (hard links), primary first."""
+        i = self.inodes.get(ino)
+        if i is None or i.nlink <= 0:
+            return []
+        first = self.path(ino)
+        out = [] if first is None else [first]
+        for parent, name in i.links or ():
+            p = self.entry_path(parent, name)
+            if p is not None:
+                out.append(p)
+        return out
+
+    def resolve(self, path: bytes) -> Inode:
+        """The inode at *path* (relative to the root, ``/``-separated)."""
+        i = self._get(ROOT_INO)
+        for part in path.split(b"/"):
+            if part in (b"", b"."):
+                continue
+            if i.children is None:
+                raise FsError(errno.ENOTDIR, f"{path!r}: not a directory")
+            if part == b"..":
+                raise FsError(errno.EINVAL, "'..' in a path")
+            i = self._child(i, part)
+        return i
+
+    def rebuild_names(self) -> None:
+        """Derive every inode's names from the directories (after loading a snapshot)."""
+        for i in self.inodes.values():
+            i.links = None
+            i.name = b""
+        for d in self.inodes.values():
+            for name, ino in (d.children or {}).items():
+                i = self.inodes[ino]
+                if not i.name and i.parent in (d.ino, 0):  # the saved parent stays primary
+                    i.parent, i.name = d.ino, name
+                else:
+                    if i.links is None:
+                        i.links = []
+                    i.links.append((d.ino, name))
 
     # -- namespace ----------------------------------------------------------------
 
@@ -279,6 +403,11 @@ class MetaStore(Meta):
         if changes.mtime_ns is not None:
             i.mtime_ns = changes.mtime_ns
         i.ctime_ns = self.now()
+        if self.watcher is not None and (
+            changes.mode is not None or changes.uid is not None
+            or changes.gid is not None or changes.mtime_ns is not None
+        ):
+            self.watcher.attrs_changed(ino)
         return self._attr(i)
 
     async def truncate(self, ino: int, size: int) -> list[tuple[int, int, int]]:
@@ -299,12 +428,21 @@ class MetaStore(Meta):
                 vol = i.layout.volume_of_chunk(tail_chunk, cs)
                 zero.append((vol, i.chunks[tail_chunk] + tail_off, cs - tail_off))
         i.size = size
+        i.backed = min(i.backed, size)
         i.mtime_ns = i.ctime_ns = self.now()
+        if self.watcher is not None:
+            self.watcher.truncated(ino)
         return zero
 
     async def mknod(
         self, parent: int, name: bytes, mode: int, uid: int, gid: int,
         rdev: int = 0, target: bytes | None = None,
+    ) -> Attr:
+        return self._mknod_now(parent, name, mode, uid, gid, rdev, target)
+
+    def _mknod_now(
+        self, parent: int, name: bytes, mode: int, uid: int, gid: int,
+        rdev: int, target: bytes | None,
     ) -> Attr:
         d = self._dir(parent)
         assert d.children is not None
@@ -320,9 +458,10 @@ class MetaStore(Meta):
                 mode |= stat.S_ISGID
         inode = self._new_inode(mode, uid, gid, now)
         inode.rdev = rdev
+        inode.parent = d.ino
+        inode.name = name
         if stat.S_ISDIR(mode):
             inode.nlink = 2
-            inode.parent = d.ino
             inode.spec = d.spec
             d.nlink += 1
         elif stat.S_ISLNK(mode):
@@ -334,6 +473,8 @@ class MetaStore(Meta):
             )
         d.children[name] = inode.ino
         self._touch_dir(d, now)
+        if self.watcher is not None:
+            self.watcher.created(inode.ino)
         return self._attr(inode)
 
     async def link(self, ino: int, parent: int, name: bytes) -> Attr:
@@ -350,8 +491,13 @@ class MetaStore(Meta):
         now = self.now()
         d.children[name] = ino
         i.nlink += 1
+        if i.links is None:
+            i.links = []
+        i.links.append((parent, name))
         i.ctime_ns = now
         self._touch_dir(d, now)
+        if self.watcher is not None:
+            self.watcher.created(ino)
         return self._attr(i)
 
     async def unlink(self, parent: int, name: bytes) -> None:
@@ -363,6 +509,9 @@ class MetaStore(Meta):
         now = self.now()
         del d.children[name]
         self._touch_dir(d, now)
+        self._unname(i, parent, name)
+        if self.watcher is not None:
+            self.watcher.removed(parent, name, i.ino)
         self._drop_link(i, now)
 
     async def rmdir(self, parent: int, name: bytes) -> None:
@@ -382,6 +531,8 @@ class MetaStore(Meta):
         d.nlink -= 1
         self._touch_dir(d, now)
         i.nlink = 0
+        if self.watcher is not None:
+            self.watcher.removed(parent, name, i.ino)
         self._maybe_destroy(i)
 
     async def rename(
@@ -411,6 +562,8 @@ class MetaStore(Meta):
                 raise FsError(errno.EINVAL)
             src_dir.children[name] = dst.ino
             dst_dir.children[new_name] = src.ino
+            self._rename_link(src, parent, name, new_parent, new_name)
+            self._rename_link(dst, new_parent, new_name, parent, name)
             if src_dir is not dst_dir:
                 for moved, old, new in ((src, src_dir, dst_dir), (dst, dst_dir, src_dir)):
                     if moved.children is not None:
@@ -420,6 +573,8 @@ class MetaStore(Meta):
             src.ctime_ns = dst.ctime_ns = now
             self._touch_dir(src_dir, now)
             self._touch_dir(dst_dir, now)
+            if self.watcher is not None:
+                self.watcher.renamed(parent, name, new_parent, new_name, True, 0)
             return
 
         if dst is not None:
@@ -438,6 +593,7 @@ class MetaStore(Meta):
         # All checks passed: from here on nothing can fail.
         del src_dir.children[name]
         if dst is not None:
+            self._unname(dst, new_parent, new_name)
             if dst.children is not None:
                 dst_dir.nlink -= 1
                 dst.nlink = 0
@@ -445,13 +601,17 @@ class MetaStore(Meta):
             else:
                 self._drop_link(dst, now)
         dst_dir.children[new_name] = src.ino
+        self._rename_link(src, parent, name, new_parent, new_name)
         if src.children is not None and src_dir is not dst_dir:
-            src.parent = dst_dir.ino
             src_dir.nlink -= 1
             dst_dir.nlink += 1
         src.ctime_ns = now
         self._touch_dir(src_dir, now)
         self._touch_dir(dst_dir, now)
+        if self.watcher is not None:
+            self.watcher.renamed(
+                parent, name, new_parent, new_name, False, 0 if dst is None else dst.ino
+            )
 
     async def readlink(self, ino: int) -> bytes:
         i = self._get(ino)
@@ -583,12 +743,12 @@ class MetaStore(Meta):
             n = min(cs - within, end - pos)
             base = chunks.get(k)
             if base is None:
-                vol, voff = -1, 0
+                vol, voff = (NOT_RESIDENT if pos < i.backed else -1), 0
             else:
                 vol, voff = layout.volume_of_chunk(k, cs), base + within
             if out:
                 last = out[-1]
-                if last.volume == vol and (vol == -1 or last.voffset + last.length == voff):
+                if last.volume == vol and (vol < 0 or last.voffset + last.length == voff):
                     last.length += n
                     pos += n
                     continue
@@ -609,10 +769,15 @@ class MetaStore(Meta):
         first, last = offset // cs, (end - 1) // cs
         missing = [k for k in range(first, last + 1) if k not in chunks]
         if missing:
+            if i.backed and missing[0] * cs < i.backed:
+                # A fresh chunk would read as zeros where the backing copy has data.
+                raise FsError(errno.EIO, f"inode {ino}: write to data not fetched yet")
             self._allocate(i, missing)  # clean chunks: they read as zeros already
         if end > i.size:
             i.size = end
         i.mtime_ns = i.ctime_ns = self.now()
+        if self.watcher is not None:
+            self.watcher.wrote(ino, first, last)
         return WritePlan(self._extents(i, offset, end))
 
     def _allocate(self, i: Inode, missing: list[int]) -> None:
@@ -623,16 +788,98 @@ class MetaStore(Meta):
         for k in missing:
             vol = i.layout.volume_of_chunk(k, cs)
             need[vol] = need.get(vol, 0) + 1
+        self._check_space(need)
+        for k in missing:
+            i.chunks[k] = self.allocators[i.layout.volume_of_chunk(k, cs)].alloc()
+
+    def _check_space(self, need: dict[int, int]) -> None:
+        """ENOSPC (or SpaceBusy) unless each volume has the chunks *need* asks of it."""
         for vol, n in need.items():
             a = self.allocators[vol]
             if a.free < n:
                 if a.free + a.reclaimable >= n:
                     raise SpaceBusy()
                 raise FsError(errno.ENOSPC)
-        for k in missing:
-            i.chunks[k] = self.allocators[i.layout.volume_of_chunk(k, cs)].alloc()
 
-    # -- scrubbing ---------------------------------------------------------------
+    # -- data that lives in a backing directory (memfs.flush) ----------------------
+
+    def extents(self, ino: int, offset: int, length: int) -> list[Extent]:
+        """Like :meth:`map_read` without touching atime (write-back reads through this)."""
+        i = self._get(ino)
+        if i.chunks is None:
+            raise FsError(errno.EISDIR if i.children is not None else errno.EINVAL)
+        end = min(offset + length, i.size)
+        return self._extents(i, offset, end) if end > offset else []
+
+    def missing(self, ino: int, offset: int, length: int) -> list[int]:
+        """Chunks of ``[offset, offset+length)`` whose data is only in the backing directory."""
+        i = self._get(ino)
+        if not i.backed or i.chunks is None or length <= 0:
+            return []
+        cs = self.chunk_size
+        end = min(offset + length, i.backed)
+        return [k for k in range(offset // cs, (end - 1) // cs + 1) if k not in i.chunks] if end > offset else []
+
+    def reserve(self, ino: int, ks: list[int]) -> list[tuple[int, int, int]]:
+        """Allocate chunks for fetching *ks* of *ino*: ``(k, volume, voffset)``, not yet
+        part of the file (:meth:`install` makes them so).  ENOSPC/SpaceBusy like a write."""
+        i = self._get(ino)
+        assert i.chunks is not None and i.layout is not None
+        cs = self.chunk_size
+        need: dict[int, int] = {}
+        for k in ks:
+            vol = i.layout.volume_of_chunk(k, cs)
+            need[vol] = need.get(vol, 0) + 1
+        self._check_space(need)
+        return [
+            (k, vol, self.allocators[vol].alloc())
+            for k in ks
+            for vol in (i.layout.volume_of_chunk(k, cs),)
+        ]
+
+    def install(self, ino: int, k: int, volume: int, voffset: int) -> bool:
+        """Make fetched chunk *k* part of *ino*; False (chunk freed) if no longer wanted."""
+        i = self.inodes.get(ino)
+        if i is None or i.chunks is None or k in i.chunks or k * self.chunk_size >= i.backed:
+            self.unreserve(volume, voffset)
+            return False
+        i.chunks[k] = voffset
+        return True
+
+    def unreserve(self, volume: int, voffset: int) -> None:
+        """Give back a reserved chunk (it may hold partial data: it is scrubbed first)."""
+        self.allocators[volume].release(voffset)
+        if self.on_dirty is not None:
+            self.on_dirty()
+
+    def evict(self, ino: int) -> int:
+        """Drop the pool copy of clean file *ino*: its data is in the backing directory.
+        Returns the number of chunks freed."""
+        i = self._get(ino)
+        if not i.chunks:
+            return 0
+        n = len(i.chunks)
+        i.backed = i.size
+        self._free_chunks(i)
+        return n
+
+    def adopt(
+        self, parent: int, name: bytes, mode: int, uid: int, gid: int, *,
+        size: int = 0, atime_ns: int = 0, mtime_ns: int = 0, rdev: int = 0,
+        target: bytes | None = None,
+    ) -> Attr:
+        """Enter a file found in the backing directory: its data stays there until read."""
+        watcher, self.watcher = self.watcher, None
+        try:
+            a = self._mknod_now(parent, name, mode, uid, gid, rdev, target)
+        finally:
+            self.watcher = watcher
+        i = self.inodes[a.ino]
+        if i.chunks is not None:
+            i.size = i.backed = size
+        i.atime_ns, i.mtime_ns = atime_ns, mtime_ns
+        return self._attr(i)
+
 
     @property
     def dirty_chunks(self) -> int:
