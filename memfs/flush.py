@@ -745,9 +745,7 @@ class BackedMeta(Meta):
         tmp = os.path.join(self.tmp, b"%d.%d.%s" % (ino, v, secrets.token_hex(4).encode()))
         path = self.store.path(ino) or b"?"
         try:
-            fd = await trio.to_thread.run_sync(
-                os.open, tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600
-            )
+            fd = await trio.to_thread.run_sync(self._create_tmp, tmp)
         except OSError as exc:
             self._record_error(path, "write back", exc)
             raise _Retry() from None
@@ -792,6 +790,14 @@ class BackedMeta(Meta):
             os.close(fd)
             if not ok:
                 await trio.to_thread.run_sync(_unlink_quiet, tmp)
+
+    def _create_tmp(self, tmp: bytes) -> int:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        try:
+            return os.open(tmp, flags, 0o600)
+        except FileNotFoundError:  # someone removed it (or all of DIR): make it again
+            os.makedirs(self.tmp, mode=0o700, exist_ok=True)
+            return os.open(tmp, flags, 0o600)
 
     def _finish_copy(
         self, fd: int, size: int, mode: int, uid: int, gid: int, times: tuple[int, int]

@@ -17,11 +17,12 @@ import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import trio
 
 from memfs import wire
-from memfs.config import PoolConfig, VolumeAddr, format_size
+from memfs.config import FlushConfig, PoolConfig, VolumeAddr, format_size
 from memfs.errors import FsError, UsageError
 from memfs.host import sd_notify
 from memfs.meta.journal import Journal, JournalError
@@ -47,6 +48,8 @@ class MdsOptions:
     journal_dir: str | None = None
     #: seconds a vanished client's open files are kept for it (MetaServer.session_grace)
     grace: float = 60.0
+    #: burst buffer: this server writes the pool back to (and stages in from) a directory
+    flush: FlushConfig | None = None
 
 
 class StartupError(Exception):
@@ -64,6 +67,11 @@ def run(opts: MdsOptions) -> int:
     # Check the pool geometry and lock the journal before anything listens.
     if opts.volume_size is not None:
         pool_config(opts, opts.volume_size)
+    if opts.flush is not None and opts.journal_dir:
+        # Fetches and evictions change the store outside client calls, which the
+        # journal does not record.  The backing directory is the durable copy.
+        raise UsageError("--backing and --journal cannot be combined: with a backing "
+                         "directory, a restarted mds finds the written-back files there")
     journal = Journal(opts.journal_dir) if opts.journal_dir else None
     try:
         if journal is not None:
@@ -185,6 +193,59 @@ async def _scrub(
 INCARNATIONS = "incarnations"
 
 
+async def _write_back(
+    store: MetaStore, opts: MdsOptions, server: MetaServer,
+    *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Burst buffer: enter the backing tree, then write back and stage in for the pool.
+
+    Data moves between the backing directory and the memory servers over TCP (the
+    servers answer there for ``verbs://`` volumes too).
+    """
+    from memfs.flush import BackedMeta
+    from memfs.transport.pool import as_tcp
+    from memfs.transport.tcp import open_tcp_transport
+
+    assert opts.flush is not None
+    try:
+        async with open_tcp_transport(as_tcp(opts.pool), opts.secret, io_timeout=INFO_TIMEOUT,
+                                      incarnations=server.incarnations) as t:
+            backed = BackedMeta(store, t, opts.flush)
+            try:
+                await backed.load()
+            except OSError as exc:
+                raise UsageError(f"cannot use backing directory {opts.flush.backing}: {exc}") from None
+            async with trio.open_nursery() as nursery:
+                await nursery.start(backed.run)
+                server.meta = backed
+                log.info("writing back to %s (delay %g s, dirty cap %s)", opts.flush.backing,
+                         opts.flush.delay, format_size(backed.dirty_max))
+                task_status.started()
+    except FsError as exc:
+        raise StartupError(f"cannot reach the memory servers for write-back: {exc.args[1]}") from None
+
+
+async def _drain(server: MetaServer, signals: Any) -> None:
+    """Write everything back before stopping; another signal gives up."""
+    from memfs.flush import BackedMeta
+
+    backed = server.meta
+    assert isinstance(backed, BackedMeta)
+    with trio.CancelScope() as scope:
+        async with trio.open_nursery() as nursery:
+
+            async def give_up() -> None:
+                async for _ in signals:
+                    files, nbytes = backed.pending
+                    log.error("stopping without writing back %d MiB (%d files): asked to",
+                              nbytes >> 20, files)
+                    scope.cancel()
+
+            nursery.start_soon(give_up)
+            await backed.drain()
+            nursery.cancel_scope.cancel()
+
+
 async def _main(opts: MdsOptions, journal: Journal | None) -> int:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         volume_size = opts.volume_size or await query_volume_size(opts.pool, opts.secret)
@@ -214,10 +275,14 @@ async def _main(opts: MdsOptions, journal: Journal | None) -> int:
             if not opts.secret:
                 log.warning("no --secret-file: anyone who can reach %s:%d may change metadata",
                             host, port)
+            if opts.flush is not None:
+                await nursery.start(_write_back, store, opts, server)
             sd_notify("READY=1")
             async for signum in signals:
                 log.info("received %s, stopping", signal.Signals(signum).name)
                 sd_notify("STOPPING=1")
+                if server.meta is not server.store:
+                    await _drain(server, signals)
                 nursery.cancel_scope.cancel()
                 break
     sys.stdout.flush()

@@ -7,8 +7,10 @@ for real (``memfs mount --mds``), so this is what two compute nodes see.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
+import json
 import os
 import random
 import select
@@ -109,6 +111,12 @@ def start(
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    with make_cluster(tmp_path, ["--journal", str(tmp_path / "journal")]) as c:
+        yield c
+
+
+@contextlib.contextmanager
+def make_cluster(tmp_path: Path, mds_args: list[str]) -> Iterator[Cluster]:
     secret = tmp_path / "secret"
     secret.write_bytes(os.urandom(24).hex().encode())
     secret.chmod(0o600)
@@ -130,7 +138,7 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
             )
             argv["mds"] = [
                 "mds", "--listen", f"{net.addr['mds']}:{PORT_MDS}", "--pool", spec,
-                "--secret-file", str(secret), "--journal", str(tmp_path / "journal"),
+                "--secret-file", str(secret), *mds_args,
             ]
             servers["mds"] = start(net, "mds", argv["mds"], "mds listening", tmp_path / "mds.log")
             mds = f"{net.addr['mds']}:{PORT_MDS}"
@@ -376,3 +384,57 @@ def test_mount_table_names_the_mds(cluster: Cluster) -> None:
         sources = {fields[1]: fields[0] for fields in (line.split() for line in f)}
     for path in cluster.mnt.values():
         assert sources[str(path)] == mds
+
+
+# -- burst buffer: the mds writes the pool back to a directory ------------------------------
+
+
+@pytest.fixture
+def bb_cluster(tmp_path: Path) -> Iterator[Cluster]:
+    back = tmp_path / "backing"
+    (back / "input").mkdir(parents=True)
+    (back / "input" / "small.txt").write_bytes(b"staged in\n")
+    (back / "input" / "big.bin").write_bytes(random.Random(7).randbytes(5 << 20))
+    with make_cluster(tmp_path, ["--backing", str(back), "--flush-delay", "0.5"]) as c:
+        yield c
+
+
+def memfs_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    res = subprocess.run([*MEMFS, *args], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    return res
+
+
+def test_burst_buffer_through_the_mds(bb_cluster: Cluster) -> None:
+    """Input in the backing directory is visible on every node (data fetched by the mds
+    on first read); output from any node reaches the backing directory; stopping the
+    mds writes back what is still dirty."""
+    c1, c2 = bb_cluster.mnt["c1"], bb_cluster.mnt["c2"]
+    back = bb_cluster.tmp / "backing"
+    big = (back / "input" / "big.bin").read_bytes()
+    assert sha((c2 / "input" / "big.bin").read_bytes()) == sha(big)
+    assert (c1 / "input" / "small.txt").read_bytes() == b"staged in\n"
+
+    rng = random.Random(3)
+    out = {f"out/r{n}.dat": rng.randbytes(rng.choice((0, 100, 70_000, 3 << 20))) for n in range(12)}
+    (c1 / "out").mkdir()
+    for name, data in out.items():
+        (c1 / name).write_bytes(data)
+    (c1 / "out" / "r0.dat").rename(c1 / "out" / "renamed.dat")
+    out["out/renamed.dat"] = out.pop("out/r0.dat")
+    (c1 / "out" / "r1.dat").unlink()
+    del out["out/r1.dat"]
+    memfs_cli("flush", str(c2), "--wait")  # asked on the other node: the mds knows all
+    for name, data in out.items():
+        assert sha((back / name).read_bytes()) == sha(data), name
+    assert sorted(os.listdir(back / "out")) == sorted(n.split("/")[1] for n in out)
+    st = json.loads(memfs_cli("status", str(c1), "--json").stdout)
+    assert st["dirty_files"] == 0 and st["errors"] == [], st
+
+    # Still dirty when the mds is told to stop: it writes back first, then exits 0.
+    late = rng.randbytes(2 << 20)
+    (c2 / "late.bin").write_bytes(late)
+    mds = bb_cluster.servers["mds"]
+    mds.send_signal(signal.SIGTERM)
+    assert mds.wait(60) == 0
+    assert sha((back / "late.bin").read_bytes()) == sha(late)

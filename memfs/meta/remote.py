@@ -546,7 +546,25 @@ class RemoteMeta(Meta):
         return await self._call("map_read", ino, offset, length)
 
     async def map_write(self, ino: int, offset: int, length: int) -> WritePlan:
-        return await self._call("map_write", ino, offset, length)
+        while True:
+            try:
+                return await self._call("map_write", ino, offset, length)
+            except FsError as exc:
+                # The server's write-back is behind (its dirty cap): it said so after
+                # waiting a while, rather than let this call time out.  Ask again.
+                if exc.errno != errno.EINPROGRESS:
+                    raise
+
+    async def control(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
+        kind, body = await self._roundtrip(
+            "control", wire.encode(["control", op, args]), retry=op in ("status", "progress")
+        )
+        if kind is Kind.ERROR:
+            raise FsError(*wire.decode_error(body))
+        result = wire.decode(body)
+        if type(result) is not dict:
+            raise FsError(errno.EIO, f"bad {op} reply from the metadata server")
+        return result
 
     async def reclaim(self) -> None:
         await self._call("reclaim")

@@ -46,7 +46,7 @@ import trio.lowlevel
 from memfs import net, wire
 from memfs.config import VolumeAddr
 from memfs.errors import FsError, UsageError
-from memfs.meta import codec
+from memfs.meta import Meta, codec
 from memfs.meta.conn import MAX_REPLY, ROLE, FrameSocket
 from memfs.meta.journal import Journal
 from memfs.meta.store import MetaStore
@@ -65,6 +65,8 @@ MAX_RANGE = 16 << 30
 #: most handles one client may claim on one inode when it re-registers
 MAX_HANDLES = 1 << 20
 REPLY_QUEUE = 64
+#: longest a map_write waits for write-back room before the client is told to ask again
+WRITE_WAIT = 3.0
 
 
 @dataclass(eq=False)
@@ -98,6 +100,9 @@ class MetaServer:
         session_grace: float = SESSION_GRACE, idle_timeout: float = IDLE_TIMEOUT,
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
     ) -> None:
+        #: what calls are served by: the store, or (``--backing``) memfs.flush.BackedMeta
+        #: wrapped around it, which may wait (fetches, the dirty cap)
+        self.meta: Meta = store
         if pool is not None and len(pool) != store.n_volumes:
             raise UsageError(f"pool lists {len(pool)} volumes, the store has {store.n_volumes}")
         self.store = store
@@ -326,7 +331,7 @@ class MetaServer:
     async def _execute(self, conn: _Conn, payload: bytes) -> tuple[Kind, bytes]:
         """Run one call; WireError for a malformed one (the connection closes)."""
         value = wire.decode(payload)
-        if type(value) is list and value and value[0] in ("describe", "session", "ping"):
+        if type(value) is list and value and value[0] in ("describe", "session", "ping", "control"):
             try:
                 return Kind.OK, wire.encode(await self._control(conn, value))
             except FsError as exc:
@@ -350,7 +355,7 @@ class MetaServer:
                 await self._release(conn.session, args[0])
                 result = None
             else:
-                result = await m.bind(self.store)(*args)
+                result = await self._call(m, args)
         except FsError as exc:
             self._journal_destroys()
             return Kind.ERROR, wire.encode_error(exc.errno, exc.args[1])
@@ -368,6 +373,15 @@ class MetaServer:
             log.error("%s: %s reply of %d bytes is too large", conn.peer, m.name, len(body))
             return Kind.ERROR, wire.encode_error(errno.EOVERFLOW, "reply too large")
         return Kind.OK, body
+
+    async def _call(self, m: codec.Method, args: list[Any]) -> Any:
+        if m.name != "map_write" or self.meta is self.store:
+            return await m.bind(self.meta)(*args)
+        # A write may wait for write-back (the dirty cap): answer "not yet" well
+        # before the client's call timeout; it asks again (RemoteMeta.map_write).
+        with trio.move_on_after(WRITE_WAIT):
+            return await m.bind(self.meta)(*args)
+        raise FsError(errno.EINPROGRESS, "write-back is behind: waiting for room")
 
     def _atime(self, ino: int) -> int | None:
         i = self.store.inodes.get(ino)
@@ -396,6 +410,17 @@ class MetaServer:
                 # memory server "host:port" -> incarnation the pool's data lives in
                 "incarnations": dict(self.incarnations),
             }
+        if name == "control" and len(raw) == 2:
+            op, args = raw
+            if type(op) is not str or type(args) is not dict:
+                raise WireError("malformed control call")
+            try:
+                return await self.meta.control(op, args)
+            except FsError:
+                raise
+            except Exception:
+                log.exception("%s: control %s failed", conn.peer, op)
+                raise FsError(errno.EIO, "internal error in the metadata server") from None
         if name == "session" and len(raw) == 2:
             sid = codec.check_bytes(raw[0], "session id")
             if not 8 <= len(sid) <= 64:
