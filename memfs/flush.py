@@ -423,21 +423,25 @@ class BackedMeta(Meta):
         """Evict clean files, least recently used first, until *want* chunks are freed."""
         freed = 0
         inodes = self.store.inodes
-        for ino in list(self.lru):
+        # The oldest few thousand are almost always enough; the rest only if not.
+        for start, stop in ((0, 4096), (4096, None)):
+            for ino in list(itertools.islice(self.lru, start, stop)):
+                if freed >= want:
+                    break
+                i = inodes.get(ino)
+                if i is None or not i.chunks:
+                    self.lru.pop(ino, None)
+                    continue
+                if (ino == protect or ino in self.dirty or ino in self.pinned or i.nlink <= 0
+                        or not stat.S_ISREG(i.mode) or self._excluded(ino)):
+                    continue
+                n = self.store.evict(ino)
+                self.lru.pop(ino, None)
+                freed += n
+                self.evicted_bytes += n * self.chunk_size
+                log.debug("evicted inode %d (%d chunks)", ino, n)
             if freed >= want:
                 break
-            i = inodes.get(ino)
-            if i is None or not i.chunks:
-                self.lru.pop(ino, None)
-                continue
-            if (ino == protect or ino in self.dirty or ino in self.pinned or i.nlink <= 0
-                    or not stat.S_ISREG(i.mode) or self._excluded(ino)):
-                continue
-            n = self.store.evict(ino)
-            self.lru.pop(ino, None)
-            freed += n
-            self.evicted_bytes += n * self.chunk_size
-            log.debug("evicted inode %d (%d chunks)", ino, n)
         if freed:
             await self.store.reclaim()
         return freed > 0
@@ -750,32 +754,37 @@ class BackedMeta(Meta):
             self._record_error(path, "write back", exc)
             raise _Retry() from None
         ok = False
+        src = -1  # the copy in DIR, for data not in the pool (staged lazily, evicted)
         try:
             off = 0
             while off < size:
                 n = min(STEP, size - off)
-                await self._ensure_resident(ino, off, n)
                 if self._version(ino) != v:
                     return None
                 extents = self.store.extents(ino, off, n)
-                if any(e.volume == NOT_RESIDENT for e in extents):
-                    continue  # evicted again between the fetch and now
-                if any(e.volume >= 0 for e in extents):
-                    view = buf[:n]
-                    for e in extents:
-                        part = view[e.offset - off : e.offset - off + e.length]
-                        if e.volume < 0:
-                            part[:] = bytes(e.length)
-                        else:
-                            await self.transport.readinto(e.volume, e.voffset, part)
-                    if self._version(ino) != v:
-                        return None
-                    try:
-                        await trio.to_thread.run_sync(_pwrite_full, fd, view, off)
-                    except OSError as exc:
-                        self._record_error(path, "write back", exc)
-                        raise _Retry() from None
-                    self._count_rate(n)
+                if not any(e.volume != -1 for e in extents):
+                    off += n  # a hole: left sparse, ftruncate gives it its size
+                    continue
+                if src < 0 and any(e.volume == NOT_RESIDENT for e in extents):
+                    src = await self._open_backing(ino, None)
+                view = buf[:n]
+                old: list[tuple[int, int]] = []
+                for e in extents:
+                    a, b = e.offset - off, e.offset - off + e.length
+                    if e.volume >= 0:
+                        await self.transport.readinto(e.volume, e.voffset, view[a:b])
+                    elif e.volume == NOT_RESIDENT:
+                        old.append((a, b))  # straight from DIR's copy, not via the pool
+                    else:
+                        view[a:b] = bytes(b - a)
+                if self._version(ino) != v:
+                    return None
+                try:
+                    await trio.to_thread.run_sync(_write_step, fd, view, off, src, old)
+                except OSError as exc:
+                    self._record_error(path, "write back", exc)
+                    raise _Retry() from None
+                self._count_rate(n)
                 off += n
             try:
                 await trio.to_thread.run_sync(
@@ -788,6 +797,8 @@ class BackedMeta(Meta):
             return tmp
         finally:
             os.close(fd)
+            if src >= 0:
+                os.close(src)
             if not ok:
                 await trio.to_thread.run_sync(_unlink_quiet, tmp)
 
@@ -1175,6 +1186,17 @@ def _pread_full(fd: int, view: memoryview, offset: int) -> int:
             break
         got += n
     return got
+
+
+def _write_step(
+    fd: int, view: memoryview, offset: int, src: int, old: list[tuple[int, int]]
+) -> None:
+    """Fill the *old* parts of *view* from *src* (zeros past its end), write it at *offset*."""
+    for a, b in old:
+        got = _pread_full(src, view[a:b], offset + a)
+        if got < b - a:
+            view[a + got : b] = bytes(b - a - got)
+    _pwrite_full(fd, view, offset)
 
 
 def _pwrite_full(fd: int, view: memoryview, offset: int) -> None:
