@@ -130,7 +130,7 @@ class BackedMeta(Meta):
 
     def __init__(
         self, store: MetaStore, transport: Transport, cfg: FlushConfig, *,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.monotonic, settle: float = 0.0,
     ) -> None:
         self.store = store
         self.transport = transport
@@ -140,6 +140,10 @@ class BackedMeta(Meta):
         self.root = os.fsencode(cfg.backing)
         self.tmp = os.path.join(self.root, TMP_DIR)
         self.clock = clock
+        #: cluster mode: seconds a write's bytes may take to reach a memory server after
+        #: the mds placed it (the mds sees the placement, not the bytes); a copy begun
+        #: sooner after a file's last change does not make it clean
+        self.settle = settle
         capacity = sum(a.n_chunks for a in store.allocators) * store.chunk_size
         self.dirty_max = cfg.dirty_max if cfg.dirty_max is not None else capacity // 2
         self._is_root = os.geteuid() == 0
@@ -182,6 +186,12 @@ class BackedMeta(Meta):
         was killed are removed: they were never renamed into place.
         """
         entries = await trio.to_thread.run_sync(self._scan)
+        # The mount's root is DIR's root: same owner and mode (a job's directory
+        # stays the job's), and a chmod/chown of the root is mirrored onto DIR.
+        st = await trio.to_thread.run_sync(os.stat, self.root)
+        root = self.store.inodes[ROOT_INO]
+        root.mode, root.uid, root.gid = st.st_mode, st.st_uid, st.st_gid
+        root.mtime_ns = st.st_mtime_ns
         seen: dict[tuple[int, int], int] = {}
         by_path: dict[bytes, int] = {b"": ROOT_INO}
         for rel, st, target in entries:
@@ -713,6 +723,7 @@ class BackedMeta(Meta):
             self._clean(ino, v)
             self.pinned.add(ino)
             return
+        started = self.clock()
         tmp = await self._copy(ino, v, buf)
         if tmp is None:
             return  # changed while copying: stays dirty, goes round again
@@ -734,8 +745,14 @@ class BackedMeta(Meta):
             if not published:
                 await trio.to_thread.run_sync(_unlink_quiet, tmp)
         self.flushed_files += 1
-        self._clean(ino, v)
         self._clear_error(paths[0] if paths else b"")
+        if started - d.since < self.settle and self._version(ino) == v:
+            # A write placed just before the copy began may still have been on its
+            # way to a memory server: copy once more when that cannot be so.
+            d.retry_at = d.since + self.settle
+            self._forced.add(ino)
+            return
+        self._clean(ino, v)
 
     def _version(self, ino: int) -> int:
         d = self.dirty.get(ino)

@@ -33,6 +33,9 @@ from memfs.scrub import Scrubber
 log = logging.getLogger(__name__)
 
 INFO_TIMEOUT = 10.0
+#: write-back: how long after the mds places a write its bytes may still be on the way
+#: from the client to a memory server (memfs.flush.BackedMeta.settle)
+SETTLE = 2.0
 
 
 @dataclass
@@ -210,7 +213,7 @@ async def _write_back(
     try:
         async with open_tcp_transport(as_tcp(opts.pool), opts.secret, io_timeout=INFO_TIMEOUT,
                                       incarnations=server.incarnations) as t:
-            backed = BackedMeta(store, t, opts.flush)
+            backed = BackedMeta(store, t, opts.flush, settle=SETTLE)
             try:
                 await backed.load()
             except OSError as exc:
