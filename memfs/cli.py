@@ -8,25 +8,52 @@ the daemon it forks keeps serving until ``umount``.
 from __future__ import annotations
 
 import argparse
+import errno
+import hashlib
+import json
 import logging
+import math
 import os
 import re
 import select
 import shutil
+import stat
 import subprocess
 import sys
+import tarfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
 
 from memfs import __version__
-from memfs.config import PoolConfig, parse_hostport, parse_size
-from memfs.errors import UsageError
+from memfs.config import FlushConfig, PoolConfig, parse_hostport, parse_size
+from memfs.errors import ControlError, UsageError
+
+if TYPE_CHECKING:
+    from memfs.control import ControlClient
 
 log = logging.getLogger(__name__)
 
 EXIT_USAGE = 2
+#: the daemon or the backing filesystem failed (not the user's mistake)
+EXIT_FAILED = 1
 READY_TIMEOUT = 120.0
+#: seconds to wait for any one control request (the daemon answers at once)
+CONTROL_TIMEOUT = 30.0
+#: how often ``--wait`` asks for progress
+POLL_INTERVAL = 0.2
+#: bytes of paths per flush/stage-in request (the daemon refuses lines above 1 MiB)
+REQUEST_BUDGET = 512 << 10
+#: ``memfs umount`` says what the daemon is writing back if it takes longer than this
+DRAIN_NOTICE_AFTER = 2.0
+#: longest Unix socket path (sun_path is 108 bytes with its NUL)
+SUN_PATH_MAX = 107
+FLUSH_XATTR = "user.memfs.flush"
+
+
+class OperationFailed(Exception):
+    """A command failed for a reason that is not a usage mistake (exit 1, one line)."""
 
 
 def runtime_dir() -> Path:
@@ -71,6 +98,19 @@ def pid_file(mountpoint: str) -> Path:
     return runtime_dir() / f"{instance_name(mountpoint)}.pid"
 
 
+def control_socket(mountpoint: str) -> Path:
+    """The mount daemon's control socket (``memfs flush/status/stage-in``).
+
+    Next to the pid file; a name that would not fit a Unix socket address
+    (deep mountpoints) is replaced by a hash of it.
+    """
+    name = instance_name(mountpoint)
+    path = runtime_dir() / f"{name}.ctl"
+    if len(os.fsencode(path)) > SUN_PATH_MAX:
+        path = runtime_dir() / f"ctl-{hashlib.sha256(name.encode()).hexdigest()[:32]}.ctl"
+    return path
+
+
 def default_log_file(mountpoint: str) -> Path:
     return runtime_dir() / f"{instance_name(mountpoint)}.log"
 
@@ -101,6 +141,44 @@ def mount_type(path: str) -> str | None:
     except OSError:
         pass
     return found
+
+
+def mount_table() -> list[tuple[str, str]]:
+    """``(mountpoint, type)`` of every mount, later entries mounted on top of earlier ones."""
+    try:
+        with open("/proc/self/mounts") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    return [(_unescape(fl[1]), fl[2]) for fl in (line.split() for line in lines) if len(fl) > 2]
+
+
+def within(path: str, top: str) -> bool:
+    """True if canonical *path* is *top* or lies below it."""
+    return path == top or path.startswith(top.rstrip("/") + "/")
+
+
+def memfs_mountpoint(arg: str) -> str:
+    """The memfs mountpoint *arg* names (a symlink to it too); UsageError otherwise."""
+    table = mount_table()
+    path = canonical(arg)
+    if all(m != path for m, _ in table) and os.path.islink(path):
+        path = os.path.realpath(path)
+    types = [t for m, t in table if m == path]
+    if not types:
+        raise UsageError(f"{arg} is not a memfs mount (not mounted)")
+    if types[-1] != "fuse.memfs":
+        raise UsageError(f"{arg} is a {types[-1]} mount, not memfs")
+    return path
+
+
+def memfs_mount_of(path: str) -> str | None:
+    """The memfs mountpoint that canonical *path* lies in, or None."""
+    best: tuple[str, str] | None = None
+    for m, t in mount_table():
+        if within(path, m) and (best is None or len(m) >= len(best[0])):
+            best = (m, t)
+    return best[0] if best is not None and best[1] == "fuse.memfs" else None
 
 
 def _unescape(field: str) -> str:
@@ -156,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--foreground", "-f", action="store_true", help="do not fork into the background")
     m.add_argument("--debug", "-d", action="store_true", help="log at debug level")
     m.add_argument("--log", help="daemon log file (default: /run/memfs/MOUNTPOINT.log)")
+    _add_flush_arguments(m, mount=True)
 
     u = sub.add_parser("umount", help="unmount and wait for the daemon to exit")
     u.add_argument("mountpoint")
@@ -190,7 +269,53 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how long open files of a vanished client (and, after a restart, "
                         "unlinked files clients held open) are kept for it to return (default 60)")
     ms.add_argument("--debug", "-d", action="store_true", help="log at debug level")
+    _add_flush_arguments(ms, mount=False)
+
+    f = sub.add_parser("flush", help="write dirty data back to the backing directory now")
+    f.add_argument("mountpoint")
+    f.add_argument("paths", nargs="*", metavar="PATH",
+                   help="files or directories under the mountpoint (default: everything)")
+    f.add_argument("--wait", action="store_true",
+                   help="return when everything named is clean in the backing directory")
+    f.add_argument("--quiet", "-q", action="store_true", help="no progress line, even on a terminal")
+
+    st = sub.add_parser("status", help="capacity, dirty data, write-back and stage-in progress")
+    st.add_argument("mountpoint")
+    st.add_argument("--json", action="store_true", help="the daemon's status as JSON")
+
+    si = sub.add_parser("stage-in", help="fetch files from the backing directory into memory")
+    si.add_argument("mountpoint")
+    si.add_argument("paths", nargs="*", metavar="PATH",
+                    help="files or directories under the mountpoint (default: everything)")
+    si.add_argument("--manifest", metavar="FILE",
+                    help="more paths, one per line (absolute, or relative to the mountpoint); "
+                         "blank lines and # comments are ignored")
+    si.add_argument("--no-wait", action="store_true",
+                    help="return once queued (prints the ticket: one per line if the paths "
+                         "took several requests) instead of waiting")
+
+    so = sub.add_parser("stage-out", help="write a tree as one tar archive instead of file by file")
+    so.add_argument("path", metavar="MNT/PATH", help="a file or directory in a memfs mount")
+    so.add_argument("--archive", required=True, metavar="FILE",
+                    help="the tar file to write (outside the mount, e.g. in the backing directory)")
     return p
+
+
+def _add_flush_arguments(p: argparse.ArgumentParser, *, mount: bool) -> None:
+    p.add_argument("--backing", metavar="DIR",
+                   help="burst buffer: write files back to DIR (e.g. on the parallel filesystem) "
+                        "in the background" + ("; files already in DIR show in the mount"
+                                               if mount else ""))
+    p.add_argument("--flush-delay", metavar="SECONDS",
+                   help="write a file back this long after its last change (default 5)")
+    p.add_argument("--dirty-max", metavar="SIZE",
+                   help="data not yet written back at which writers wait (default: half the pool)")
+    p.add_argument("--flush-workers", metavar="N", help="files written back in parallel (default 4)")
+    p.add_argument("--no-backing-fsync", action="store_true",
+                   help="do not fsync files in DIR before renaming them into place")
+    if mount:
+        p.add_argument("--discard-on-unmount", action="store_true",
+                       help="do not write dirty data back at unmount: drop it")
 
 
 def pool_from_args(args: argparse.Namespace) -> PoolConfig:
@@ -203,6 +328,72 @@ def pool_from_args(args: argparse.Namespace) -> PoolConfig:
         volumes=volumes,
         stripe_size=parse_size(args.stripe_size, "--stripe-size"),
         chunk_size=parse_size(args.chunk_size, "--chunk-size"),
+    )
+
+
+def check_backing(path: str) -> str:
+    """A usable backing directory, as its canonical path."""
+    if not os.path.exists(path):
+        raise UsageError(f"backing directory {path} does not exist")
+    if not os.path.isdir(path):
+        raise UsageError(f"backing directory {path} is not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UsageError(f"backing directory {path} is not writable")
+    return os.path.realpath(path)
+
+
+def check_overlap(backing: str, mountpoint: str) -> None:
+    """Refuse write-back into the mount itself: a flush worker would wait on its own daemon."""
+    if within(backing, mountpoint):
+        raise UsageError(f"backing directory {backing} is inside the mountpoint {mountpoint} "
+                         "(writing back into the mount itself would deadlock)")
+    if within(mountpoint, backing):
+        raise UsageError(f"mountpoint {mountpoint} is inside the backing directory {backing} "
+                         "(writing back into the mount itself would deadlock)")
+
+
+def flush_from_args(args: argparse.Namespace, pool_size: int | None) -> FlushConfig | None:
+    """The ``--backing`` settings, or None without ``--backing``.
+
+    *pool_size* (None: not known here) bounds ``--dirty-max``.
+    """
+    knobs = {
+        "--flush-delay": args.flush_delay is not None,
+        "--dirty-max": args.dirty_max is not None,
+        "--flush-workers": args.flush_workers is not None,
+        "--no-backing-fsync": args.no_backing_fsync,
+        "--discard-on-unmount": getattr(args, "discard_on_unmount", False),
+    }
+    if args.backing is None:
+        for name, given in knobs.items():
+            if given:
+                raise UsageError(f"{name} goes with --backing DIR")
+        return None
+    backing = check_backing(args.backing)
+    delay = 5.0
+    if args.flush_delay is not None:
+        try:
+            delay = float(args.flush_delay)
+        except ValueError:
+            raise UsageError(f"bad --flush-delay {args.flush_delay!r}: expected seconds") from None
+    workers = 4
+    if args.flush_workers is not None:
+        try:
+            workers = int(args.flush_workers)
+        except ValueError:
+            raise UsageError(
+                f"bad --flush-workers {args.flush_workers!r}: expected a whole number"
+            ) from None
+    dirty_max = None
+    if args.dirty_max is not None:
+        dirty_max = parse_size(args.dirty_max, "--dirty-max")
+        if pool_size is not None and dirty_max > pool_size:
+            raise UsageError(f"--dirty-max {args.dirty_max} is larger than the pool "
+                             f"({format_bytes(pool_size)})")
+    return FlushConfig(  # checks delay and workers
+        backing=backing, delay=delay, dirty_max=dirty_max, workers=workers,
+        fsync=not args.no_backing_fsync,
+        discard_on_unmount=bool(getattr(args, "discard_on_unmount", False)),
     )
 
 
@@ -222,7 +413,15 @@ def setup_logging(debug: bool, log_file: str | None = None) -> None:
 def cmd_mount(args: argparse.Namespace) -> int:
     from memfs import mount, wire  # pyfuse3 is only needed here
 
+    if args.backing is not None and args.mds:
+        raise UsageError("--backing goes with an embedded pool: with --mds the metadata server "
+                         "writes back (start `memfs mds` with --backing)")
+    flush = flush_from_args(
+        args, pool_from_args(args).size if args.dirty_max is not None and not args.mds else None
+    )
     mountpoint = check_mountpoint(args.mountpoint)
+    if flush is not None:
+        check_overlap(flush.backing, mountpoint)
     if args.attr_timeout is None:
         args.attr_timeout = 0.0 if args.mds else 1.0
     if not 0 <= args.attr_timeout < float("inf"):  # also refuses nan
@@ -244,6 +443,14 @@ def cmd_mount(args: argparse.Namespace) -> int:
         opts.max_tasks = 64  # requests wait on the network: overlap them
     else:
         mount.check_memory(opts.pool)
+    opts.flush = flush
+    # Every mount has one: in cluster mode the mds may write back for it.
+    ctl = control_socket(mountpoint)
+    opts.control_path = str(ctl)
+    try:
+        ctl.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"cannot create {ctl.parent}: {exc.strerror}") from None
     if args.foreground:
         try:
             setup_logging(args.debug, args.log)
@@ -396,12 +603,470 @@ def cmd_mds(args: argparse.Namespace) -> int:
     )
     if not 0 <= opts.grace < float("inf"):
         raise UsageError(f"bad --grace {args.grace}: expected seconds, 0 or more")
+    opts.flush = flush_from_args(
+        args, opts.volume_size * len(opts.pool) if opts.volume_size is not None else None
+    )
     setup_logging(args.debug)
     try:
         return mds.run(opts)
     except mds.StartupError as exc:
         print(f"memfs: error: {exc}", file=sys.stderr)
         return 1
+
+
+# -- burst buffer: talking to a mount daemon -------------------------------------------
+
+
+def format_bytes(n: float) -> str:
+    """``1.2 GiB``, ``512 B``: for people, not exact."""
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def mount_relative(mnt: str, path: str, base: str | None = None) -> str:
+    """*path* (absolute, or relative to *base*, default the working directory) as the
+    daemon names it: relative to the mount root, ``""`` for the root itself."""
+    full = canonical(os.path.join(base, path) if base is not None else path)
+    if not within(full, mnt):
+        raise UsageError(f"{path} is not inside {mnt}")
+    rel = os.path.relpath(full, mnt)
+    return "" if rel == "." else rel
+
+
+def read_manifest(manifest: str, mnt: str) -> list[str]:
+    """The paths a stage-in manifest names, relative to the mount root."""
+    try:
+        with open(manifest, encoding="utf-8", errors="surrogateescape") as f:
+            lines = f.read().splitlines()
+    except OSError as exc:
+        raise UsageError(f"cannot read manifest {manifest}: {exc.strerror}") from None
+    out = []
+    for n, raw in enumerate(lines, 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        try:
+            out.append(mount_relative(mnt, line, base=mnt))
+        except UsageError:
+            raise UsageError(f"{manifest}:{n}: {line} is not inside {mnt}") from None
+    return out
+
+
+def _unique(paths: list[str]) -> list[str]:
+    return list(dict.fromkeys(paths))
+
+
+def _client(mnt: str, timeout: float = CONTROL_TIMEOUT) -> ControlClient:
+    from memfs.control import ControlClient  # imports trio: only when needed
+
+    return ControlClient(control_socket(mnt), mnt, timeout=timeout)
+
+
+def _call(client: ControlClient, op: str, args: dict[str, Any] | None = None) -> dict[str, Any]:
+    try:
+        result: dict[str, Any] = client.call(op, args)
+    except ControlError as exc:
+        if exc.errno in (errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise UsageError(f"{client.name}: {exc.message}") from None
+        raise
+    return result
+
+
+def _ticket(reply: dict[str, Any]) -> int:
+    ticket = reply.get("ticket")
+    if not isinstance(ticket, int):
+        raise ControlError(errno.EPROTO, f"the daemon sent no ticket: {reply!r:.200}")
+    return ticket
+
+
+class ProgressLine:
+    """One line on stderr redrawn in place (a terminal only; otherwise nothing)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.shown = False
+
+    def update(self, text: str) -> None:
+        if self.enabled:
+            width = max(shutil.get_terminal_size().columns - 1, 20)
+            sys.stderr.write(f"\r{text[:width]}\x1b[K")
+            sys.stderr.flush()
+            self.shown = True
+
+    def note(self, text: str) -> None:
+        """A line that stays (above the progress line)."""
+        if self.enabled:
+            sys.stderr.write(f"\r\x1b[K{text}\n")
+            sys.stderr.flush()
+            self.shown = False
+
+    def close(self) -> None:
+        if self.shown:
+            sys.stderr.write("\r\x1b[K")
+            sys.stderr.flush()
+            self.shown = False
+
+    def __enter__(self) -> ProgressLine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def progress_text(verb: str, p: dict[str, Any], elapsed: float) -> str:
+    """``flushing: 12/340 files, 1.2 GiB/4.0 GiB left, 350.0 MiB/s``."""
+    files, total_files = int(p.get("files", 0)), int(p.get("total_files", 0))
+    left, total = int(p.get("bytes", 0)), int(p.get("total_bytes", 0))
+    text = (f"{verb}: {max(total_files - files, 0)}/{total_files} files, "
+            f"{format_bytes(left)}/{format_bytes(total)} left")
+    if elapsed >= 1 and total > left:
+        text += f", {format_bytes((total - left) / elapsed)}/s"
+    return text
+
+
+def _error_note(what: str, err: dict[str, Any]) -> str:
+    return f"memfs: {what} {err.get('path') or '/'}: {err.get('error')} (retrying)"
+
+
+def path_batches(paths: list[str]) -> list[list[str]]:
+    """*paths* cut into requests that fit the daemon's line limit (one empty batch: all)."""
+    batches: list[list[str]] = []
+    current: list[str] = []
+    size = 0
+    for p in paths:
+        n = len(json.dumps(p)) + 2
+        if current and size + n > REQUEST_BUDGET:
+            batches.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += n
+    return [*batches, current]
+
+
+def start_tickets(client: ControlClient, op: str, paths: list[str]) -> list[int]:
+    """Send *op* for *paths* (in as many requests as needed): the tickets."""
+    return [_ticket(_call(client, op, {"paths": batch})) for batch in path_batches(paths)]
+
+
+def wait_tickets(client: ControlClient, tickets: list[int], verb: str, what: str, show: bool) -> None:
+    """Poll "progress" until every ticket is done; a progress line (and the
+    latest error, once) on the terminal when *show*."""
+    start = time.monotonic()
+    finished: dict[int, dict[str, Any]] = {}
+    shown: tuple[Any, ...] | None = None
+    with ProgressLine(show) as line:
+        while True:
+            total = {"files": 0, "bytes": 0, "total_files": 0, "total_bytes": 0}
+            errors: list[dict[str, Any]] = []
+            for t in tickets:
+                p = finished.get(t) or _call(client, "progress", {"ticket": t})
+                if p.get("done"):
+                    finished[t] = p
+                for field in total:
+                    value = p.get(field, 0)
+                    total[field] += value if isinstance(value, int) else 0
+                errors += [e for e in p.get("errors") or [] if isinstance(e, dict)]
+            if errors:
+                latest = max(errors, key=lambda e: e.get("last") or 0)
+                key = tuple(latest.get(k) for k in ("path", "error", "last"))
+                if key != shown:
+                    line.note(_error_note(what, latest))
+                    shown = key
+            if len(finished) == len(tickets):
+                return
+            line.update(progress_text(verb, total, time.monotonic() - start))
+            time.sleep(POLL_INTERVAL)
+
+
+def _isatty() -> bool:
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def cmd_flush(args: argparse.Namespace) -> int:
+    mnt = memfs_mountpoint(args.mountpoint)
+    paths = _unique([mount_relative(mnt, p) for p in args.paths])
+    with _client(mnt) as client:
+        tickets = start_tickets(client, "flush", paths)
+        if args.wait:
+            wait_tickets(client, tickets, "flushing", "write-back of",
+                         show=_isatty() and not args.quiet)
+    return 0
+
+
+def cmd_stage_in(args: argparse.Namespace) -> int:
+    mnt = memfs_mountpoint(args.mountpoint)
+    paths = [mount_relative(mnt, p) for p in args.paths]
+    if args.manifest is not None:
+        named = read_manifest(args.manifest, mnt)
+        if not named and not paths:
+            return 0  # an empty manifest names nothing (not "everything")
+        paths += named
+    with _client(mnt) as client:
+        tickets = start_tickets(client, "stage_in", _unique(paths))
+        if args.no_wait:
+            print("\n".join(map(str, tickets)))
+            return 0
+        wait_tickets(client, tickets, "staging in", "stage-in of", show=_isatty())
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    mnt = memfs_mountpoint(args.mountpoint)
+    with _client(mnt) as client:
+        status = _call(client, "status")
+    if args.json:
+        print(json.dumps(status, indent=2, sort_keys=True))
+    else:
+        print(format_status(mnt, status))
+    return 0
+
+
+def format_status(mnt: str, st: dict[str, Any]) -> str:
+    """The "status" dict for people."""
+    def n(key: str) -> int:
+        value = st.get(key, 0)
+        return int(value) if isinstance(value, (int, float)) and math.isfinite(value) else 0
+
+    capacity, used = n("capacity"), n("used")
+    pct = f" ({100 * used / capacity:.0f}%)" if capacity else ""
+    rate = st.get("flush_rate", 0.0)
+    rate = float(rate) if isinstance(rate, (int, float)) and math.isfinite(rate) else 0.0
+    lines = [
+        f"mount:      {mnt}" + ("  (draining: writing everything back before exit)"
+                                if st.get("draining") else ""),
+        f"backing:    {st.get('backing', '?')}",
+        f"pool:       {format_bytes(used)} used of {format_bytes(capacity)}{pct}",
+        f"dirty:      {format_bytes(n('dirty_bytes'))} in {n('dirty_files')} files "
+        f"(cap {format_bytes(n('dirty_max'))}); {format_bytes(n('pinned_bytes'))} pinned "
+        "(excluded from write-back)",
+        f"write-back: {n('queued_files')} files queued, {n('flushing_files')} in flight, "
+        f"{n('namespace_ops')} namespace changes pending; {format_bytes(rate)}/s",
+        f"            {format_bytes(n('flushed_bytes'))} in {n('flushed_files')} files since "
+        f"mount (delay {st.get('flush_delay', '?')} s, {st.get('workers', '?')} workers)",
+        f"files:      {n('resident_files')} in memory, {n('evicted_files')} only in the backing "
+        f"directory ({format_bytes(n('evicted_bytes_total'))} evicted, "
+        f"{format_bytes(n('fetched_bytes'))} fetched since mount)",
+        "stage-in:   " + (f"{n('staging_files')} files, {format_bytes(n('staging_bytes'))} to go"
+                           if n("staging_files") or n("staging_bytes") else "idle"),
+        f"writers waiting on the dirty cap: {n('writers_waiting')}",
+    ]
+    errors = [e for e in st.get("errors") or [] if isinstance(e, dict)]
+    if errors:
+        lines.append(f"errors ({len(errors)}, newest last):")
+        for e in errors:
+            last = e.get("last")
+            when = (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last))
+                    if isinstance(last, (int, float)) and math.isfinite(last) else "?")
+            count = e.get("count", 1)
+            times = f" (x{count})" if isinstance(count, int) and count > 1 else ""
+            lines.append(f"  {when}  {e.get('path') or '/'}: {e.get('error')}{times}")
+    else:
+        lines.append("errors:     none")
+    return "\n".join(lines)
+
+
+def cmd_stage_out(args: argparse.Namespace) -> int:
+    src = canonical(args.path)
+    mnt = memfs_mount_of(src)
+    if mnt is None:
+        raise UsageError(f"{args.path} is not inside a memfs mount")
+    if not os.path.lexists(src):
+        raise UsageError(f"{args.path} does not exist")
+    if os.path.islink(src):
+        raise UsageError(f"{args.path} is a symbolic link: name what it points to")
+    archive = canonical(args.archive)
+    if within(archive, mnt):
+        raise UsageError(f"archive {args.archive} is inside the memfs mount {mnt} "
+                         "(it belongs in the backing filesystem)")
+    if within(archive, src):
+        raise UsageError(f"archive {args.archive} is inside {args.path}")
+    if not os.path.isdir(os.path.dirname(archive)):
+        raise UsageError(f"directory {os.path.dirname(archive)} for the archive does not exist")
+    if os.path.isdir(archive):
+        raise UsageError(f"archive {args.archive} is a directory")
+    try:  # first, so the tree is not also written back file by file meanwhile
+        os.setxattr(src, FLUSH_XATTR, b"off")
+    except OSError as exc:
+        raise OperationFailed(f"cannot exclude {args.path} from write-back "
+                              f"({FLUSH_XATTR}): {exc.strerror}") from None
+    show = _isatty()
+    with ProgressLine(show) as line:
+        write_archive(src, archive, line.update if show else None)
+    return 0
+
+
+def _walk(top: str, name: str) -> Iterator[tuple[str, str]]:
+    """``(path, member name)`` of *top* and everything below it, parents first, sorted."""
+    stack = [(top, name)]
+    while stack:
+        path, arcname = stack.pop()
+        yield path, arcname
+        if os.path.isdir(path) and not os.path.islink(path):
+            try:
+                names = sorted(os.listdir(path))
+            except OSError as exc:
+                raise OperationFailed(f"cannot list {path}: {exc.strerror}") from None
+            stack.extend((os.path.join(path, c), f"{arcname}/{c}") for c in reversed(names))
+
+
+def _pax_time(ns: int) -> str:
+    sign = "-" if ns < 0 else ""
+    sec, frac = divmod(abs(ns), 10**9)
+    return f"{sign}{sec}.{frac:09d}"
+
+
+class _Counting:
+    """A file that reports how much of it has been read."""
+
+    def __init__(self, f: IO[bytes], count: Callable[[int], None]) -> None:
+        self.f = f
+        self.count = count
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.f.read(n)
+        self.count(len(data))
+        return data
+
+
+def write_archive(src: str, archive: str, progress: Callable[[str], None] | None = None) -> None:
+    """Write the tree *src* as one PAX tar file *archive*, all or nothing.
+
+    Members are named relative to *src*'s parent (``tar -C parent -cf archive
+    name``), with modes, owners, mtimes, symlinks and hard links.  Written to a
+    temporary name next to *archive*, fsynced, then renamed into place.
+    """
+    name = os.path.basename(src) or "."
+    directory, base = os.path.split(archive)
+    tmp = os.path.join(directory, f".{base}.{os.getpid()}.tmp")
+    total_files = total_bytes = 0
+    if progress is not None:  # one more walk for the totals: only for a person watching
+        for path, _ in _walk(src, name):
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                total_files += 1
+                total_bytes += st.st_size
+    done_files = done_bytes = 0
+    last_shown = 0.0
+    start = time.monotonic()
+
+    def show(force: bool = False) -> None:
+        nonlocal last_shown
+        now = time.monotonic()
+        if progress is not None and (force or now - last_shown >= POLL_INTERVAL):
+            last_shown = now
+            progress(progress_text("stage-out", {
+                "files": total_files - done_files, "total_files": total_files,
+                "bytes": max(total_bytes - done_bytes, 0), "total_bytes": total_bytes,
+            }, now - start))
+
+    def count(n: int) -> None:
+        nonlocal done_bytes
+        done_bytes += n
+        show()
+
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise OperationFailed(f"cannot create {tmp}: {exc.strerror}") from None
+    current = src
+    try:
+        with open(fd, "wb", buffering=1 << 20) as out:
+            with tarfile.TarFile(fileobj=out, mode="w", format=tarfile.PAX_FORMAT,
+                                 copybufsize=1 << 20) as tar:
+                for current, arcname in _walk(src, name):
+                    info = tar.gettarinfo(current, arcname)
+                    if info is None:
+                        continue  # a socket: tar cannot hold it (GNU tar skips it too)
+                    # Exact to the nanosecond: tarfile would write the float's repr,
+                    # which GNU tar reads back a microsecond off.
+                    info.pax_headers = {"mtime": _pax_time(os.lstat(current).st_mtime_ns)}
+                    if info.isreg():
+                        with open(current, "rb") as f:
+                            tar.addfile(info, _Counting(f, count))
+                        done_files += 1
+                    else:
+                        tar.addfile(info)
+                    show()
+            current = archive
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, archive)
+        dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except BaseException as exc:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        if isinstance(exc, OSError):
+            raise OperationFailed(
+                f"stage-out failed at {current}: {exc.strerror or exc}; no archive written"
+            ) from None
+        raise
+    show(force=True)
+
+
+def _say(line: ProgressLine, text: str) -> None:
+    """A message for stderr, terminal or not."""
+    if line.enabled:
+        line.note(text)
+    else:
+        print(text, file=sys.stderr, flush=True)
+
+
+def _drain_left(st: dict[str, Any]) -> bool:
+    return any(isinstance(st.get(k), int) and st[k] > 0
+               for k in ("dirty_files", "dirty_bytes", "flushing_files", "namespace_ops"))
+
+
+def wait_for_daemon(mnt: str, pid: int | None, client: ControlClient | None) -> None:
+    """Until the daemon of the unmounted *mnt* has exited.
+
+    A daemon with a backing directory writes everything back first, which can
+    take long: while its control socket answers (*client*, or None) it is
+    never given up on, and if it is still writing back after
+    :data:`DRAIN_NOTICE_AFTER` seconds the user is told what it is doing.
+    """
+    start = time.monotonic()
+    next_poll = start
+    announced = False
+    with ProgressLine(_isatty()) as line:
+        while True:
+            if pid is not None and not alive(pid):
+                return
+            if client is not None and time.monotonic() >= next_poll:
+                next_poll = time.monotonic() + POLL_INTERVAL
+                try:
+                    st = client.call("status", timeout=5.0)
+                except (ControlError, UsageError):
+                    client.close()
+                    client = None  # gone, or nothing to say (no backing directory)
+                else:
+                    if not announced and time.monotonic() - start >= DRAIN_NOTICE_AFTER \
+                            and _drain_left(st):
+                        _say(line, f"memfs: writing back "
+                                   f"{math.ceil(st.get('dirty_bytes', 0) / (1 << 20))} MiB "
+                                   f"({st.get('dirty_files', 0)} files) to "
+                                   f"{st.get('backing', 'the backing directory')} before exit...")
+                        announced = True
+                    if announced:
+                        line.update(f"writing back: {st.get('dirty_files', 0)} files, "
+                                    f"{format_bytes(st.get('dirty_bytes', 0))} left, "
+                                    f"{format_bytes(st.get('flush_rate', 0.0))}/s")
+            if client is None and pid is None:
+                return
+            time.sleep(0.05)
 
 
 def cmd_umount(args: argparse.Namespace) -> int:
@@ -423,11 +1088,22 @@ def cmd_umount(args: argparse.Namespace) -> int:
     if tool is None:
         raise UsageError("fusermount3 not found (apt-get install fuse3)")
     cmd = [tool, "-u"] + (["-z"] if args.lazy else []) + [path]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode:
-        raise UsageError(res.stderr.strip() or f"{' '.join(cmd)} failed")
-    while pid is not None and alive(pid):
-        time.sleep(0.05)
+    # Connected before the unmount: the daemon may have much to write back after it.
+    client = None
+    if control_socket(path).exists():
+        client = _client(path, timeout=2.0)
+        try:
+            client.connect()
+        except UsageError:
+            client = None
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode:
+            raise UsageError(res.stderr.strip() or f"{' '.join(cmd)} failed")
+        wait_for_daemon(path, pid, client)
+    finally:
+        if client is not None:
+            client.close()
     if recorded is not None and _read_pid(pidf) == recorded:
         pidf.unlink(missing_ok=True)  # the daemon was killed before it could remove it
     return 0
@@ -486,9 +1162,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_memd(args)
         if args.command == "mds":
             return cmd_mds(args)
+        if args.command == "flush":
+            return cmd_flush(args)
+        if args.command == "status":
+            return cmd_status(args)
+        if args.command == "stage-in":
+            return cmd_stage_in(args)
+        if args.command == "stage-out":
+            return cmd_stage_out(args)
     except UsageError as exc:
         print(f"memfs: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except (ControlError, OperationFailed) as exc:
+        print(f"memfs: error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     except KeyboardInterrupt:
         return 130
     raise AssertionError(args.command)
@@ -500,7 +1187,9 @@ def mount_helper(argv: Sequence[str] | None = None) -> int:
     SOURCE ``HOST:PORT`` mounts from that metadata server (``--mds``); any
     other SOURCE (e.g. ``memfs``) mounts an embedded pool.  Options of the form
     ``size=4G``, ``volumes=4``, ``stripe_size=1M``, ``chunk_size=64K``,
-    ``secret_file=F`` become memfs arguments; the rest are FUSE options.
+    ``secret_file=F``, ``backing=DIR``, ``flush_delay=S``, ``dirty_max=SIZE``,
+    ``flush_workers=N`` and the flags ``discard_on_unmount``, ``no_backing_fsync``
+    (and ``debug``) become memfs arguments; the rest are FUSE options.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     positional: list[str] = []
@@ -528,13 +1217,17 @@ def mount_helper(argv: Sequence[str] | None = None) -> int:
     fuse: list[str] = []
     named = {"size": "--size", "volumes": "--volumes", "stripe_size": "--stripe-size",
              "chunk_size": "--chunk-size", "log": "--log", "attr_timeout": "--attr-timeout",
-             "readahead": "--readahead", "secret_file": "--secret-file"}
+             "readahead": "--readahead", "secret_file": "--secret-file",
+             "backing": "--backing", "flush_delay": "--flush-delay", "dirty_max": "--dirty-max",
+             "flush_workers": "--flush-workers"}
+    flags = {"debug": "--debug", "discard_on_unmount": "--discard-on-unmount",
+             "no_backing_fsync": "--no-backing-fsync"}
     for o in opts:
         key, sep, value = o.partition("=")
         if sep and key in named:
             args += [named[key], value]
-        elif o == "debug":
-            args.append("--debug")
+        elif o in flags:
+            args.append(flags[o])
         else:
             fuse.append(o)
     if fuse:

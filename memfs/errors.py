@@ -43,3 +43,20 @@ class TransportError(FsError):
 
 class UsageError(ValueError):
     """A bad command-line argument or configuration value."""
+
+
+class ControlError(Exception):
+    """A mount daemon answered a control request (``memfs flush`` ...) with an error.
+
+    Also raised by the client when the daemon does not answer in time or drops
+    the connection.  Defined here, not in :mod:`memfs.control`, so the CLI can
+    catch it without importing trio.
+    """
+
+    def __init__(self, err: int, message: str) -> None:
+        super().__init__(err, message)
+        self.errno = err
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message

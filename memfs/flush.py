@@ -291,7 +291,7 @@ class BackedMeta(Meta):
             self._mark(ino)  # the copy carries the attributes: just a new version
             return
         path = self.store.path(ino)
-        if path is not None and (not stat.S_ISREG(i.mode) or ino not in self.pinned):
+        if path is not None and not self._excluded(ino):
             self._queue(_NsOp("attrs", path, mode=i.mode, uid=i.uid, gid=i.gid, mtime_ns=i.mtime_ns))
 
     def created(self, ino: int) -> None:
@@ -300,7 +300,7 @@ class BackedMeta(Meta):
             self._mark(ino)
             return
         paths = self.store.paths(ino)
-        if not paths:
+        if not paths or self._excluded(ino):
             return
         path = paths[-1]  # a new hard link is the last name
         if stat.S_ISDIR(i.mode):
@@ -329,6 +329,12 @@ class BackedMeta(Meta):
             return
         self._queue(_NsOp("exchange" if exchange else "rename", old, new,
                           keep=self._keep(replaced) if replaced else 0))
+        if self.pinned:
+            d = self.store.inodes.get(new_parent)
+            moved = d.children.get(new_name) if d is not None and d.children else None
+            i = self.store.inodes.get(moved) if moved is not None else None
+            if i is not None and (moved in self.pinned or i.children) and not self._excluded(moved):
+                self._unpin()  # moved out of an excluded tree: written back after all
 
     def destroyed(self, ino: int) -> None:
         d = self.dirty.pop(ino, None)

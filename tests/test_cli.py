@@ -26,6 +26,7 @@ import pytest
 
 from memfs import cli
 from memfs.cli import is_mounted, pid_file
+from memfs.config import FlushConfig
 from memfs.errors import UsageError
 from tests.conftest import MEMFS, MOUNT_SKIP, Mounted
 
@@ -223,8 +224,14 @@ def test_umount_not_mounted(tmp_path: Path) -> None:
 
 def test_help() -> None:
     for args, words in (
-        (["--help"], ["mount", "umount"]),
-        (["mount", "--help"], ["--size", "--volumes", "--stripe-size", "--foreground"]),
+        (["--help"], ["mount", "umount", "flush", "status", "stage-in", "stage-out"]),
+        (["flush", "--help"], ["--wait", "--quiet"]),
+        (["stage-in", "--help"], ["--manifest", "--no-wait"]),
+        (["stage-out", "--help"], ["--archive"]),
+        (["status", "--help"], ["--json"]),
+        (["mount", "--help"], ["--size", "--volumes", "--stripe-size", "--foreground", "--backing",
+                               "--flush-delay", "--dirty-max", "--flush-workers",
+                               "--no-backing-fsync", "--discard-on-unmount"]),
         (["umount", "--help"], ["--lazy"]),
     ):
         res = memfs(*args)
@@ -574,3 +581,153 @@ def test_cluster_mount_mistakes_are_one_line(mountpoint: Path, tmp_path: Path) -
         assert mentions in line, line
         assert line.count("metadata server") <= 1, line
         assert not is_mounted(str(mountpoint))
+
+
+# -- burst buffer: argument mistakes (refused before anything is mounted) -------------
+
+
+def _flush_cases(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
+    backing = tmp_path / "backing"
+    backing.mkdir(exist_ok=True)
+    (tmp_path / "file").write_text("x")
+    b = ["--backing", str(backing)]
+    return {
+        "backing_missing": (["--backing", str(tmp_path / "none")],
+                            f"backing directory {tmp_path / 'none'} does not exist"),
+        "backing_not_a_directory": (["--backing", str(tmp_path / "file")], "is not a directory"),
+        "delay_without_backing": (["--flush-delay", "1"], "--flush-delay goes with --backing DIR"),
+        "dirty_max_without_backing": (["--dirty-max", "1G"], "--dirty-max goes with --backing"),
+        "workers_without_backing": (["--flush-workers", "2"], "--flush-workers goes with --backing"),
+        "no_fsync_without_backing": (["--no-backing-fsync"], "--no-backing-fsync goes with --backing"),
+        "delay_word": ([*b, "--flush-delay", "soon"], "bad --flush-delay 'soon'"),
+        "delay_negative": ([*b, "--flush-delay", "-1"], "bad --flush-delay"),
+        "delay_nan": ([*b, "--flush-delay", "nan"], "bad --flush-delay"),
+        "workers_zero": ([*b, "--flush-workers", "0"], "bad --flush-workers 0"),
+        "workers_word": ([*b, "--flush-workers", "many"], "bad --flush-workers 'many'"),
+        "dirty_max_unit": ([*b, "--dirty-max", "3Q"], "bad --dirty-max '3Q'"),
+    }
+
+
+def test_mount_backing_mistakes(tmp_path: Path) -> None:
+    """One line each, exit 2; the mountpoint does not even exist, so a check that
+    failed to fire would end in "does not exist" instead of mounting."""
+    mnt = str(tmp_path / "mnt")
+    cases = {
+        **_flush_cases(tmp_path),
+        "discard_without_backing": (["--discard-on-unmount"], "--discard-on-unmount goes with --backing"),
+        "with_mds": (["--backing", str(tmp_path), "--mds", "127.0.0.1:7000"],
+                     "with --mds the metadata server writes back (start `memfs mds` with --backing)"),
+        "knob_with_mds": (["--mds", "127.0.0.1:7000", "--flush-delay", "1"], "goes with --backing"),
+        "dirty_max_above_pool": (["--backing", str(tmp_path / "backing"), "--size", "64M",
+                                  "--dirty-max", "65M"],
+                                 "--dirty-max 65M is larger than the pool (64.0 MiB)"),
+    }
+    for name, (args, mentions) in cases.items():
+        res = memfs("mount", mnt, *args)
+        line = assert_one_error_line(res)
+        assert res.returncode == cli.EXIT_USAGE, (name, res)
+        assert mentions in line, (name, line)
+
+
+def test_mds_backing_mistakes(tmp_path: Path) -> None:
+    """The same checks for ``memfs mds``, before it listens (or asks any memory server)."""
+    base = ["mds", "--listen", "127.0.0.1:0", "--pool", "tcp://127.0.0.1:1/0", "--volume-size", "64M"]
+    cases = {
+        **_flush_cases(tmp_path),
+        "dirty_max_above_pool": (["--backing", str(tmp_path / "backing"), "--dirty-max", "65M"],
+                                 "--dirty-max 65M is larger than the pool"),
+    }
+    for name, (args, mentions) in cases.items():
+        res = memfs(*base, *args, timeout=10)
+        line = assert_one_error_line(res)
+        assert res.returncode == cli.EXIT_USAGE, (name, res)
+        assert mentions in line, (name, line)
+    res = memfs(*base, "--discard-on-unmount", timeout=10)  # a mount's choice, not the mds's
+    assert res.returncode == cli.EXIT_USAGE and "unrecognized arguments" in res.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a read-only tmpfs needs root")
+def test_backing_not_writable(tmp_path: Path) -> None:
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1M", "memfs-test-ro", str(ro)], check=True)
+    try:
+        line = assert_one_error_line(memfs("mount", str(tmp_path / "mnt"), "--backing", str(ro)))
+        assert f"backing directory {ro} is not writable" in line
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)
+
+
+FUSE_SKIP = None if os.access("/dev/fuse", os.R_OK | os.W_OK) else "no usable /dev/fuse"
+
+
+@pytest.mark.skipif(FUSE_SKIP is not None, reason=FUSE_SKIP or "")
+def test_backing_and_mountpoint_must_not_overlap(mountpoint: Path, tmp_path: Path) -> None:
+    """Write-back into the mount itself would wait on its own daemon: refused both ways,
+    also when a symlink hides it."""
+    (mountpoint / "sub").mkdir()
+    (tmp_path / "link").symlink_to(mountpoint / "sub")
+    for backing, mentions in (
+        (mountpoint / "sub", f"backing directory {mountpoint}/sub is inside the mountpoint {mountpoint}"),
+        (mountpoint, "is inside the mountpoint"),
+        (tmp_path / "link", f"backing directory {mountpoint}/sub is inside the mountpoint"),
+        (tmp_path, f"mountpoint {mountpoint} is inside the backing directory {tmp_path}"),
+    ):
+        res = memfs("mount", str(mountpoint), "--size", "16M", "--backing", str(backing))
+        line = assert_one_error_line(res)
+        assert res.returncode == cli.EXIT_USAGE
+        assert mentions in line, line
+        assert "deadlock" in line
+        assert not is_mounted(str(mountpoint))
+
+
+def test_mount_helper_flush_options(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``-o backing=DIR,flush_delay=S,...`` become memfs arguments (seen by the errors they cause)."""
+    mnt = str(tmp_path / "mnt")
+    for opts, mentions in (
+        (f"backing={tmp_path / 'none'},flush_delay=1", f"backing directory {tmp_path / 'none'} does not exist"),
+        (f"backing={tmp_path},flush_workers=0", "bad --flush-workers 0"),
+        (f"backing={tmp_path},dirty_max=lots", "bad --dirty-max 'lots'"),
+        (f"backing={tmp_path},flush_delay=-3", "bad --flush-delay -3.0"),
+        ("rw,_netdev,discard_on_unmount", "--discard-on-unmount goes with --backing"),
+        ("no_backing_fsync", "--no-backing-fsync goes with --backing"),
+    ):
+        assert cli.mount_helper(["memfs", mnt, "-o", opts]) == cli.EXIT_USAGE
+        out, err = capsys.readouterr()
+        assert out == "" and len(err.splitlines()) == 1, err
+        assert mentions in err, (opts, err)
+
+
+def test_burst_buffer_commands_need_a_memfs_mount(tmp_path: Path) -> None:
+    """flush/status/stage-in/stage-out on something that is not memfs: one line, exit 2."""
+    for args, mentions in (
+        (["flush", str(tmp_path), "--wait"], f"{tmp_path} is not a memfs mount"),
+        (["status", str(tmp_path)], f"{tmp_path} is not a memfs mount"),
+        (["status", "/proc", "--json"], "/proc is a proc mount, not memfs"),
+        (["stage-in", str(tmp_path), "--manifest", str(tmp_path / "m")], "is not a memfs mount"),
+        (["stage-out", str(tmp_path), "--archive", str(tmp_path / "a.tar")],
+         f"{tmp_path} is not inside a memfs mount"),
+    ):
+        res = memfs(*args)
+        assert res.returncode == cli.EXIT_USAGE, res
+        assert mentions in assert_one_error_line(res), (args, res.stderr)
+    assert not (tmp_path / "a.tar").exists()
+
+
+def test_flush_config_from_arguments(tmp_path: Path) -> None:
+    """What ``memfs mount`` hands the engine: canonical backing path, defaults, knobs."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    args = cli.build_parser().parse_args(["mount", "/mnt/x", "--backing", str(tmp_path / "link")])
+    config = cli.flush_from_args(args, 1 << 30)
+    assert config == FlushConfig(backing=str(tmp_path / "real"), delay=5.0, dirty_max=None,
+                                 workers=4, fsync=True, discard_on_unmount=False)
+    args = cli.build_parser().parse_args([
+        "mount", "/mnt/x", "--backing", str(tmp_path / "real"), "--flush-delay", "0.5",
+        "--dirty-max", "1G", "--flush-workers", "16", "--no-backing-fsync", "--discard-on-unmount",
+    ])
+    assert cli.flush_from_args(args, 1 << 30) == FlushConfig(
+        backing=str(tmp_path / "real"), delay=0.5, dirty_max=1 << 30, workers=16, fsync=False,
+        discard_on_unmount=True,
+    )
+    assert cli.flush_from_args(cli.build_parser().parse_args(["mount", "/mnt/x"]), None) is None

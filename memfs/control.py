@@ -1,0 +1,359 @@
+"""The mount daemon's control socket, and the blocking client the CLI uses.
+
+``memfs flush``, ``status``, ``stage-in`` and ``umount`` talk to a running
+mount daemon through a Unix stream socket (``cli.control_socket(MNT)``), which
+hands each request to :meth:`memfs.meta.Meta.control` (the burst-buffer engine,
+:mod:`memfs.flush`, or in cluster mode the metadata server behind it).
+
+Protocol: newline-delimited JSON, any number of requests per connection,
+answered in order.  A request is ``{"op": str, "args": {...}}``; the reply is
+``{"ok": result}`` or ``{"error": message, "errno": n}``.  A line longer than
+:data:`MAX_LINE`, or one that is not such an object, is answered EINVAL and the
+connection is closed.  Only root and the daemon's own user may connect
+(``SO_PEERCRED``; the socket is also mode 0600 in a 0700 directory).  A
+connection idle for :data:`IDLE_TIMEOUT` is closed.  Nothing a client does
+stops the daemon or logs more than a warning.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import socket
+import stat
+import struct
+import time
+from types import TracebackType
+from typing import Any
+
+import trio
+
+from memfs.errors import ControlError, FsError, UsageError
+from memfs.meta import Meta
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ControlClient", "ControlError", "serve_control"]
+
+#: longest request line (a flush or stage-in names paths: thousands fit)
+MAX_LINE = 1 << 20
+#: longest reply line the client accepts (status with 20 errors is a few KiB)
+MAX_REPLY = 16 << 20
+#: a connection with no complete request for this long is closed
+IDLE_TIMEOUT = 300.0
+#: a reply the client does not take within this is dropped with its connection
+SEND_TIMEOUT = 10.0
+#: the engine answers at once (work is started, not waited for); in cluster mode
+#: this covers the metadata server's RPC deadline with room to spare
+CALL_TIMEOUT = 60.0
+#: connections served at once; more are answered EBUSY and closed
+MAX_CONNECTIONS = 64
+#: after an error that ends a connection, input is read and dropped for this long
+#: (at most :data:`LINGER_BYTES`) so the client can finish sending and read the reply
+#: instead of meeting ECONNRESET
+LINGER = 1.0
+LINGER_BYTES = 4 * MAX_LINE
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+class _BadRequest(Exception):
+    """The request cannot be understood: reply EINVAL and close the connection."""
+
+
+# -- server ------------------------------------------------------------------------------
+
+
+async def serve_control(
+    path: str,
+    meta: Meta,
+    *,
+    idle_timeout: float = IDLE_TIMEOUT,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve control requests for *meta* on the Unix socket *path* until cancelled.
+
+    A stale socket left at *path* by a dead daemon is replaced (anything else
+    there is an error: ``FileExistsError``).  Reports readiness through
+    *task_status* once connections are accepted; removes the socket file when
+    it stops.  Binding errors (a missing directory, a path longer than
+    ``sun_path``) are raised before readiness.
+    """
+    _remove_stale(path)
+    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    ident: tuple[int, int] | None = None
+    try:
+        await sock.bind(path)
+        st = os.stat(path)
+        ident = (st.st_dev, st.st_ino)
+        # Between bind and chmod the umask decides; the peer check covers that window.
+        os.chmod(path, 0o600)
+        sock.listen(16)
+        listener = trio.SocketListener(sock)
+        server = _Server(meta, idle_timeout)
+        async with trio.open_nursery() as nursery:
+            task_status.started()
+            log.debug("control socket %s ready", path)
+            await server.accept_loop(listener, nursery)
+    finally:
+        sock.close()
+        if ident is not None:
+            _remove_ours(path, ident)
+
+
+def _remove_stale(path: str) -> None:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise FileExistsError(errno.EEXIST, f"{path} exists and is not a socket")
+    os.unlink(path)
+
+
+def _remove_ours(path: str, ident: tuple[int, int]) -> None:
+    """Unlink *path* unless it has been replaced by someone else's socket meanwhile."""
+    try:
+        st = os.lstat(path)
+        if (st.st_dev, st.st_ino) == ident:
+            os.unlink(path)
+    except OSError:
+        pass
+
+
+class _Server:
+    def __init__(self, meta: Meta, idle_timeout: float) -> None:
+        self.meta = meta
+        self.idle_timeout = idle_timeout
+        self.connections = 0
+
+    async def accept_loop(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
+        while True:
+            try:
+                stream = await listener.accept()
+            except OSError as exc:  # EMFILE, ENOBUFS, ...: wait for resources, keep serving
+                log.warning("control socket: accept failed: %s", exc)
+                await trio.sleep(1.0)
+                continue
+            nursery.start_soon(self.serve_connection, stream)
+
+    async def serve_connection(self, stream: trio.SocketStream) -> None:
+        self.connections += 1
+        try:
+            async with stream:
+                await self._converse(stream)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            log.debug("control connection ended: %s", exc)
+        finally:
+            self.connections -= 1
+
+    async def _converse(self, stream: trio.SocketStream) -> None:
+        if self.connections > MAX_CONNECTIONS:
+            log.warning("control socket: more than %d connections, refusing one", MAX_CONNECTIONS)
+            await self._refuse(stream, errno.EBUSY, "too many control connections")
+            return
+        uid = _peer_uid(stream.socket)
+        if uid not in (0, os.geteuid()):
+            log.warning("control socket: refused a connection from uid %d", uid)
+            await self._refuse(stream, errno.EACCES, f"uid {uid} may not control this mount")
+            return
+        buf = bytearray()
+        while True:
+            try:
+                line = await self._read_line(stream, buf)
+                if line is None:
+                    return
+                op, args = _parse_request(line)
+            except _BadRequest as exc:
+                log.warning("control socket: %s; closing the connection", exc)
+                await self._refuse(stream, errno.EINVAL, str(exc))
+                return
+            if not await self._send(stream, await self._call(op, args)):
+                return
+
+    async def _refuse(self, stream: trio.SocketStream, err: int, message: str) -> None:
+        """Answer with an error, then close gracefully (see :data:`LINGER`)."""
+        if not await self._send(stream, _error(err, message)):
+            return
+        with trio.move_on_after(LINGER):
+            await stream.send_eof()
+            dropped = 0
+            while dropped < LINGER_BYTES and (data := await stream.receive_some(65536)):
+                dropped += len(data)
+
+    async def _read_line(self, stream: trio.SocketStream, buf: bytearray) -> bytes | None:
+        """The next request line, without its newline; None at EOF or when idle too long."""
+        with trio.move_on_after(self.idle_timeout):
+            while True:
+                end = buf.find(b"\n")
+                if end > MAX_LINE or (end < 0 and len(buf) > MAX_LINE):
+                    raise _BadRequest(f"request longer than {MAX_LINE >> 20} MiB")
+                if end >= 0:
+                    line = bytes(buf[:end])
+                    del buf[: end + 1]
+                    return line
+                data = await stream.receive_some(65536)
+                if not data:
+                    if buf.strip():
+                        raise _BadRequest("request not terminated by a newline")
+                    return None
+                buf += data
+        log.debug("control connection idle for %.0f s, closing it", self.idle_timeout)
+        return None
+
+    async def _call(self, op: str, args: dict[str, Any]) -> bytes:
+        try:
+            with trio.fail_after(CALL_TIMEOUT):
+                result = await self.meta.control(op, args)
+            return _encode({"ok": result})
+        except FsError as exc:
+            return _error(exc.errno, exc.args[1])
+        except trio.TooSlowError:
+            log.warning("control %s: no answer within %.0f s", op, CALL_TIMEOUT)
+            return _error(errno.ETIMEDOUT, f"{op}: no answer within {CALL_TIMEOUT:.0f} s")
+        except Exception as exc:
+            log.exception("control %s failed", op)
+            return _error(errno.EIO, f"{op} failed in the daemon ({type(exc).__name__}: {exc}); "
+                                     "see its log")
+
+    async def _send(self, stream: trio.SocketStream, data: bytes) -> bool:
+        """Send one reply; False (connection to be closed) if the client will not take it."""
+        with trio.move_on_after(SEND_TIMEOUT):
+            await stream.send_all(data)
+            return True
+        log.warning("control socket: client took no reply for %.0f s, closing", SEND_TIMEOUT)
+        return False
+
+
+def _peer_uid(sock: trio.socket.SocketType) -> int:
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    return int(_PEERCRED.unpack(creds)[1])
+
+
+def _parse_request(line: bytes) -> tuple[str, dict[str, Any]]:
+    try:
+        req = json.loads(line)
+    except (ValueError, RecursionError):  # also bad UTF-8; RecursionError: [[[[...]]]]
+        raise _BadRequest("request is not JSON") from None
+    if not isinstance(req, dict) or not set(req) <= {"op", "args"}:
+        raise _BadRequest('request is not an object {"op": ..., "args": {...}}')
+    op = req.get("op")
+    args = req.get("args", {})
+    if not isinstance(op, str) or not op or len(op) > 64:
+        raise _BadRequest('request has no "op" string')
+    if not isinstance(args, dict):
+        raise _BadRequest('request "args" is not an object')
+    return op, args
+
+
+def _encode(reply: dict[str, Any]) -> bytes:
+    return json.dumps(reply, separators=(",", ":")).encode() + b"\n"
+
+
+def _error(err: int, message: str) -> bytes:
+    return _encode({"error": message, "errno": err})
+
+
+# -- client ------------------------------------------------------------------------------
+
+
+class ControlClient:
+    """A blocking connection to a mount daemon's control socket (for the CLI).
+
+    *name* is what error messages call the mount (its mountpoint).  Failing to
+    connect is a :class:`UsageError`; an error reply, a timeout or a dropped
+    connection is :class:`ControlError`.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], name: str, *, timeout: float = 10.0) -> None:
+        self.path = os.fspath(path)
+        self.name = name
+        self.timeout = timeout
+        self._sock: socket.socket | None = None
+        self._buf = bytearray()
+
+    def __enter__(self) -> ControlClient:
+        self.connect()
+        return self
+
+    def __exit__(
+        self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self.path)
+        except (FileNotFoundError, ConnectionRefusedError):
+            sock.close()
+            raise UsageError(
+                f"no control socket {self.path}: is the memfs daemon of {self.name} running?"
+            ) from None
+        except PermissionError:
+            sock.close()
+            raise UsageError(f"no permission to use {self.path}: the daemon of {self.name} "
+                             "belongs to another user") from None
+        except OSError as exc:
+            sock.close()
+            raise UsageError(f"cannot reach the daemon of {self.name} at {self.path}: "
+                             f"{exc.strerror or exc}") from None
+        self._sock = sock
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def call(self, op: str, args: dict[str, Any] | None = None,
+             timeout: float | None = None) -> dict[str, Any]:
+        """Send one request and return the ``ok`` result; raises :class:`ControlError`."""
+        if self._sock is None:
+            self.connect()
+        assert self._sock is not None
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        line = json.dumps({"op": op, "args": args or {}}, separators=(",", ":")).encode() + b"\n"
+        try:
+            self._sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            self._sock.sendall(line)
+            reply = self._read_line(deadline)
+        except TimeoutError:
+            self.close()  # a late reply must not be taken for the next request's
+            raise ControlError(errno.ETIMEDOUT,
+                               f"no answer from the daemon of {self.name} in time") from None
+        except OSError as exc:
+            self.close()
+            raise ControlError(errno.EIO, f"lost the connection to the daemon of {self.name}: "
+                                          f"{exc.strerror or exc}") from None
+        except ControlError:
+            self.close()
+            raise
+        try:
+            value = json.loads(reply)
+        except (ValueError, RecursionError):
+            value = None
+        if isinstance(value, dict) and isinstance(value.get("ok"), dict):
+            return value["ok"]
+        if isinstance(value, dict) and isinstance(value.get("errno"), int):
+            raise ControlError(value["errno"], str(value.get("error") or os.strerror(value["errno"])))
+        self.close()
+        raise ControlError(errno.EPROTO, f"the daemon of {self.name} sent a malformed reply")
+
+    def _read_line(self, deadline: float) -> bytes:
+        assert self._sock is not None
+        while (end := self._buf.find(b"\n")) < 0:
+            if len(self._buf) > MAX_REPLY:
+                raise ControlError(errno.EPROTO, f"the daemon of {self.name} sent an oversized reply")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            self._sock.settimeout(left)
+            data = self._sock.recv(1 << 16)
+            if not data:
+                raise ConnectionResetError(errno.ECONNRESET, "the daemon closed the connection")
+            self._buf += data
+        line = bytes(self._buf[:end])
+        del self._buf[: end + 1]
+        return line
