@@ -333,7 +333,7 @@ class BackedMeta(Meta):
             d = self.store.inodes.get(new_parent)
             moved = d.children.get(new_name) if d is not None and d.children else None
             i = self.store.inodes.get(moved) if moved is not None else None
-            if i is not None and (moved in self.pinned or i.children) and not self._excluded(moved):
+            if i is not None and (i.ino in self.pinned or i.children) and not self._excluded(i.ino):
                 self._unpin()  # moved out of an excluded tree: written back after all
 
     def destroyed(self, ino: int) -> None:
