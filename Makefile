@@ -5,7 +5,7 @@ MNT    ?= /mnt/memfs
 SIZE   ?= 4G
 MEMFS   = $(VENV)/bin/memfs
 
-.PHONY: install mount umount test lint bench bench-fs bench-tcp clean
+.PHONY: install mount umount test lint bench bench-fs bench-tcp bench-bb clean
 
 install: $(VENV)/.installed
 
@@ -42,14 +42,18 @@ lint: install
 	$(VENV)/bin/ruff check memfs tests bench
 	$(VENV)/bin/mypy
 
-# memfs vs tmpfs (fio, metadata), then the tcp data path vs raw loopback sockets.
-bench: bench-fs bench-tcp
+# memfs vs tmpfs (fio, metadata), then the tcp data path vs raw loopback sockets, then the
+# burst buffer: writing into memfs --backing DIR vs into DIR (a disk directory) directly.
+bench: bench-fs bench-tcp bench-bb
 
 bench-fs: install
 	$(VENV)/bin/python bench/fsbench.py $(BENCH_ARGS)
 
 bench-tcp: install
 	$(VENV)/bin/python bench/tcpbench.py $(TCP_BENCH_ARGS)
+
+bench-bb: install
+	$(VENV)/bin/python bench/bbbench.py $(BB_BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info
