@@ -114,6 +114,8 @@ class _Ticket:
     total_bytes: int
     ns_target: int = 0
     touched: float = field(default_factory=time.monotonic)
+    #: stage-in: every file named, kept in memory in preference while the ticket lives
+    keep: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -175,7 +177,8 @@ class BackedMeta(Meta):
         self.errors: dict[str, _ErrorRecord] = {}
         self._tickets: dict[int, _Ticket] = {}
         self._ticket_ids = itertools.count(1)
-        self._staging: dict[int, int] = {}  # ino -> tickets wanting it staged
+        #: files named by live stage-in tickets (-> how many): evicted only as a last resort
+        self._kept: collections.Counter[int] = collections.Counter()
 
     # -- start-up: the backing tree becomes the namespace ---------------------------------
 
@@ -185,13 +188,7 @@ class BackedMeta(Meta):
         Returns the number of entries.  Leftover temporary copies of a daemon that
         was killed are removed: they were never renamed into place.
         """
-        entries = await trio.to_thread.run_sync(self._scan)
-        # The mount's root is DIR's root: same owner and mode (a job's directory
-        # stays the job's), and a chmod/chown of the root is mirrored onto DIR.
-        st = await trio.to_thread.run_sync(os.stat, self.root)
-        root = self.store.inodes[ROOT_INO]
-        root.mode, root.uid, root.gid = st.st_mode, st.st_uid, st.st_gid
-        root.mtime_ns = st.st_mtime_ns
+        root_st, entries = await trio.to_thread.run_sync(self._scan)
         seen: dict[tuple[int, int], int] = {}
         by_path: dict[bytes, int] = {b"": ROOT_INO}
         for rel, st, target in entries:
@@ -221,12 +218,24 @@ class BackedMeta(Meta):
                 by_path[rel] = a.ino
             elif st.st_nlink > 1:
                 seen[key] = a.ino
+        # Directory mtimes as in DIR (entering their children touched them).  The
+        # mount's root is DIR's root: same owner and mode (a job's directory stays
+        # the job's), and a chmod/chown of the root is mirrored onto DIR.
+        for rel, st, _ in entries:
+            if stat.S_ISDIR(st.st_mode) and rel in by_path:
+                self.store.inodes[by_path[rel]].mtime_ns = st.st_mtime_ns
+        root = self.store.inodes[ROOT_INO]
+        root.mode, root.uid, root.gid = root_st.st_mode, root_st.st_uid, root_st.st_gid
+        root.mtime_ns = root_st.st_mtime_ns
         self.store.watcher = self
         log.info("backing directory %s: %d entries visible", self.cfg.backing, len(entries))
         return len(entries)
 
-    def _scan(self) -> list[tuple[bytes, os.stat_result, bytes | None]]:
-        os.makedirs(self.tmp, mode=0o700, exist_ok=True)
+    def _scan(self) -> tuple[os.stat_result, list[tuple[bytes, os.stat_result, bytes | None]]]:
+        root_st = os.stat(self.root)
+        if not os.path.isdir(self.tmp):
+            os.mkdir(self.tmp, 0o700)
+            os.utime(self.root, ns=(root_st.st_atime_ns, root_st.st_mtime_ns))  # ours, not news
         for leftover in os.listdir(self.tmp):
             try:
                 os.unlink(os.path.join(self.tmp, leftover))
@@ -247,7 +256,7 @@ class BackedMeta(Meta):
                     if stat.S_ISDIR(st.st_mode):
                         stack.append(path)
         out.sort(key=lambda x: x[0].count(b"/"))  # parents before children
-        return out
+        return root_st, out
 
     # -- the store's change notifications (Watcher) ---------------------------------------
 
@@ -317,7 +326,7 @@ class BackedMeta(Meta):
         if path is None or i is None:
             return
         self._queue(_NsOp("rmdir" if i.children is not None else "unlink", path,
-                          keep=self._keep(ino)))
+                          keep=self._keep(ino, dropping=1)))
 
     def renamed(
         self, parent: int, name: bytes, new_parent: int, new_name: bytes,
@@ -345,10 +354,11 @@ class BackedMeta(Meta):
         self.pinned.discard(ino)
         self.lru.pop(ino, None)
 
-    def _keep(self, ino: int) -> int:
-        """*ino* loses its last name while still open, with data only in DIR: fetch it first."""
+    def _keep(self, ino: int, dropping: int = 0) -> int:
+        """*ino* loses its last name while still open, with data only in DIR: fetch it
+        first.  *dropping*: links the store is about to take away."""
         i = self.store.inodes.get(ino)
-        if i is None or i.opens <= 0 or i.nlink > 0 or not i.backed:
+        if i is None or i.opens <= 0 or i.nlink - dropping > 0 or not i.backed:
             return 0
         return ino if self.store.missing(ino, 0, i.backed) else 0
 
@@ -439,8 +449,11 @@ class BackedMeta(Meta):
         """Evict clean files, least recently used first, until *want* chunks are freed."""
         freed = 0
         inodes = self.store.inodes
-        # The oldest few thousand are almost always enough; the rest only if not.
-        for start, stop in ((0, 4096), (4096, None)):
+        # Files just staged in are kept while anything else can go.  The oldest few
+        # thousand are almost always enough; the rest only if not.
+        for spare_staged, start, stop in ((True, 0, 4096), (True, 4096, None), (False, 0, None)):
+            if not spare_staged and not self._kept:
+                break  # nothing was spared: the first passes saw everything
             for ino in list(itertools.islice(self.lru, start, stop)):
                 if freed >= want:
                     break
@@ -449,7 +462,8 @@ class BackedMeta(Meta):
                     self.lru.pop(ino, None)
                     continue
                 if (ino == protect or ino in self.dirty or ino in self.pinned or i.nlink <= 0
-                        or not stat.S_ISREG(i.mode) or self._excluded(ino)):
+                        or not stat.S_ISREG(i.mode) or (spare_staged and ino in self._kept)
+                        or self._excluded(ino)):
                     continue
                 n = self.store.evict(ino)
                 self.lru.pop(ino, None)
@@ -1090,11 +1104,12 @@ class BackedMeta(Meta):
 
     def _stage_ticket(self, roots: list[int]) -> int:
         inodes = self.store.inodes
-        inos = {
-            ino for ino in self._walk(roots)
-            if (i := inodes[ino]).chunks is not None and i.backed and self.store.missing(ino, 0, i.backed)
-        }
-        t = _Ticket("stage_in", inos, len(inos), sum(self._missing_bytes(x) for x in inos))
+        named = {ino for ino in self._walk(roots) if inodes[ino].chunks is not None}
+        inos = {ino for ino in named if inodes[ino].backed and self.store.missing(ino, 0, inodes[ino].backed)}
+        t = _Ticket("stage_in", inos, len(inos), sum(self._missing_bytes(x) for x in inos), keep=named)
+        for ino in named:
+            self._kept[ino] += 1
+            self._touch(ino)
         tid = self._add_ticket(t)
         for ino in sorted(inos):
             self._stage_send.send_nowait((ino, tid))
@@ -1108,7 +1123,7 @@ class BackedMeta(Meta):
     def _expire_tickets(self) -> None:
         now = time.monotonic()
         for tid in [k for k, t in self._tickets.items() if now - t.touched > TICKET_TTL]:
-            del self._tickets[tid]
+            self._kept -= collections.Counter(self._tickets.pop(tid).keep)
 
     def _missing_bytes(self, ino: int) -> int:
         i = self.store.inodes.get(ino)

@@ -442,8 +442,10 @@ class MetaStore(Meta):
 
     def _mknod_now(
         self, parent: int, name: bytes, mode: int, uid: int, gid: int,
-        rdev: int, target: bytes | None,
+        rdev: int, target: bytes | None, *, exact: bool = False,
     ) -> Attr:
+        """*exact*: an existing file is entered as it is (no setgid inheritance, the
+        parent's mtime stays)."""
         d = self._dir(parent)
         assert d.children is not None
         _check_name(name)
@@ -452,7 +454,7 @@ class MetaStore(Meta):
         if d.nlink == 0:  # removed while someone had it as cwd
             raise FsError(errno.ENOENT)
         now = self.now()
-        if d.mode & stat.S_ISGID:
+        if d.mode & stat.S_ISGID and not exact:
             gid = d.gid
             if stat.S_ISDIR(mode):
                 mode |= stat.S_ISGID
@@ -472,7 +474,8 @@ class MetaStore(Meta):
                 self.effective_spec(d), self.n_volumes, self.chunk_size, inode.ino
             )
         d.children[name] = inode.ino
-        self._touch_dir(d, now)
+        if not exact:
+            self._touch_dir(d, now)
         if self.watcher is not None:
             self.watcher.created(inode.ino)
         return self._attr(inode)
@@ -817,8 +820,9 @@ class MetaStore(Meta):
         if not i.backed or i.chunks is None or length <= 0:
             return []
         cs = self.chunk_size
-        end = min(offset + length, i.backed)
-        return [k for k in range(offset // cs, (end - 1) // cs + 1) if k not in i.chunks] if end > offset else []
+        # Whole chunks: a write past ``backed`` into its last chunk needs the chunk too.
+        last = min((offset + length - 1) // cs, (i.backed - 1) // cs)
+        return [k for k in range(offset // cs, last + 1) if k not in i.chunks]
 
     def reserve(self, ino: int, ks: list[int]) -> list[tuple[int, int, int]]:
         """Allocate chunks for fetching *ks* of *ino*: ``(k, volume, voffset)``, not yet
@@ -871,7 +875,7 @@ class MetaStore(Meta):
         """Enter a file found in the backing directory: its data stays there until read."""
         watcher, self.watcher = self.watcher, None
         try:
-            a = self._mknod_now(parent, name, mode, uid, gid, rdev, target)
+            a = self._mknod_now(parent, name, mode, uid, gid, rdev, target, exact=True)
         finally:
             self.watcher = watcher
         i = self.inodes[a.ino]
