@@ -165,6 +165,7 @@ class BackedMeta(Meta):
         self._forced: set[int] = set()  # files ``memfs flush`` asked for
         self._wake = trio.Event()  # scheduler: something to do
         self._ns_wake = trio.Event()
+        self._ns_retry = trio.Event()  # `memfs flush`, unmount: retry namespace changes now
         self._cleaned = trio.Event()  # writers waiting on the cap
         self._stage_send, self._stage_recv = trio.open_memory_channel[tuple[int, int]](1 << 20)
         self.writers_waiting = 0
@@ -755,8 +756,9 @@ class BackedMeta(Meta):
                     return
                 paths = self.store.paths(ino)
                 if paths:
+                    dirs = self._parent_dirs(ino)
                     try:
-                        await trio.to_thread.run_sync(self._publish, tmp, paths)
+                        await trio.to_thread.run_sync(self._publish, tmp, paths, dirs)
                     except OSError as exc:
                         self._record_error(paths[0], "write back", exc)
                         raise _Retry() from None
@@ -858,7 +860,25 @@ class BackedMeta(Meta):
         if self.cfg.fsync:
             os.fsync(fd)
 
-    def _publish(self, tmp: bytes, paths: list[bytes]) -> None:
+    def _parent_dirs(self, ino: int) -> list[_NsOp]:
+        """mkdir operations for every directory above *ino*'s names, outermost first
+        (to recreate what vanished from DIR, with memfs's modes and owners)."""
+        i = self.store.inodes[ino]
+        out: dict[bytes, _NsOp] = {}
+        for parent in [i.parent, *(p for p, _ in i.links or ())]:
+            chain = []
+            while parent != ROOT_INO:
+                d = self.store.inodes.get(parent)
+                path = self.store.path(parent)
+                if d is None or path is None:
+                    break
+                chain.append(_NsOp("mkdir", path, mode=d.mode, uid=d.uid, gid=d.gid))
+                parent = d.parent
+            for op in reversed(chain):
+                out.setdefault(op.path, op)
+        return list(out.values())
+
+    def _publish(self, tmp: bytes, paths: list[bytes], dirs: list[_NsOp]) -> None:
         """Rename the copy into place under every name (hard links stay hard links)."""
         for n, p in enumerate(paths):
             dest = os.path.join(self.root, p)
@@ -869,7 +889,11 @@ class BackedMeta(Meta):
             try:
                 os.rename(src, dest)
             except FileNotFoundError:
-                os.makedirs(os.path.dirname(dest), exist_ok=True)  # a mkdir that was skipped
+                # A directory vanished from DIR behind our back (or its mkdir was
+                # skipped): make the missing ones as they are in memfs.
+                for op in dirs:
+                    if not os.path.isdir(os.path.join(self.root, op.path)):
+                        self._apply(op)
                 os.rename(src, dest)
 
     def _clean(self, ino: int, v: int) -> None:
@@ -903,7 +927,12 @@ class BackedMeta(Meta):
                 failures = 0
             except _Retry:
                 failures += 1
-                await trio.sleep(min(MAX_BACKOFF, 0.5 * 2 ** min(failures, 10)))
+                # Back off, but `memfs flush` and unmount try again at once.
+                with trio.move_on_after(min(MAX_BACKOFF, 0.5 * 2 ** min(failures, 10))):
+                    await self._ns_retry.wait()
+                if self._ns_retry.is_set():
+                    self._ns_retry = trio.Event()
+                    failures = 0
 
     async def _apply_ns_ops(self) -> None:
         """Apply every queued namespace operation, in order (hold ``ns_lock``)."""
@@ -1032,18 +1061,21 @@ class BackedMeta(Meta):
         self.draining = True
         self._wake.set()
         started = self.clock()
-        said = 0.0
+        said = retried = 0.0
         while self.dirty or self.ns_ops:
             now = self.clock()
             if now - started > 2 and now - said >= 10:
                 files, nbytes = self.pending
-                log.warning("writing back %d MiB (%d files) to %s before exit",
+                log.info("writing back %d MiB (%d files) to %s before exit",
                             nbytes >> 20, files, self.cfg.backing)
                 said = now
             for d in self.dirty.values():
                 d.retry_at = min(d.retry_at, now + 2.0)  # keep retrying, but not wildly
             self._wake.set()
             self._ns_wake.set()
+            if now - retried >= 2:
+                self._ns_retry.set()
+                retried = now
             await trio.sleep(0.05)
         log.info("everything written back to %s", self.cfg.backing)
 
@@ -1098,6 +1130,7 @@ class BackedMeta(Meta):
             self.dirty[ino].retry_at = 0.0
             self._forced.add(ino)
         self._wake.set()
+        self._ns_retry.set()
         t = _Ticket("flush", inos, len(inos), sum(len(self.dirty[x].chunks) for x in inos) * self.chunk_size,
                     ns_target=self.ns_queued)
         return self._add_ticket(t)
