@@ -8,6 +8,7 @@ the daemon it forks keeps serving until ``umount``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import hashlib
 import json
@@ -889,14 +890,25 @@ def cmd_stage_out(args: argparse.Namespace) -> int:
         raise UsageError(f"directory {os.path.dirname(archive)} for the archive does not exist")
     if os.path.isdir(archive):
         raise UsageError(f"archive {args.archive} is a directory")
+    try:
+        was_excluded = os.getxattr(src, FLUSH_XATTR) == b"off"
+    except OSError:
+        was_excluded = False
     try:  # first, so the tree is not also written back file by file meanwhile
         os.setxattr(src, FLUSH_XATTR, b"off")
     except OSError as exc:
         raise OperationFailed(f"cannot exclude {args.path} from write-back "
                               f"({FLUSH_XATTR}): {exc.strerror}") from None
     show = _isatty()
-    with ProgressLine(show) as line:
-        write_archive(src, archive, line.update if show else None)
+    try:
+        with ProgressLine(show) as line:
+            write_archive(src, archive, line.update if show else None)
+    except BaseException:
+        # No archive: the tree must not stay excluded, or nothing would keep it.
+        if not was_excluded:
+            with contextlib.suppress(OSError):
+                os.removexattr(src, FLUSH_XATTR)
+        raise
     return 0
 
 
@@ -1135,9 +1147,17 @@ def alive(pid: int) -> bool:
     kill(pid, 0) still succeeds then, so ask /proc for the state.
     """
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            # "pid (comm) S ...": comm may hold spaces and parentheses.
-            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+        # The leader turns zombie first; the process (with its open /dev/fuse) is
+        # only gone when every thread has exited.
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    # "pid (comm) S ...": comm may hold spaces and parentheses.
+                    if f.read().rpartition(")")[2].split()[0] not in ("Z", "X"):
+                        return True
+            except FileNotFoundError:
+                continue  # that thread has just gone
+        return False
     except FileNotFoundError:
         return False
     except (OSError, IndexError):

@@ -706,3 +706,30 @@ def test_stage_out_archive(memfs_mount: Mount, tmp_path: Path) -> None:
     assert sorted(os.listdir(backing)) in (
         [".memfs-tmp", "out.tar", "unrelated"], [".memfs-tmp", "out.tar", "results", "unrelated"]
     )
+
+
+def test_failed_stage_out_leaves_the_tree_to_write_back(memfs_mount: Mount, tmp_path: Path) -> None:
+    """An archive that cannot be written (its filesystem is full) must not leave the
+    tree excluded from write-back: nothing would keep it then."""
+    backing = tmp_path / "backing"
+    backing.mkdir()
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(small)], check=True)
+    try:
+        m = memfs_mount("--size", "64M", "--backing", str(backing), "--flush-delay", "60")
+        (m / "res").mkdir()
+        data = os.urandom(2 * MiB)
+        (m / "res" / "big.dat").write_bytes(data)
+        res = subprocess.run([*MEMFS, "stage-out", str(m / "res"), "--archive", str(small / "a.tar")],
+                             capture_output=True, text=True, timeout=60)
+        assert res.returncode == 1, res
+        assert "memfs: error:" in res.stderr and "Traceback" not in res.stderr
+        assert not list(small.iterdir()), "no torn archive or temporary file left"
+        with pytest.raises(OSError) as exc:
+            os.getxattr(m / "res", FLUSH_XATTR)
+        assert exc.value.errno == errno.ENODATA
+        flush_wait(m)
+        assert file_sha(backing / "res" / "big.dat") == sha(data)
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)
