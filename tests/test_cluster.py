@@ -438,3 +438,39 @@ def test_burst_buffer_through_the_mds(bb_cluster: Cluster) -> None:
     mds.send_signal(signal.SIGTERM)
     assert mds.wait(60) == 0
     assert sha((back / "late.bin").read_bytes()) == sha(late)
+
+
+def test_mds_dirty_cap_holds_writers_without_timing_out(tmp_path: Path) -> None:
+    """With the backing filesystem read-only, a node's writer waits at the mds's dirty
+    cap for longer than any call timeout (10 s), without an error, and finishes once
+    write-back works again."""
+    back = tmp_path / "backing"
+    back.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(back)], check=True)
+    try:
+        with make_cluster(tmp_path, ["--backing", str(back), "--flush-delay", "0",
+                                     "--dirty-max", "8M"]) as c:
+            subprocess.run(["mount", "-o", "remount,ro", str(back)], check=True)
+            data = random.Random(5).randbytes(24 << 20)
+            src = tmp_path / "src.bin"
+            src.write_bytes(data)
+            writer = subprocess.Popen(
+                c.net.cmd("c1", ["dd", f"if={src}", f"of={c.mnt['c1'] / 'big.bin'}", "bs=1M",
+                                 "status=none"]),
+                stderr=subprocess.PIPE, text=True,
+            )
+            try:
+                time.sleep(13)
+                assert writer.poll() is None, f"writer ended early: {writer.communicate()}"
+                st = json.loads(memfs_cli("status", str(c.mnt["c2"]), "--json").stdout)
+                assert st["writers_waiting"] > 0 and st["dirty_bytes"] <= 8 << 20, st
+                assert st["errors"], st
+            finally:
+                subprocess.run(["mount", "-o", "remount,rw", str(back)], check=True)
+            _, err = writer.communicate(timeout=60)
+            assert writer.returncode == 0, err
+            memfs_cli("flush", str(c.mnt["c1"]), "--wait")
+            assert sha((back / "big.bin").read_bytes()) == sha(data)
+            assert sha((c.mnt["c2"] / "big.bin").read_bytes()) == sha(data)
+    finally:
+        subprocess.run(["umount", "-l", str(back)], check=False)
