@@ -1103,7 +1103,8 @@ class BackedMeta(Meta):
                     for off in range(0, i.backed, STEP):
                         await self._ensure_resident(ino, off, STEP)
             except FsError as exc:
-                log.warning("stage-in of inode %d: %s", ino, exc)
+                if exc.errno != errno.ENOENT:  # removed meanwhile: nothing to stage
+                    log.warning("stage-in of %s: %s", os.fsdecode(self._where(ino)), exc)
             t = self._tickets.get(ticket)
             if t is not None:
                 t.inos.discard(ino)
