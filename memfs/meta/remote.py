@@ -543,7 +543,13 @@ class RemoteMeta(Meta):
         return await self._call("statfs")
 
     async def map_read(self, ino: int, offset: int, length: int) -> list[Extent]:
-        return await self._call("map_read", ino, offset, length)
+        while True:
+            try:
+                return await self._call("map_read", ino, offset, length)
+            except FsError as exc:
+                # The server is still fetching from its backing directory.  Ask again.
+                if exc.errno != errno.EINPROGRESS:
+                    raise
 
     async def map_write(self, ino: int, offset: int, length: int) -> WritePlan:
         while True:

@@ -65,8 +65,9 @@ MAX_RANGE = 16 << 30
 #: most handles one client may claim on one inode when it re-registers
 MAX_HANDLES = 1 << 20
 REPLY_QUEUE = 64
-#: longest a map_write waits for write-back room before the client is told to ask again
-WRITE_WAIT = 3.0
+#: longest a map_read/map_write waits on the backing directory (a fetch, the dirty cap)
+#: before the client is told to ask again
+CALL_WAIT = 3.0
 
 
 @dataclass(eq=False)
@@ -375,13 +376,15 @@ class MetaServer:
         return Kind.OK, body
 
     async def _call(self, m: codec.Method, args: list[Any]) -> Any:
-        if m.name != "map_write" or self.meta is self.store:
+        if m.name not in ("map_read", "map_write") or self.meta is self.store:
             return await m.bind(self.meta)(*args)
-        # A write may wait for write-back (the dirty cap): answer "not yet" well
-        # before the client's call timeout; it asks again (RemoteMeta.map_write).
-        with trio.move_on_after(WRITE_WAIT):
+        # With a backing directory a write may wait for write-back (the dirty cap)
+        # and a read for data fetched from DIR: answer "not yet" well before the
+        # client's call timeout, and it asks again (RemoteMeta.map_read/map_write).
+        # What a fetch brought in so far stays; the next call goes on from there.
+        with trio.move_on_after(CALL_WAIT):
             return await m.bind(self.meta)(*args)
-        raise FsError(errno.EINPROGRESS, "write-back is behind: waiting for room")
+        raise FsError(errno.EINPROGRESS, "waiting for the backing directory")
 
     def _atime(self, ino: int) -> int | None:
         i = self.store.inodes.get(ino)
