@@ -39,11 +39,14 @@ and backpressure as slower ``map_read``/``map_write`` replies.
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import itertools
 import logging
 import os
 import secrets
+import shutil
+import socket
 import stat
 import time
 from collections.abc import Callable, Iterable
@@ -54,6 +57,7 @@ import trio
 
 from memfs.config import FlushConfig
 from memfs.errors import FsError, SpaceBusy
+from memfs.host import process_alive
 from memfs.meta import NOT_RESIDENT, Attr, Extent, Meta, SetAttr, StatFs, WritePlan
 from memfs.meta.store import ROOT_INO, MetaStore
 from memfs.transport import Transport
@@ -116,6 +120,8 @@ class _Ticket:
     touched: float = field(default_factory=time.monotonic)
     #: stage-in: every file named, kept in memory in preference while the ticket lives
     keep: set[int] = field(default_factory=set)
+    #: stage-in: files whose fetch failed -> (path, why)
+    failed: dict[int, tuple[str, str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -140,7 +146,13 @@ class BackedMeta(Meta):
         self.chunk_size = store.chunk_size
         self.n_volumes = store.n_volumes
         self.root = os.fsencode(cfg.backing)
-        self.tmp = os.path.join(self.root, TMP_DIR)
+        #: this daemon's temporary copies: DIR/.memfs-tmp/HOST-PID (DIR may be shared)
+        self.tmp_top = os.path.join(self.root, TMP_DIR)
+        self.tmp = os.path.join(self.tmp_top, b"%s-%d" % (socket.gethostname().encode(), os.getpid()))
+        #: (st_dev, st_ino) of DIR at mount: a DIR that vanished (its filesystem
+        #: unmounted) is never re-created under the same name on another filesystem
+        self._root_id: tuple[int, int] | None = None
+        self.root_lost = False
         self.clock = clock
         #: cluster mode: seconds a write's bytes may take to reach a memory server after
         #: the mds placed it (the mds sees the placement, not the bytes); a copy begun
@@ -234,14 +246,12 @@ class BackedMeta(Meta):
 
     def _scan(self) -> tuple[os.stat_result, list[tuple[bytes, os.stat_result, bytes | None]]]:
         root_st = os.stat(self.root)
-        if not os.path.isdir(self.tmp):
-            os.mkdir(self.tmp, 0o700)
+        self._root_id = (root_st.st_dev, root_st.st_ino)
+        if not os.path.isdir(self.tmp_top):
+            os.mkdir(self.tmp_top, 0o700)
             os.utime(self.root, ns=(root_st.st_atime_ns, root_st.st_mtime_ns))  # ours, not news
-        for leftover in os.listdir(self.tmp):
-            try:
-                os.unlink(os.path.join(self.tmp, leftover))
-            except IsADirectoryError:
-                pass
+        self._remove_leftovers()
+        os.mkdir(self.tmp, 0o700)
         out: list[tuple[bytes, os.stat_result, bytes | None]] = []
         stack = [b""]
         while stack:
@@ -258,6 +268,31 @@ class BackedMeta(Meta):
                         stack.append(path)
         out.sort(key=lambda x: x[0].count(b"/"))  # parents before children
         return root_st, out
+
+    def _remove_leftovers(self) -> None:
+        """Temporary copies of daemons of this host that are gone (killed): never
+        renamed into place, so never part of DIR.  Other hosts' are theirs."""
+        host = socket.gethostname().encode()
+        for name in os.listdir(self.tmp_top):
+            path = os.path.join(self.tmp_top, name)
+            owner, _, pid = name.rpartition(b"-")
+            if os.path.isdir(path) and not os.path.islink(path):
+                if owner != host or not pid.isdigit() or process_alive(int(pid)):
+                    continue
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                _unlink_quiet(path)  # from an older memfs, or junk
+
+    def _check_root(self) -> None:
+        """OSError(ESTALE) if DIR is gone or is not the directory we mounted with."""
+        try:
+            st = os.stat(self.root)
+            ok = (st.st_dev, st.st_ino) == self._root_id
+        except OSError:
+            ok = False
+        self.root_lost = not ok
+        if not ok:
+            raise OSError(errno.ESTALE, "the backing directory vanished or was replaced")
 
     # -- the store's change notifications (Watcher) ---------------------------------------
 
@@ -462,6 +497,8 @@ class BackedMeta(Meta):
 
     async def _evict(self, want: int, protect: int = 0) -> bool:
         """Evict clean files, least recently used first, until *want* chunks are freed."""
+        if self.root_lost:
+            return False  # DIR is gone: the pool may hold the only copy of everything
         freed = 0
         inodes = self.store.inodes
         # Files just staged in are kept while anything else can go.  The oldest few
@@ -560,7 +597,11 @@ class BackedMeta(Meta):
             self._record_error(self.store.path(ino) or b"?", "read", exc)
             raise FsError(errno.EIO, f"cannot read inode {ino} from the backing directory: "
                                      f"{exc.strerror}") from None
-        del got  # a short read (file shrunk behind our back) leaves zeros
+        if got < n:  # shrunk behind our back: zeros would be wrong data
+            path = self._where(ino)
+            short = OSError(errno.EIO, f"the backing copy ends at {start + got}, expected {i.backed} bytes")
+            self._record_error(path, "read", short)
+            raise FsError(errno.EIO, f"{os.fsdecode(path)}: {short.strerror}")
         placed = await self._with_room(lambda: self._reserve(ino, ks))
         view = memoryview(buf)
         try:
@@ -597,13 +638,22 @@ class BackedMeta(Meta):
             await self._ensure_resident(ino, size - 1, 1)
         return await self.store.truncate(ino, size)
 
+    @staticmethod
+    def _check_reserved(parent: int, name: bytes) -> None:
+        # DIR/.memfs-tmp holds our temporary copies; a file of that name would be
+        # written back into it and removed at the next mount.
+        if parent == ROOT_INO and name == TMP_DIR:
+            raise FsError(errno.EPERM, f"{TMP_DIR.decode()} is reserved in a mount with a backing directory")
+
     async def mknod(
         self, parent: int, name: bytes, mode: int, uid: int, gid: int,
         rdev: int = 0, target: bytes | None = None,
     ) -> Attr:
+        self._check_reserved(parent, name)
         return await self.store.mknod(parent, name, mode, uid, gid, rdev, target)
 
     async def link(self, ino: int, parent: int, name: bytes) -> Attr:
+        self._check_reserved(parent, name)
         return await self.store.link(ino, parent, name)
 
     async def unlink(self, parent: int, name: bytes) -> None:
@@ -615,6 +665,7 @@ class BackedMeta(Meta):
     async def rename(
         self, parent: int, name: bytes, new_parent: int, new_name: bytes, flags: int = 0
     ) -> None:
+        self._check_reserved(new_parent, new_name)
         await self.store.rename(parent, name, new_parent, new_name, flags)
 
     async def readlink(self, ino: int) -> bytes:
@@ -784,6 +835,7 @@ class BackedMeta(Meta):
             if not published:
                 await trio.to_thread.run_sync(_unlink_quiet, tmp)
         self.flushed_files += 1
+        self._count_rate(i.size)
         self._clear_error(paths[0] if paths else b"")
         if started - d.since < self.settle and self._version(ino) == v:
             # A write placed just before the copy began may still have been on its
@@ -824,7 +876,6 @@ class BackedMeta(Meta):
                 except OSError as exc:
                     self._record_error(self._where(ino), "write back", exc)
                     raise _Retry() from None
-                self._count_rate(size)
                 return tmp
         try:
             fd = await trio.to_thread.run_sync(self._create_tmp, tmp)
@@ -862,7 +913,6 @@ class BackedMeta(Meta):
                 except OSError as exc:
                     self._record_error(self._where(ino), "write back", exc)
                     raise _Retry() from None
-                self._count_rate(n)
                 off += n
             try:
                 await trio.to_thread.run_sync(
@@ -899,8 +949,13 @@ class BackedMeta(Meta):
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         try:
             return os.open(tmp, flags, 0o600)
-        except FileNotFoundError:  # someone removed it (or all of DIR): make it again
-            os.makedirs(self.tmp, mode=0o700, exist_ok=True)
+        except FileNotFoundError:
+            # Someone emptied DIR: make our directories again, but only inside the
+            # DIR we mounted (if it is gone, its filesystem may be unmounted).
+            self._check_root()
+            for d in (self.tmp_top, self.tmp):
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(d, 0o700)
             return os.open(tmp, flags, 0o600)
 
     def _finish_copy(
@@ -937,6 +992,7 @@ class BackedMeta(Meta):
 
         FileNotFoundError without *dirs*: a directory is missing in DIR; the caller
         computes which (from the store, in the trio thread) and calls again."""
+        self._check_root()  # never into a DIR that is not the one we mounted
         for n, p in enumerate(paths):
             dest = os.path.join(self.root, p)
             src = tmp
@@ -950,6 +1006,7 @@ class BackedMeta(Meta):
                     raise
                 # A directory vanished from DIR behind our back (or its mkdir was
                 # skipped): make the missing ones as they are in memfs.
+                self._check_root()
                 for op in dirs:
                     if not os.path.isdir(os.path.join(self.root, op.path)):
                         self._apply(op)
@@ -1019,6 +1076,13 @@ class BackedMeta(Meta):
             self.ns_applied += 1
 
     def _apply(self, op: _NsOp) -> None:
+        try:
+            self._apply_op(op)
+        except FileNotFoundError:
+            self._check_root()  # ENOENT because all of DIR is gone: retry, do not skip
+            raise
+
+    def _apply_op(self, op: _NsOp) -> None:
         path = os.path.join(self.root, op.path)
         k = op.kind
         if k == "mkdir":
@@ -1085,7 +1149,10 @@ class BackedMeta(Meta):
         rec.last = now
         if now - rec.logged >= 60:
             rec.logged = now
-            log.warning("backing directory: %s: %s (data kept in memory, retrying)", p, msg)
+            if what == "read":
+                log.warning("backing directory: %s: %s", p, msg)
+            else:
+                log.warning("backing directory: %s: %s (data kept in memory, retrying)", p, msg)
 
     def _clear_error(self, path: bytes) -> None:
         rec = self.errors.pop(os.fsdecode(path), None)
@@ -1104,7 +1171,11 @@ class BackedMeta(Meta):
                         await self._ensure_resident(ino, off, STEP)
             except FsError as exc:
                 if exc.errno != errno.ENOENT:  # removed meanwhile: nothing to stage
-                    log.warning("stage-in of %s: %s", os.fsdecode(self._where(ino)), exc)
+                    where = os.fsdecode(self._where(ino))
+                    log.warning("stage-in of %s: %s", where, exc)
+                    t = self._tickets.get(ticket)
+                    if t is not None:
+                        t.failed[ino] = (where, exc.args[1])
             t = self._tickets.get(ticket)
             if t is not None:
                 t.inos.discard(ino)
@@ -1138,6 +1209,19 @@ class BackedMeta(Meta):
                 retried = now
             await trio.sleep(0.05)
         log.info("everything written back to %s", self.cfg.backing)
+        if self.pinned:
+            nbytes = sum(len(i.chunks or ()) for x in self.pinned if (i := self.store.inodes.get(x)))
+            log.warning("%d files (%d MiB) under user.memfs.flush=off trees were not written "
+                        "back (stage-out archives them)", len(self.pinned),
+                        nbytes * self.chunk_size >> 20)
+
+    async def close(self) -> None:
+        """Remove our temporary directory (and DIR/.memfs-tmp if no one else uses it)."""
+        def remove() -> None:
+            for d in (self.tmp, self.tmp_top):
+                with contextlib.suppress(OSError):
+                    os.rmdir(d)
+        await trio.to_thread.run_sync(remove)
 
     # -- control commands --------------------------------------------------------------------
 
@@ -1236,6 +1320,7 @@ class BackedMeta(Meta):
             done = not left
         paths = {os.fsdecode(p) for ino in left for p in self.store.paths(ino)} if self.errors else set()
         return {
+            "failed": [{"path": p, "error": e} for p, e in t.failed.values()],
             "done": done, "files": len(left), "bytes": nbytes,
             "total_files": t.total_files, "total_bytes": t.total_bytes,
             "errors": [vars_of(e) for e in self.errors.values() if e.path in paths or not paths],
@@ -1268,6 +1353,7 @@ class BackedMeta(Meta):
             "dirty_files": len(self.dirty),
             "dirty_max": self.dirty_max,
             "pinned_bytes": pinned_chunks * cs,
+            "pinned_files": len(self.pinned),
             "queued_files": sum(
                 1 for ino, d in self.dirty.items()
                 if not d.busy and (ino in self._forced or self.draining or d.since + self.cfg.delay <= now)
@@ -1288,7 +1374,7 @@ class BackedMeta(Meta):
             ),
             "writers_waiting": self.writers_waiting,
             "draining": self.draining,
-            "errors": [vars_of(e) for e in self.errors.values()],
+            "errors": sorted((vars_of(e) for e in self.errors.values()), key=lambda e: e["last"]),
             "flush_delay": self.cfg.delay,
             "workers": self.cfg.workers,
         }

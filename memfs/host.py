@@ -38,3 +38,35 @@ def mem_available() -> int | None:
     except OSError:
         pass
     return None
+
+
+def process_alive(pid: int) -> bool:
+    """True while process *pid* runs.
+
+    An exited process stays a zombie until its parent (init, or a subreaper such
+    as a container's PID 1 or systemd) reaps it, which may be late or never:
+    kill(pid, 0) still succeeds then, so ask /proc for the state.  The leader
+    turns zombie first; the process (with its open files, /dev/fuse included)
+    is only gone when every thread has exited.
+    """
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    # "pid (comm) S ...": comm may hold spaces and parentheses.
+                    if f.read().rpartition(")")[2].split()[0] not in ("Z", "X"):
+                        return True
+            except FileNotFoundError:
+                continue  # that thread has just gone
+        return False
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):
+        pass  # no procfs: fall back to signalling it
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -24,6 +24,7 @@ import trio
 from memfs import wire
 from memfs.config import FlushConfig, PoolConfig, VolumeAddr, format_size
 from memfs.errors import FsError, UsageError
+from memfs.flush import BackedMeta
 from memfs.host import sd_notify
 from memfs.meta.journal import Journal, JournalError
 from memfs.meta.server import MetaServer
@@ -205,7 +206,6 @@ async def _write_back(
     Data moves between the backing directory and the memory servers over TCP (the
     servers answer there for ``verbs://`` volumes too).
     """
-    from memfs.flush import BackedMeta
     from memfs.transport.pool import as_tcp
     from memfs.transport.tcp import open_tcp_transport
 
@@ -230,8 +230,6 @@ async def _write_back(
 
 async def _drain(server: MetaServer, signals: Any) -> None:
     """Write everything back before stopping; another signal gives up."""
-    from memfs.flush import BackedMeta
-
     backed = server.meta
     assert isinstance(backed, BackedMeta)
     with trio.CancelScope() as scope:
@@ -286,6 +284,8 @@ async def _main(opts: MdsOptions, journal: Journal | None) -> int:
                 sd_notify("STOPPING=1")
                 if server.meta is not server.store:
                     await _drain(server, signals)
+                    assert isinstance(server.meta, BackedMeta)
+                    await server.meta.close()
                 nursery.cancel_scope.cancel()
                 break
     sys.stdout.flush()

@@ -208,6 +208,7 @@ async def _main(opts: MountOptions, ready: Callable[[], None] | None) -> None:
                                 "(--discard-on-unmount)", nbytes >> 20, files)
             else:
                 await _drain(backed)
+            await backed.close()
         background.cancel_scope.cancel()
 
 

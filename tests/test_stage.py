@@ -552,7 +552,7 @@ def test_rename_non_resident(memfs_mount: Mount, tmp_path: Path) -> None:
     assert sorted(os.listdir(m.path)) == ["dir2", "f1_new"]
     flush_wait(m)
     assert {rel: file_sha(backing / rel) for rel in moved} == moved
-    assert sorted(os.listdir(backing)) == [".memfs-tmp", "dir2", "f1_new"]
+    assert sorted(set(os.listdir(backing)) - {".memfs-tmp"}) == ["dir2", "f1_new"]
     assert status(m)["errors"] == []
     assert not log_problems(m)
 
@@ -704,7 +704,7 @@ def test_stage_out_archive(memfs_mount: Mount, tmp_path: Path) -> None:
     mirrored = sorted(str(p.relative_to(backing)) for p in (backing / "results").rglob("*"))
     assert not mirrored, f"umount wrote the excluded tree: {mirrored}"
     assert sorted(os.listdir(backing)) in (
-        [".memfs-tmp", "out.tar", "unrelated"], [".memfs-tmp", "out.tar", "results", "unrelated"]
+        ["out.tar", "unrelated"], ["out.tar", "results", "unrelated"]
     )
 
 

@@ -32,6 +32,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -161,17 +162,20 @@ def assert_same_subtree(mnt: Path, backing: Path, names: list[str], what: str) -
 
 
 def tmp_leftovers(backing: Path) -> list[str]:
-    return sorted(os.listdir(backing / TMP_DIR))
+    """Files in ``.memfs-tmp`` (each daemon has its own directory there, HOST-PID)."""
+    top = backing / TMP_DIR
+    return sorted(str(p.relative_to(top)) for p in top.rglob("*") if not p.is_dir())
 
 
 def tmp_sizes(backing: Path) -> list[int]:
     """Sizes of the copies in ``.memfs-tmp`` now (they come and go while we look)."""
     out = []
-    for e in os.scandir(backing / TMP_DIR):
-        try:
-            out.append(e.stat().st_size)
-        except FileNotFoundError:
-            pass
+    for dirpath, _, files in os.walk(backing / TMP_DIR):
+        for name in files:
+            try:
+                out.append(os.stat(os.path.join(dirpath, name)).st_size)
+            except FileNotFoundError:
+                pass
     return out
 
 
@@ -552,7 +556,9 @@ def test_sigkill_keeps_what_flush_wait_reported(memfs_mount: MountFn, tmp_path: 
     assert st["dirty_files"] > 0
 
     # DIR: what flush --wait reported is intact; everything else is whole or absent.
-    planted = backing / TMP_DIR / "99.1.deadbeef"
+    # Leftovers: the killed daemon's copy in progress, and another killed one's.
+    planted = backing / TMP_DIR / f"{socket.gethostname()}-999999999" / "99.1.deadbeef"
+    planted.parent.mkdir()
     planted.write_bytes(b"a leftover of a killed daemon")
     leftovers = tmp_leftovers(backing)
     have = tree_manifest(backing)
