@@ -838,3 +838,29 @@ def test_dirty_cap_makes_writers_wait(tmpfs: Tmpfs, memfs_mount: MountFn) -> Non
         if writer is not None and writer.poll() is None:
             writer.kill()
             writer.wait()
+
+
+def test_backing_filesystem_unmounted(memfs_mount: MountFn, tmp_path: Path) -> None:
+    """DIR's filesystem goes away (a parallel filesystem unmounted under the job):
+    memfs must not re-create DIR on whatever is left at that path (the node's root
+    disk), must not report the new data as written back, and must keep it."""
+    lus = tmp_path / "lus"
+    lus.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(lus)], check=True)
+    try:
+        (lus / "job").mkdir()
+        m = mount_backed(memfs_mount, lus / "job", "--flush-delay", "0.2", "--discard-on-unmount")
+        write_file(m.path / "a", b"before")
+        flush_wait(m)
+        assert (lus / "job" / "a").read_bytes() == b"before"
+    finally:
+        subprocess.run(["umount", "-l", str(lus)], check=True)
+    write_file(m.path / "b", b"after")
+    # Still retrying: --wait cannot be satisfied; give it a few seconds, not forever.
+    with pytest.raises(subprocess.TimeoutExpired):
+        subprocess.run([*MEMFS, "flush", "--wait", str(m.path)], capture_output=True, timeout=4)
+    st = wait_status(m, lambda s: any("vanished" in e["error"] for e in s["errors"]),
+                     "an error saying DIR vanished")
+    assert st["dirty_files"] >= 1, st
+    assert not (lus / "job").exists(), "DIR was re-created on the filesystem underneath"
+    assert (m.path / "a").read_bytes() == b"before" and (m.path / "b").read_bytes() == b"after"
