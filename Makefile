@@ -52,6 +52,8 @@ bench-fs: install
 bench-tcp: install
 	$(VENV)/bin/python bench/tcpbench.py $(TCP_BENCH_ARGS)
 
+# BB_BENCH_ARGS="--throttle 200M,2000": DIR on an emulated slow disk (loop + cgroup v1 blkio
+# throttle; the header says which writes it limits).
 bench-bb: install
 	$(VENV)/bin/python bench/bbbench.py $(BB_BENCH_ARGS)
 

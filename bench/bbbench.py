@@ -34,8 +34,26 @@ dirty or cached pages neither tax nor help the next.  The table shows medians
 over --rounds, because this kind of machine is noisy.  Needs root (mounts,
 drop_caches); every mount and temporary tree is removed, on failure too.
 
+By default DIR is a directory on --backing-dir's filesystem, typically a local
+disk, much faster than a parallel filesystem.  ``--throttle WBPS[,WIOPS]``
+(e.g. ``200M,2000``) EMULATES a slow backing filesystem instead: a sparse image
+file in --backing-dir (2 x the workloads + 512 MiB), on a loop device
+(direct-io), ``mkfs.ext4``, mounted under /tmp; writes to that loop device are
+limited by a cgroup v1 blkio throttle (blkio.throttle.write_bps_device and
+write_iops_device) that holds the direct writer processes, or the memfs daemon
+with all its threads (``memfs mount`` is started inside the cgroup; the daemon
+forks from it and its threads inherit it).  A preflight measures, with dd,
+which writes the throttle really limits here; cgroup v1 charges a write to the
+task that submits it, so O_DIRECT and fsync-driven writes are limited, while
+buffered data written back by the kernel's flusher threads (``close only`` and
+its sync(2), memfs with --no-backing-fsync) and ext4 journal commits (jbd2) are
+not.  The header and the tables say so, with the share of each phase's writes
+to the device that went through the throttle.  The cgroup, mount, loop device
+and image are removed at the end, also on failure, SIGTERM or SIGINT.
+
     python bench/bbbench.py [--rounds 3] [--size 2G] [--backing-dir /var/tmp]
         [--memfs-opt=--flush-workers=4] [--skip-small] [--json out.json]
+        [--throttle 200M,2000]
 """
 
 from __future__ import annotations
@@ -54,7 +72,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.synchronize import Barrier
@@ -65,12 +83,14 @@ MiB = 1 << 20
 GiB = 1 << 30
 MEMFS = [sys.executable, "-m", "memfs"]
 PHASES = ("memfs", "direct", "direct+fsync", "tmpfs")
+TIMES = ("write", "in_dir", "drain", "umount")  # result keys in seconds (the others: MiB, %)
 LABELS = {
     "memfs": "memfs --backing DIR",
     "direct": "DIR direct, close only (not safe)",
     "direct+fsync": "DIR direct, fsync+close (safe)",
     "tmpfs": "tmpfs (reference)",
 }
+CGROUP_V1_BLKIO = Path("/sys/fs/cgroup/blkio")
 WRITER_TIMEOUT = 1800.0  # seconds for one write phase (the dirty cap may hold writers back)
 UMOUNT_TIMEOUT = 300.0  # `memfs umount` drains; after `flush --wait` there is nothing left
 
@@ -120,10 +140,15 @@ def fmt_size(n: float) -> str:
 
 def _writer(
     root: str, paths: list[str], file_size: int, block: int, fsync: bool,
-    barrier: Barrier, conn: Connection,
+    barrier: Barrier, conn: Connection, cgroup: str | None,
 ) -> None:
-    """One application process; reports (t_first_open, t_last_close) on one clock."""
+    """One application process; reports (t_first_open, t_last_close) on one clock.
+    With *cgroup* (a blkio cgroup directory) it first moves itself into it."""
     try:
+        if cgroup is not None:
+            Path(cgroup, "cgroup.procs").write_text(f"{os.getpid()}\n")
+            if blkio_cgroup_of(os.getpid()) != "/" + os.path.basename(cgroup):
+                raise RuntimeError(f"writer {os.getpid()} is not in blkio cgroup {cgroup}")
         buf = memoryview(os.urandom(min(block, file_size)))
         for d in sorted({os.path.dirname(p) for p in paths}):
             os.makedirs(os.path.join(root, d), exist_ok=True)
@@ -148,8 +173,11 @@ def _writer(
         os._exit(1)
 
 
-def run_writers(root: Path, w: Workload, jobs: int, fsync: bool) -> tuple[float, float]:
-    """Write workload *w* under *root*; returns (start, end) in time.monotonic()."""
+def run_writers(
+    root: Path, w: Workload, jobs: int, fsync: bool, cgroup: Path | None = None,
+) -> tuple[float, float]:
+    """Write workload *w* under *root*, each writer in blkio *cgroup* if given;
+    returns (start, end) in time.monotonic()."""
     ctx = multiprocessing.get_context("fork")
     layout = w.layout(jobs)
     barrier = ctx.Barrier(len(layout))
@@ -158,7 +186,9 @@ def run_writers(root: Path, w: Workload, jobs: int, fsync: bool) -> tuple[float,
         for paths in layout:
             r, wr = ctx.Pipe(duplex=False)
             p = ctx.Process(
-                target=_writer, args=(str(root), paths, w.file_size, w.block, fsync, barrier, wr)
+                target=_writer,
+                args=(str(root), paths, w.file_size, w.block, fsync, barrier, wr,
+                      None if cgroup is None else str(cgroup)),
             )
             p.start()
             wr.close()
@@ -271,8 +301,12 @@ def mounted_tmpfs(path: Path, size: int) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(path)], check=False)
 
 
-def memfs(*args: str, timeout: float | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*MEMFS, *args], capture_output=True, text=True, timeout=timeout)
+def memfs(
+    *args: str, timeout: float | None = None, cgroup: Path | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run `memfs ARGS`; with *cgroup*, from a shell that first moves itself into it."""
+    return subprocess.run(in_cgroup([*MEMFS, *args], cgroup), capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def memfs_lacks_backing() -> str | None:
@@ -327,10 +361,14 @@ def unmount_memfs(mnt: Path, pids: list[int]) -> None:
 
 
 @contextmanager
-def mounted_memfs(mnt: Path, backing: Path, pool: int, extra: list[str]) -> Iterator[Path]:
+def mounted_memfs(
+    mnt: Path, backing: Path, pool: int, extra: list[str], cgroup: Path | None = None,
+) -> Iterator[Path]:
+    """With *cgroup*, `memfs mount` starts in it, so the daemon it forks (and every
+    thread the daemon starts) is in it too."""
     mnt.mkdir(parents=True, exist_ok=True)
     res = memfs("mount", str(mnt), "--size", str(pool), "--backing", str(backing), *extra,
-                timeout=180)
+                timeout=180, cgroup=cgroup)
     pids = daemon_pids(mnt)
     try:
         if res.returncode != 0:
@@ -338,6 +376,278 @@ def mounted_memfs(mnt: Path, backing: Path, pool: int, extra: list[str]) -> Iter
         yield mnt
     finally:
         unmount_memfs(mnt, pids)
+
+
+# -- an emulated slow backing filesystem (--throttle) ----------------------------
+
+
+@dataclass(frozen=True)
+class Limit:
+    bps: int
+    iops: int | None
+
+    def describe(self) -> str:
+        return f"{fmt_size(self.bps)}/s" + (f" and {self.iops:,} IOPS" if self.iops else "")
+
+
+def parse_limit(text: str) -> Limit:
+    parts = text.split(",")
+    if len(parts) > 2:
+        raise argparse.ArgumentTypeError(f"not WBPS[,WIOPS]: {text!r} (e.g. 200M,2000)")
+    bps = parse_size(parts[0])
+    iops = None
+    if len(parts) == 2:
+        if not parts[1].strip().isdigit():
+            raise argparse.ArgumentTypeError(f"not a number of IOPS: {parts[1]!r}")
+        iops = int(parts[1])
+    if bps <= 0 or iops == 0:
+        raise argparse.ArgumentTypeError(f"a limit must be above 0: {text!r}")
+    return Limit(bps, iops)
+
+
+def blkio_cgroup_of(pid: int, tid: int | None = None) -> str | None:
+    """The cgroup v1 blkio path of a process (or one of its threads), e.g. "/"."""
+    path = f"/proc/{pid}/cgroup" if tid is None else f"/proc/{pid}/task/{tid}/cgroup"
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        _, controllers, cg = line.split(":", 2)
+        if "blkio" in controllers.split(","):
+            return cg
+    return None
+
+
+def in_cgroup(cmd: list[str], cgroup: Path | None) -> list[str]:
+    """*cmd* run by a shell that first moves itself into *cgroup* (its children inherit it)."""
+    if cgroup is None:
+        return cmd
+    return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cgroup / "cgroup.procs"), *cmd]
+
+
+class ThrottledDisk:
+    """ext4 on a loop device over a sparse image, writes limited by a cgroup v1 blkio
+    throttle: whatever runs in ``self.cgroup`` writes to it at most at *limit*.
+    Everything it creates is removed by close(), also when set-up fails half way."""
+
+    def __init__(self, image_dir: Path, size: int, limit: Limit) -> None:
+        self.image_dir, self.size, self.limit = image_dir, size, limit
+        self.image: Path | None = None
+        self.loop: str | None = None
+        self.majmin = ""
+        self.mnt: Path | None = None
+        self.mounted = False
+        self.cgroup: Path | None = None
+        self.dio = "?"
+
+    def __enter__(self) -> ThrottledDisk:
+        try:
+            self._setup()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _setup(self) -> None:
+        if not (CGROUP_V1_BLKIO / "blkio.throttle.write_bps_device").exists():
+            raise RuntimeError(f"no cgroup v1 blkio throttle at {CGROUP_V1_BLKIO}")
+        if shutil.disk_usage(self.image_dir).free < self.size + GiB:
+            raise RuntimeError(f"{self.image_dir}: less than {fmt_size(self.size + GiB)} free"
+                               " for the image")
+        fd, name = tempfile.mkstemp(prefix="memfs-bbbench-", suffix=".img", dir=self.image_dir)
+        self.image = Path(name)
+        try:
+            os.ftruncate(fd, self.size)  # sparse
+        finally:
+            os.close(fd)
+        self.loop = run(["losetup", "--find", "--show", "--direct-io=on", str(self.image)]).strip()
+        sysblk = Path("/sys/block") / os.path.basename(self.loop)
+        self.majmin = (sysblk / "dev").read_text().strip()
+        dio = sysblk / "loop" / "dio"
+        self.dio = dio.read_text().strip() if dio.exists() else "?"
+        # No lazy inode-table/journal init: ext4lazyinit would write behind our back.
+        run(["mkfs.ext4", "-q", "-E", "lazy_itable_init=0,lazy_journal_init=0", self.loop])
+        self.mnt = Path(tempfile.mkdtemp(prefix="memfs-bbbench-dir-"))
+        run(["mount", "-t", "ext4", self.loop, str(self.mnt)])
+        self.mounted = True
+        cg = CGROUP_V1_BLKIO / f"memfs-bbbench-{os.getpid()}"
+        cg.mkdir()
+        self.cgroup = cg
+        (cg / "blkio.throttle.write_bps_device").write_text(f"{self.majmin} {self.limit.bps}\n")
+        if self.limit.iops:
+            (cg / "blkio.throttle.write_iops_device").write_text(
+                f"{self.majmin} {self.limit.iops}\n")
+
+    def close(self) -> None:
+        if self.cgroup is not None:
+            self._remove_cgroup(self.cgroup)
+            self.cgroup = None
+        if self.mounted and self.mnt is not None:
+            if subprocess.run(["umount", str(self.mnt)], capture_output=True).returncode != 0:
+                print(f"bench: umount {self.mnt} failed; detaching it lazily", file=sys.stderr)
+                subprocess.run(["umount", "-l", str(self.mnt)], check=False)
+            self.mounted = False
+        if self.loop is not None:
+            # After a lazy umount the device is still busy: -d then frees it on release.
+            subprocess.run(["losetup", "-d", self.loop], check=False)
+            self.loop = None
+        if self.mnt is not None:
+            try:
+                self.mnt.rmdir()
+            except OSError as exc:
+                print(f"bench: rmdir {self.mnt}: {exc}", file=sys.stderr)
+            self.mnt = None
+        if self.image is not None:
+            self.image.unlink(missing_ok=True)
+            self.image = None
+
+    @staticmethod
+    def _remove_cgroup(cg: Path) -> None:
+        deadline = time.monotonic() + 10
+        while True:
+            # Whatever is left in it (a daemon that would not go) is moved back to the root.
+            for pid in (cg / "cgroup.procs").read_text().split():
+                try:
+                    (CGROUP_V1_BLKIO / "cgroup.procs").write_text(pid + "\n")
+                except OSError:
+                    pass
+            try:
+                cg.rmdir()
+                return
+            except OSError as exc:
+                if time.monotonic() > deadline:
+                    print(f"bench: rmdir {cg}: {exc}", file=sys.stderr)
+                    return
+                time.sleep(0.2)
+
+    def counters(self) -> tuple[int, int]:
+        """(bytes written to the loop device, bytes of them charged to our cgroup)."""
+        assert self.loop is not None and self.cgroup is not None
+        stat = (Path("/sys/block") / os.path.basename(self.loop) / "stat").read_text().split()
+        charged = 0
+        for line in (self.cgroup / "blkio.throttle.io_service_bytes").read_text().splitlines():
+            f = line.split()
+            if len(f) == 3 and f[0] == self.majmin and f[1] == "Write":
+                charged = int(f[2])
+        return int(stat[6]) * 512, charged
+
+    def threads_outside(self, pids: list[int]) -> tuple[int, list[str]]:
+        """(threads of *pids*, those of them not in our cgroup)."""
+        assert self.cgroup is not None
+        want = "/" + self.cgroup.name
+        n, outside = 0, []
+        for pid in pids:
+            try:
+                tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+            except OSError:
+                continue
+            for tid in tids:
+                cg = blkio_cgroup_of(pid, tid)
+                if cg is None:
+                    continue  # exited meanwhile
+                n += 1
+                if cg != want:
+                    outside.append(f"{pid}/{tid} in {cg}")
+        return n, outside
+
+    def preflight(self) -> tuple[list[str], dict[str, Any]]:
+        """Which writes the throttle limits here, measured with dd: lines for the
+        header and the numbers.  Raises if it does not even limit O_DIRECT writes."""
+        assert self.mnt is not None and self.cgroup is not None
+        lim = self.limit
+        mib = int(min(GiB, max(64 * MiB, 2 * lim.bps)) // MiB)
+        res: dict[str, Any] = {"mib": mib}
+
+        def dd(name: str, args: list[str], inside: bool, sync: bool = False) -> dict[str, float]:
+            assert self.mnt is not None
+            path = self.mnt / "preflight.dat"
+            cmd = ["dd", "if=/dev/zero", f"of={path}", *args, "status=none"]
+            if sync:  # sync(2) from inside the cgroup too
+                cmd = ["sh", "-c", '"$@" && sync', "sh", *cmd]
+            drop_caches()
+            d0, c0 = self.counters()
+            t = time.monotonic()
+            run(in_cgroup(cmd, self.cgroup if inside else None))
+            el = time.monotonic() - t
+            d1, c1 = self.counters()
+            path.unlink()
+            os.sync()
+            out = {"s": el, "dev_bytes": d1 - d0, "charged_bytes": c1 - c0}
+            res[name] = out
+            return out
+
+        def share(r: dict[str, float], nbytes: int) -> str:
+            return f"{100 * min(1.0, r['charged_bytes'] / nbytes):.0f}% of its bytes charged"
+
+        nbytes = mib * MiB
+        ref = dd("odirect_outside", ["bs=1M", f"count={mib}", "oflag=direct"], inside=False)
+        odir = dd("odirect", ["bs=1M", f"count={mib}", "oflag=direct"], inside=True)
+        fsy = dd("fsync", ["bs=1M", f"count={mib}", "conv=fsync"], inside=True)
+        buf = dd("buffered_sync", ["bs=1M", f"count={mib}"], inside=True, sync=True)
+        rate = {k: nbytes / MiB / r["s"] for k, r in
+                (("ref", ref), ("odir", odir), ("fsync", fsy), ("buf", buf))}
+        limited = lim.bps / MiB * 1.2
+        if odir["charged_bytes"] < 0.95 * nbytes or rate["odir"] > limited:
+            raise RuntimeError(
+                f"the blkio throttle does not limit O_DIRECT writes to {self.loop} here"
+                f" ({rate['odir']:.0f} MiB/s, {share(odir, nbytes)}): no emulation possible")
+
+        verdicts: dict[str, str] = {}
+
+        def verdict(name: str, v: float) -> str:
+            charged = res[name]["charged_bytes"]
+            ok = charged >= 0.95 * nbytes and v <= limited
+            free = charged < 0.05 * nbytes
+            verdicts[name] = "THROTTLED" if ok else "NOT throttled" if free else "PARTLY throttled"
+            return verdicts[name]
+
+        lines = [
+            f"preflight ({mib} MiB each with dd, bs=1M, after drop_caches, measured in this run):",
+            f"  O_DIRECT outside the cgroup (the unthrottled device): {rate['ref']:.0f} MiB/s",
+            f"  O_DIRECT in the cgroup: {rate['odir']:.0f} MiB/s, {share(odir, nbytes)}:"
+            f" {verdict('odirect', rate['odir'])}",
+            f"  buffered write + fsync in the cgroup: {rate['fsync']:.0f} MiB/s,"
+            f" {share(fsy, nbytes)}: {verdict('fsync', rate['fsync'])}",
+            f"  buffered write, then sync(2), both in the cgroup: {rate['buf']:.0f} MiB/s"
+            f" including the sync, {share(buf, nbytes)}: {verdict('buffered_sync', rate['buf'])}",
+        ]
+        if lim.iops:
+            n = int(min(20000, max(200, 2 * lim.iops)))
+            io = dd("iops_4k_odirect", ["bs=4k", f"count={n}", "oflag=direct"], inside=True)
+            res["iops_4k_odirect"]["ios"] = n
+            ok = io["charged_bytes"] >= 0.95 * n * 4096 and n / io["s"] <= lim.iops * 1.2
+            lines.append(f"  4 KiB O_DIRECT writes in the cgroup: {n / io['s']:.0f} IOPS,"
+                         f" {share(io, n * 4096)}: {'THROTTLED' if ok else 'NOT (fully) throttled'}")
+        if verdicts == {"odirect": "THROTTLED", "fsync": "THROTTLED", "buffered_sync": "NOT throttled"}:
+            lines.append(
+                "  so: O_DIRECT and fsync-driven writes issued by a task in the cgroup are limited"
+                " (the 'fsync+close' writers; memfs write-back, which fsyncs each file before its"
+                " rename); buffered data written back by the kernel's flusher threads is NOT"
+                " (cgroup v1 charges it to the flusher, not to the writer's cgroup): the 'close"
+                " only' writers' data and their sync(2) go at the device's speed, as memfs"
+                " --no-backing-fsync would; nor are ext4 journal commits (jbd2), nor reads")
+        else:
+            lines.append("  so: the throttle does not behave as cgroup v1 usually does here; read"
+                         " each phase's throttled share in the tables")
+        lines.append("  the tables show, per phase, the MiB written to the loop device and the share"
+                     " of them charged to the cgroup, i.e. subject to the limit")
+        res["verdicts"] = verdicts
+        if rate["ref"] < 1.5 * lim.bps / MiB:
+            lines.append(f"  WARNING: the device itself ({rate['ref']:.0f} MiB/s) is not much"
+                         " faster than the limit: the throttle is not all that bounds it")
+        res["rates_mib_s"] = rate
+        return lines, res
+
+
+def run(cmd: list[str]) -> str:
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: {res.stderr.strip() or f'exit {res.returncode}'}")
+    return res.stdout
 
 
 # -- phases --------------------------------------------------------------------
@@ -348,7 +658,26 @@ class Bench:
     args: argparse.Namespace
     base: Path  # mountpoints, on /tmp
     backing_root: Path  # our own directory in the backing filesystem
+    disk: ThrottledDisk | None = None  # --throttle
     memfs_config: dict[str, Any] | None = None
+    daemon_threads: int = 0
+
+    @property
+    def cgroup(self) -> Path | None:
+        return None if self.disk is None else self.disk.cgroup
+
+    def io(self) -> tuple[int, int]:
+        return (0, 0) if self.disk is None else self.disk.counters()
+
+    def io_result(self, before: tuple[int, int]) -> dict[str, float]:
+        """MiB written to the throttled device since *before*, and MiB of them charged
+        to the cgroup (the part the throttle could limit)."""
+        if self.disk is None:
+            return {}
+        after = self.disk.counters()
+        dev, charged = after[0] - before[0], after[1] - before[1]
+        return {"dev_mib": dev / MiB, "throttled_mib": charged / MiB,
+                "throttled_pct": 100 * charged / dev if dev else 0.0}
 
     def phase(self, phase: str, w: Workload, rnd: int) -> dict[str, float]:
         fn: dict[str, Callable[[Workload, int], dict[str, float]]] = {
@@ -363,11 +692,20 @@ class Bench:
         backing.mkdir()
         mnt = self.base / "memfs"
         try:
-            with mounted_memfs(mnt, backing, a.pool, a.memfs_opt):
+            with mounted_memfs(mnt, backing, a.pool, a.memfs_opt, cgroup=self.cgroup):
                 drop_caches()
+                io0 = self.io()
                 t0, t1 = run_writers(mnt, w, a.jobs, fsync=False)
                 res = memfs("flush", str(mnt), "--wait", timeout=a.flush_timeout)
                 t2 = time.monotonic()
+                io = self.io_result(io0)
+                if self.disk is not None:
+                    pids = daemon_pids(mnt)
+                    n, outside = self.disk.threads_outside(pids)
+                    if not pids or outside:
+                        raise RuntimeError(f"memfs daemon {pids}: threads outside the throttled"
+                                           f" cgroup: {outside[:3]}")
+                    self.daemon_threads = max(self.daemon_threads, n)
                 if res.returncode != 0:
                     raise RuntimeError(f"memfs flush --wait: {res.stderr.strip()}")
                 st = memfs("status", str(mnt), "--json", timeout=60)
@@ -391,22 +729,24 @@ class Bench:
             verify(backing, w, a.jobs, against=None, full=False)  # still all there after umount
         finally:
             shutil.rmtree(backing, ignore_errors=True)
-        return {"write": t1 - t0, "in_dir": t2 - t0, "drain": t2 - t1, "umount": t4 - t3}
+        return {"write": t1 - t0, "in_dir": t2 - t0, "drain": t2 - t1, "umount": t4 - t3, **io}
 
     def _direct(self, w: Workload, rnd: int, fsync: bool) -> dict[str, float]:
         d = self.backing_root / f"direct-{'fsync-' if fsync else ''}{w.name}-{rnd}"
         d.mkdir()
         try:
             drop_caches()
-            t0, t1 = run_writers(d, w, self.args.jobs, fsync=fsync)
+            io0 = self.io()
+            t0, t1 = run_writers(d, w, self.args.jobs, fsync=fsync, cgroup=self.cgroup)
             if not fsync:
                 os.sync()  # the backing filesystem is the only one with dirty pages now
             t2 = time.monotonic() if not fsync else t1
+            io = self.io_result(io0)
             verify(d, w, self.args.jobs, against=None, full=False)
         finally:
             shutil.rmtree(d, ignore_errors=True)
             os.sync()  # the deletions, outside of any timed phase
-        return {"write": t1 - t0, "in_dir": t2 - t0}
+        return {"write": t1 - t0, "in_dir": t2 - t0, **io}
 
     def direct(self, w: Workload, rnd: int) -> dict[str, float]:
         return self._direct(w, rnd, fsync=False)
@@ -436,8 +776,10 @@ def report(
         med = medians[w.name]
         print(f"\n{w.name} files: {w.describe()}, {min(args.jobs, w.files)} writers;"
               f" medians of {args.rounds} rounds")
-        print("| phase | write s | MiB/s | files/s | in DIR s | to DIR MiB/s |")
-        print("|---|---:|---:|---:|---:|---:|")
+        throttled = args.throttle is not None
+        print("| phase | write s | MiB/s | files/s | in DIR s | to DIR MiB/s |"
+              + (" MiB to DIR's device | of it throttled |" if throttled else ""))
+        print("|---|---:|---:|---:|---:|---:|" + ("---:|---:|" if throttled else ""))
         for phase in PHASES:
             if phase not in med:
                 continue
@@ -448,7 +790,13 @@ def report(
                 f"{in_dir:.2f}" if in_dir is not None else "-",
                 f"{w.total / MiB / in_dir:.0f}" if in_dir is not None else "-",
             ]
-            print(f"| {LABELS[phase]} | {' | '.join(cells)} |")
+            if throttled:
+                dev = m.get("dev_mib")
+                cells += ["-", "-"] if dev is None else [f"{dev:.0f}", f"{m['throttled_pct']:.0f}%"]
+            label = LABELS[phase]
+            if throttled and phase == "direct":
+                label += " [its write-back is not throttled]"
+            print(f"| {label} | {' | '.join(cells)} |")
         if "memfs" in med:
             mem = med["memfs"]
             parts = []
@@ -480,7 +828,8 @@ def main() -> int:
     ap.add_argument("--backing-dir", type=Path, default=Path("/var/tmp"),
                     help="where DIR is made (a disk, not tmpfs; default /var/tmp)")
     ap.add_argument("--pool", type=parse_size, default=None,
-                    help="memfs pool and tmpfs size (default: max(4G, 2 x largest workload))")
+                    help="memfs pool and tmpfs size (default: max(4G, 4 x largest workload), so that "
+                         "the workload stays below the default dirty cap, half the pool)")
     ap.add_argument("--memfs-opt", action="append", default=[],
                     help="extra `memfs mount` argument, e.g. --memfs-opt=--no-backing-fsync")
     ap.add_argument("--flush-timeout", type=float, default=900.0, help="seconds for flush --wait")
@@ -492,6 +841,10 @@ def main() -> int:
     ap.add_argument("--skip-direct", action="store_true", help="both direct phases")
     ap.add_argument("--skip-tmpfs", action="store_true")
     ap.add_argument("--json", help="also write results here")
+    ap.add_argument("--throttle", type=parse_limit, metavar="WBPS[,WIOPS]",
+                    help="emulate a slow DIR: ext4 on a loop device over a sparse image in"
+                         " --backing-dir, writes limited by a cgroup v1 blkio throttle"
+                         " (e.g. 200M,2000: 200 MiB/s, 2000 write IOPS); see the header")
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("bench needs root (mounts, drop_caches)", file=sys.stderr)
@@ -507,7 +860,9 @@ def main() -> int:
         print("nothing to do (--skip-large and --skip-small)", file=sys.stderr)
         return 2
     if args.pool is None:
-        args.pool = max(4 * GiB, 2 * max(w.total for w in workloads))
+        # The default dirty cap is half the pool: a workload as large as the cap
+        # would measure how fast DIR takes the data, not how fast memfs does.
+        args.pool = max(4 * GiB, 4 * max(w.total for w in workloads))
 
     phases = [p for p in PHASES if not getattr(args, f"skip_{p.split('+')[0]}")]
     notes = []
@@ -524,45 +879,85 @@ def main() -> int:
         notes.append("memfs runs with --no-backing-fsync: its 'in DIR' means in DIR's page cache,"
                      " not on disk (compare it with 'close only', not with 'fsync+close')")
     args.backing_dir.mkdir(parents=True, exist_ok=True)
-    fs = filesystem_of(args.backing_dir)
-    if re.match(r"(tmpfs|ramfs|fuse\.memfs) ", fs):
-        notes.append(f"WARNING: the backing directory is in memory ({fs.split()[0]}), not a disk")
-    # SIGTERM (e.g. a timeout(1) around make) must run the finally blocks that unmount.
+    host_fs = filesystem_of(args.backing_dir)
+    if re.match(r"(tmpfs|ramfs|fuse\.memfs) ", host_fs):
+        notes.append(f"WARNING: the backing directory is in memory ({host_fs.split()[0]}), not a disk")
+    # SIGTERM (e.g. a timeout(1) around make) and SIGHUP must run the finally blocks
+    # that unmount, detach the loop device and remove the cgroup.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGHUP, lambda *_: sys.exit(129))
 
-    base = Path(tempfile.mkdtemp(prefix="memfs-bbbench-"))
-    backing_root = Path(tempfile.mkdtemp(prefix="memfs-bbbench-", dir=args.backing_dir))
-    bench = Bench(args, base, backing_root)
-    samples: dict[str, dict[str, dict[str, list[float]]]] = {}
-    try:
-        print(f"DIR: {backing_root}, {fs}", file=sys.stderr)
-        for rnd in range(args.rounds):
-            order = phases[rnd % len(phases):] + phases[: rnd % len(phases)]
-            for w in workloads:
-                for phase in order:
-                    t = time.monotonic()
-                    try:
-                        result = bench.phase(phase, w, rnd)
-                    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
-                        print(f"bench: round {rnd + 1} {w.name} {phase}: {exc}", file=sys.stderr)
-                        return 1
-                    print(f"round {rnd + 1}/{args.rounds} {w.name} {phase}: "
-                          + ", ".join(f"{k} {v:.2f} s" for k, v in result.items())
-                          + f" ({time.monotonic() - t:.0f} s with set-up)", file=sys.stderr)
-                    for k, v in result.items():
-                        samples.setdefault(w.name, {}).setdefault(phase, {}).setdefault(k, []).append(v)
-    finally:
-        for sub in ("memfs", "tmpfs"):
-            if is_mounted(base / sub):
-                if sub == "memfs":
-                    unmount_memfs(base / sub, daemon_pids(base / sub))
-                else:
-                    subprocess.run(["umount", "-l", str(base / sub)], check=False)
-        shutil.rmtree(backing_root, ignore_errors=True)
-        if not any(is_mounted(base / sub) for sub in ("memfs", "tmpfs")):
-            shutil.rmtree(base, ignore_errors=True)
+    with ExitStack() as stack:
+        disk: ThrottledDisk | None = None
+        throttle_info: dict[str, Any] = {}
+        header: list[str] = []
+        if args.throttle is not None:
+            image = 2 * sum(w.total for w in workloads) + 512 * MiB
+            try:
+                disk = stack.enter_context(ThrottledDisk(args.backing_dir, image, args.throttle))
+                assert disk.mnt is not None and disk.cgroup is not None
+                print(f"bench: throttled DIR: {disk.loop} ({disk.majmin}) at {disk.mnt},"
+                      f" cgroup {disk.cgroup}; preflight...", file=sys.stderr)
+                lines, pre = disk.preflight()
+            except (RuntimeError, OSError) as exc:
+                print(f"bench: --throttle: {exc}", file=sys.stderr)
+                return 1
+            for line in lines:
+                print(line, file=sys.stderr)
+            dir_parent = disk.mnt
+            fs = filesystem_of(disk.mnt)
+            throttle_info = {
+                "limit": {"write_bps": args.throttle.bps, "write_iops": args.throttle.iops},
+                "image_bytes": image, "image_on": host_fs, "loop_direct_io": disk.dio,
+                "cgroup": str(disk.cgroup), "preflight": pre,
+            }
+            header = [
+                f"DIR is an EMULATED slow backing filesystem, not a parallel filesystem: ext4 on"
+                f" {disk.loop} (a sparse {fmt_size(image)} image on {host_fs}; loop direct-io"
+                f" {'on' if disk.dio == '1' else disk.dio}), writes limited to"
+                f" {args.throttle.describe()} by a cgroup v1 blkio throttle"
+                f" (blkio.throttle.write_*_device on {disk.majmin}) that holds the direct writers,"
+                " or the memfs daemon with all its threads, shared among them",
+                *lines,
+            ]
         else:
-            print(f"bench: {base} still has a mount under it; left in place", file=sys.stderr)
+            dir_parent = args.backing_dir
+            fs = host_fs
+        base = Path(tempfile.mkdtemp(prefix="memfs-bbbench-"))
+        backing_root = Path(tempfile.mkdtemp(prefix="memfs-bbbench-", dir=dir_parent))
+        bench = Bench(args, base, backing_root, disk)
+        samples: dict[str, dict[str, dict[str, list[float]]]] = {}
+        try:
+            print(f"DIR: {backing_root}, {fs}", file=sys.stderr)
+            for rnd in range(args.rounds):
+                order = phases[rnd % len(phases):] + phases[: rnd % len(phases)]
+                for w in workloads:
+                    for phase in order:
+                        t = time.monotonic()
+                        try:
+                            result = bench.phase(phase, w, rnd)
+                        except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+                            print(f"bench: round {rnd + 1} {w.name} {phase}: {exc}", file=sys.stderr)
+                            return 1
+                        print(f"round {rnd + 1}/{args.rounds} {w.name} {phase}: "
+                              + ", ".join(f"{k} {v:.2f}" + (" s" if k in TIMES else "")
+                                          for k, v in result.items())
+                              + f" ({time.monotonic() - t:.0f} s with set-up)", file=sys.stderr)
+                        for k, v in result.items():
+                            samples.setdefault(w.name, {}).setdefault(phase, {}).setdefault(k, []).append(v)
+        finally:
+            for sub in ("memfs", "tmpfs"):
+                if is_mounted(base / sub):
+                    if sub == "memfs":
+                        unmount_memfs(base / sub, daemon_pids(base / sub))
+                    else:
+                        subprocess.run(["umount", "-l", str(base / sub)], check=False)
+            shutil.rmtree(backing_root, ignore_errors=True)
+            if not any(is_mounted(base / sub) for sub in ("memfs", "tmpfs")):
+                shutil.rmtree(base, ignore_errors=True)
+            else:
+                print(f"bench: {base} still has a mount under it; left in place", file=sys.stderr)
+        # (the ExitStack removes the throttled disk and its cgroup here)
 
     medians = {
         wn: {ph: {k: statistics.median(v) for k, v in d.items()} for ph, d in per.items()}
@@ -570,10 +965,13 @@ def main() -> int:
     }
     header = [
         f"memfs --backing DIR vs DIR direct vs tmpfs; DIR on {fs}",
+        *header,
         f"page cache: sync + drop_caches before every timed phase; {dirty_limits()}",
         f"memfs: pool {fmt_size(args.pool)}"
         + (f", {' '.join(args.memfs_opt)}" if args.memfs_opt else ", default options")
-        + (f"; status: {json.dumps(bench.memfs_config)}" if bench.memfs_config else ""),
+        + (f"; status: {json.dumps(bench.memfs_config)}" if bench.memfs_config else "")
+        + (f"; daemon threads, all checked in the cgroup: {bench.daemon_threads}"
+           if bench.daemon_threads else ""),
         *notes,
     ]
     report(medians, workloads, args, header)
@@ -584,7 +982,7 @@ def main() -> int:
                 "backing_fs": fs, "pool": args.pool, "memfs_opt": args.memfs_opt,
                 "memfs_status": bench.memfs_config, "jobs": args.jobs, "rounds": args.rounds,
                 "workloads": {w.name: {"files": w.files, "file_size": w.file_size} for w in workloads},
-                "notes": notes,
+                "notes": notes, "throttle": throttle_info or None,
             },
             "samples": samples, "medians": medians,
         }, indent=2))
