@@ -536,7 +536,12 @@ class BackedMeta(Meta):
         while ks := self.store.missing(ino, offset, length):
             mine = [k for k in ks if (ino, k) not in self._fetching]
             if mine:
-                await self._fetch(ino, mine, path)
+                try:
+                    await self._fetch(ino, mine, path)
+                except FsError:
+                    if self.store.missing(ino, offset, length):
+                        raise
+                    return  # fetched by someone else meanwhile (a file being unlinked)
             for k in ks:
                 ev = self._fetching.get((ino, k))
                 if ev is not None:
@@ -544,21 +549,24 @@ class BackedMeta(Meta):
 
     async def _fetch(self, ino: int, ks: list[int], path: bytes | None = None) -> None:
         cs = self.chunk_size
-        events = {k: trio.Event() for k in ks}
-        for k, ev in events.items():
-            self._fetching[(ino, k)] = ev
+        # Open first: that may wait for the namespace lock, whose holder may be
+        # fetching this very file (before an unlink): chunks are claimed only after.
+        fd = await self._open_backing(ino, path)
         try:
-            fd = await self._open_backing(ino, path)
+            ks = [k for k in ks if (ino, k) not in self._fetching]
+            events = {k: trio.Event() for k in ks}
+            for k, ev in events.items():
+                self._fetching[(ino, k)] = ev
             try:
                 for run in _runs(ks):
                     for part in (run[j : j + STEP // cs] for j in range(0, len(run), STEP // cs)):
                         await self._fetch_run(ino, fd, part)
             finally:
-                os.close(fd)
+                for k, ev in events.items():
+                    del self._fetching[(ino, k)]
+                    ev.set()
         finally:
-            for k, ev in events.items():
-                del self._fetching[(ino, k)]
-                ev.set()
+            os.close(fd)
 
     async def _open_backing(self, ino: int, path: bytes | None) -> int:
         if path is None:
