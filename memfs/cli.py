@@ -30,6 +30,7 @@ from typing import IO, TYPE_CHECKING, Any
 from memfs import __version__
 from memfs.config import FlushConfig, PoolConfig, parse_hostport, parse_size
 from memfs.errors import ControlError, UsageError
+from memfs.host import process_alive
 
 if TYPE_CHECKING:
     from memfs.control import ControlClient
@@ -48,6 +49,9 @@ POLL_INTERVAL = 0.2
 REQUEST_BUDGET = 512 << 10
 #: ``memfs umount`` says what the daemon is writing back if it takes longer than this
 DRAIN_NOTICE_AFTER = 2.0
+#: ``memfs umount`` shows write-back errors of the last this many seconds (a failing
+#: write-back is retried at least every 30 s)
+RECENT_ERROR = 60.0
 #: longest Unix socket path (sun_path is 108 bytes with its NUL)
 SUN_PATH_MAX = 107
 FLUSH_XATTR = "user.memfs.flush"
@@ -57,10 +61,18 @@ class OperationFailed(Exception):
     """A command failed for a reason that is not a usage mistake (exit 1, one line)."""
 
 
+#: root's daemons: pid and log files (mode 0700: nobody else's business)
+ROOT_RUNTIME_DIR = Path("/run/memfs")
+#: root's daemons: control sockets only (mode 0755, sockets 0666), so that the
+#: owner of a mount's root directory can reach its daemon; the daemon itself
+#: decides who may use it (SO_PEERCRED), see :mod:`memfs.control`
+ROOT_CONTROL_DIR = Path("/run/memfs-ctl")
+
+
 def runtime_dir() -> Path:
     """Where daemons keep their pid and log files."""
     if os.geteuid() == 0:
-        return Path("/run/memfs")
+        return ROOT_RUNTIME_DIR
     base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/memfs-{os.getuid()}"
     return Path(base) / "memfs" if "XDG_RUNTIME_DIR" in os.environ else Path(base)
 
@@ -99,17 +111,41 @@ def pid_file(mountpoint: str) -> Path:
     return runtime_dir() / f"{instance_name(mountpoint)}.pid"
 
 
-def control_socket(mountpoint: str) -> Path:
-    """The mount daemon's control socket (``memfs flush/status/stage-in``).
+def control_dir() -> Path:
+    """Where the daemons of this user put their control sockets.
 
-    Next to the pid file; a name that would not fit a Unix socket address
+    Root's: :data:`ROOT_CONTROL_DIR`, reachable by every user (the daemon checks
+    who connects).  Anyone else's: next to the pid files, in a directory of
+    their own that only they (and root) can enter.
+    """
+    return ROOT_CONTROL_DIR if os.geteuid() == 0 else runtime_dir()
+
+
+def _socket_in(directory: Path, mountpoint: str) -> Path:
+    name = instance_name(mountpoint)
+    path = directory / f"{name}.ctl"
+    if len(os.fsencode(path)) > SUN_PATH_MAX:
+        path = directory / f"ctl-{hashlib.sha256(name.encode()).hexdigest()[:32]}.ctl"
+    return path
+
+
+def control_socket(mountpoint: str) -> Path:
+    """The control socket (``memfs flush/status/stage-in``) of a daemon this user starts.
+
+    In :func:`control_dir`; a name that would not fit a Unix socket address
     (deep mountpoints) is replaced by a hash of it.
     """
-    name = instance_name(mountpoint)
-    path = runtime_dir() / f"{name}.ctl"
-    if len(os.fsencode(path)) > SUN_PATH_MAX:
-        path = runtime_dir() / f"ctl-{hashlib.sha256(name.encode()).hexdigest()[:32]}.ctl"
-    return path
+    return _socket_in(control_dir(), mountpoint)
+
+
+def control_sockets(mountpoint: str) -> list[Path]:
+    """Where the daemon of *mountpoint* may listen, in the order to try: this
+    user's own daemon's place, then (for a user other than root) root's, as the
+    owner of a mount root that root mounted (a Slurm job's) talks to root's daemon."""
+    own = control_socket(mountpoint)
+    if os.geteuid() == 0:
+        return [own]
+    return list(dict.fromkeys([own, _socket_in(ROOT_CONTROL_DIR, mountpoint)]))
 
 
 def default_log_file(mountpoint: str) -> Path:
@@ -159,14 +195,38 @@ def within(path: str, top: str) -> bool:
     return path == top or path.startswith(top.rstrip("/") + "/")
 
 
-def memfs_mountpoint(arg: str) -> str:
-    """The memfs mountpoint *arg* names (a symlink to it too); UsageError otherwise."""
+def mount_source(path: str) -> str | None:
+    """The source field of the topmost mount at *path* (``memfs`` for an embedded
+    pool, ``HOST:PORT`` for a client of a metadata server), or None."""
+    real = canonical(path)
+    found = None
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 2 and _unescape(fields[1]) == real:
+                    found = _unescape(fields[0])
+    except OSError:
+        pass
+    return found
+
+
+def memfs_mountpoint(arg: str, *, draining: bool = False) -> str:
+    """The memfs mountpoint *arg* names (a symlink to it too); UsageError otherwise.
+
+    With *draining*, also a mountpoint that is no longer mounted but whose daemon
+    still runs (writing back after an interrupted ``memfs umount``): its control
+    socket still answers.
+    """
     table = mount_table()
     path = canonical(arg)
     if all(m != path for m, _ in table) and os.path.islink(path):
         path = os.path.realpath(path)
     types = [t for m, t in table if m == path]
     if not types:
+        if draining and (client := draining_daemon(path)) is not None:
+            client.close()
+            return path
         raise UsageError(f"{arg} is not a memfs mount (not mounted)")
     if types[-1] != "fuse.memfs":
         raise UsageError(f"{arg} is a {types[-1]} mount, not memfs")
@@ -208,10 +268,34 @@ def split_o(values: Sequence[str]) -> list[str]:
     return [o.strip() for v in values for o in v.split(",") if o.strip()]
 
 
+class _SubParser(argparse.ArgumentParser):
+    """A subcommand's parser; with ``intermixed`` set, options may follow the
+    positional arguments too (``memfs flush MNT --wait PATH``)."""
+
+    intermixed = False
+    _inside = False
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        if not self.intermixed or self._inside:
+            return super().parse_known_args(args, namespace)
+        self._inside = True  # parse_known_intermixed_args calls back here
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._inside = False
+
+
+DESCRIPTION = ("memfs: a FUSE filesystem over pooled memory, on one node or a cluster; "
+               "with --backing DIR, a burst buffer in front of a parallel filesystem.")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="memfs", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="memfs", description=DESCRIPTION)
     p.add_argument("--version", action="version", version=f"memfs {__version__}")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                           parser_class=_SubParser)
 
     m = sub.add_parser("mount", help="mount a memfs filesystem")
     m.add_argument("mountpoint")
@@ -272,28 +356,30 @@ def build_parser() -> argparse.ArgumentParser:
     ms.add_argument("--debug", "-d", action="store_true", help="log at debug level")
     _add_flush_arguments(ms, mount=False)
 
+    paths_help = ("files or directories in the mount: absolute, or relative to the current "
+                  "directory (or else to MNT); default: everything")
     f = sub.add_parser("flush", help="write dirty data back to the backing directory now")
-    f.add_argument("mountpoint")
-    f.add_argument("paths", nargs="*", metavar="PATH",
-                   help="files or directories under the mountpoint (default: everything)")
+    f.intermixed = True
+    f.add_argument("mountpoint", metavar="MNT", help="the memfs mountpoint")
+    f.add_argument("paths", nargs="*", default=[], metavar="PATH", help=paths_help)
     f.add_argument("--wait", action="store_true",
                    help="return when everything named is clean in the backing directory")
     f.add_argument("--quiet", "-q", action="store_true", help="no progress line, even on a terminal")
 
     st = sub.add_parser("status", help="capacity, dirty data, write-back and stage-in progress")
-    st.add_argument("mountpoint")
+    st.add_argument("mountpoint", metavar="MNT", help="the memfs mountpoint")
     st.add_argument("--json", action="store_true", help="the daemon's status as JSON")
 
     si = sub.add_parser("stage-in", help="fetch files from the backing directory into memory")
-    si.add_argument("mountpoint")
-    si.add_argument("paths", nargs="*", metavar="PATH",
-                    help="files or directories under the mountpoint (default: everything)")
+    si.intermixed = True
+    si.add_argument("mountpoint", metavar="MNT", help="the memfs mountpoint")
+    si.add_argument("paths", nargs="*", default=[], metavar="PATH", help=paths_help)
     si.add_argument("--manifest", metavar="FILE",
-                    help="more paths, one per line (absolute, or relative to the mountpoint); "
+                    help="more paths, one per line (absolute, or relative to MNT); "
                          "blank lines and # comments are ignored")
     si.add_argument("--no-wait", action="store_true",
-                    help="return once queued (prints the ticket: one per line if the paths "
-                         "took several requests) instead of waiting")
+                    help="return once queued, saying how much is being fetched, instead of "
+                         "waiting (memfs status shows what is left)")
 
     so = sub.add_parser("stage-out", help="write a tree as one tar archive instead of file by file")
     so.add_argument("path", metavar="MNT/PATH", help="a file or directory in a memfs mount")
@@ -421,6 +507,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
         args, pool_from_args(args).size if args.dirty_max is not None and not args.mds else None
     )
     mountpoint = check_mountpoint(args.mountpoint)
+    check_no_daemon(mountpoint)
     if flush is not None:
         check_overlap(flush.backing, mountpoint)
     if args.attr_timeout is None:
@@ -448,10 +535,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
     # Every mount has one: in cluster mode the mds may write back for it.
     ctl = control_socket(mountpoint)
     opts.control_path = str(ctl)
-    try:
-        ctl.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"cannot create {ctl.parent}: {exc.strerror}") from None
+    make_control_dir(ctl.parent)
     if args.foreground:
         try:
             setup_logging(args.debug, args.log)
@@ -459,6 +543,49 @@ def cmd_mount(args: argparse.Namespace) -> int:
             raise UsageError(f"cannot open log file {args.log}: {exc.strerror}") from None
         return mount.run(opts)
     return _daemonize(opts, args)
+
+
+def check_no_daemon(mountpoint: str) -> None:
+    """Refuse to mount where the daemon of an earlier mount still runs.
+
+    After an interrupted ``memfs umount`` the daemon writes back what it holds
+    to its backing directory, pid file and control socket still in use; a
+    second daemon would take them over and ``memfs umount`` could no longer
+    wait for the first.
+    """
+    client = draining_daemon(mountpoint)
+    if client is None:
+        return
+    try:
+        client.call("status", timeout=5.0)
+        doing = "is still writing back to its backing directory"
+    except (ControlError, UsageError):
+        doing = "is still running"  # no backing directory: exiting
+    finally:
+        client.close()
+    pid = daemon_pid(mountpoint)
+    raise UsageError(f"a memfs daemon{f' (pid {pid})' if pid else ''} for {mountpoint} {doing}; "
+                     f"wait with `memfs umount {mountpoint}`")
+
+
+def make_control_dir(path: Path) -> None:
+    """The directory for a new daemon's control socket.
+
+    Root's (:data:`ROOT_CONTROL_DIR`) is mode 0755 and holds sockets only, so
+    that the owner of a mount root can reach its daemon, which checks who
+    connects; anyone else's is their private runtime directory (0700).
+    """
+    mode = 0o755 if path == ROOT_CONTROL_DIR else 0o700
+    try:
+        path.mkdir(mode=mode, parents=True, exist_ok=True)
+        st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode):
+            raise UsageError(f"{path} is not a directory")
+        if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != mode and \
+                path == ROOT_CONTROL_DIR:
+            os.chmod(path, mode)
+    except OSError as exc:
+        raise UsageError(f"cannot create {path}: {exc.strerror}") from None
 
 
 def _daemonize(opts: object, args: argparse.Namespace) -> int:
@@ -501,7 +628,8 @@ def _daemonize(opts: object, args: argparse.Namespace) -> int:
             try:
                 status = mount.run(opts, ready)
             finally:
-                pidf.unlink(missing_ok=True)
+                if _read_pid(pidf) == os.getpid():  # not a later daemon's
+                    pidf.unlink(missing_ok=True)
         except UsageError as exc:
             _report(wfd, str(exc))
             status = EXIT_USAGE
@@ -636,6 +764,30 @@ def mount_relative(mnt: str, path: str, base: str | None = None) -> str:
     return "" if rel == "." else rel
 
 
+def user_path(mnt: str, path: str) -> str:
+    """A PATH argument of flush/stage-in as the daemon names it (see :func:`mount_relative`).
+
+    Absolute, or relative to the working directory; a relative PATH that does
+    not exist there but does in the mount is taken relative to the mount root,
+    as manifest lines are (``memfs stage-in /mnt/bb inputs`` from anywhere).
+    It must exist: a mistyped name is the user's mistake, said with the full path.
+    """
+    full = canonical(path)
+    exists = os.path.lexists(full)
+    if exists:
+        if not within(full, mnt):
+            raise UsageError(f"{path} is not inside {mnt}")
+        return mount_relative(mnt, full)
+    alt = None if os.path.isabs(path) else canonical(os.path.join(mnt, path))
+    if alt is not None and within(alt, mnt) and os.path.lexists(alt):
+        return mount_relative(mnt, alt)
+    if within(full, mnt):
+        raise UsageError(f"{full} does not exist")
+    if alt is not None and within(alt, mnt):
+        raise UsageError(f"{alt} does not exist")
+    raise UsageError(f"{path} is not inside {mnt}")
+
+
 def read_manifest(manifest: str, mnt: str) -> list[str]:
     """The paths a stage-in manifest names, relative to the mount root."""
     try:
@@ -660,9 +812,32 @@ def _unique(paths: list[str]) -> list[str]:
 
 
 def _client(mnt: str, timeout: float = CONTROL_TIMEOUT) -> ControlClient:
+    """A client connected to the daemon of *mnt* (see :func:`control_sockets`)."""
     from memfs.control import ControlClient  # imports trio: only when needed
 
-    return ControlClient(control_socket(mnt), mnt, timeout=timeout)
+    errors: list[tuple[bool, UsageError]] = []
+    for path in control_sockets(mnt):
+        client = ControlClient(path, mnt, timeout=timeout)
+        try:
+            client.connect()
+        except UsageError as exc:
+            errors.append((os.path.lexists(path), exc))
+            continue
+        return client
+    # Say why the socket that exists failed, rather than that another one is missing.
+    raise next((e for there, e in errors if there), errors[0][1])
+
+
+def draining_daemon(mnt: str) -> ControlClient | None:
+    """A client connected to a daemon of *mnt* that still runs, or None.
+
+    For a *mnt* that is not mounted: its daemon is then still writing back
+    (``memfs umount`` was interrupted) or about to exit.
+    """
+    try:
+        return _client(mnt, timeout=CONTROL_TIMEOUT)
+    except UsageError:
+        return None
 
 
 def _call(client: ControlClient, op: str, args: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -748,12 +923,21 @@ def path_batches(paths: list[str]) -> list[list[str]]:
 
 def start_tickets(client: ControlClient, op: str, paths: list[str]) -> list[int]:
     """Send *op* for *paths* (in as many requests as needed): the tickets."""
-    return [_ticket(_call(client, op, {"paths": batch})) for batch in path_batches(paths)]
+    tickets = []
+    for batch in path_batches(paths):
+        try:
+            tickets.append(_ticket(_call(client, op, {"paths": batch})))
+        except ControlError as exc:
+            if exc.errno == errno.ENOENT:  # a name (from a manifest) not in the mount
+                raise UsageError(f"in {client.name}: {exc.message}") from None
+            raise
+    return tickets
 
 
-def wait_tickets(client: ControlClient, tickets: list[int], verb: str, what: str, show: bool) -> None:
+def wait_tickets(client: ControlClient, tickets: list[int], verb: str, what: str,
+                 show: bool) -> list[dict[str, Any]]:
     """Poll "progress" until every ticket is done; a progress line (and the
-    latest error, once) on the terminal when *show*."""
+    latest error, once) on the terminal when *show*.  The tickets' last progress."""
     start = time.monotonic()
     finished: dict[int, dict[str, Any]] = {}
     shown: tuple[Any, ...] | None = None
@@ -776,7 +960,7 @@ def wait_tickets(client: ControlClient, tickets: list[int], verb: str, what: str
                     line.note(_error_note(what, latest))
                     shown = key
             if len(finished) == len(tickets):
-                return
+                return [finished[t] for t in tickets]
             line.update(progress_text(verb, total, time.monotonic() - start))
             time.sleep(POLL_INTERVAL)
 
@@ -789,8 +973,8 @@ def _isatty() -> bool:
 
 
 def cmd_flush(args: argparse.Namespace) -> int:
-    mnt = memfs_mountpoint(args.mountpoint)
-    paths = _unique([mount_relative(mnt, p) for p in args.paths])
+    mnt = memfs_mountpoint(args.mountpoint, draining=True)
+    paths = _unique([user_path(mnt, p) for p in args.paths])
     with _client(mnt) as client:
         tickets = start_tickets(client, "flush", paths)
         if args.wait:
@@ -799,9 +983,13 @@ def cmd_flush(args: argparse.Namespace) -> int:
     return 0
 
 
+#: ``memfs stage-in`` names at most this many files that failed, then counts the rest
+FAILED_SHOWN = 10
+
+
 def cmd_stage_in(args: argparse.Namespace) -> int:
     mnt = memfs_mountpoint(args.mountpoint)
-    paths = [mount_relative(mnt, p) for p in args.paths]
+    paths = [user_path(mnt, p) for p in args.paths]
     if args.manifest is not None:
         named = read_manifest(args.manifest, mnt)
         if not named and not paths:
@@ -810,14 +998,49 @@ def cmd_stage_in(args: argparse.Namespace) -> int:
     with _client(mnt) as client:
         tickets = start_tickets(client, "stage_in", _unique(paths))
         if args.no_wait:
-            print("\n".join(map(str, tickets)))
-            return 0
-        wait_tickets(client, tickets, "staging in", "stage-in of", show=_isatty())
-    return 0
+            progress = [_call(client, "progress", {"ticket": t}) for t in tickets]
+            files, nbytes = _sum(progress, "total_files"), _sum(progress, "total_bytes")
+            if files:
+                print(f"staging in {files} files ({format_bytes(nbytes)}) in the background; "
+                      f"`memfs status {mnt}` shows what is left")
+            else:
+                print("nothing to stage in: all of it is in memory already")
+        else:
+            progress = wait_tickets(client, tickets, "staging in", "stage-in of", show=_isatty())
+        _warn_capacity(client, _sum(progress, "total_bytes"))
+    failed: dict[str, str] = {}
+    for p in progress:
+        for f in p.get("failed") or []:
+            if isinstance(f, dict) and isinstance(f.get("path"), str):
+                failed.setdefault(f["path"], str(f.get("error")))
+    if not failed:
+        return 0
+    for path, error in list(failed.items())[:FAILED_SHOWN]:
+        print(f"memfs: error: stage-in of {os.path.join(mnt, path) if path else mnt}: {error}",
+              file=sys.stderr)
+    if len(failed) > FAILED_SHOWN:
+        print(f"memfs: error: ... and {len(failed) - FAILED_SHOWN} more", file=sys.stderr)
+    return EXIT_FAILED
+
+
+def _sum(progress: list[dict[str, Any]], key: str) -> int:
+    return sum(v for p in progress if isinstance(v := p.get(key, 0), int))
+
+
+def _warn_capacity(client: ControlClient, staged: int) -> None:
+    """Staging in more than the pool holds evicts the first part again."""
+    try:
+        capacity = client.call("status").get("capacity")
+    except ControlError:
+        return
+    if isinstance(capacity, int) and 0 < capacity < staged:
+        print(f"memfs: warning: staged {math.ceil(staged / (1 << 20))} MiB into a pool of "
+              f"{capacity >> 20} MiB: only the most recently staged part stays in memory",
+              file=sys.stderr)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    mnt = memfs_mountpoint(args.mountpoint)
+    mnt = memfs_mountpoint(args.mountpoint, draining=True)
     with _client(mnt) as client:
         status = _call(client, "status")
     if args.json:
@@ -880,6 +1103,9 @@ def cmd_stage_out(args: argparse.Namespace) -> int:
         raise UsageError(f"{args.path} does not exist")
     if os.path.islink(src):
         raise UsageError(f"{args.path} is a symbolic link: name what it points to")
+    if src == mnt:
+        raise UsageError(f"{args.path} is the root of the memfs mount: stage-out would exclude "
+                         "the whole filesystem from write-back; name a directory in it")
     archive = canonical(args.archive)
     if within(archive, mnt):
         raise UsageError(f"archive {args.archive} is inside the memfs mount {mnt} "
@@ -1048,11 +1274,15 @@ def wait_for_daemon(mnt: str, pid: int | None, client: ControlClient | None) -> 
     A daemon with a backing directory writes everything back first, which can
     take long: while its control socket answers (*client*, or None) it is
     never given up on, and if it is still writing back after
-    :data:`DRAIN_NOTICE_AFTER` seconds the user is told what it is doing.
+    :data:`DRAIN_NOTICE_AFTER` seconds the user is told what it is doing (and,
+    on a terminal, each new write-back error: why it takes so long).
     """
     start = time.monotonic()
+    # Errors older than this are history, not the reason for this drain to take long.
+    errors_since = time.time() - RECENT_ERROR
     next_poll = start
     announced = False
+    shown: tuple[Any, ...] | None = None
     with ProgressLine(_isatty()) as line:
         while True:
             if pid is not None and not alive(pid):
@@ -1073,6 +1303,12 @@ def wait_for_daemon(mnt: str, pid: int | None, client: ControlClient | None) -> 
                                    f"{st.get('backing', 'the backing directory')} before exit...")
                         announced = True
                     if announced:
+                        latest = _latest_error(st.get("errors"), errors_since)
+                        if latest is not None:
+                            key = tuple(latest.get(k) for k in ("path", "error", "last"))
+                            if key != shown:
+                                line.note(_error_note("write-back of", latest))
+                                shown = key
                         line.update(f"writing back: {st.get('dirty_files', 0)} files, "
                                     f"{format_bytes(st.get('dirty_bytes', 0))} left, "
                                     f"{format_bytes(st.get('flush_rate', 0.0))}/s")
@@ -1081,12 +1317,47 @@ def wait_for_daemon(mnt: str, pid: int | None, client: ControlClient | None) -> 
             time.sleep(0.05)
 
 
+def _latest_error(errors: Any, since: float) -> dict[str, Any] | None:
+    """The newest entry of a status "errors" list, if it happened after *since*."""
+    if not isinstance(errors, list):
+        return None
+    dated = [e for e in errors if isinstance(e, dict) and isinstance(e.get("last"), (int, float))]
+    if not dated:
+        return None
+    latest = max(dated, key=lambda e: e["last"])
+    return latest if latest["last"] >= since else None
+
+
+def _warn_pinned(client: ControlClient) -> None:
+    """Say what an unmount loses: data excluded from write-back (stage-out trees)."""
+    try:
+        st = client.call("status", timeout=5.0)
+    except (ControlError, UsageError):
+        return  # no backing directory, or no answer: nothing to say
+    files, nbytes = st.get("pinned_files"), st.get("pinned_bytes")
+    files = files if isinstance(files, int) else 0
+    nbytes = nbytes if isinstance(nbytes, int) else 0
+    if files > 0 or nbytes > 0:
+        print(f"memfs: {files} files ({math.ceil(nbytes / (1 << 20))} MiB) under "
+              f"{FLUSH_XATTR}=off trees (stage-out) are not written back and are lost "
+              "with the mount", file=sys.stderr, flush=True)
+
+
 def cmd_umount(args: argparse.Namespace) -> int:
     path = canonical(args.mountpoint)
     if not is_mounted(path) and os.path.islink(path):
         path = os.path.realpath(path)  # a symlink to the mountpoint, as umount(8) takes it
     if not is_mounted(path):
-        raise UsageError(f"{args.mountpoint} is not mounted")
+        # Unmounted by an interrupted `memfs umount` (or fusermount3 -u): its daemon
+        # may still be writing back; wait for it as if this had unmounted it.
+        drain = draining_daemon(path)
+        if drain is None:
+            raise UsageError(f"{args.mountpoint} is not mounted")
+        try:
+            wait_for_daemon(path, daemon_pid(path), drain)
+        finally:
+            drain.close()
+        return 0
     fstype = mount_type(path)
     if fstype is not None and fstype != "fuse.memfs":
         # fusermount3 -u run by root unmounts anything: never another filesystem.
@@ -1101,14 +1372,16 @@ def cmd_umount(args: argparse.Namespace) -> int:
         raise UsageError("fusermount3 not found (apt-get install fuse3)")
     cmd = [tool, "-u"] + (["-z"] if args.lazy else []) + [path]
     # Connected before the unmount: the daemon may have much to write back after it.
-    client = None
-    if control_socket(path).exists():
-        client = _client(path, timeout=2.0)
-        try:
-            client.connect()
-        except UsageError:
-            client = None
+    client: ControlClient | None = None
     try:
+        client = _client(path, timeout=2.0)
+    except UsageError:
+        client = None
+    try:
+        if client is not None and mount_source(path) == "memfs":
+            # Embedded pool: what is pinned dies with this daemon (in cluster
+            # mode it stays in the shared pool).
+            _warn_pinned(client)
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode:
             raise UsageError(res.stderr.strip() or f"{' '.join(cmd)} failed")
@@ -1128,6 +1401,14 @@ def _read_pid(pidf: Path) -> int | None:
         return None
 
 
+def daemon_pid(mnt: str) -> int | None:
+    """The pid of the running daemon of *mnt*, from its pid file, or None."""
+    recorded = _read_pid(pid_file(mnt))
+    # A daemon killed by SIGKILL or the OOM killer leaves its pid file behind, and
+    # the pid may belong to another process by now: only a memfs process counts.
+    return recorded if recorded is not None and alive(recorded) and _is_memfs(recorded) else None
+
+
 def _is_memfs(pid: int) -> bool:
     """True unless /proc shows that *pid* is gone or is not a memfs process."""
     try:
@@ -1140,35 +1421,8 @@ def _is_memfs(pid: int) -> bool:
 
 
 def alive(pid: int) -> bool:
-    """True while *pid* runs.
-
-    An exited daemon stays a zombie until its parent (init, or a subreaper such
-    as a container's PID 1 or systemd) reaps it, which may be late or never:
-    kill(pid, 0) still succeeds then, so ask /proc for the state.
-    """
-    try:
-        # The leader turns zombie first; the process (with its open /dev/fuse) is
-        # only gone when every thread has exited.
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            try:
-                with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                    # "pid (comm) S ...": comm may hold spaces and parentheses.
-                    if f.read().rpartition(")")[2].split()[0] not in ("Z", "X"):
-                        return True
-            except FileNotFoundError:
-                continue  # that thread has just gone
-        return False
-    except FileNotFoundError:
-        return False
-    except (OSError, IndexError):
-        pass  # no procfs: fall back to signalling it
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    """True while *pid* runs (all its threads: its /dev/fuse is open until then)."""
+    return process_alive(pid)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -9,10 +9,17 @@ Protocol: newline-delimited JSON, any number of requests per connection,
 answered in order.  A request is ``{"op": str, "args": {...}}``; the reply is
 ``{"ok": result}`` or ``{"error": message, "errno": n}``.  A line longer than
 :data:`MAX_LINE`, or one that is not such an object, is answered EINVAL and the
-connection is closed.  Only root and the daemon's own user may connect
-(``SO_PEERCRED``; the socket is also mode 0600 in a 0700 directory).  A
-connection idle for :data:`IDLE_TIMEOUT` is closed.  Nothing a client does
-stops the daemon or logs more than a warning.
+connection is closed.  A connection idle for :data:`IDLE_TIMEOUT` is closed.
+Nothing a client does stops the daemon or logs more than a warning.
+
+Who may use it: root, the daemon's own user, and the owner of the mount's root
+directory (a Slurm prolog mounts as root and gives the mount to the job's
+user), checked with ``SO_PEERCRED`` at each connection before anything else.
+The socket file itself is mode 0666: the directory it is in decides who can
+reach it (root's daemons: ``/run/memfs-ctl``, mode 0755; a user's: their own
+0700 runtime directory).  Refused peers do not count against
+:data:`MAX_CONNECTIONS`, and their refusal is sent without waiting long for
+them, so other users cannot crowd out the owner.
 """
 
 from __future__ import annotations
@@ -55,6 +62,16 @@ MAX_CONNECTIONS = 64
 #: instead of meeting ECONNRESET
 LINGER = 1.0
 LINGER_BYTES = 4 * MAX_LINE
+#: refused peers being answered at once; more are closed without a word
+MAX_REFUSALS = 16
+#: how long a refused peer is given to take its answer
+REFUSE_TIMEOUT = 1.0
+#: how long to wait for the mount root's owner (cluster mode asks the metadata server)
+OWNER_TIMEOUT = 10.0
+#: a refused uid is logged at most once per this many seconds
+REFUSAL_LOG_INTERVAL = 60.0
+#: the mount's root directory
+ROOT_INO = 1
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
@@ -87,8 +104,9 @@ async def serve_control(
         await sock.bind(path)
         st = os.stat(path)
         ident = (st.st_dev, st.st_ino)
-        # Between bind and chmod the umask decides; the peer check covers that window.
-        os.chmod(path, 0o600)
+        # Reachable by whoever can enter the directory; the peer check decides
+        # who is served (between bind and chmod the umask decides: the same).
+        os.chmod(path, 0o666)
         sock.listen(16)
         listener = trio.SocketListener(sock)
         server = _Server(meta, idle_timeout)
@@ -127,6 +145,8 @@ class _Server:
         self.meta = meta
         self.idle_timeout = idle_timeout
         self.connections = 0
+        self.refusals = 0
+        self.refused_logged: dict[int, float] = {}
 
     async def accept_loop(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
         while True:
@@ -139,24 +159,55 @@ class _Server:
             nursery.start_soon(self.serve_connection, stream)
 
     async def serve_connection(self, stream: trio.SocketStream) -> None:
-        self.connections += 1
         try:
             async with stream:
-                await self._converse(stream)
+                uid = _peer_uid(stream.socket)
+                owner = await self._allowed(uid)
+                if owner is not None:
+                    await self._refuse_peer(stream, uid, owner)
+                    return
+                self.connections += 1
+                try:
+                    await self._converse(stream)
+                finally:
+                    self.connections -= 1
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             log.debug("control connection ended: %s", exc)
+
+    async def _allowed(self, uid: int) -> int | None:
+        """None if *uid* may use the socket; else the mount root's owner (-1: unknown)."""
+        if uid in (0, os.geteuid()):
+            return None
+        owner = -1
+        with trio.move_on_after(OWNER_TIMEOUT):
+            try:
+                owner = (await self.meta.getattr(ROOT_INO)).uid
+            except Exception as exc:  # noqa: BLE001 - then only root and the daemon's user
+                log.debug("control socket: no owner of the mount root: %s", exc)
+        return None if owner == uid else owner
+
+    async def _refuse_peer(self, stream: trio.SocketStream, uid: int, owner: int) -> None:
+        now = time.monotonic()
+        if now - self.refused_logged.get(uid, -REFUSAL_LOG_INTERVAL) >= REFUSAL_LOG_INTERVAL:
+            if len(self.refused_logged) > 1000:
+                self.refused_logged.clear()
+            self.refused_logged[uid] = now
+            log.warning("control socket: refused a connection from uid %d", uid)
+        if self.refusals >= MAX_REFUSALS:
+            return  # a flood: closed without a word
+        self.refusals += 1
+        try:
+            who = f"the owner of the mount (uid {owner})" if owner >= 0 else "the daemon's user"
+            await self._refuse(stream, errno.EACCES,
+                               f"uid {uid} may not control this mount: only root and {who} may",
+                               patience=REFUSE_TIMEOUT, owner=owner)
         finally:
-            self.connections -= 1
+            self.refusals -= 1
 
     async def _converse(self, stream: trio.SocketStream) -> None:
         if self.connections > MAX_CONNECTIONS:
             log.warning("control socket: more than %d connections, refusing one", MAX_CONNECTIONS)
             await self._refuse(stream, errno.EBUSY, "too many control connections")
-            return
-        uid = _peer_uid(stream.socket)
-        if uid not in (0, os.geteuid()):
-            log.warning("control socket: refused a connection from uid %d", uid)
-            await self._refuse(stream, errno.EACCES, f"uid {uid} may not control this mount")
             return
         buf = bytearray()
         while True:
@@ -172,9 +223,10 @@ class _Server:
             if not await self._send(stream, await self._call(op, args)):
                 return
 
-    async def _refuse(self, stream: trio.SocketStream, err: int, message: str) -> None:
+    async def _refuse(self, stream: trio.SocketStream, err: int, message: str, *,
+                      patience: float = SEND_TIMEOUT, **extra: Any) -> None:
         """Answer with an error, then close gracefully (see :data:`LINGER`)."""
-        if not await self._send(stream, _error(err, message)):
+        if not await self._send(stream, _error(err, message, **extra), patience):
             return
         with trio.move_on_after(LINGER):
             await stream.send_eof()
@@ -217,12 +269,15 @@ class _Server:
             return _error(errno.EIO, f"{op} failed in the daemon ({type(exc).__name__}: {exc}); "
                                      "see its log")
 
-    async def _send(self, stream: trio.SocketStream, data: bytes) -> bool:
-        """Send one reply; False (connection to be closed) if the client will not take it."""
-        with trio.move_on_after(SEND_TIMEOUT):
+    async def _send(self, stream: trio.SocketStream, data: bytes,
+                    patience: float = SEND_TIMEOUT) -> bool:
+        """Send one reply; False (connection to be closed) if the client will not take it
+        within *patience* seconds."""
+        with trio.move_on_after(patience):
             await stream.send_all(data)
             return True
-        log.warning("control socket: client took no reply for %.0f s, closing", SEND_TIMEOUT)
+        if patience >= SEND_TIMEOUT:
+            log.warning("control socket: client took no reply for %.0f s, closing", patience)
         return False
 
 
@@ -251,8 +306,8 @@ def _encode(reply: dict[str, Any]) -> bytes:
     return json.dumps(reply, separators=(",", ":")).encode() + b"\n"
 
 
-def _error(err: int, message: str) -> bytes:
-    return _encode({"error": message, "errno": err})
+def _error(err: int, message: str, **extra: Any) -> bytes:
+    return _encode({"error": message, "errno": err, **extra})
 
 
 # -- client ------------------------------------------------------------------------------
@@ -262,8 +317,8 @@ class ControlClient:
     """A blocking connection to a mount daemon's control socket (for the CLI).
 
     *name* is what error messages call the mount (its mountpoint).  Failing to
-    connect is a :class:`UsageError`; an error reply, a timeout or a dropped
-    connection is :class:`ControlError`.
+    connect, or being refused for who we are, is a :class:`UsageError`; an
+    error reply, a timeout or a dropped connection is :class:`ControlError`.
     """
 
     def __init__(self, path: str | os.PathLike[str], name: str, *, timeout: float = 10.0) -> None:
@@ -274,7 +329,8 @@ class ControlClient:
         self._buf = bytearray()
 
     def __enter__(self) -> ControlClient:
-        self.connect()
+        if self._sock is None:
+            self.connect()
         return self
 
     def __exit__(
@@ -337,6 +393,14 @@ class ControlClient:
         if isinstance(value, dict) and isinstance(value.get("ok"), dict):
             return value["ok"]
         if isinstance(value, dict) and isinstance(value.get("errno"), int):
+            if value["errno"] == errno.EACCES and isinstance(value.get("owner"), int):
+                # Refused for who we are: as if we could not connect.
+                self.close()
+                owner = value["owner"]
+                who = f"the owner of {self.name} (uid {owner})" if owner >= 0 \
+                    else "the user of its daemon"
+                raise UsageError(f"only root and {who} may control this mount "
+                                 f"(you are uid {os.getuid()})")
             raise ControlError(value["errno"], str(value.get("error") or os.strerror(value["errno"])))
         self.close()
         raise ControlError(errno.EPROTO, f"the daemon of {self.name} sent a malformed reply")

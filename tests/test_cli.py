@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import json
 import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -28,7 +30,7 @@ from memfs import cli
 from memfs.cli import is_mounted, pid_file
 from memfs.config import FlushConfig
 from memfs.errors import UsageError
-from tests.conftest import MEMFS, MOUNT_SKIP, Mounted
+from tests.conftest import MEMFS, MOUNT_SKIP, Mounted, wait_gone
 
 TIMEOUT = 30
 F = TypeVar("F", bound=Callable[..., Any])
@@ -733,3 +735,201 @@ def test_flush_config_from_arguments(tmp_path: Path) -> None:
         discard_on_unmount=True,
     )
     assert cli.flush_from_args(cli.build_parser().parse_args(["mount", "/mnt/x"]), None) is None
+
+
+# -- burst buffer commands against real daemons --------------------------------------
+
+
+def _wait_until(cond: Callable[[], bool], timeout: float = TIMEOUT, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _status(mnt: Path) -> dict[str, Any]:
+    res = memfs("status", str(mnt), "--json")
+    assert res.returncode == 0, res.stderr
+    st: dict[str, Any] = json.loads(res.stdout)
+    return st
+
+
+@pytest.mark.mount
+def test_umount_says_what_stage_out_trees_lose(
+    memfs_mount: Callable[..., Mounted], tmp_path: Path
+) -> None:
+    """Data under user.memfs.flush=off is never written back: unmounting loses it,
+    and ``memfs umount`` says so (and unmounts all the same); nothing pinned, nothing said."""
+    backing = tmp_path / "backing"
+    backing.mkdir()
+    m = memfs_mount("--size", "64M", "--backing", str(backing), "--flush-delay", "0.2")
+    (m / "kept.txt").write_bytes(b"kept\n")
+    (m / "tree" / "sub").mkdir(parents=True)
+    os.setxattr(m / "tree", cli.FLUSH_XATTR, b"off")
+    (m / "tree" / "a.bin").write_bytes(os.urandom(3 << 20))
+    (m / "tree" / "sub" / "b.bin").write_bytes(os.urandom(100_000))
+    _wait_until(lambda: _status(m.path).get("pinned_files") == 2, what="two pinned files")
+    res = memfs("umount", str(m.path))
+    assert res.returncode == 0, res.stderr
+    assert res.stderr == ("memfs: 2 files (4 MiB) under user.memfs.flush=off trees (stage-out) "
+                          "are not written back and are lost with the mount\n")
+    assert not is_mounted(str(m.path)) and wait_gone(m.pid, TIMEOUT)
+    assert (backing / "kept.txt").read_bytes() == b"kept\n"
+    assert not (backing / "tree" / "a.bin").exists()
+
+    m2 = memfs_mount("--size", "64M", "--backing", str(backing))
+    (m2 / "more.txt").write_bytes(b"more\n")
+    res = memfs("umount", str(m2.path))
+    assert (res.returncode, res.stderr) == (0, "")
+
+
+@needs_mount
+def test_interrupted_umount_leaves_a_daemon_that_can_still_be_reached(tmp_path: Path) -> None:
+    """Ctrl-C on a ``memfs umount`` that waits for a drain: the daemon keeps writing
+    back.  A new mount at MNT is refused while it runs; ``memfs status`` and
+    ``memfs flush --wait`` reach it through its control socket though MNT is no
+    longer mounted; ``memfs umount MNT`` waits for it to finish, as before."""
+    small, mnt = tmp_path / "small", tmp_path / "mnt"
+    small.mkdir()
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "memfs-test-small", str(small)],
+                   check=True, timeout=TIMEOUT)
+    pid = None
+    try:
+        res = memfs("mount", str(mnt), "--size", "64M", "--backing", str(small),
+                    "--log", str(tmp_path / "log"))
+        assert res.returncode == 0, res.stderr
+        pid = int(pid_file(str(mnt)).read_text())
+        data = os.urandom(4 << 20)  # does not fit: write-back fails with ENOSPC, retried
+        (mnt / "big.bin").write_bytes(data)
+
+        umount = subprocess.Popen([*MEMFS, "umount", str(mnt)], stderr=subprocess.PIPE, text=True)
+        _wait_until(lambda: not is_mounted(str(mnt)), what="the FUSE unmount")
+        time.sleep(0.3)
+        umount.send_signal(signal.SIGINT)  # Ctrl-C
+        assert umount.wait(TIMEOUT) == 130
+        assert umount.stderr is not None
+        umount.stderr.close()
+        assert cli.alive(pid)  # still writing back
+
+        line = assert_one_error_line(memfs("mount", str(mnt), "--size", "16M"))
+        assert line == (f"memfs: error: a memfs daemon (pid {pid}) for {mnt} is still writing "
+                        f"back to its backing directory; wait with `memfs umount {mnt}`")
+        st = _status(mnt)
+        assert st["draining"] is True and st["dirty_files"] == 1, st
+        res = memfs("status", str(mnt))
+        assert res.returncode == 0 and "(draining: writing everything back before exit)" in res.stdout
+        assert assert_one_error_line(memfs("stage-in", str(mnt))).endswith("is not a memfs mount (not mounted)")
+        flush = subprocess.Popen([*MEMFS, "flush", str(mnt), "--wait"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            # Waiting (write-back keeps failing), not refused as "not mounted".
+            with pytest.raises(subprocess.TimeoutExpired):
+                flush.wait(1.5)
+        finally:
+            flush.kill()
+            flush.communicate()
+
+        waiter = subprocess.Popen([*MEMFS, "umount", str(mnt)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            with pytest.raises(subprocess.TimeoutExpired):
+                waiter.wait(4)  # waits for the daemon, which cannot finish yet
+            subprocess.run(["mount", "-o", "remount,size=64m", str(small)], check=True,
+                           timeout=TIMEOUT)
+            out, err = waiter.communicate(timeout=90)
+        finally:
+            waiter.kill()
+        assert waiter.returncode == 0, err
+        assert f"memfs: writing back 4 MiB (1 files) to {small} before exit..." in err
+        assert not cli.alive(pid)
+        pid = None
+        assert (small / "big.bin").read_bytes() == data
+        assert not pid_file(str(mnt)).exists()
+        assert assert_one_error_line(memfs("umount", str(mnt))).endswith("is not mounted")
+        res = memfs("mount", str(mnt), "--size", "16M", "--log", str(tmp_path / "log"))
+        assert res.returncode == 0, res.stderr
+        pid = int(pid_file(str(mnt)).read_text())
+        assert memfs("umount", str(mnt)).returncode == 0
+    finally:
+        force_cleanup(mnt, pid)
+        if pid is not None:
+            wait_gone(pid, 10)
+        subprocess.run(["umount", str(small)], capture_output=True, timeout=TIMEOUT)
+
+
+@needs_mount
+def test_the_mount_roots_owner_may_use_the_control_socket() -> None:
+    """The Slurm prolog mounts as root and chowns the mount root to the job's user:
+    that user may then use flush/status/stage-in; before, they are told who may."""
+    if shutil.which("setpriv") is None:
+        pytest.skip("setpriv missing (util-linux)")
+    base = Path(tempfile.mkdtemp(prefix="memfs-owner-", dir="/tmp"))
+    base.chmod(0o755)
+    mnt, backing = base / "mnt", base / "backing"
+    mnt.mkdir()
+    (backing / "in").mkdir(parents=True)
+    (backing / "in" / "data.bin").write_bytes(os.urandom(1 << 20))
+    env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"}
+
+    def as_nobody(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+             sys.executable, "-m", "memfs", *args],
+            capture_output=True, text=True, timeout=TIMEOUT, env=env, cwd="/",
+        )
+
+    try:
+        res = memfs("mount", str(mnt), "--size", "64M", "--backing", str(backing),
+                    "--log", str(base / "log"))
+        assert res.returncode == 0, res.stderr
+        sock = cli.control_socket(str(mnt))
+        assert sock.parent == Path("/run/memfs-ctl")
+        assert stat.S_IMODE(sock.parent.stat().st_mode) == 0o755
+        assert stat.S_IMODE(sock.stat().st_mode) == 0o666
+        assert stat.S_IMODE(cli.runtime_dir().stat().st_mode) == 0o700  # pid and log files
+
+        res = as_nobody("status", str(mnt))
+        assert res.returncode == cli.EXIT_USAGE, res
+        assert assert_one_error_line(res) == (
+            f"memfs: error: only root and the owner of {mnt} (uid 0) may control this mount "
+            f"(you are uid {NOBODY})")
+        os.chown(mnt, NOBODY, NOBODY)  # what the prolog does
+        res = as_nobody("status", str(mnt), "--json")
+        assert res.returncode == 0, res.stderr
+        (mnt / "out.txt").write_bytes(b"out\n")
+        res = as_nobody("flush", str(mnt), "--wait")
+        assert res.returncode == 0, res.stderr
+        assert (backing / "out.txt").read_bytes() == b"out\n"
+        res = as_nobody("stage-in", str(mnt), "in")
+        assert res.returncode == 0, res.stderr
+        assert _status(mnt)["evicted_files"] == 0
+        os.chown(mnt, 0, 0)
+        assert as_nobody("status", str(mnt)).returncode == cli.EXIT_USAGE
+        res = memfs("umount", str(mnt))
+        assert res.returncode == 0, res.stderr
+        log_is_clean(base / "log")
+    finally:
+        force_cleanup(mnt, None)
+        shutil.rmtree(base)
+
+
+@pytest.mark.mount
+def test_stage_in_of_files_gone_from_the_backing_directory(
+    memfs_mount: Callable[..., Mounted], tmp_path: Path
+) -> None:
+    """A file removed from DIR after the mount still shows (its entry was loaded), but
+    cannot be fetched: stage-in exits 1 naming it; staging more than the pool warns."""
+    backing = tmp_path / "backing"
+    (backing / "in").mkdir(parents=True)
+    for name in ("a.bin", "b.bin"):
+        (backing / "in" / name).write_bytes(os.urandom(3 << 20))
+    m = memfs_mount("--size", "4M", "--backing", str(backing))
+    (backing / "in" / "b.bin").unlink()
+    res = memfs("stage-in", str(m.path), "in")
+    assert res.returncode == cli.EXIT_FAILED, res
+    lines = res.stderr.splitlines()
+    assert lines[0] == ("memfs: warning: staged 6 MiB into a pool of 4 MiB: only the most "
+                        "recently staged part stays in memory")
+    assert lines[1].startswith(f"memfs: error: stage-in of {m.path}/in/b.bin: ")
+    assert "No such file or directory" in lines[1] and len(lines) == 2

@@ -10,14 +10,17 @@ entered in the mount table as a memfs mount.  What must hold:
 * the engine's errors (``FsError``) reach the client with errno and message;
 * garbage, oversized lines, idle and surplus connections close that
   connection only, with an EINVAL/EBUSY reply and at most a warning;
-* only root and the daemon's user are served; the socket is 0600 and removed
-  when the server stops;
+* only root, the daemon's user and the owner of the mount root are served
+  (others are told who may, cannot crowd them out, and cost one log line); the
+  socket is 0666 (its directory decides who reaches it) and removed when the
+  server stops;
 * the CLI sends paths relative to the mount, waits for tickets, and reports
   errors in one line (exit 2 for mistakes, 1 for failures).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -32,6 +35,7 @@ import tarfile
 import tempfile
 import threading
 import time
+import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -60,11 +64,21 @@ STATUS: dict[str, Any] = {
 
 
 class FakeMeta:
-    """``Meta.control`` from a script: ``handlers[op](args)`` returns the result or raises."""
+    """``Meta.control`` from a script: ``handlers[op](args)`` returns the result or raises.
+
+    ``getattr(1)`` (the control server asks who owns the mount root) answers *owner*.
+    """
 
     def __init__(self, handlers: dict[str, Callable[[dict[str, Any]], Any]] | None = None) -> None:
         self.calls: list[tuple[str, dict[str, Any]]] = []
         self.handlers = handlers or {}
+        self.owner = 0
+        self.getattrs = 0
+
+    async def getattr(self, ino: int) -> Any:
+        assert ino == 1
+        self.getattrs += 1
+        return types.SimpleNamespace(ino=1, uid=self.owner, gid=self.owner)
 
     async def control(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
         self.calls.append((op, args))
@@ -328,7 +342,8 @@ async def test_socket_file_mode_and_removal(sock_path: str) -> None:
         await nursery.start(serve_control, sock_path, as_meta(FakeMeta()))
         st = os.lstat(sock_path)
         assert stat.S_ISSOCK(st.st_mode)
-        assert stat.S_IMODE(st.st_mode) == 0o600
+        # Anyone who can enter the directory may connect: the peer check decides.
+        assert stat.S_IMODE(st.st_mode) == 0o666
         nursery.cancel_scope.cancel()
     assert not os.path.lexists(sock_path)  # noqa: ASYNC240 - a local stat
 
@@ -436,8 +451,12 @@ async def test_a_stuck_client_does_not_block_others(sock_path: str) -> None:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another user")
-async def test_other_users_are_refused(caplog: pytest.LogCaptureFixture) -> None:
-    """Even with the file mode loosened, uid nobody gets EACCES and nothing is run."""
+async def test_other_users_are_refused_but_the_mount_owner_is_served(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """uid nobody gets EACCES and nothing is run, saying who may; once the mount's
+    root directory is nobody's (the Slurm prolog chowns it to the job's user),
+    nobody is served, asked afresh at each connection."""
     expect_warnings(caplog)
     d = tempfile.mkdtemp(prefix="memfs-ctl-", dir="/tmp")
     path = os.path.join(d, "ctl")
@@ -447,40 +466,90 @@ async def test_other_users_are_refused(caplog: pytest.LogCaptureFixture) -> None
         "s.settimeout(10)\n"
         f"s.connect({path!r})\n"
         "s.sendall(b'{\"op\": \"echo\", \"args\": {}}\\n')\n"
+        "s.shutdown(socket.SHUT_WR)\n"
         "data = b''\n"
         "while chunk := s.recv(4096):\n"
         "    data += chunk\n"
         "sys.stdout.write(data.decode())\n"
     )
     fake = FakeMeta({"echo": echo})
+
+    async def as_nobody() -> list[Any]:
+        # The venv's interpreter may live where nobody cannot reach (/root/.pyenv).
+        for python in dict.fromkeys([sys.executable, "/usr/bin/python3"]):
+            try:
+                res = await trio.run_process(
+                    [python, "-I", "-c", client], user=NOBODY, group=NOBODY,
+                    extra_groups=[], capture_stdout=True, capture_stderr=True, check=False,
+                    cwd="/",
+                )
+            except PermissionError:
+                continue
+            assert res.returncode == 0, res.stderr
+            return [json.loads(x) for x in res.stdout.splitlines()]
+        pytest.skip("no Python interpreter that uid nobody may run")
+
     try:
         os.chmod(d, 0o755)
         async with trio.open_nursery() as nursery:
             await nursery.start(serve_control, path, as_meta(fake))
-            os.chmod(path, 0o666)
-            # The venv's interpreter may live where nobody cannot reach (/root/.pyenv).
-            for python in dict.fromkeys([sys.executable, "/usr/bin/python3"]):
-                try:
-                    res = await trio.run_process(
-                        [python, "-I", "-c", client], user=NOBODY, group=NOBODY,
-                        extra_groups=[], capture_stdout=True, capture_stderr=True, check=False,
-                        cwd="/",
-                    )
-                    break
-                except PermissionError:
-                    continue
-            else:
-                pytest.skip("no Python interpreter that uid nobody may run")
-            assert res.returncode == 0, res.stderr
-            assert [json.loads(x) for x in res.stdout.splitlines()] == [
-                {"error": f"uid {NOBODY} may not control this mount", "errno": errno.EACCES}
-            ]
+            assert stat.S_IMODE(os.stat(path).st_mode) == 0o666
+            assert await as_nobody() == [{
+                "error": f"uid {NOBODY} may not control this mount: only root and the owner "
+                         "of the mount (uid 0) may",
+                "errno": errno.EACCES, "owner": 0,
+            }]
             assert fake.calls == []
             assert await raw_exchange(path, b'{"op":"echo"}\n') == [{"ok": {"echo": {}}}]  # root
+            fake.owner = NOBODY  # chown MNT
+            assert await as_nobody() == [{"ok": {"echo": {}}}]
+            assert fake.calls == [("echo", {}), ("echo", {})]
+            fake.owner = 1234  # given to someone else again
+            assert (await as_nobody())[0]["errno"] == errno.EACCES
             nursery.cancel_scope.cancel()
     finally:
         shutil.rmtree(d)
     assert any("refused a connection from uid 65534" in r.getMessage() for r in caplog.records)
+    no_errors_logged(caplog)
+
+
+async def test_refused_peers_cannot_crowd_out_the_owner(
+    sock_path: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The socket is reachable by every user: a flood of connections from one who may
+    not use it (never reading the refusal) takes no slot from those who may, costs
+    one log line, and each refused connection is closed within about two seconds."""
+    expect_warnings(caplog)
+    stranger = [True]
+    real_peer_uid = control._peer_uid
+    monkeypatch.setattr(control, "_peer_uid",
+                        lambda sock: 4321 if stranger[0] else real_peer_uid(sock))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(serve_control, sock_path, as_meta(FakeMeta({"echo": echo})))
+        flood = []
+        try:
+            for _ in range(control.MAX_CONNECTIONS + control.MAX_REFUSALS + 10):
+                s = await trio.open_unix_socket(sock_path)
+                flood.append(s)
+                with contextlib.suppress(trio.BrokenResourceError):  # closed already
+                    await s.send_all(b'{"op":"echo"}\n' * 10000)  # and never reads
+            await trio.sleep(0.1)
+            stranger[0] = False
+            with trio.fail_after(1):  # served at once, not after the refusals
+                assert await raw_exchange(sock_path, b'{"op":"echo"}\n') == [{"ok": {"echo": {}}}]
+            with trio.fail_after(control.REFUSE_TIMEOUT + control.LINGER + 2):
+                for s in flood:  # each refused connection is closed by the server
+                    try:
+                        while await s.receive_some(1 << 16):
+                            pass
+                    except trio.BrokenResourceError:
+                        pass
+        finally:
+            for s in flood:
+                await s.aclose()
+        nursery.cancel_scope.cancel()
+    refusals = [r for r in caplog.records if "refused a connection" in r.getMessage()]
+    assert len(refusals) == 1
     no_errors_logged(caplog)
 
 
@@ -538,15 +607,44 @@ def test_client_bad_replies(sock_path: str, reply: bytes | None, err: int, messa
         server.close()
 
 
-def test_control_socket_paths() -> None:
-    """Next to the pid file; always short enough for a Unix socket address, and unique."""
-    assert cli.control_socket("/mnt/memfs") == cli.runtime_dir() / "mnt-memfs.ctl"
+def test_control_socket_paths(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Root's daemons: in /run/memfs-ctl (not with the pid and log files in the
+    private /run/memfs), so that a mount root's owner can reach them; a user's:
+    their runtime directory.  Always short enough for a Unix socket address, and
+    unique.  A user's CLI tries their own daemon's place, then root's."""
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    assert cli.control_socket("/mnt/memfs") == Path("/run/memfs-ctl/mnt-memfs.ctl")
+    assert cli.pid_file("/mnt/memfs") == Path("/run/memfs/mnt-memfs.pid")
+    assert cli.control_sockets("/mnt/memfs") == [Path("/run/memfs-ctl/mnt-memfs.ctl")]
     deep = "/scratch/" + "/".join(["a-long-directory-name"] * 8)
     path = cli.control_socket(deep)
     assert len(os.fsencode(path)) <= 107
-    assert path.parent == cli.runtime_dir()
+    assert path.parent == cli.ROOT_CONTROL_DIR
     assert path == cli.control_socket(deep)
     assert path != cli.control_socket(deep + "x")
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    assert cli.control_sockets("/mnt/memfs") == [
+        tmp_path / "memfs" / "mnt-memfs.ctl", Path("/run/memfs-ctl/mnt-memfs.ctl")]
+
+
+def test_control_directory_modes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Root's socket directory is enterable by all (0755, also when it was made
+    0700 before); a user's runtime directory stays private."""
+    shared = tmp_path / "run" / "memfs-ctl"
+    monkeypatch.setattr(cli, "ROOT_CONTROL_DIR", shared)
+    old = os.umask(0o077)
+    try:
+        cli.make_control_dir(shared)
+        assert stat.S_IMODE(shared.stat().st_mode) == 0o755
+        shared.chmod(0o700)
+        cli.make_control_dir(shared)
+        assert stat.S_IMODE(shared.stat().st_mode) == 0o755
+        private = tmp_path / "user" / "memfs"
+        cli.make_control_dir(private)
+        assert stat.S_IMODE(private.stat().st_mode) == 0o700
+    finally:
+        os.umask(old)
 
 
 # -- the CLI against a daemon --------------------------------------------------------------
@@ -653,12 +751,16 @@ def test_flush_sends_paths_relative_to_the_mount(
     (env.mnt / "link").symlink_to(env.mnt / "out")
     env.fake.handlers = {"flush": lambda a: {"ticket": 7},
                          "progress": progress_script([step(2, 2 << 20), step(0, 0, True)])}
+    (env.mnt / "out" / "x").write_text("x")
+    (env.mnt / "out" / "sub" / "f").write_text("f")
+    (env.mnt / "top").mkdir()
     env.start()
     monkeypatch.chdir(env.mnt / "out")
+    # "top" is not in the working directory but at the mount root: taken from there.
     code, out, err = run_cli(capsys, "flush", str(env.mnt), "sub", "../out/x", str(env.mnt),
-                             str(env.mnt / "link" / "sub" / "f"), "sub")
+                             str(env.mnt / "link" / "sub" / "f"), "sub", "top")
     assert (code, out, err) == (0, "", "")
-    assert env.fake.calls == [("flush", {"paths": ["out/sub", "out/x", "", "out/sub/f"]})]
+    assert env.fake.calls == [("flush", {"paths": ["out/sub", "out/x", "", "out/sub/f", "top"]})]
     # Everything; --wait polls until done, quietly when not on a terminal.
     code, out, err = run_cli(capsys, "flush", str(env.mnt), "--wait")
     assert (code, out, err) == (0, "", "")
@@ -736,16 +838,17 @@ def test_daemon_errors(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
     """No backing directory: a usage error (2); the engine failing: exit 1; both one line."""
     env.fake.handlers = {
         "status": raises(FsError(errno.ENOTSUP, "this filesystem has no backing directory (--backing)")),
-        "flush": raises(FsError(errno.ENOENT, "no such file: out/x")),
+        "flush": raises(FsError(errno.EIO, "out: Input/output error")),
     }
     env.start()
     code, out, err = run_cli(capsys, "status", str(env.mnt))
     assert code == cli.EXIT_USAGE and out == ""
     assert one_error_line(err) == \
         f"memfs: error: {env.mnt}: this filesystem has no backing directory (--backing)"
-    code, out, err = run_cli(capsys, "flush", str(env.mnt), str(env.mnt / "out/x"))
+    (env.mnt / "out").mkdir()
+    code, out, err = run_cli(capsys, "flush", str(env.mnt), str(env.mnt / "out"))
     assert code == cli.EXIT_FAILED and out == ""
-    assert one_error_line(err) == "memfs: error: no such file: out/x"
+    assert one_error_line(err) == "memfs: error: out: Input/output error"
 
 
 def test_daemon_not_running(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
@@ -772,18 +875,23 @@ def test_stage_in_manifest(env: Env, tmp_path: Path, capsys: pytest.CaptureFixtu
     manifest.write_text(f"# inputs of job 42\n\ninput/a.h5\n  {env.mnt}/input/b.h5  \n"
                         "./refs\n# input/skipped\ninput/a.h5\n")
     env.fake.handlers = {"stage_in": lambda a: {"ticket": 7},
-                         "progress": progress_script([step(1, 1 << 20), step(0, 0, True)])}
+                         "progress": progress_script([step(1, 1 << 20), step(0, 0, True)]),
+                         "status": lambda a: STATUS}
+    (env.mnt / "extra").mkdir()
     env.start()
     code, out, err = run_cli(capsys, "stage-in", str(env.mnt), str(env.mnt / "extra"),
                              "--manifest", str(manifest))
     assert (code, out, err) == (0, "", "")
     assert env.fake.calls[0] == ("stage_in", {"paths": ["extra", "input/a.h5", "input/b.h5", "refs"]})
-    assert [c[0] for c in env.fake.calls[1:]] == ["progress", "progress"]
-    # --no-wait: the ticket and nothing else; no paths: everything.
+    assert [c[0] for c in env.fake.calls[1:]] == ["progress", "progress", "status"]
+    # --no-wait: how much is being fetched, and where to see the rest; no paths: everything.
     env.fake.calls.clear()
     code, out, err = run_cli(capsys, "stage-in", str(env.mnt), "--no-wait")
-    assert (code, out, err) == (0, "7\n", "")
-    assert env.fake.calls == [("stage_in", {"paths": []})]
+    assert (code, out, err) == (
+        0, f"staging in 3 files (3.0 MiB) in the background; `memfs status {env.mnt}` "
+           "shows what is left\n", "")
+    assert [c[0] for c in env.fake.calls] == ["stage_in", "progress", "status"]
+    assert env.fake.calls[0] == ("stage_in", {"paths": []})
     # An empty manifest names nothing: it must not stage everything.
     env.fake.calls.clear()
     manifest.write_text("# nothing today\n\n")
@@ -820,7 +928,8 @@ def test_stage_in_many_paths_take_several_requests(
     env.fake.calls.clear()
     code, out, err = run_cli(capsys, "stage-in", str(env.mnt), "--manifest", str(manifest),
                              "--no-wait")
-    assert code == 0 and len(out.split()) == len(requests) and err == ""
+    assert (code, err) == (0, "")
+    assert out.startswith(f"staging in {len(requests)} files (0 B) in the background")
 
 
 def test_stage_in_manifest_mistakes(env: Env, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -1082,3 +1191,182 @@ def test_json_reply_is_one_line_even_with_newlines_in_strings(sock_path: str) ->
     finally:
         daemon.stop()
 
+
+
+# -- rough edges found by a new user --------------------------------------------------------
+
+
+def test_stage_in_reports_files_that_could_not_be_fetched(
+    env: Env, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Files whose fetch from the backing directory failed count as done for the
+    daemon; the command says which (ten, then how many more) and exits 1, so a
+    Slurm prolog does not start the job without them."""
+    failed = [{"path": f"in/f{i:02d}", "error": "[Errno 2] No such file or directory"}
+              for i in range(13)]
+    env.fake.handlers = {
+        "stage_in": lambda a: {"ticket": 7},
+        "progress": progress_script([step(2, 2 << 20), {**step(0, 0, True), "failed": failed}]),
+        "status": lambda a: STATUS,
+    }
+    env.start()
+    code, out, err = run_cli(capsys, "stage-in", str(env.mnt))
+    assert (code, out) == (cli.EXIT_FAILED, "")
+    assert err.splitlines() == [
+        f"memfs: error: stage-in of {env.mnt}/in/f{i:02d}: [Errno 2] No such file or directory"
+        for i in range(10)
+    ] + ["memfs: error: ... and 3 more"]
+    env.fake.handlers["progress"] = lambda a: {**step(0, 0, True), "failed": failed[:1]}
+    code, out, err = run_cli(capsys, "stage-in", str(env.mnt))
+    assert code == cli.EXIT_FAILED
+    assert err == f"memfs: error: stage-in of {env.mnt}/in/f00: [Errno 2] No such file or directory\n"
+
+
+def test_stage_in_larger_than_the_pool_warns(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    total = (4 << 30) + (300 << 20)
+    env.fake.handlers = {
+        "stage_in": lambda a: {"ticket": 7},
+        "progress": lambda a: {**step(0, 0, True), "total_bytes": total},
+        "status": lambda a: STATUS,  # a pool of 4 GiB
+    }
+    env.start()
+    code, out, err = run_cli(capsys, "stage-in", str(env.mnt))
+    assert (code, out) == (0, "")
+    assert err == ("memfs: warning: staged 4396 MiB into a pool of 4096 MiB: only the most "
+                   "recently staged part stays in memory\n")
+    env.fake.handlers["progress"] = lambda a: {**step(0, 0, True), "total_bytes": 4 << 30}
+    assert run_cli(capsys, "stage-in", str(env.mnt)) == (0, "", "")
+
+
+def test_options_after_paths(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    (env.mnt / "a").mkdir()
+    (env.mnt / "b").mkdir()
+    env.fake.handlers = {"flush": lambda a: {"ticket": 7}, "stage_in": lambda a: {"ticket": 7},
+                         "progress": lambda a: step(0, 0, True), "status": lambda a: STATUS}
+    env.start()
+    code, out, err = run_cli(capsys, "flush", str(env.mnt), str(env.mnt / "a"), "--wait",
+                             str(env.mnt / "b"), "-q")
+    assert (code, out, err) == (0, "", "")
+    assert env.fake.calls[:2] == [("flush", {"paths": ["a", "b"]}), ("progress", {"ticket": 7})]
+    env.fake.calls.clear()
+    code, out, err = run_cli(capsys, "stage-in", str(env.mnt), "--no-wait", str(env.mnt / "a"))
+    assert code == 0 and out.startswith("staging in") and err == ""
+    assert env.fake.calls[0] == ("stage_in", {"paths": ["a"]})
+
+
+def test_paths_that_do_not_exist(
+    env: Env, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A mistyped PATH is a usage error naming the full path, before the daemon is asked;
+    a relative PATH is looked for in the working directory, then at the mount root."""
+    (env.mnt / "inputs").mkdir()
+    env.fake.handlers = {"flush": lambda a: {"ticket": 7}, "stage_in": lambda a: {"ticket": 7},
+                         "progress": lambda a: step(0, 0, True), "status": lambda a: STATUS}
+    env.start()
+    monkeypatch.chdir(env.mnt / "inputs")
+    for cmd in ("flush", "stage-in"):
+        for path, full in (("nope", env.mnt / "inputs" / "nope"),
+                           (str(env.mnt / "typo"), env.mnt / "typo"),
+                           ("../inputs/x/y", env.mnt / "inputs" / "x" / "y")):
+            code, out, err = run_cli(capsys, cmd, str(env.mnt), path)
+            assert (code, out) == (cli.EXIT_USAGE, "")
+            assert one_error_line(err) == f"memfs: error: {full} does not exist"
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    code, out, err = run_cli(capsys, "stage-in", str(env.mnt), "inputs/mesh")
+    assert one_error_line(err) == f"memfs: error: {env.mnt}/inputs/mesh does not exist"
+    assert env.fake.calls == []
+    code, out, err = run_cli(capsys, "stage-in", str(env.mnt), "inputs", "--no-wait")
+    assert code == 0 and env.fake.calls[0] == ("stage_in", {"paths": ["inputs"]})
+    (tmp_path / "elsewhere" / "inputs").mkdir()  # now it means the one here: outside
+    code, out, err = run_cli(capsys, "stage-in", str(env.mnt), "inputs")
+    assert one_error_line(err) == f"memfs: error: inputs is not inside {env.mnt}"
+
+
+def test_manifest_names_missing_in_the_mount_are_usage_errors(
+    env: Env, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    env.fake.handlers = {"stage_in": raises(FsError(errno.ENOENT, "in/x: No such file or directory"))}
+    env.start()
+    manifest = tmp_path / "m"
+    manifest.write_text("in/x\n")
+    code, out, err = run_cli(capsys, "stage-in", str(env.mnt), "--manifest", str(manifest))
+    assert (code, out) == (cli.EXIT_USAGE, "")
+    assert one_error_line(err) == f"memfs: error: in {env.mnt}: in/x: No such file or directory"
+
+
+def test_usage_without_arguments_and_help(capsys: pytest.CaptureFixture[str]) -> None:
+    """``memfs flush`` alone names what is missing (not an optional PATH); --help
+    shows no reStructuredText markup."""
+    for cmd in ("flush", "stage-in", "status"):
+        with pytest.raises(SystemExit) as info:
+            cli.main([cmd])
+        assert info.value.code == cli.EXIT_USAGE
+        out, err = capsys.readouterr()
+        assert err.splitlines()[-1] == f"memfs {cmd}: error: the following arguments are required: MNT"
+        assert f"usage: memfs {cmd} " in err and "MNT" in err
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out, err = capsys.readouterr()
+    assert "``" not in out and "FUSE filesystem over pooled memory" in out
+
+
+def test_stage_out_of_the_mount_root_is_refused(
+    stage_out_env: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It would exclude the whole filesystem from write-back."""
+    mnt = stage_out_env
+    (mnt / "sub").mkdir()
+    for path in (str(mnt), str(mnt) + "/", str(mnt / "sub" / "..")):
+        code, out, err = run_cli(capsys, "stage-out", path, "--archive", str(tmp_path / "a.tar"))
+        assert (code, out) == (cli.EXIT_USAGE, "")
+        assert "is the root of the memfs mount" in one_error_line(err)
+    with pytest.raises(OSError):
+        os.getxattr(mnt, cli.FLUSH_XATTR)
+    assert not (tmp_path / "a.tar").exists()
+
+
+def test_umount_shows_why_write_back_keeps_failing(
+    env: Env, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a terminal, while the daemon drains: each new write-back error once,
+    newest first; errors from before the unmount (older than a minute) are history."""
+    monkeypatch.setattr(cli, "DRAIN_NOTICE_AFTER", 0.1)
+    monkeypatch.setattr(cli, "_isatty", lambda: True)
+    now = time.time()
+    old = {"path": "old.dat", "error": "[Errno 13] Permission denied", "count": 1, "last": now - 3600}
+    full = {"path": "out/a.dat", "error": "[Errno 28] No space left on device", "count": 1,
+            "last": now - 1}
+    calls = [0]
+
+    def status(args: dict[str, Any]) -> dict[str, Any]:
+        calls[0] += 1
+        if calls[0] > 30:
+            assert env.daemon is not None
+            threading.Thread(target=env.daemon.stop).start()
+        errors = [old, full] if calls[0] < 15 else [old, full, {**full, "count": 2, "last": now}]
+        return {**STATUS, "dirty_files": 1, "dirty_bytes": 1 << 20, "draining": True,
+                "errors": errors}
+
+    env.fake.handlers = {"status": status}
+    env.start()
+    client = ControlClient(env.sock, str(env.mnt), timeout=2)
+    client.connect()
+    cli.wait_for_daemon(str(env.mnt), None, client)
+    out, err = capsys.readouterr()
+    note = "memfs: write-back of out/a.dat: [Errno 28] No space left on device (retrying)\n"
+    assert err.count(note) == 2, err
+    assert "old.dat" not in err
+    assert "\rwriting back: 1 files, 1.0 MiB left" in err
+
+
+def test_a_refused_peer_is_told_who_may(sock_path: str) -> None:
+    server = RawServer(sock_path, b'{"error": "uid 1000 may not ...", "errno": 13, "owner": 4242}\n')
+    try:
+        with ControlClient(sock_path, "/mnt/job", timeout=2) as c:
+            with pytest.raises(UsageError) as info:
+                c.call("status")
+        assert str(info.value) == ("only root and the owner of /mnt/job (uid 4242) may control "
+                                   f"this mount (you are uid {os.getuid()})")
+    finally:
+        server.close()

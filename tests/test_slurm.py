@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -313,6 +314,96 @@ def test_prolog_stage_in_failure_unmounts(node: Node) -> None:
     assert_logged(res, "memfs-prolog", "mounted memfs", "stage-in", "cleaning up", "failed")
     assert_nothing_left(node)
     assert (node.backing / "here.bin").read_bytes() == b"x" * 1000
+
+
+def test_prolog_fails_when_a_staged_file_cannot_be_fetched(node: Node) -> None:
+    """A file that vanished from the backing directory after the mount still shows in
+    it (its entry was loaded at mount time) but cannot be fetched: memfs stage-in
+    exits 1 naming it, and the prolog fails cleanly, unmounting."""
+    (node.backing / "inputs").mkdir()
+    (node.backing / "inputs" / "a.bin").write_bytes(b"a" * 100_000)
+    (node.backing / "inputs" / "b.bin").write_bytes(b"b" * 100_000)
+    (node.workdir / "m").write_text("inputs\n")
+    # Between the mount and the stage-in: a memfs that removes the file first.
+    wrapper = node.tmp / "memfs-wrapper"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        f'[ "$1" != stage-in ] || rm -f -- "{node.backing}/inputs/b.bin"\n'
+        f'exec "{node.env["MEMFS"]}" "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    res = node.run(PROLOG, SLURM_JOB_EXTRA="memfs_manifest=m", MEMFS=str(wrapper))
+    assert res.returncode != 0
+    assert f"memfs: error: stage-in of {node.mnt}/inputs/b.bin: " in res.stderr
+    assert_logged(res, "memfs-prolog", "mounted memfs", "memfs stage-in exit 1",
+                  "cleaning up", "failed")
+    assert "Traceback" not in res.stderr
+    assert_nothing_left(node)
+    assert (node.backing / "inputs" / "a.bin").read_bytes() == b"a" * 100_000
+
+
+def test_stage_out_tree_is_never_written_back_file_by_file(node: Node) -> None:
+    """The prolog makes the job's stage-out tree (the job's, excluded from write-back)
+    at job start: a job that runs longer than the flush delay does not see it
+    written back file by file; the epilog archives it, and says the tree is
+    gone with the mount."""
+    env = {"SLURM_JOB_COMMENT": "memfs_stage_out=ckpt/run1", "MEMFS_FLUSH_DELAY": "0.3"}
+    res = node.run(PROLOG, **env)
+    assert res.returncode == 0, res.stderr
+    tree = node.mnt / "ckpt" / "run1"
+    assert_logged(res, "memfs-prolog", f"made {tree} for the job's stage-out")
+    for d in (tree.parent, tree):
+        assert (d.stat().st_uid, d.stat().st_gid) == (NOBODY, NOBODY)
+    assert os.getxattr(tree, "user.memfs.flush") == b"off"
+
+    ckpt = {f"ckpt/run1/step{i}/state.bin": os.urandom(50_000) for i in range(5)}
+    write_tree(node.mnt, {**ckpt, "out.txt": b"out\n"})
+    time.sleep(2)  # well past the flush delay
+    assert (node.backing / "out.txt").read_bytes() == b"out\n"  # the rest is written back
+    assert not any(p.is_file() for p in node.backing.rglob("*") if "ckpt" in p.parts)
+
+    res = node.run(EPILOG, **env)
+    assert res.returncode == 0, res.stderr
+    assert_logged(res, "memfs-epilog", "staged out", "memfs umount: memfs: 5 files",
+                  "are lost with the mount", "done:")
+    assert_nothing_left(node)
+    assert tar_sums(node.backing / f"run1-{JOB_ID}.tar", "run1") == {
+        k.removeprefix("ckpt/run1/"): sha(v) for k, v in ckpt.items()}
+    assert not any(p.is_file() for p in node.backing.rglob("*") if "ckpt" in p.parts)
+
+
+def test_refused_stage_out_is_written_back_file_by_file(node: Node) -> None:
+    """An archive memfs stage-out refuses (its directory is missing): the prolog's
+    exclusion is lifted and the tree is written back file by file; nothing is lost."""
+    env = {"SLURM_JOB_COMMENT": "memfs_stage_out=results"}
+    res = node.run(PROLOG, **env)
+    assert res.returncode == 0, res.stderr
+    results = {f"results/r{i}": f"r{i}\n".encode() for i in range(3)}
+    write_tree(node.mnt, results)
+    res = node.run(EPILOG, **env, MEMFS_STAGE_OUT_ARCHIVE=str(node.tmp / "missing" / "r.tar"))
+    assert res.returncode == 0, res.stderr
+    assert_logged(res, "memfs-epilog", "memfs stage-out refused it", "file by file instead")
+    assert "are lost with the mount" not in res.stderr
+    assert_nothing_left(node)
+    assert tree_sums(node.backing / "results") == {
+        k.removeprefix("results/"): sha(v) for k, v in results.items()}
+
+
+def test_prolog_leaves_a_bad_stage_out_tree_alone(node: Node) -> None:
+    """'..' in the tree, or a symlink in the backing directory where it would go: logged,
+    not made, nothing excluded; the prolog still succeeds."""
+    (node.backing / "elsewhere").mkdir()
+    (node.backing / "ln").symlink_to("elsewhere")
+    for tree, says in (("../x", "without '..'"), ("ln/t", "is a symlink or not a directory")):
+        res = node.run(PROLOG, SLURM_JOB_COMMENT=f"memfs_stage_out={tree}")
+        assert res.returncode == 0, res.stderr
+        assert_logged(res, "memfs-prolog", says)
+        assert not (node.backing / "elsewhere" / "t").exists()
+        with pytest.raises(OSError):
+            os.getxattr(node.mnt / "elsewhere", "user.memfs.flush")
+        res = node.run(EPILOG)
+        assert res.returncode == 0, res.stderr
+        assert_nothing_left(node)
 
 
 def test_epilog_with_nothing_mounted(node: Node) -> None:

@@ -14,9 +14,12 @@
 # the node) and leaves memfs mounted with the data in memory, saying so and
 # showing `memfs status`: nothing is thrown away. Fix the cause (e.g. the backing
 # filesystem) and run it again with the same variables, or `memfs umount` by hand.
-# A stage-out that is refused before anything happened (the tree is a symlink or
-# leads out of the mount, memfs stage-out says no) is logged, and the tree is
-# written back file by file instead. Nothing mounted for the job: says so, exit 0.
+# The prolog made the stage-out tree and excluded it from write-back
+# (user.memfs.flush=off), so nothing of it reached the backing filesystem file by
+# file while the job ran. A stage-out that is refused before anything happened
+# (the tree is a symlink or leads out of the mount, memfs stage-out says no) is
+# logged, the tree's exclusion is lifted, and it is written back file by file
+# instead; an empty tree is not archived. Nothing mounted for the job: says so, exit 0.
 #
 # Cluster mode: the job's data stays in the shared filesystem (and in DIR);
 # after the flush it is clean, and the pool evicts clean data when it needs the
@@ -83,11 +86,21 @@ fi
 timeout 30 stat -- "$MNT" >/dev/null 2>&1 ||
     die "memfs at $MNT does not answer (its daemon died?): what it had not written back is lost; remove it with umount -l $MNT"
 
-# 1. stage-out. Refusals (the job's or the site's mistake, nothing excluded from
-# write-back yet) fall back to writing the tree back file by file; a failure of
-# memfs stage-out itself may leave the tree excluded (pinned), so it keeps the
-# mount (see the end of step 2).
-refuse() { log "stage-out of ${tree}: $*; it is written back file by file instead"; }
+# 1. stage-out. Refusals (the job's or the site's mistake) fall back to writing
+# the tree back file by file: its exclusion (the prolog's) is lifted first. A
+# failure of memfs stage-out itself leaves the tree excluded (pinned), so it keeps
+# the mount (see the end of step 2).
+refuse() {
+    log "stage-out of ${tree}: $*; it is written back file by file instead"
+    # $src: stage_out's, once it is known to be a path in the mount.
+    if [ -n "${src:-}" ] && [ -d "$src" ] && [ ! -L "$src" ]; then
+        local err
+        err=$(flush_on "$src" 2>&1) || {
+            log "cannot lift the exclusion of $src from write-back: $err"
+            return 1
+        }
+    fi
+}
 
 stage_out() {
     local src archive real rc=0
@@ -95,34 +108,39 @@ stage_out() {
         //) return 0 ;;
         /./ | */../* | //*) refuse "the path must be relative to $JOB_PATH, without '..'"; return 0 ;;
     esac
-    src=$JOB_PATH/$tree
-    if [ ! -e "$src" ] && [ ! -L "$src" ]; then
-        log "stage-out: $src does not exist (the job wrote no such tree): nothing to stage out"
+    if [ ! -e "$JOB_PATH/$tree" ] && [ ! -L "$JOB_PATH/$tree" ]; then
+        log "stage-out: $JOB_PATH/$tree does not exist (the job removed it): nothing to stage out"
         return 0
     fi
     # The tree is the job's: it must not lead root out of the job's filesystem.
-    if [ -L "$src" ] || ! real=$(realpath -e -- "$src") || [ "${real#"$MNT"/}" = "$real" ]; then
-        refuse "$src is a symlink or leads out of $MNT"
+    if [ -L "$JOB_PATH/$tree" ] || ! real=$(realpath -e -- "$JOB_PATH/$tree") ||
+        [ "${real#"$MNT"/}" = "$real" ]; then
+        refuse "$JOB_PATH/$tree is a symlink or leads out of $MNT"
+        return
+    fi
+    src=$JOB_PATH/$tree
+    if [ -d "$src" ] && [ -z "$(find "$src" -mindepth 1 -print -quit)" ]; then
+        log "stage-out: $src is empty (the job wrote nothing there): nothing to stage out"
         return 0
     fi
     archive=${MEMFS_STAGE_OUT_ARCHIVE:-$(basename -- "$tree")-$SLURM_JOB_ID.tar}
     case $archive in
         /*) ;;
         *)
-            [ -n "${MEMFS_BACKING:-}" ] || { refuse "archive '$archive' is relative and MEMFS_BACKING is not set"; return 0; }
+            [ -n "${MEMFS_BACKING:-}" ] || { refuse "archive '$archive' is relative and MEMFS_BACKING is not set"; return; }
             archive=$MEMFS_BACKING/$archive
             ;;
     esac
     if [ -L "$archive" ] || { [ -e "$archive" ] && [ ! -f "$archive" ]; }; then
         refuse "$archive exists and is not a regular file"
-        return 0
+        return
     fi
     log "staging out $src to $archive"
     with_timeout "${MEMFS_STAGE_OUT_TIMEOUT:-}" \
         "$MEMFS" stage-out "$src" --archive "$archive" </dev/null >&2 || rc=$?
-    if [ "$rc" -eq 2 ]; then  # memfs's usage errors: checked before it excludes anything
+    if [ "$rc" -eq 2 ]; then  # memfs's usage errors: checked before it touches anything
         refuse "memfs stage-out refused it"
-        return 0
+        return
     elif [ "$rc" -ne 0 ]; then
         log "stage-out of $src failed (memfs stage-out exit $rc)"
         return 1
@@ -137,8 +155,7 @@ stage_out() {
 }
 
 stage_out_failed=0
-tree=$(job_option memfs_stage_out) || tree=${MEMFS_STAGE_OUT:-}
-tree=${tree%/}
+tree=$(stage_out_tree)
 stage_out || stage_out_failed=1
 
 # 2. write-back
@@ -175,7 +192,11 @@ log "unmounting $MNT"
 for attempt in 1 2 3 4 5; do
     rc=0
     out=$(with_timeout "${MEMFS_UMOUNT_TIMEOUT:-}" "$MEMFS" umount "$MNT" </dev/null 2>&1) || rc=$?
-    [ "$rc" -ne 0 ] || break
+    if [ "$rc" -eq 0 ]; then
+        # e.g. what it loses: the stage-out tree, archived, is not written back.
+        [ -z "$out" ] || log "memfs umount: $out"
+        break
+    fi
     [ "$rc" -ne 124 ] || die "memfs umount did not finish in ${MEMFS_UMOUNT_TIMEOUT}s: the daemon${pids:+ (pid $pids)} is still writing back"
     case $out in
         *busy*) [ "$attempt" -lt 5 ] || die "memfs umount: $out" ;;

@@ -5,7 +5,8 @@
 # Pair it with memfs-epilog.sh; both need memfs-slurm-lib.sh next to them.
 #
 # What it does: mount memfs (embedded pool, or a client of a memfs mds), give the
-# job's directory to the job's owner, stage in the files a manifest names, log one
+# job's directory to the job's owner, make the job's stage-out tree (if it names
+# one) and exclude it from write-back, stage in the files a manifest names, log one
 # line per step on stderr. Exits non-zero (Slurm then drains the node and requeues
 # the job, held) if any of it fails, after undoing what it did; never starts a job
 # without its input. Run twice for one job, it does not mount twice.
@@ -31,6 +32,7 @@
 #                         (default $SLURM_JOB_USER/$SLURM_JOB_ID)
 #   MEMFS_MOUNT_ARGS      more `memfs mount` arguments (split on blanks), e.g. "--volumes 8"
 #   MEMFS_STAGE_IN_MANIFEST  a manifest for every job (the job's own choice wins)
+#   MEMFS_STAGE_OUT       a stage-out tree for every job (the job's own choice wins)
 #   MEMFS_STAGE_IN_TIMEOUT   seconds for stage-in (default: no limit but Slurm's
 #                         PrologEpilogTimeout)
 #   MEMFS_JOB_FIELDS      job fields searched for the job's choices
@@ -40,7 +42,13 @@
 #   memfs_manifest=PATH   stage in the files listed in PATH (relative to the job's
 #                         working directory); read as the job's user. A manifest
 #                         that cannot be read fails the prolog.
-#   (memfs_stage_out=PATH is the epilog's, see memfs-epilog.sh)
+#   memfs_stage_out=PATH  a tree (relative to the job's directory) that the epilog
+#                         archives as one tar file (see memfs-epilog.sh). Made here,
+#                         owned by the job's user, with user.memfs.flush=off, so that
+#                         it is never written back file by file, however long the
+#                         job runs. A PATH with '..', or one that is a symlink or not a
+#                         directory, is logged and left alone (the epilog then writes
+#                         it back file by file).
 
 set -eu -o pipefail
 
@@ -165,6 +173,41 @@ else
     done
     chown -- "$JOB_UID:$JOB_GID" "$JOB_PATH"
     log "gave $JOB_PATH to user $JOB_USER ($JOB_UID:$JOB_GID)"
+fi
+
+# The stage-out tree: made now and excluded from write-back, not only at the end
+# by memfs stage-out: a job that runs longer than the flush delay would otherwise
+# have it written back file by file (the many small files it is meant to spare
+# the backing filesystem).
+tree=$(stage_out_tree)
+if [ -n "$tree" ]; then
+    case /$tree/ in
+        /./ | */../* | //*)
+            log "stage-out tree '$tree' must be relative to $JOB_PATH, without '..': not made (the epilog writes it back file by file)"
+            tree=
+            ;;
+    esac
+fi
+if [ -n "$tree" ]; then
+    path=$JOB_PATH
+    IFS=/ read -r -a parts <<<"$tree"
+    for part in "${parts[@]}"; do
+        [ -n "$part" ] || continue
+        path=$path/$part
+        if [ -L "$path" ] || { [ -e "$path" ] && [ ! -d "$path" ]; }; then
+            log "stage-out tree: $path is a symlink or not a directory: not excluded from write-back"
+            tree=
+            break
+        fi
+        if [ ! -e "$path" ]; then
+            mkdir -- "$path"
+            chown -- "$JOB_UID:$JOB_GID" "$path"
+        fi
+    done
+    if [ -n "$tree" ]; then
+        err=$(flush_off "$path" 2>&1) || die "cannot exclude $path from write-back (user.memfs.flush=off): $err"
+        log "made $path for the job's stage-out: excluded from write-back, archived by the epilog"
+    fi
 fi
 
 if [ -n "$manifest" ]; then

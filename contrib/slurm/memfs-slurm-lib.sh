@@ -88,6 +88,45 @@ with_timeout() {  # SECONDS CMD...
     fi
 }
 
+# The stage-out tree's exclusion from write-back (memfs's user.memfs.flush xattr):
+# setfattr/getfattr if installed (Debian: attr), else Python (which memfs needs anyway).
+flush_off() {  # PATH
+    if command -v setfattr >/dev/null 2>&1; then
+        setfattr -n user.memfs.flush -v off -- "$1"
+    else
+        python3 -c 'import os, sys; os.setxattr(sys.argv[1], "user.memfs.flush", b"off")' "$1"
+    fi
+}
+
+flush_is_off() {  # PATH: succeeds if PATH itself has user.memfs.flush=off
+    local v
+    if command -v getfattr >/dev/null 2>&1; then
+        v=$(getfattr --only-values -n user.memfs.flush -- "$1" 2>/dev/null) || return 1
+    else
+        v=$(python3 -c 'import os, sys; sys.stdout.write(os.getxattr(sys.argv[1], "user.memfs.flush").decode())' "$1" 2>/dev/null) || return 1
+    fi
+    [ "$v" = off ]
+}
+
+flush_on() {  # PATH: written back file by file again
+    if ! flush_is_off "$1"; then
+        return 0
+    fi
+    if command -v setfattr >/dev/null 2>&1; then
+        setfattr -x user.memfs.flush -- "$1"
+    else
+        python3 -c 'import os, sys; os.removexattr(sys.argv[1], "user.memfs.flush")' "$1"
+    fi
+}
+
+# The stage-out tree named by the job (memfs_stage_out=) or the site (MEMFS_STAGE_OUT),
+# without a trailing slash; empty if none.
+stage_out_tree() {
+    local tree
+    tree=$(job_option memfs_stage_out) || tree=${MEMFS_STAGE_OUT:-}
+    printf '%s\n' "${tree%/}"
+}
+
 # Run "$@" as the job's owner (for reading files the job names: root must not
 # read them on the job's behalf).
 as_job_user() {
