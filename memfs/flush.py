@@ -842,6 +842,9 @@ class BackedMeta(Meta):
         finally:
             if not published:
                 await trio.to_thread.run_sync(_unlink_quiet, tmp)
+        if not published:  # it lost its last name meanwhile: nothing to write
+            self._clean(ino, v)
+            return
         self.flushed_files += 1
         self._count_rate(i.size)
         self._clear_error(paths[0] if paths else b"")
