@@ -106,8 +106,10 @@ class _NsOp:
     mtime_ns: int = 0
     target: bytes = b""
     rdev: int = 0
-    #: an inode that must be fetched whole (from ``path``) before this op removes it
+    #: an inode that must be fetched whole (from ``keep_from``, else ``path``) before
+    #: this op removes its copy in DIR
     keep: int = 0
+    keep_from: bytes = b""
 
 
 @dataclass(eq=False)
@@ -333,6 +335,9 @@ class BackedMeta(Meta):
             gone = {k for k in d.chunks if k >= keep}
             d.chunks -= gone
             self.dirty_chunks -= len(gone)
+            if gone:
+                self._cleaned.set()  # writers waiting on the cap may go on
+                self._cleaned = trio.Event()
 
     def attrs_changed(self, ino: int) -> None:
         i = self.store.inodes.get(ino)
@@ -378,8 +383,9 @@ class BackedMeta(Meta):
         new = self.store.entry_path(new_parent, new_name)
         if old is None or new is None:
             return
+        # The replaced file's copy in DIR is at the target path until the rename.
         self._queue(_NsOp("exchange" if exchange else "rename", old, new,
-                          keep=self._keep(replaced) if replaced else 0))
+                          keep=self._keep(replaced) if replaced else 0, keep_from=new))
         if self.pinned:
             d = self.store.inodes.get(new_parent)
             moved = d.children.get(new_name) if d is not None and d.children else None
@@ -395,6 +401,7 @@ class BackedMeta(Meta):
             self._cleaned = trio.Event()
         self.pinned.discard(ino)
         self.lru.pop(ino, None)
+        self._kept.pop(ino, None)
 
     def _keep(self, ino: int, dropping: int = 0) -> int:
         """*ino* loses its last name while still open, with data only in DIR: fetch it
@@ -460,6 +467,8 @@ class BackedMeta(Meta):
         return await self._with_room(lambda: self._map_write_now(ino, offset, length), protect=ino)
 
     async def _map_write_now(self, ino: int, offset: int, length: int) -> WritePlan:
+        # Another task may have evicted this file while we waited for room.
+        await self._ensure_resident(ino, offset, length)
         return await self.store.map_write(ino, offset, length)
 
     async def _wait_dirty_room(self, ino: int, offset: int, length: int) -> None:
@@ -499,6 +508,7 @@ class BackedMeta(Meta):
         """Evict clean files, least recently used first, until *want* chunks are freed."""
         if self.root_lost:
             return False  # DIR is gone: the pool may hold the only copy of everything
+        self._expire_tickets()  # staged files stop being spared when their ticket ends
         freed = 0
         inodes = self.store.inodes
         # Files just staged in are kept while anything else can go.  The oldest few
@@ -575,18 +585,31 @@ class BackedMeta(Meta):
                 try:
                     await self._apply_ns_ops()
                 except _Retry:
-                    pass  # try the path anyway: reading may work where writing does not
+                    pass  # reading may work where writing does not, if no change is in the way
                 paths = self.store.paths(ino)
                 if not paths:
                     raise FsError(errno.EIO, f"inode {ino}: data only in the backing directory, "
                                              "and the file has no name there any more")
                 path = paths[0]
+                if self._pending_op_touches(path):
+                    # A change not applied yet moves what DIR has at that path: reading
+                    # it could give another file's bytes.
+                    raise FsError(errno.EIO, f"{os.fsdecode(path)}: its data is in the backing "
+                                             "directory, which cannot be updated right now")
         full = os.path.join(self.root, path)
         try:
             return await trio.to_thread.run_sync(os.open, full, os.O_RDONLY | os.O_CLOEXEC)
         except OSError as exc:
             self._record_error(path, "read", exc)
             raise FsError(errno.EIO, f"cannot read {os.fsdecode(full)}: {exc.strerror}") from None
+
+    def _pending_op_touches(self, path: bytes) -> bool:
+        """Does a queued namespace operation name *path* or a directory above it?"""
+        for op in self.ns_ops:
+            for p in (op.path, op.path2):
+                if p and (p == path or path.startswith(p + b"/")):
+                    return True
+        return False
 
     async def _fetch_run(self, ino: int, fd: int, ks: list[int]) -> None:
         cs = self.chunk_size
@@ -799,6 +822,9 @@ class BackedMeta(Meta):
                 path = self.store.path(ino) or b"?"
                 self._record_error(path, "read from the pool", exc)
                 self._backoff(d)
+            except Exception:  # a bug: log it, keep the data dirty, keep the mount alive
+                log.exception("write-back of inode %d failed", ino)
+                self._backoff(d)
             finally:
                 d.busy = False
                 self._wake.set()
@@ -983,7 +1009,9 @@ class BackedMeta(Meta):
     def _parent_dirs(self, ino: int) -> list[_NsOp]:
         """mkdir operations for every directory above *ino*'s names, outermost first
         (to recreate what vanished from DIR, with memfs's modes and owners)."""
-        i = self.store.inodes[ino]
+        i = self.store.inodes.get(ino)
+        if i is None:
+            return []
         out: dict[bytes, _NsOp] = {}
         for parent in [i.parent, *(p for p, _ in i.links or ())]:
             chain = []
@@ -1009,6 +1037,7 @@ class BackedMeta(Meta):
             src = tmp
             if n < len(paths) - 1:
                 src = tmp + b".%d" % n
+                _unlink_quiet(src)  # left by an attempt that failed on a missing directory
                 os.link(tmp, src)
             try:
                 os.rename(src, dest)
@@ -1069,7 +1098,7 @@ class BackedMeta(Meta):
                 i = self.store.inodes.get(op.keep)
                 if i is not None:
                     try:
-                        await self._ensure_resident(op.keep, 0, i.backed, op.path)
+                        await self._ensure_resident(op.keep, 0, i.backed, op.keep_from or op.path)
                     except FsError as exc:
                         log.warning("inode %d: could not keep its data before %s: %s",
                                     op.keep, op.kind, exc)
@@ -1126,10 +1155,20 @@ class BackedMeta(Meta):
             os.rename(path, os.path.join(self.root, op.path2))
         elif k == "exchange":
             other = os.path.join(self.root, op.path2)
-            swap = os.path.join(self.tmp, b"swap." + secrets.token_hex(4).encode())
-            os.rename(path, swap)
-            os.rename(other, path)
-            os.rename(swap, other)
+            here, there = os.path.lexists(path), os.path.lexists(other)
+            if here and there:
+                swap = os.path.join(self.tmp, b"swap." + secrets.token_hex(4).encode())
+                os.rename(path, swap)
+                try:
+                    os.rename(other, path)
+                except OSError:
+                    os.rename(swap, path)  # never leave a copy parked in our temp dir
+                    raise
+                os.rename(swap, other)
+            elif here:  # the other one was never written back: only this one moves
+                os.rename(path, other)
+            elif there:
+                os.rename(other, path)
         elif k == "attrs":
             self._set_attrs(path, op, times=True)
 

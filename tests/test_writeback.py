@@ -864,3 +864,53 @@ def test_backing_filesystem_unmounted(memfs_mount: MountFn, tmp_path: Path) -> N
     assert st["dirty_files"] >= 1, st
     assert not (lus / "job").exists(), "DIR was re-created on the filesystem underneath"
     assert (m.path / "a").read_bytes() == b"before" and (m.path / "b").read_bytes() == b"after"
+
+
+# -- review findings: renames that replace or swap files only partly in DIR ------------------
+
+
+def test_rename_over_an_open_file_keeps_its_data(memfs_mount: MountFn, tmp_path: Path) -> None:
+    """`mv new old` while `old` (never read, data only in DIR) is open: the open handle
+    keeps reading old's bytes, not new's."""
+    backing = tmp_path / "backing"
+    backing.mkdir()
+    old, new = os.urandom(300_000), os.urandom(200_000)
+    (backing / "old").write_bytes(old)
+    (backing / "new").write_bytes(new)
+    m = mount_backed(memfs_mount, backing, "--flush-delay", "60")
+    with open(m.path / "old", "rb") as f:
+        os.rename(m.path / "new", m.path / "old")
+        flush_wait(m)  # the rename reaches DIR: old's copy there is replaced
+        assert sha((backing / "old").read_bytes()) == sha(new)
+        assert sha(f.read()) == sha(old)
+    assert sha((m.path / "old").read_bytes()) == sha(new)
+
+
+def test_exchange_with_a_file_not_yet_written_back(memfs_mount: MountFn, tmp_path: Path) -> None:
+    backing = tmp_path / "backing"
+    backing.mkdir()
+    (backing / "a").write_bytes(b"a, from DIR")
+    m = mount_backed(memfs_mount, backing, "--flush-delay", "60")
+    write_file(m.path / "b", b"b, only in memory")
+    if not exchange(m.path / "a", m.path / "b"):
+        pytest.skip("no renameat2 in this C library")
+    flush_wait(m)
+    assert (backing / "a").read_bytes() == b"b, only in memory"
+    assert (backing / "b").read_bytes() == b"a, from DIR"
+    assert tmp_leftovers(backing) == []
+
+
+def test_hard_links_into_a_vanished_directory(memfs_mount: MountFn, tmp_path: Path) -> None:
+    backing = tmp_path / "backing"
+    backing.mkdir()
+    m = mount_backed(memfs_mount, backing, "--flush-delay", "0.2")
+    (m.path / "d").mkdir()
+    write_file(m.path / "d" / "f", b"linked")
+    os.link(m.path / "d" / "f", m.path / "g")
+    flush_wait(m)
+    shutil.rmtree(backing / "d")
+    write_file(m.path / "d" / "f", b"linked, changed")
+    flush_wait(m, timeout=30)
+    assert (backing / "d" / "f").read_bytes() == b"linked, changed"
+    assert os.path.samefile(backing / "d" / "f", backing / "g")
+    assert tmp_leftovers(backing) == []
