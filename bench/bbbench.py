@@ -79,6 +79,8 @@ from multiprocessing.synchronize import Barrier
 from pathlib import Path
 from typing import Any
 
+from fsbench import mounted_tmpfs  # bench/ is the script's directory
+
 MiB = 1 << 20
 GiB = 1 << 30
 MEMFS = [sys.executable, "-m", "memfs"]
@@ -289,16 +291,6 @@ def dirty_limits() -> str:
     avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return (f"vm.dirty_ratio {ratio}% (~{fmt_size(avail * ratio / 100)} of dirty pages before"
             f" writers are throttled), dirty_background_ratio {bg}%")
-
-
-@contextmanager
-def mounted_tmpfs(path: Path, size: int) -> Iterator[Path]:
-    path.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True)
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def memfs(
@@ -755,7 +747,7 @@ class Bench:
         return self._direct(w, rnd, fsync=True)
 
     def tmpfs(self, w: Workload, rnd: int) -> dict[str, float]:
-        with mounted_tmpfs(self.base / "tmpfs", self.args.pool) as root:
+        with mounted_tmpfs(self.base / "tmpfs", str(self.args.pool)) as root:
             drop_caches()
             t0, t1 = run_writers(root, w, self.args.jobs, fsync=False)
             verify(root, w, self.args.jobs, against=None, full=False)

@@ -1427,23 +1427,13 @@ def alive(pid: int) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    commands = {
+        "mount": cmd_mount, "umount": cmd_umount, "memd": cmd_memd, "mds": cmd_mds,
+        "flush": cmd_flush, "status": cmd_status, "stage-in": cmd_stage_in,
+        "stage-out": cmd_stage_out,
+    }
     try:
-        if args.command == "mount":
-            return cmd_mount(args)
-        if args.command == "umount":
-            return cmd_umount(args)
-        if args.command == "memd":
-            return cmd_memd(args)
-        if args.command == "mds":
-            return cmd_mds(args)
-        if args.command == "flush":
-            return cmd_flush(args)
-        if args.command == "status":
-            return cmd_status(args)
-        if args.command == "stage-in":
-            return cmd_stage_in(args)
-        if args.command == "stage-out":
-            return cmd_stage_out(args)
+        return commands[args.command](args)
     except UsageError as exc:
         print(f"memfs: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -1452,7 +1442,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_FAILED
     except KeyboardInterrupt:
         return 130
-    raise AssertionError(args.command)
 
 
 def mount_helper(argv: Sequence[str] | None = None) -> int:

@@ -49,7 +49,7 @@ import shutil
 import socket
 import stat
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -1237,8 +1237,25 @@ class BackedMeta(Meta):
         """(files, bytes) not yet written back, plus queued namespace operations as files."""
         return len(self.dirty) + len(self.ns_ops), self.dirty_chunks * self.chunk_size
 
-    async def drain(self) -> None:
-        """Write everything back now (the mount is going away); returns when clean."""
+    async def drain(self, give_up_on: AsyncIterable[object] | None = None) -> None:
+        """Write everything back now (the mount is going away); returns when clean,
+        or at the first item of *give_up_on* (a signal), logging what is lost."""
+        with trio.CancelScope() as scope:
+            async with trio.open_nursery() as nursery:
+                if give_up_on is not None:
+
+                    async def give_up() -> None:
+                        async for _ in give_up_on:
+                            files, nbytes = self.pending
+                            log.error("exiting without writing back %d MiB (%d files): asked to",
+                                      nbytes >> 20, files)
+                            scope.cancel()
+
+                    nursery.start_soon(give_up)
+                await self._drain()
+                nursery.cancel_scope.cancel()
+
+    async def _drain(self) -> None:
         self.draining = True
         self._wake.set()
         started = self.clock()

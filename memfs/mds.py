@@ -17,7 +17,6 @@ import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import trio
 
@@ -228,25 +227,6 @@ async def _write_back(
         raise StartupError(f"cannot reach the memory servers for write-back: {exc.args[1]}") from None
 
 
-async def _drain(server: MetaServer, signals: Any) -> None:
-    """Write everything back before stopping; another signal gives up."""
-    backed = server.meta
-    assert isinstance(backed, BackedMeta)
-    with trio.CancelScope() as scope:
-        async with trio.open_nursery() as nursery:
-
-            async def give_up() -> None:
-                async for _ in signals:
-                    files, nbytes = backed.pending
-                    log.error("stopping without writing back %d MiB (%d files): asked to",
-                              nbytes >> 20, files)
-                    scope.cancel()
-
-            nursery.start_soon(give_up)
-            await backed.drain()
-            nursery.cancel_scope.cancel()
-
-
 async def _main(opts: MdsOptions, journal: Journal | None) -> int:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         volume_size = opts.volume_size or await query_volume_size(opts.pool, opts.secret)
@@ -282,9 +262,8 @@ async def _main(opts: MdsOptions, journal: Journal | None) -> int:
             async for signum in signals:
                 log.info("received %s, stopping", signal.Signals(signum).name)
                 sd_notify("STOPPING=1")
-                if server.meta is not server.store:
-                    await _drain(server, signals)
-                    assert isinstance(server.meta, BackedMeta)
+                if isinstance(server.meta, BackedMeta):  # another signal gives up
+                    await server.meta.drain(give_up_on=signals)
                     await server.meta.close()
                 nursery.cancel_scope.cancel()
                 break

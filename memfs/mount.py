@@ -207,27 +207,11 @@ async def _main(opts: MountOptions, ready: Callable[[], None] | None) -> None:
                     log.warning("discarding %d MiB (%d files) not written back, as asked "
                                 "(--discard-on-unmount)", nbytes >> 20, files)
             else:
-                await _drain(backed)
+                # A SIGTERM/SIGINT during the write-back gives up (logging what is lost).
+                with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                    await backed.drain(give_up_on=signals)
             await backed.close()
         background.cancel_scope.cancel()
-
-
-async def _drain(backed: BackedMeta) -> None:
-    """Write everything back before exiting; a second SIGTERM/SIGINT gives up."""
-    with trio.CancelScope() as scope:
-        async with trio.open_nursery() as nursery:
-
-            async def give_up() -> None:
-                with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                    async for _ in signals:
-                        files, nbytes = backed.pending
-                        log.error("exiting without writing back %d MiB (%d files): asked to",
-                                  nbytes >> 20, files)
-                        scope.cancel()
-
-            nursery.start_soon(give_up)
-            await backed.drain()
-            nursery.cancel_scope.cancel()
 
 
 async def _serve(

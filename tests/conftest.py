@@ -62,6 +62,18 @@ def wait_gone(pid: int, timeout: float) -> bool:
     return False
 
 
+def stop_server(proc: subprocess.Popen[bytes]) -> None:
+    """Stop a `memfs memd`/`memfs mds` started with a stdout pipe: SIGTERM, then SIGKILL."""
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    assert proc.stdout is not None
+    proc.stdout.close()
+
+
 def unmount(m: Mounted) -> None:
     if is_mounted(str(m.path)):
         subprocess.run(["fusermount3", "-u", "-z", str(m.path)], capture_output=True)

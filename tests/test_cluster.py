@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from memfs.cli import is_mounted, pid_file
-from tests.conftest import MOUNT_SKIP, wait_gone
+from tests.conftest import MOUNT_SKIP, stop_server, wait_gone
 from tests.netns import TestNet, netns_unavailable
 
 SKIP = MOUNT_SKIP or netns_unavailable()
@@ -164,14 +164,7 @@ def make_cluster(tmp_path: Path, mds_args: list[str]) -> Iterator[Cluster]:
                 if pid is not None and not wait_gone(pid, 20):
                     os.kill(pid, signal.SIGKILL)
             for proc in servers.values():
-                proc.terminate()
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-                assert proc.stdout is not None
-                proc.stdout.close()
+                stop_server(proc)
     for path in mnt.values():
         assert not is_mounted(str(path))
     for log_file in tmp_path.glob("*.log"):

@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 from memfs.cli import is_mounted, mount_type, pid_file
-from tests.conftest import MEMFS, MOUNT_SKIP, wait_gone
+from tests.conftest import MEMFS, MOUNT_SKIP, stop_server, wait_gone
 
 pytestmark = pytest.mark.mount
 
@@ -546,13 +546,6 @@ def test_job_lifecycle_cluster(node: Node) -> None:
         force_unmount(node.mnt)
         force_unmount(check)
         for proc in servers:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            assert proc.stdout is not None
-            proc.stdout.close()
+            stop_server(proc)
     for log in (node.tmp / "memd.log", node.tmp / "mds.log"):
         assert "Traceback" not in log.read_text(), log.read_text()[-3000:]

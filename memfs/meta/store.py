@@ -785,15 +785,20 @@ class MetaStore(Meta):
 
     def _allocate(self, i: Inode, missing: list[int]) -> None:
         """Allocate all of *missing* or nothing (ENOSPC)."""
-        assert i.chunks is not None and i.layout is not None
+        assert i.chunks is not None
+        for k, _, voffset in self._take_chunks(i, missing):
+            i.chunks[k] = voffset
+
+    def _take_chunks(self, i: Inode, ks: list[int]) -> list[tuple[int, int, int]]:
+        """Clean chunks for file chunks *ks*, all or none: ``(k, volume, voffset)``."""
+        assert i.layout is not None
         cs = self.chunk_size
+        vols = [i.layout.volume_of_chunk(k, cs) for k in ks]
         need: dict[int, int] = {}
-        for k in missing:
-            vol = i.layout.volume_of_chunk(k, cs)
+        for vol in vols:
             need[vol] = need.get(vol, 0) + 1
         self._check_space(need)
-        for k in missing:
-            i.chunks[k] = self.allocators[i.layout.volume_of_chunk(k, cs)].alloc()
+        return [(k, vol, self.allocators[vol].alloc()) for k, vol in zip(ks, vols, strict=True)]
 
     def _check_space(self, need: dict[int, int]) -> None:
         """ENOSPC (or SpaceBusy) unless each volume has the chunks *need* asks of it."""
@@ -828,18 +833,8 @@ class MetaStore(Meta):
         """Allocate chunks for fetching *ks* of *ino*: ``(k, volume, voffset)``, not yet
         part of the file (:meth:`install` makes them so).  ENOSPC/SpaceBusy like a write."""
         i = self._get(ino)
-        assert i.chunks is not None and i.layout is not None
-        cs = self.chunk_size
-        need: dict[int, int] = {}
-        for k in ks:
-            vol = i.layout.volume_of_chunk(k, cs)
-            need[vol] = need.get(vol, 0) + 1
-        self._check_space(need)
-        return [
-            (k, vol, self.allocators[vol].alloc())
-            for k in ks
-            for vol in (i.layout.volume_of_chunk(k, cs),)
-        ]
+        assert i.chunks is not None
+        return self._take_chunks(i, ks)
 
     def install(self, ino: int, k: int, volume: int, voffset: int) -> bool:
         """Make fetched chunk *k* part of *ino*; False (chunk freed) if no longer wanted."""
