@@ -601,6 +601,18 @@ os.close(fd)
 """
 
 
+def mid_write(sample: bytes) -> bool:
+    """The one mix memfs itself holds: a 8 MiB pwrite reaches the daemon as 1 MiB FUSE
+    requests in order, so between two of them the file *is* version n+1 up to a 1 MiB
+    boundary and version n after it; a copy of that state is a whole memfs version.
+    (A writer stalled there, on a loaded CI machine, made this happen.)  A copy that
+    ignored versions would mostly show the other shape: older bytes first."""
+    new, old = sample[0], sample[-1]
+    cut = sample.find(bytes([old]))
+    return (new == old + 1 and cut % MiB == 0
+            and sample[:cut] == bytes([new]) * cut and sample[cut:] == bytes([old]) * (len(sample) - cut))
+
+
 def test_rewritten_file_lands_as_whole_versions(memfs_mount: MountFn, tmp_path: Path) -> None:
     backing = tmp_path / "backing"
     backing.mkdir()
@@ -616,7 +628,9 @@ def test_rewritten_file_lands_as_whole_versions(memfs_mount: MountFn, tmp_path: 
         deadline = time.monotonic() + 60
         while writer.poll() is None and time.monotonic() < deadline:
             sample = (backing / "v").read_bytes()
-            if len(sample) != size or sample != bytes([sample[0]]) * size:
+            if len(sample) != size or (
+                sample != bytes([sample[0]]) * size and not mid_write(sample)
+            ):
                 parts = sorted({(b, sample.count(b)) for b in set(sample)})
                 bad.append(f"{len(sample)} bytes, (byte, count): {parts[:8]}")
             elif not seen or seen[-1] != sample[0]:
