@@ -353,6 +353,12 @@ def build_parser() -> argparse.ArgumentParser:
     ms.add_argument("--grace", type=float, default=60.0, metavar="SECONDS",
                    help="how long open files of a vanished client (and, after a restart, "
                         "unlinked files clients held open) are kept for it to return (default 60)")
+    ms.add_argument("--lease-term", type=float, default=4.0, metavar="SECONDS",
+                   help="how long clients may trust what they cache (leases, recalled before "
+                        "any conflicting change); 0: clients cache nothing (default 4)")
+    ms.add_argument("--recall-timeout", type=float, default=2.0, metavar="SECONDS",
+                   help="a client that does not answer a recall within this is evicted; the "
+                        "change then waits at most --lease-term more (default 2)")
     ms.add_argument("--debug", "-d", action="store_true", help="log at debug level")
     _add_flush_arguments(ms, mount=False)
 
@@ -732,6 +738,11 @@ def cmd_mds(args: argparse.Namespace) -> int:
     )
     if not 0 <= opts.grace < float("inf"):
         raise UsageError(f"bad --grace {args.grace}: expected seconds, 0 or more")
+    if not 0 <= args.lease_term <= 3600:
+        raise UsageError(f"bad --lease-term {args.lease_term}: expected seconds, 0 to 3600")
+    if not 0 < args.recall_timeout <= 600:
+        raise UsageError(f"bad --recall-timeout {args.recall_timeout}: expected seconds, above 0")
+    opts.lease_term, opts.recall_timeout = args.lease_term, args.recall_timeout
     opts.flush = flush_from_args(
         args, opts.volume_size * len(opts.pool) if opts.volume_size is not None else None
     )

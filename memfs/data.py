@@ -5,6 +5,11 @@ moves the bytes with the transport, concurrently across volumes when the
 transport can overlap requests.  Holes come back as zeros; newly allocated
 chunks are zero already (the scrubber cleared them when they were freed).
 
+Cluster clients cache chunk maps under leases (:mod:`memfs.meta.cache`): each
+transfer runs inside ``meta.io(ino)`` and only with a map whose generation did
+not move while it was fetched, so a recall (which waits for ``io``) never lets
+a chunk be freed while a transfer still uses it.
+
 Copies: a read that falls in one contiguous extent returns the transport's view
 of volume memory (no copy in Python; libfuse copies it into the reply).  Other
 reads are assembled in one buffer.  A write is one copy from the kernel's
@@ -19,10 +24,13 @@ import logging
 import trio
 
 from memfs.errors import FsError, SpaceBusy
-from memfs.meta import NOT_RESIDENT, Extent, Meta
+from memfs.meta import NOT_RESIDENT, Extent, Meta, WritePlan
 from memfs.transport import Buffer, Transport
 
 log = logging.getLogger(__name__)
+
+#: a read or write whose chunk map is recalled while it is fetched asks again, this often
+_MAX_TRIES = 100
 
 
 class DataEngine:
@@ -31,7 +39,17 @@ class DataEngine:
         self.transport = transport
 
     async def read(self, ino: int, offset: int, length: int) -> Buffer:
-        extents = await self.meta.map_read(ino, offset, length)
+        meta = self.meta
+        for _ in range(_MAX_TRIES):
+            gen = meta.generation(ino)
+            extents = await meta.map_read(ino, offset, length)
+            with meta.io(ino):
+                if meta.generation(ino) != gen:
+                    continue  # recalled while we asked: the map may name freed chunks
+                return await self._read(ino, offset, extents)
+        raise FsError(errno.EIO, f"inode {ino}: its chunk map keeps changing")
+
+    async def _read(self, ino: int, offset: int, extents: list[Extent]) -> Buffer:
         if not extents:
             return b""
         if any(e.volume == NOT_RESIDENT for e in extents):  # never zeros for missing data
@@ -60,15 +78,29 @@ class DataEngine:
 
     async def write(self, ino: int, offset: int, data: Buffer) -> int:
         src = memoryview(data).cast("B")
+        meta = self.meta
+        for _ in range(_MAX_TRIES):
+            gen = meta.generation(ino)
+            plan = await self._plan(ino, offset, len(src))
+            with meta.io(ino):
+                if meta.generation(ino) != gen:
+                    continue  # recalled while we asked: the plan may name freed chunks
+                await self._write(plan, src, offset)
+                return len(src)
+        raise FsError(errno.EIO, f"inode {ino}: its chunk map keeps changing")
+
+    async def _plan(self, ino: int, offset: int, length: int) -> WritePlan:
         try:
-            plan = await self.meta.map_write(ino, offset, len(src))
+            return await self.meta.map_write(ino, offset, length)
         except SpaceBusy:
             # Only freed-but-unzeroed space is left: wait for the scrubber, once.
             await self.meta.reclaim()
             try:
-                plan = await self.meta.map_write(ino, offset, len(src))
+                return await self.meta.map_write(ino, offset, length)
             except SpaceBusy:
                 raise FsError(errno.ENOSPC) from None
+
+    async def _write(self, plan: WritePlan, src: memoryview, offset: int) -> None:
         if self.transport.concurrent and len({e.volume for e in plan.extents}) > 1:
             async with trio.open_nursery() as nursery:
                 for e in plan.extents:
@@ -76,7 +108,6 @@ class DataEngine:
         else:
             for e in plan.extents:
                 await self._write_extent(e, src, offset)
-        return len(src)
 
     async def _write_extent(self, e: Extent, src: memoryview, base: int) -> None:
         start = e.offset - base

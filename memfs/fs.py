@@ -74,21 +74,54 @@ class Operations(pyfuse3.Operations):
         self.attr_timeout = attr_timeout
         self.entry_timeout = entry_timeout
         self.negative_timeout = negative_timeout
-        self._dir_handles: dict[int, list[tuple[bytes, int]]] = {}
+        self._dir_handles: dict[int, list[tuple[bytes, Attr | None]]] = {}
         self._dir_inodes: dict[int, int] = {}
         self._next_dh = itertools.count(1)
         self.initialized = trio.Event()
+        meta.invalidator = self.invalidate
+
+    async def invalidate(self, inodes: list[int], entries: list[tuple[int, bytes]]) -> None:
+        """Drop the kernel's cached attributes and pages of *inodes* and its dentries of
+        *entries* (another node changed them).
+
+        In a thread: the kernel may have to wait for a page that a request this
+        daemon is serving holds locked.
+        """
+
+        def work() -> None:
+            for parent, name in entries:
+                try:
+                    pyfuse3.invalidate_entry(parent, name)
+                except OSError:  # ENOENT: not cached, nothing to drop
+                    pass
+            for ino in inodes:
+                try:
+                    pyfuse3.invalidate_inode(ino)
+                except OSError:
+                    pass
+
+        try:
+            await trio.to_thread.run_sync(work, abandon_on_cancel=True)
+        except Exception as exc:  # not mounted (any more): nothing is cached
+            log.debug("kernel cache invalidation failed: %s", exc)
 
     def init(self) -> None:
         """The kernel's INIT request is being answered (the reply follows)."""
         self.initialized.set()
 
-    def _entry(self, a: Attr) -> pyfuse3.EntryAttributes:
+    def _entry(self, a: Attr, parent: int = 0, name: bytes = b"") -> pyfuse3.EntryAttributes:
+        """What the kernel gets of *a* (found as *name* in *parent*, if given): cached as
+        long as the metadata service says (a cluster client: what its lease covers)."""
         e = pyfuse3.EntryAttributes()
         e.st_ino = a.ino
         e.generation = 0
-        e.entry_timeout = self.entry_timeout
-        e.attr_timeout = self.attr_timeout
+        ttl = self.meta.attr_ttl(a.ino)
+        e.attr_timeout = self.attr_timeout if ttl is None else ttl
+        if parent:
+            ttl = self.meta.entry_ttl(parent, name)
+            e.entry_timeout = self.entry_timeout if ttl is None else ttl
+        else:
+            e.entry_timeout = self.entry_timeout
         e.st_mode = a.mode
         e.st_nlink = a.nlink
         e.st_uid = a.uid
@@ -103,7 +136,8 @@ class Operations(pyfuse3.Operations):
         return e
 
     def _fileinfo(self, ino: int) -> pyfuse3.FileInfo:
-        return pyfuse3.FileInfo(fh=ino, keep_cache=self.keep_cache)
+        keep = self.meta.keep_cache(ino)
+        return pyfuse3.FileInfo(fh=ino, keep_cache=self.keep_cache if keep is None else keep)
 
     # -- namespace --------------------------------------------------------------------
 
@@ -112,12 +146,16 @@ class Operations(pyfuse3.Operations):
         self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext | None = None
     ) -> pyfuse3.EntryAttributes:
         try:
-            return self._entry(await self.meta.lookup(parent_inode, name))
+            return self._entry(await self.meta.lookup(parent_inode, name), parent_inode, name)
         except FsError as exc:
-            if exc.errno != errno.ENOENT or not self.negative_timeout:
+            if exc.errno != errno.ENOENT:
                 raise
+        ttl = self.meta.entry_ttl(parent_inode, name)
+        ttl = self.negative_timeout if ttl is None else ttl
+        if not ttl:
+            raise FsError(errno.ENOENT)
         e = pyfuse3.EntryAttributes()  # st_ino 0: a cached negative entry
-        e.entry_timeout = self.negative_timeout
+        e.entry_timeout = ttl
         return e
 
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
@@ -158,7 +196,7 @@ class Operations(pyfuse3.Operations):
         self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
         a = await self.meta.mknod(parent_inode, name, mode, ctx.uid, ctx.gid, rdev=rdev)
-        return self._entry(a)
+        return self._entry(a, parent_inode, name)
 
     @_errno_boundary
     async def mkdir(
@@ -167,7 +205,7 @@ class Operations(pyfuse3.Operations):
         a = await self.meta.mknod(
             parent_inode, name, stat.S_IFDIR | (mode & 0o7777), ctx.uid, ctx.gid
         )
-        return self._entry(a)
+        return self._entry(a, parent_inode, name)
 
     @_errno_boundary
     async def symlink(
@@ -178,13 +216,13 @@ class Operations(pyfuse3.Operations):
         a = await self.meta.mknod(
             parent_inode, name, stat.S_IFLNK | 0o777, ctx.uid, ctx.gid, target=target
         )
-        return self._entry(a)
+        return self._entry(a, parent_inode, name)
 
     @_errno_boundary
     async def link(
         self, inode: int, new_parent_inode: int, new_name: bytes, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
-        return self._entry(await self.meta.link(inode, new_parent_inode, new_name))
+        return self._entry(await self.meta.link(inode, new_parent_inode, new_name), new_parent_inode, new_name)
 
     @_errno_boundary
     async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
@@ -213,7 +251,7 @@ class Operations(pyfuse3.Operations):
         self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         try:
-            a = await self.meta.mknod(
+            a = await self.meta.create(
                 parent_inode, name, stat.S_IFREG | (mode & 0o7777), ctx.uid, ctx.gid
             )
         except FsError as exc:
@@ -225,8 +263,8 @@ class Operations(pyfuse3.Operations):
                 raise FsError(errno.EISDIR) from None
             if flags & os.O_TRUNC:
                 await self.data.truncate(a.ino, 0)
-        a = await self.meta.open(a.ino)
-        return self._fileinfo(a.ino), self._entry(a)
+            a = await self.meta.open(a.ino)
+        return self._fileinfo(a.ino), self._entry(a, parent_inode, name)
 
     @_errno_boundary
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
@@ -264,8 +302,11 @@ class Operations(pyfuse3.Operations):
     async def release(self, fh: int) -> None:
         await self.meta.release(fh)
 
+    @_errno_boundary
     async def fsync(self, fh: int, datasync: bool) -> None:
-        """Pool memory is the durable copy in this tier (see ARCHITECTURE: fsync)."""
+        """Pool memory is the durable copy in this tier (see ARCHITECTURE: fsync); a
+        cluster client's size and mtime become exact on the metadata server."""
+        await self.meta.sync(fh)
 
     # -- directories ------------------------------------------------------------------
 
@@ -286,20 +327,26 @@ class Operations(pyfuse3.Operations):
         if start_id == 0 or fh not in self._dir_handles:
             # A listing (or rewinddir) starts: take the snapshot it will page through.
             # POSIX readdir returns "." and ".." when they exist (ls -a shows them).
-            listing = await self.meta.readdir(inode)
-            self._dir_handles[fh] = [(b".", inode), (b"..", 0)] + [
+            # One call for the names and their attributes (readdirplus): the
+            # attributes are as of opendir/rewinddir, like the names.
+            listing = await self.meta.readdirplus(inode)
+            self._dir_handles[fh] = [(b".", None), (b"..", None)] + [
                 e for e in listing if e[0] not in (b".", b"..")
             ]
+            fresh = True
+        else:
+            fresh = False  # a later page: the snapshot's attributes may be old by now
         entries = self._dir_handles[fh]
         for idx in range(start_id, len(entries)):
-            name, _ = entries[idx]
-            try:
-                a = await self.meta.lookup(inode, name)
-            except FsError as exc:
-                if exc.errno == errno.ENOENT:
-                    continue  # removed since opendir
-                raise
-            if not pyfuse3.readdir_reply(token, name, self._entry(a), idx + 1):
+            name, a = entries[idx]
+            if a is None or not fresh:
+                try:
+                    a = await self.meta.lookup(inode, name)
+                except FsError as exc:
+                    if exc.errno == errno.ENOENT:
+                        continue
+                    raise
+            if not pyfuse3.readdir_reply(token, name, self._entry(a, inode, name), idx + 1):
                 return
 
     @_errno_boundary

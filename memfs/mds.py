@@ -51,6 +51,9 @@ class MdsOptions:
     journal_dir: str | None = None
     #: seconds a vanished client's open files are kept for it (MetaServer.session_grace)
     grace: float = 60.0
+    #: how long clients may trust their caches (memfs.meta.leases); 0: no caching
+    lease_term: float = 4.0
+    recall_timeout: float = 2.0
     #: burst buffer: this server writes the pool back to (and stages in from) a directory
     flush: FlushConfig | None = None
 
@@ -235,7 +238,10 @@ async def _main(opts: MdsOptions, journal: Journal | None) -> int:
             store = await journal.open(config) if journal else MetaStore(config)
         except JournalError as exc:
             raise StartupError(str(exc)) from None
-        server = MetaServer(store, opts.secret, opts.pool, journal, session_grace=opts.grace)
+        server = MetaServer(
+            store, opts.secret, opts.pool, journal, session_grace=opts.grace,
+            lease_term=opts.lease_term, recall_timeout=opts.recall_timeout,
+        )
         async with trio.open_nursery() as nursery:
             server.incarnations.update(_load_incarnations(opts.journal_dir))
             nursery.start_soon(_scrub, store, opts.pool, opts.secret, server, opts.journal_dir)

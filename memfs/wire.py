@@ -68,6 +68,9 @@ class Kind(enum.IntEnum):
     # replies
     OK = 10  # payload depends on the request
     ERROR = 11  # errno u32 + utf-8 message
+    OK_CACHE = 12  # metadata OK whose content the client may cache under its lease
+    OK_WRITE = 13  # metadata OK that also grants the file's write lease
+    ERROR_CACHE = 14  # metadata ERROR the client may cache under its lease (a name known absent)
     # memory server
     INFO = 20  # -> OK(value: pool description)
     READ = 21  # READ struct -> OK(raw bytes)
@@ -76,6 +79,8 @@ class Kind(enum.IntEnum):
     VERBS_CONNECT = 24  # VERBS_ENDPOINT struct -> OK(verbs accept) or ERROR(ENODEV)
     # metadata server
     CALL = 30  # value [method, args...] -> OK(value)
+    RECALL = 31  # server -> client: value [[ino, [names], revoke_write], ...] (req id: recall id)
+    RECALLED = 32  # client -> server: value [[ino, size, mtime_ns], ...] (settled write leases)
 
 
 _KINDS = frozenset(int(k) for k in Kind)

@@ -127,6 +127,10 @@ SAMPLE_ARGS: dict[str, tuple[Any, ...]] = {
     "reclaim": (),
     "map_read": (7, 0, 1 << 20),
     "map_write": (7, 4096, 100),
+    "readdirplus": (1,),
+    "create": (1, b"n", 0o100644, 1, 2),
+    "allocate_ahead": (7, 0, 1 << 20, 1 << 20),
+    "settle": (7, 12345, 99, 1),
 }
 
 

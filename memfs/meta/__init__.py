@@ -14,7 +14,9 @@ Permission checks (EACCES/EPERM on mode bits) are the kernel's, through the
 from __future__ import annotations
 
 import abc
+import contextlib
 import errno
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,6 +97,9 @@ class Meta(abc.ABC):
     chunk_size: int
     #: number of volumes in the pool
     n_volumes: int
+    #: set by the FUSE layer: drops the kernel's caches of these inodes and entries
+    #: (a client that caches under leases calls it when they are recalled)
+    invalidator: Callable[[list[int], list[tuple[int, bytes]]], Awaitable[None]] | None = None
 
     @abc.abstractmethod
     async def lookup(self, parent: int, name: bytes) -> Attr: ...
@@ -139,6 +144,64 @@ class Meta(abc.ABC):
     @abc.abstractmethod
     async def readdir(self, ino: int) -> list[tuple[bytes, int]]:
         """A snapshot of the entries of directory *ino* as (name, ino)."""
+
+    async def readdirplus(self, ino: int) -> list[tuple[bytes, Attr]]:
+        """The entries of directory *ino* with their attributes (one call for ``ls -l``)."""
+        out = []
+        for name, _ in await self.readdir(ino):
+            try:
+                out.append((name, await self.lookup(ino, name)))
+            except FsError as exc:
+                if exc.errno != errno.ENOENT:
+                    raise
+        return out
+
+    async def create(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Attr:
+        """:meth:`mknod` of a regular file and :meth:`open` of it, in one call."""
+        a = await self.mknod(parent, name, mode, uid, gid)
+        return await self.open(a.ino)
+
+    async def allocate_ahead(
+        self, ino: int, offset: int, length: int, ahead: int
+    ) -> tuple[WritePlan, Attr]:
+        """:meth:`map_write`, plus (best effort) chunks for *ahead* bytes past the write,
+        which stay past EOF until written; the plan covers them too."""
+        plan = await self.map_write(ino, offset, length)
+        return plan, await self.getattr(ino)
+
+    async def settle_write(self, ino: int, size: int, mtime_ns: int, trim: int) -> None:
+        """A writer's coalesced size and mtime (size only grows); *trim*: free chunks
+        wholly past EOF (preallocation it did not use)."""
+        raise FsError(errno.ENOTSUP, "write leases are not served here")
+
+    # -- client caches (cluster clients override these; see memfs.meta.cache) ----------
+
+    def attr_ttl(self, ino: int) -> float | None:
+        """How long the kernel may cache what was just returned about *ino*; None: the
+        mount's configured timeouts (every change goes through this node)."""
+        return None
+
+    def entry_ttl(self, parent: int, name: bytes) -> float | None:
+        """Like :meth:`attr_ttl`, for the entry *name* of *parent* (present or absent)."""
+        return None
+
+    def keep_cache(self, ino: int) -> bool | None:
+        """Whether pages the kernel cached for *ino* are still right at this open; None:
+        the mount's default."""
+        return None
+
+    def io(self, ino: int) -> contextlib.AbstractContextManager[object]:
+        """Held around the volume transfers of one read or write of *ino*: a client that
+        caches chunk maps waits for these before it lets a change free those chunks."""
+        return contextlib.nullcontext()
+
+    def generation(self, ino: int) -> int:
+        """Changes whenever chunk maps of *ino* fetched before may have become stale: a
+        map taken under one generation is used only if it is still current inside :meth:`io`."""
+        return 0
+
+    async def sync(self, ino: int) -> None:  # noqa: B027 (a no-op unless a client caches)
+        """fsync: make *ino*'s size and mtime exact on the metadata service."""
 
     @abc.abstractmethod
     async def open(self, ino: int) -> Attr:

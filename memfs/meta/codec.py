@@ -140,6 +140,27 @@ def entries_from_wire(v: Any) -> list[tuple[bytes, int]]:
     return out
 
 
+def plus_to_wire(entries: list[tuple[bytes, Attr]]) -> list[list[Any]]:
+    return [[name, attr_to_wire(a)] for name, a in entries]
+
+
+def plus_from_wire(v: Any) -> list[tuple[bytes, Attr]]:
+    out = []
+    for x in check_list(v, "directory entries"):
+        name, a = check_list(x, "directory entry", 2)
+        out.append((check_bytes(name, "entry name"), attr_from_wire(a)))
+    return out
+
+
+def ahead_to_wire(r: tuple[WritePlan, Attr]) -> list[Any]:
+    return [plan_to_wire(r[0]), attr_to_wire(r[1])]
+
+
+def ahead_from_wire(v: Any) -> tuple[WritePlan, Attr]:
+    plan, a = check_list(v, "write plan and attributes", 2)
+    return plan_from_wire(plan), attr_from_wire(a)
+
+
 def names_from_wire(v: Any) -> list[bytes]:
     return [check_bytes(x, "xattr name") for x in check_list(v, "xattr names")]
 
@@ -151,6 +172,15 @@ def _none_from_wire(v: Any) -> None:
 
 def _same(v: Any) -> Any:
     return v
+
+
+def _int_result(v: Any) -> int:
+    return check_int(v, "inode")
+
+
+def _two_ints(v: Any) -> tuple[int, int]:
+    a, b = _ints(v, "inodes", 2)
+    return a, b
 
 
 # -- the method table -----------------------------------------------------------------
@@ -203,12 +233,16 @@ METHODS: dict[str, Method] = {m.name: m for m in [
     _m("truncate", "int int", zero_to_wire, zero_from_wire, "mutates", lambda m: m.truncate),
     _m("mknod", "int bytes int int int int bytes?", attr_to_wire, attr_from_wire, "mutates", lambda m: m.mknod),
     _m("link", "int int bytes", attr_to_wire, attr_from_wire, "mutates", lambda m: m.link),
-    _m("unlink", "int bytes", _none_to_wire, _none_from_wire, "mutates", lambda m: m.unlink),
-    _m("rmdir", "int bytes", _none_to_wire, _none_from_wire, "mutates", lambda m: m.rmdir),
-    _m("rename", "int bytes int bytes int", _none_to_wire, _none_from_wire, "mutates", lambda m: m.rename),
+    # the server answers with the inode(s) the entries named, so the client can drop them
+    _m("unlink", "int bytes", _same, _int_result, "mutates", lambda m: m.unlink),
+    _m("rmdir", "int bytes", _same, _int_result, "mutates", lambda m: m.rmdir),
+    _m("rename", "int bytes int bytes int", _same, _two_ints, "mutates", lambda m: m.rename),
     _m("readlink", "int", _same, lambda v: check_bytes(v, "link target"), "read", lambda m: m.readlink),
     _m("readdir", "int", entries_to_wire, entries_from_wire, "read", lambda m: m.readdir),
+    _m("readdirplus", "int", plus_to_wire, plus_from_wire, "read", lambda m: m.readdirplus),
     _m("open", "int", attr_to_wire, attr_from_wire, "session", lambda m: m.open),
+    # mknod + open: journaled as the mknod it is (open counts are the session's)
+    _m("create", "int bytes int int int", attr_to_wire, attr_from_wire, "session", lambda m: m.create),
     _m("release", "int", _none_to_wire, _none_from_wire, "session", lambda m: m.release),
     _m("getxattr", "int bytes", _same, lambda v: check_bytes(v, "xattr value"), "read", lambda m: m.getxattr),
     _m("setxattr", "int bytes bytes", _none_to_wire, _none_from_wire, "mutates", lambda m: m.setxattr),
@@ -219,6 +253,10 @@ METHODS: dict[str, Method] = {m.name: m for m in [
     # but sending it twice is harmless.
     _m("map_read", "int int int", extents_to_wire, extents_from_wire, "read", lambda m: m.map_read),
     _m("map_write", "int int int", plan_to_wire, plan_from_wire, "mutates", lambda m: m.map_write),
+    # a write lease's preallocation and its coalesced size/mtime (memfs.meta.leases)
+    _m("allocate_ahead", "int int int int", ahead_to_wire, ahead_from_wire, "mutates",
+       lambda m: m.allocate_ahead),
+    _m("settle", "int int int int", _none_to_wire, _none_from_wire, "mutates", lambda m: m.settle_write),
     # waits for the server's scrubber; the chunks it cleans are journaled as they go
     _m("reclaim", "", _none_to_wire, _none_from_wire, "session", lambda m: m.reclaim),
 ]}

@@ -31,11 +31,14 @@ told by the next re-registration.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import random
-from collections.abc import AsyncIterator, Callable
+import stat
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,8 +47,10 @@ import trio
 
 from memfs import wire
 from memfs.errors import FsError, SpaceBusy
-from memfs.meta import Attr, Extent, Meta, SetAttr, StatFs, WritePlan, codec
+from memfs.meta import RENAME_EXCHANGE, Attr, Extent, Meta, SetAttr, StatFs, WritePlan, codec
+from memfs.meta.cache import ClientCache
 from memfs.meta.conn import MAX_REPLY, ROLE, FrameSocket
+from memfs.meta.leases import items_from_wire
 from memfs.net import connect
 from memfs.wire import Kind, WireError
 
@@ -53,6 +58,12 @@ log = logging.getLogger(__name__)
 
 #: an idle connection sends a ping this often; the server drops silent ones
 KEEPALIVE = 5.0
+#: a recall is answered within this, whatever the kernel does (the server waits 2 s)
+RECALL_ANSWER = 1.5
+#: sizes written under a write lease reach the server within about this
+SETTLE_DELAY = 0.05
+#: the clock the metadata server stamps with (memfs.meta.store): mtimes stay ordered
+_CLOCK = getattr(time, "CLOCK_REALTIME_COARSE", 5)
 RECONNECT_MIN = 0.05
 RECONNECT_MAX = 2.0
 _PING = wire.encode(["ping"])
@@ -68,6 +79,12 @@ def _incarnations(v: Any) -> dict[str, int]:
     return {k: codec.check_int(x, "incarnation") for k, x in v.items()}
 
 
+def _lease_term(v: Any) -> float:
+    if type(v) not in (int, float) or not 0 <= v <= 3600:
+        raise WireError("describe: malformed lease term")
+    return float(v)
+
+
 @dataclass(frozen=True, slots=True)
 class PoolDescription:
     """What the server says a client needs to reach the data (``describe``)."""
@@ -80,6 +97,8 @@ class PoolDescription:
     fsid: bytes  # the filesystem's identity: changes only if the server lost its metadata
     #: memory server "host:port" -> incarnation holding the pool's data (may be empty)
     incarnations: dict[str, int] = field(default_factory=dict)
+    #: how long a client may trust what it caches (0: it caches nothing)
+    lease_term: float = 0.0
 
     @classmethod
     def from_wire(cls, v: Any) -> PoolDescription:
@@ -94,6 +113,7 @@ class PoolDescription:
                 stripe_size=codec.check_int(v["stripe_size"], "stripe_size"),
                 fsid=codec.check_bytes(v["fsid"], "fsid"),
                 incarnations=_incarnations(v.get("incarnations", {})),
+                lease_term=_lease_term(v.get("lease_term", 0.0)),
             )
         except KeyError as exc:
             raise WireError(f"describe: missing {exc}") from None
@@ -114,22 +134,35 @@ class FilesystemGone(FsError):
 
 
 class _Pending:
-    __slots__ = ("event", "kind", "payload", "lost", "on_ok")
+    __slots__ = ("event", "kind", "payload", "lost", "on_ok", "sent")
 
-    def __init__(self, on_ok: Callable[[], None] | None) -> None:
+    def __init__(self, on_ok: Callable[[bytes], None] | None, sent: float) -> None:
         self.event = trio.Event()
         self.kind = Kind.ERROR
         self.payload = b""
         self.lost = False
         self.on_ok = on_ok
+        self.sent = sent
+
+
+#: reply kinds of a call that succeeded
+_OK_KINDS = frozenset({Kind.OK, Kind.OK_CACHE, Kind.OK_WRITE})
+_REPLY_KINDS = _OK_KINDS | {Kind.ERROR, Kind.ERROR_CACHE}
 
 
 class _Connection:
     """One authenticated connection and the calls outstanding on it."""
 
-    def __init__(self, fs: FrameSocket, timeout: float) -> None:
+    def __init__(
+        self, fs: FrameSocket, timeout: float, cache: ClientCache,
+        on_recall: Callable[[_Connection, int, bytes], None],
+    ) -> None:
         self.fs = fs
         self.timeout = timeout
+        self.cache = cache
+        self.on_recall = on_recall
+        #: idle pings this often keep the lease (and the connection) alive
+        self.keepalive = min(KEEPALIVE, cache.term / 4) if cache.term else KEEPALIVE
         self.pending: dict[int, _Pending] = {}
         self.dead = False
         self.reason = "closed"
@@ -138,11 +171,12 @@ class _Connection:
         self._scope = trio.CancelScope()
         self._last_send = trio.current_time()
 
-    def request(self, payload: bytes, on_ok: Callable[[], None] | None = None) -> tuple[int, _Pending]:
+    def request(self, payload: bytes, on_ok: Callable[[bytes], None] | None = None) -> tuple[int, _Pending]:
         """Send a call (no await: callers do their bookkeeping atomically with it)."""
         rid = self._next_id
         self._next_id = rid % 0xFFFFFFFF + 1
-        p = _Pending(on_ok)
+        now = trio.current_time()
+        p = _Pending(on_ok, now)
         self.pending[rid] = p
         try:
             self.fs.send_now(wire.frame(Kind.CALL, rid, payload))
@@ -151,8 +185,20 @@ class _Connection:
         else:
             if self.fs.pending():
                 self._wake.set()
-        self._last_send = trio.current_time()
+        self._last_send = now
         return rid, p
+
+    def send_recalled(self, rid: int, payload: bytes) -> None:
+        """Acknowledge recall *rid* (no await: the reader must not wait on the socket)."""
+        if self.dead:
+            return
+        try:
+            self.fs.send_now(wire.frame(Kind.RECALLED, rid, payload))
+        except trio.BrokenResourceError as exc:
+            self.kill(f"send failed: {exc}")
+        else:
+            if self.fs.pending():
+                self._wake.set()
 
     def kill(self, reason: str) -> None:
         if not self.dead and not self._scope.cancel_called:
@@ -189,7 +235,8 @@ class _Connection:
             self.kill(f"send failed: {exc}")
 
     async def _reader(self) -> None:
-        limit = KEEPALIVE + self.timeout  # the server answers our pings well within this
+        limit = self.keepalive + self.timeout  # the server answers our pings well within this
+        cache = self.cache
         try:
             # One scope whose deadline moves: cheaper than a fail_after per frame.
             with trio.CancelScope() as silent:
@@ -200,14 +247,19 @@ class _Connection:
                         self.kill("closed by the server")
                         return
                     h, payload = got
-                    if h.kind not in (Kind.OK, Kind.ERROR):
+                    if h.kind is Kind.RECALL:
+                        self.on_recall(self, h.req_id, payload)
+                        continue
+                    if h.kind not in _REPLY_KINDS:
                         raise WireError(f"unexpected {h.kind.name} frame")
                     p = self.pending.pop(h.req_id, None)
                     if p is None:
                         continue  # the caller gave up on it (timeout, or a ping)
+                    if cache.term:
+                        cache.renew(p.sent)
                     p.kind, p.payload = h.kind, payload
-                    if p.on_ok is not None and h.kind is Kind.OK:
-                        p.on_ok()
+                    if p.on_ok is not None and h.kind in _OK_KINDS:
+                        p.on_ok(payload)
                     p.event.set()
             if silent.cancelled_caught:
                 self.kill(f"silent for {limit:.0f} s")
@@ -219,8 +271,8 @@ class _Connection:
 
     async def _keepalive(self) -> None:
         while True:
-            await trio.sleep_until(self._last_send + KEEPALIVE)
-            if trio.current_time() >= self._last_send + KEEPALIVE:
+            await trio.sleep_until(self._last_send + self.keepalive)
+            if trio.current_time() >= self._last_send + self.keepalive:
                 self.request(_PING)
 
 
@@ -245,6 +297,12 @@ class RemoteMeta(Meta):
         self._scope = trio.CancelScope()
         self._first: _Connection | None = None
         self._gone: FilesystemGone | None = None
+        #: what this client may serve without asking, under its lease
+        self.cache = ClientCache()
+        self._tasks: trio.Nursery | None = None
+        self._dirty_wake = trio.Event()
+        self._last_open: tuple[int, bool] = (0, False)
+        self.stripe_size = 0
 
     @property
     def address(self) -> str:
@@ -271,33 +329,43 @@ class RemoteMeta(Meta):
         assert conn is not None, "connect() first"
         self._first = None
         with self._scope:
-            backoff = RECONNECT_MIN
+            async with trio.open_nursery() as tasks:
+                self._tasks = tasks
+                if self.cache.term:
+                    tasks.start_soon(self._watch_lease)
+                    tasks.start_soon(self._settle_dirty)
+                await self._connection_loop(conn)
+
+    async def _connection_loop(self, conn: _Connection) -> None:
+        backoff = RECONNECT_MIN
+        while True:
+            self._conn = conn
+            self._ready.set()
+            try:
+                await conn.run()
+            finally:
+                self._conn = None
+                self._ready = trio.Event()
+                # Whatever the server thinks, nothing cached may be trusted now.
+                self._lease_lost("lost the connection")
+            down_since = trio.current_time()
+            log.warning("lost the metadata server at %s (%s); reconnecting", self.address, conn.reason)
             while True:
-                self._conn = conn
-                self._ready.set()
                 try:
-                    await conn.run()
-                finally:
-                    self._conn = None
-                    self._ready = trio.Event()
-                down_since = trio.current_time()
-                log.warning("lost the metadata server at %s (%s); reconnecting", self.address, conn.reason)
-                while True:
-                    try:
-                        conn = await self._connect(False)
-                        break
-                    except FilesystemGone as exc:
-                        log.error("%s", exc.args[1])
-                        self._gone = exc
-                        self._ready.set()  # wake waiting callers: they fail now
-                        return
-                    except (*_CONNECT_ERRORS, FsError) as exc:
-                        log.debug("reconnecting to %s failed: %s", self.address, exc)
-                        await trio.sleep(backoff * random.uniform(0.5, 1.0))
-                        backoff = min(backoff * 2, RECONNECT_MAX)
-                backoff = RECONNECT_MIN
-                log.warning("reconnected to the metadata server at %s after %.1f s",
-                            self.address, trio.current_time() - down_since)
+                    conn = await self._connect(False)
+                    break
+                except FilesystemGone as exc:
+                    log.error("%s", exc.args[1])
+                    self._gone = exc
+                    self._ready.set()  # wake waiting callers: they fail now
+                    return
+                except (*_CONNECT_ERRORS, FsError) as exc:
+                    log.debug("reconnecting to %s failed: %s", self.address, exc)
+                    await trio.sleep(backoff * random.uniform(0.5, 1.0))
+                    backoff = min(backoff * 2, RECONNECT_MAX)
+            backoff = RECONNECT_MIN
+            log.warning("reconnected to the metadata server at %s after %.1f s",
+                        self.address, trio.current_time() - down_since)
 
     async def _connect(self, first: bool) -> _Connection:
         with trio.fail_after(self.timeout):
@@ -311,6 +379,9 @@ class RemoteMeta(Meta):
         if first:
             self.pool = desc
             self.chunk_size, self.n_volumes = desc.chunk_size, desc.n_volumes
+            self.stripe_size = desc.stripe_size
+            self.cache.chunk_size = desc.chunk_size
+            self.cache.term = desc.lease_term
         elif self.pool is not None and desc.fsid != self.pool.fsid:
             # Inode numbers we hold now name other files, or nothing: never carry on.
             fs.close()
@@ -329,7 +400,8 @@ class RemoteMeta(Meta):
             log.warning("open inode %d is gone from the metadata server: its handles are lost", ino)
             if self.opens.pop(ino, None):
                 self._opens_version += 1
-        return _Connection(fs, self.timeout)
+        self.cache.dirty.clear()  # told with the registration
+        return _Connection(fs, self.timeout, self.cache, self._on_recall)
 
     async def _handshake(self, fs: FrameSocket) -> None:
         hs = wire.Handshake(self.secret)
@@ -365,8 +437,10 @@ class RemoteMeta(Meta):
         while True:
             version = self._opens_version
             claimed = [[ino, n] for ino, n in self.opens.items() if n > 0]
+            # Sizes written under write leases that the server has not heard yet.
+            settles = [[ino, size, mtime] for ino, (size, mtime) in self.cache.dirty.items()]
             await fs.send(
-                wire.frame(Kind.CALL, 1, wire.encode(["session", self.session, claimed]))
+                wire.frame(Kind.CALL, 1, wire.encode(["session", self.session, claimed, settles]))
                 + wire.frame(Kind.CALL, 2, wire.encode(["describe"]))
             )
             replies: dict[int, tuple[wire.Header, bytes]] = {}
@@ -397,7 +471,7 @@ class RemoteMeta(Meta):
 
     async def _roundtrip(
         self, method: str, payload: bytes, *, retry: bool,
-        on_send: Callable[[], None] | None = None, on_ok: Callable[[], None] | None = None,
+        on_send: Callable[[], None] | None = None, on_ok: Callable[[bytes], None] | None = None,
     ) -> tuple[Kind, bytes]:
         with trio.move_on_after(self.timeout):
             while True:
@@ -432,23 +506,32 @@ class RemoteMeta(Meta):
         raise FsError(errno.EIO, f"metadata server {self.address} did not answer {method} "
                                  f"within {self.timeout:g} s")
 
-    async def _call(self, method: str, *args: Any, on_ok: Callable[[], None] | None = None,
-                    on_send: Callable[[], None] | None = None) -> Any:
+    async def _call_kind(
+        self, method: str, *args: Any, on_ok: Callable[[bytes], None] | None = None,
+        on_send: Callable[[], None] | None = None,
+    ) -> tuple[Kind, Any]:
+        """A call's reply kind (OK, OK_CACHE, OK_WRITE) and result."""
         m = codec.METHODS[method]
         payload = wire.encode(codec.encode_call(method, *args))
         kind, body = await self._roundtrip(method, payload, retry=m.retry, on_ok=on_ok, on_send=on_send)
-        if kind is Kind.ERROR:
+        if kind is Kind.ERROR or kind is Kind.ERROR_CACHE:
             err, msg = wire.decode_error(body)
-            if err == errno.EAGAIN and method == "map_write":
+            if err == errno.EAGAIN and method in ("map_write", "allocate_ahead"):
                 # Only freed space is left: the data engine reclaims and retries on
                 # SpaceBusy (a plain EAGAIN would reach the application).
                 raise SpaceBusy()
+            if kind is Kind.ERROR_CACHE and err == errno.ENOENT and method == "lookup":
+                self.cache.put_entry(args[0], args[1], 0)
             raise FsError(err, msg)
         try:
-            return m.result_from_wire(wire.decode(body))
+            return kind, m.result_from_wire(wire.decode(body))
         except WireError as exc:
             log.error("bad %s reply from the metadata server: %s", method, exc)
             raise FsError(errno.EIO, f"bad {method} reply from the metadata server") from None
+
+    async def _call(self, method: str, *args: Any, on_ok: Callable[[bytes], None] | None = None,
+                    on_send: Callable[[], None] | None = None) -> Any:
+        return (await self._call_kind(method, *args, on_ok=on_ok, on_send=on_send))[1]
 
     async def describe(self) -> PoolDescription:
         kind, body = await self._roundtrip("describe", wire.encode(["describe"]), retry=True)
@@ -456,39 +539,288 @@ class RemoteMeta(Meta):
             raise FsError(*wire.decode_error(body))
         return PoolDescription.from_wire(wire.decode(body))
 
+    # -- leases (memfs.meta.leases, memfs.meta.cache) ----------------------------------------
+
+    def _on_recall(self, conn: _Connection, rid: int, payload: bytes) -> None:
+        """A RECALL frame (called by the connection's reader: must not wait)."""
+        items = items_from_wire(wire.decode(payload))
+        cache = self.cache
+        settles: list[list[int]] = []
+        inos: list[int] = []
+        entries: list[tuple[int, bytes]] = []
+        for ino, names, revoke in items:
+            if revoke:
+                a = cache.attrs.get(ino)
+                took = cache.take_write(ino)
+                if took is not None:
+                    settles.append([ino, *took])
+                elif a is not None:
+                    settles.append([ino, a.size, a.mtime_ns])
+            cache.drop(ino)
+            inos.append(ino)
+            entries.extend((ino, n) for n in names if n != b"..")
+        assert self._tasks is not None
+        self._tasks.start_soon(self._finish_recall, conn, rid, inos, entries, wire.encode(settles))
+
+    async def _finish_recall(
+        self, conn: _Connection, rid: int, inos: list[int], entries: list[tuple[int, bytes]],
+        settles: bytes,
+    ) -> None:
+        """Let transfers that use the old chunk maps end, drop the kernel's caches, answer.
+
+        Answered within RECALL_ANSWER even if the kernel is slow to let go (a
+        page it must drop is locked by a read this daemon is serving, which may
+        itself wait for the server): never later than the server's patience.
+        """
+        with trio.move_on_after(RECALL_ANSWER):
+            await self.cache.wait_unpinned(inos)
+            if self.invalidator is not None:
+                self.cache.kernel_inodes.difference_update(inos)
+                for e in entries:
+                    self.cache.kernel_entries.pop(e, None)
+                await self.invalidator(inos, entries)
+        conn.send_recalled(rid, settles)
+
+    def _lease_lost(self, why: str) -> None:
+        """Stop trusting every cache, the kernel's too (connection lost, lease expired)."""
+        cache = self.cache
+        if not cache.term:
+            return
+        had = bool(cache.attrs or cache.dirs or cache.files or cache.kernel_inodes)
+        cache.clear()
+        inos = list(cache.kernel_inodes)
+        now = trio.current_time()
+        entries = [e for e, until in cache.kernel_entries.items() if until > now]
+        cache.kernel_inodes.clear()
+        cache.kernel_entries.clear()
+        if had:
+            log.info("leases lost (%s): dropping %d cached inodes", why, len(inos))
+        if (inos or entries) and self.invalidator is not None and self._tasks is not None:
+            self._tasks.start_soon(self._invalidate_all, self.invalidator, inos, entries)
+
+    async def _invalidate_all(
+        self, invalidator: Callable[[list[int], list[tuple[int, bytes]]], Awaitable[None]],
+        inos: list[int], entries: list[tuple[int, bytes]],
+    ) -> None:
+        self.cache.invalidating += 1
+        try:
+            await invalidator(inos, entries)
+        finally:
+            self.cache.invalidating -= 1
+
+    async def _watch_lease(self) -> None:
+        """Notice a lease that ran out (this process was stopped, or the server is
+        silent) before anything cached is used again."""
+        cache = self.cache
+        while True:
+            await trio.sleep_until(max(cache.until, trio.current_time() + 0.05))
+            if not cache.valid() and (cache.attrs or cache.dirs or cache.files or cache.kernel_inodes):
+                self._lease_lost("lease expired")
+
+    async def _settle_dirty(self) -> None:
+        """Send sizes and mtimes of files written under write leases, coalesced."""
+        cache = self.cache
+        while True:
+            await self._dirty_wake.wait()
+            self._dirty_wake = trio.Event()
+            await trio.sleep(SETTLE_DELAY)
+            for ino in list(cache.dirty):
+                await self._settle(ino, trim=False)
+
+    async def _settle(self, ino: int, *, trim: bool) -> None:
+        """Tell the server *ino*'s size and mtime now (and, *trim*, end our write lease)."""
+        cache = self.cache
+        d = cache.dirty.get(ino)
+        if d is None and not trim:
+            return
+        if d is None:
+            a = cache.attrs.get(ino)
+            d = (-1, 0) if a is None else (a.size, a.mtime_ns)
+        if trim:
+            cache.take_write(ino)
+            cache.files.pop(ino, None)
+        try:
+            await self._call("settle", ino, d[0], d[1], int(trim))
+        except FsError as exc:
+            # Kept (it is the application's data): sent again, or with the next registration.
+            log.debug("settle of inode %d failed: %s", ino, exc)
+            if d[0] >= 0:
+                cache.dirty.setdefault(ino, d)
+            return
+        if cache.dirty.get(ino) == d:
+            del cache.dirty[ino]
+
+    def _settled_first(self, ino: int) -> Awaitable[None] | None:
+        """A call about *ino* that the server answers from its own state needs our unsent size."""
+        if ino in self.cache.dirty:
+            return self._settle(ino, trim=False)
+        return None
+
+    def attr_ttl(self, ino: int) -> float | None:
+        cache = self.cache
+        if not cache.term:
+            return None
+        if ino not in cache.attrs:
+            return 0.0
+        ttl = cache.ttl()
+        if ttl:
+            cache.kernel_inodes.add(ino)
+        return ttl
+
+    def entry_ttl(self, parent: int, name: bytes) -> float | None:
+        cache = self.cache
+        if not cache.term:
+            return None
+        if cache.entry(parent, name) is None:
+            return 0.0
+        ttl = cache.ttl()
+        if ttl:
+            entries = cache.kernel_entries
+            if len(entries) > 1 << 18:
+                now = trio.current_time()
+                for e in [e for e, until in entries.items() if until <= now]:
+                    del entries[e]
+            entries[(parent, name)] = trio.current_time() + ttl
+        return ttl
+
+    def keep_cache(self, ino: int) -> bool | None:
+        if not self.cache.term:
+            return None
+        last, cacheable = self._last_open
+        return cacheable and last == ino and not self.cache.invalidating
+
+    def io(self, ino: int) -> contextlib.AbstractContextManager[object]:
+        return self.cache.pinned(ino)
+
+    def generation(self, ino: int) -> int:
+        return self.cache.generation(ino)
+
+    async def sync(self, ino: int) -> None:
+        if ino in self.cache.dirty:
+            await self._settle(ino, trim=False)
+
     # -- Meta ------------------------------------------------------------------------------------
 
     async def lookup(self, parent: int, name: bytes) -> Attr:
-        return await self._call("lookup", parent, name)
+        cache = self.cache
+        if cache.term:
+            ino = cache.entry(parent, name)
+            if ino == 0:
+                raise FsError(errno.ENOENT)
+            if ino is not None:
+                a = cache.attr(ino)
+                if a is not None:
+                    return a
+        kind, a = await self._call_kind("lookup", parent, name)
+        if kind is Kind.OK_CACHE:
+            cache.put_entry(parent, name, a.ino)
+            cache.put_attr(a)
+        elif a.ino in cache.dirty:
+            a.size = max(a.size, cache.dirty[a.ino][0])
+        return a
 
     async def getattr(self, ino: int) -> Attr:
-        return await self._call("getattr", ino)
+        cache = self.cache
+        if cache.term:
+            a = cache.attr(ino)
+            if a is not None:
+                return a
+            if (w := self._settled_first(ino)) is not None:
+                await w
+        kind, a = await self._call_kind("getattr", ino)
+        if kind is Kind.OK_CACHE:
+            cache.put_attr(a)
+        return a
 
     async def setattr(self, ino: int, changes: SetAttr) -> Attr:
-        return await self._call("setattr", ino, changes)
+        if (w := self._settled_first(ino)) is not None:
+            await w
+        kind, a = await self._call_kind("setattr", ino, changes)
+        self._after_change(kind, a)
+        return a
+
+    def _after_change(self, kind: Kind, a: Attr) -> None:
+        if kind is Kind.OK_CACHE:
+            self.cache.put_attr(a)
+        else:
+            self.cache.attrs.pop(a.ino, None)
 
     async def truncate(self, ino: int, size: int) -> list[tuple[int, int, int]]:
+        if (w := self._settled_first(ino)) is not None:
+            await w
+        cache = self.cache
+        # Our chunk map past the new size is void, and so is any size we did not send.
+        cache.dirty.pop(ino, None)
+        cache.drop(ino)
         return await self._call("truncate", ino, size)
+
+    def _created(self, kind: Kind, parent: int, name: bytes, a: Attr) -> None:
+        cache = self.cache
+        cache.attrs.pop(parent, None)  # its mtime moved
+        if kind is Kind.OK_CACHE:
+            cache.put_entry(parent, name, a.ino)
+            cache.put_attr(a)
+            if stat.S_ISDIR(a.mode):
+                cache.new_directory(a.ino)
+        else:
+            cache.drop_entry(parent, name)
 
     async def mknod(
         self, parent: int, name: bytes, mode: int, uid: int, gid: int,
         rdev: int = 0, target: bytes | None = None,
     ) -> Attr:
-        return await self._call("mknod", parent, name, mode, uid, gid, rdev, target)
+        kind, a = await self._call_kind("mknod", parent, name, mode, uid, gid, rdev, target)
+        self._created(kind, parent, name, a)
+        return a
+
+    async def create(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Attr:
+        def counted(payload: bytes) -> None:  # runs as the reply is read: no reconnection in between
+            ino = wire.decode(payload)[0]
+            self.opens[ino] = self.opens.get(ino, 0) + 1
+            self._opens_version += 1
+
+        kind, a = await self._call_kind("create", parent, name, mode, uid, gid, on_ok=counted)
+        self._created(kind, parent, name, a)
+        self._last_open = (a.ino, kind is Kind.OK_CACHE)
+        return a
 
     async def link(self, ino: int, parent: int, name: bytes) -> Attr:
-        return await self._call("link", ino, parent, name)
+        kind, a = await self._call_kind("link", ino, parent, name)
+        self._created(kind, parent, name, a)
+        return a
+
+    def _removed(self, kind: Kind, parent: int, name: bytes, child: int) -> None:
+        cache = self.cache
+        cache.attrs.pop(parent, None)
+        cache.attrs.pop(child, None)  # nlink and ctime moved
+        if kind is Kind.OK_CACHE:
+            cache.put_entry(parent, name, 0)
+        else:
+            cache.drop_entry(parent, name)
 
     async def unlink(self, parent: int, name: bytes) -> None:
-        await self._call("unlink", parent, name)
+        kind, child = await self._call_kind("unlink", parent, name)
+        self._removed(kind, parent, name, child)
 
     async def rmdir(self, parent: int, name: bytes) -> None:
-        await self._call("rmdir", parent, name)
+        kind, child = await self._call_kind("rmdir", parent, name)
+        self._removed(kind, parent, name, child)
+        self.cache.drop(child)
 
     async def rename(
         self, parent: int, name: bytes, new_parent: int, new_name: bytes, flags: int = 0
     ) -> None:
-        await self._call("rename", parent, name, new_parent, new_name, flags)
+        kind, (src, dst) = await self._call_kind("rename", parent, name, new_parent, new_name, flags)
+        cache = self.cache
+        for ino in (parent, new_parent, src, dst):
+            cache.attrs.pop(ino, None)
+        cache.drop_entry(parent, name)
+        cache.drop_entry(new_parent, new_name)
+        if kind is Kind.OK_CACHE:
+            cache.put_entry(new_parent, new_name, src)
+            cache.put_entry(parent, name, dst if flags & RENAME_EXCHANGE else 0)
+        if src:
+            cache.dirs.pop(src, None)  # its ".."
 
     async def readlink(self, ino: int) -> bytes:
         return await self._call("readlink", ino)
@@ -496,17 +828,39 @@ class RemoteMeta(Meta):
     async def readdir(self, ino: int) -> list[tuple[bytes, int]]:
         return await self._call("readdir", ino)
 
+    async def readdirplus(self, ino: int) -> list[tuple[bytes, Attr]]:
+        kind, entries = await self._call_kind("readdirplus", ino)
+        if kind is Kind.OK_CACHE:
+            self.cache.put_listing(ino, entries)
+        else:
+            dirty = self.cache.dirty
+            for _, a in entries:
+                if a.ino in dirty:
+                    a.size = max(a.size, dirty[a.ino][0])
+        return entries
+
     async def open(self, ino: int) -> Attr:
-        def counted() -> None:  # runs as the reply is read: no reconnection in between
+        def counted(payload: bytes) -> None:  # runs as the reply is read: no reconnection in between
             self.opens[ino] = self.opens.get(ino, 0) + 1
             self._opens_version += 1
 
-        return await self._call("open", ino, on_ok=counted)
+        if (w := self._settled_first(ino)) is not None:
+            await w
+        kind, a = await self._call_kind("open", ino, on_ok=counted)
+        cacheable = kind is Kind.OK_CACHE
+        if cacheable:
+            self.cache.put_attr(a)
+        self._last_open = (ino, cacheable)
+        return a
 
     async def release(self, ino: int) -> None:
         if self.opens.get(ino, 0) <= 0:
             log.debug("release of inode %d, which this client does not hold open", ino)
             return
+        if self.opens[ino] == 1 and (self.cache.is_writer(ino) or ino in self.cache.dirty):
+            # The last handle here: our size goes to the server, our write lease and
+            # the space it took ahead of need go back.
+            await self._settle(ino, trim=True)
         sent = False
 
         def uncount() -> None:  # runs as the request is queued, atomically with it
@@ -519,6 +873,9 @@ class RemoteMeta(Meta):
                 del self.opens[ino]
             self._opens_version += 1
 
+        a = self.cache.attrs.get(ino)
+        if a is not None and a.nlink <= 0 and self.opens[ino] == 1:
+            self.cache.drop(ino)  # our last handle of an unlinked file: it is gone now
         try:
             await self._call("release", ino, on_send=uncount)
         except FsError as exc:
@@ -532,34 +889,91 @@ class RemoteMeta(Meta):
 
     async def setxattr(self, ino: int, name: bytes, value: bytes) -> None:
         await self._call("setxattr", ino, name, value)
+        self.cache.attrs.pop(ino, None)  # ctime
 
     async def listxattr(self, ino: int) -> list[bytes]:
         return await self._call("listxattr", ino)
 
     async def removexattr(self, ino: int, name: bytes) -> None:
         await self._call("removexattr", ino, name)
+        self.cache.attrs.pop(ino, None)
 
     async def statfs(self) -> StatFs:
         return await self._call("statfs")
 
     async def map_read(self, ino: int, offset: int, length: int) -> list[Extent]:
+        cache = self.cache
+        if cache.term:
+            a = cache.attr(ino)
+            stale_atime = a is not None and (a.atime_ns <= a.mtime_ns or a.atime_ns <= a.ctime_ns)
+            if a is not None and stale_atime and cache.is_writer(ino):
+                a.atime_ns = _now_ns()  # relatime, kept here: our own writes are not news
+                stale_atime = False
+            if a is not None and not stale_atime:
+                end = min(offset + length, a.size)
+                if end <= offset:
+                    return []
+                extents = cache.extents(ino, offset, end)
+                if extents is not None:
+                    return extents
+            if stale_atime:
+                cache.attrs.pop(ino, None)  # the server moves atime (relatime): ask it next time
+            if (w := self._settled_first(ino)) is not None:
+                await w  # the server clips at the size it knows
         while True:
             try:
-                return await self._call("map_read", ino, offset, length)
+                kind, extents = await self._call_kind("map_read", ino, offset, length)
             except FsError as exc:
                 # The server is still fetching from its backing directory.  Ask again.
                 if exc.errno != errno.EINPROGRESS:
                     raise
+                continue
+            if kind is Kind.OK_CACHE:
+                cache.put_extents(ino, extents)
+            return extents
 
     async def map_write(self, ino: int, offset: int, length: int) -> WritePlan:
+        cache = self.cache
+        end = offset + length
+        if cache.term and self.opens.get(ino):  # write leases end at close: only with a handle
+            if cache.is_writer(ino) and cache.valid() and length:
+                extents = cache.extents(ino, offset, end, allocated=True)
+                if extents is not None:
+                    cache.wrote(ino, end, _now_ns())
+                    self._dirty_wake.set()
+                    return WritePlan(extents)
+            f = cache.files.get(ino)
+            sequential = offset == 0 or (f is not None and f.last_end == offset)
+            ahead = max(self.stripe_size, length) if sequential and length else 0
+            method, args = "allocate_ahead", [ino, offset, length, ahead]
+        else:
+            method, args = "map_write", [ino, offset, length]
         while True:
             try:
-                return await self._call("map_write", ino, offset, length)
+                kind, result = await self._call_kind(method, *args)
             except FsError as exc:
                 # The server's write-back is behind (its dirty cap): it said so after
                 # waiting a while, rather than let this call time out.  Ask again.
                 if exc.errno != errno.EINPROGRESS:
                     raise
+                continue
+            if method == "map_write":
+                plan = result
+                kind = Kind.OK
+            else:
+                plan, a = result
+            if kind is Kind.OK_WRITE or kind is Kind.OK_CACHE:
+                cache.put_extents(ino, plan.extents, writer=kind is Kind.OK_WRITE)
+                cache.put_attr(a)
+                f = cache.files.get(ino)
+                if f is not None:
+                    f.last_end = end
+            else:
+                # Size, blocks, mtime moved and holes may be data now.  (Our own change:
+                # maps taken before stay usable, so the generation stays.)
+                cache.attrs.pop(ino, None)
+                cache.files.pop(ino, None)
+            return WritePlan(_clip(plan.extents, end))
 
     async def control(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
         kind, body = await self._roundtrip(
@@ -574,6 +988,22 @@ class RemoteMeta(Meta):
 
     async def reclaim(self) -> None:
         await self._call("reclaim")
+
+
+def _clip(extents: list[Extent], end: int) -> list[Extent]:
+    """*extents* up to byte *end* (a plan with space ahead covers more than the write)."""
+    out = []
+    for e in extents:
+        if e.offset >= end:
+            break
+        if e.offset + e.length > end:
+            e = Extent(e.offset, end - e.offset, e.volume, e.voffset)
+        out.append(e)
+    return out
+
+
+def _now_ns() -> int:
+    return time.clock_gettime_ns(_CLOCK)
 
 
 @asynccontextmanager

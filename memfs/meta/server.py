@@ -49,6 +49,7 @@ from memfs.errors import FsError, UsageError
 from memfs.meta import Meta, codec
 from memfs.meta.conn import MAX_REPLY, ROLE, FrameSocket
 from memfs.meta.journal import Journal
+from memfs.meta.leases import LEASE_TERM, RECALL_TIMEOUT, Item, LeaseTable, settles_from_wire
 from memfs.meta.store import MetaStore
 from memfs.wire import Kind, WireError
 
@@ -68,24 +69,82 @@ REPLY_QUEUE = 64
 #: longest a map_read/map_write waits on the backing directory (a fetch, the dirty cap)
 #: before the client is told to ask again
 CALL_WAIT = 3.0
+#: calls a client may queue behind one that waits (for a recall, the backing directory)
+MAX_QUEUED = 4096
+#: a sequential writer's preallocation is capped at this many bytes past its write
+MAX_AHEAD = 64 << 20
+#: methods whose reply carries state a client may cache under its lease (see _holds)
+_LEASED = frozenset({
+    "lookup", "getattr", "setattr", "truncate", "mknod", "create", "link", "unlink", "rmdir",
+    "rename", "readlink", "readdir", "readdirplus", "open", "map_read", "map_write",
+    "allocate_ahead",
+})
 
 
 @dataclass(eq=False)
 class _Session:
+    """A client: its open handles and (memfs.meta.leases.Holder) what it caches."""
+
     sid: bytes
     opens: dict[int, int] = field(default_factory=dict)
     conn: _Conn | None = None
     generation: int = 0
+    last_heard: float = 0.0
+    #: its leases were taken from it without its answer: its later size reports are void
+    evicted: bool = False
+
+    def send_recall(self, rid: int, payload: list[Any]) -> bool:
+        conn = self.conn
+        if conn is None or conn.fs is None or conn.scope is None or conn.scope.cancel_called:
+            return False
+        frame = wire.frame(Kind.RECALL, rid, wire.encode(payload))
+        conn.push(frame, 0)
+        return True
+
+    def evict(self, reason: str) -> None:
+        self.evicted = True
+        conn = self.conn
+        if conn is not None and conn.scope is not None:
+            log.warning("%s: evicting the client: %s", conn.peer, reason)
+            conn.scope.cancel()
 
 
 @dataclass(eq=False)
 class _Conn:
     peer: str
     session: _Session
-    #: replies waiting for the journal, as (frame, seq that must be durable first)
+    #: frames waiting for the journal, as (frame, seq that must be durable first); a
+    #: recall waits behind the replies before it, so a client never sees a reply
+    #: that a recall it already handled should have invalidated
     outbox: collections.deque[tuple[bytes, int]] = field(default_factory=collections.deque)
     wake: trio.Event = field(default_factory=trio.Event)
     closing: bool = False
+    fs: FrameSocket | None = None
+    scope: trio.CancelScope | None = None
+    #: calls queued behind one that waits (executed in arrival order)
+    calls: collections.deque[tuple[int, Any]] = field(default_factory=collections.deque)
+    calls_wake: trio.Event = field(default_factory=trio.Event)
+    busy: bool = False
+    #: the client closed the connection itself (it exited, or dropped it after a
+    #: timeout): it trusts nothing it cached before, so its leases end at once
+    clean_close: bool = False
+
+    def push(self, frame: bytes, needed: int) -> None:
+        """Send *frame* after everything before it, once journal seq *needed* is durable."""
+        fs = self.fs
+        assert fs is not None
+        if self.outbox or needed:
+            self.outbox.append((frame, needed))
+            self.wake.set()
+            return
+        try:
+            fs.send_now(frame)
+        except trio.BrokenResourceError:
+            if self.scope is not None:
+                self.scope.cancel()
+            return
+        if fs.pending():
+            self.wake.set()
 
 
 class _CloseConnection(Exception):
@@ -100,6 +159,7 @@ class MetaServer:
         journal: Journal | None = None, *,
         session_grace: float = SESSION_GRACE, idle_timeout: float = IDLE_TIMEOUT,
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
+        lease_term: float = LEASE_TERM, recall_timeout: float = RECALL_TIMEOUT,
     ) -> None:
         #: what calls are served by: the store, or (``--backing``) memfs.flush.BackedMeta
         #: wrapped around it, which may wait (fetches, the dirty cap)
@@ -130,6 +190,23 @@ class MetaServer:
             store.on_clean = self._cleaned
         self._sessions: dict[bytes, _Session] = {}
         self._nursery: trio.Nursery | None = None
+        #: lease_term 0: clients cache nothing (every call goes to the server)
+        self.leases = LeaseTable(term=lease_term, recall_timeout=recall_timeout, settle=self._settle)
+
+    @property
+    def write_leases(self) -> bool:
+        """Write leases need every write to reach the store: not with a backing
+        directory, whose write-back follows each map_write."""
+        return self.leases.term > 0 and self.meta is self.store
+
+    def _settle(self, ino: int, size: int | None, mtime_ns: int) -> None:
+        """A write lease ended: its size and mtime (None: unknown) and the end of its
+        preallocation, applied and journaled."""
+        size_ = -1 if size is None else size
+        self.store.settle_now(ino, size_, mtime_ns, True)
+        if self.journal is not None:
+            self.journal.append(self._t, "settle", [ino, size_, mtime_ns, 1])
+        self._journal_destroys()
 
     def _cleaned(self, chunks: list[tuple[int, int]]) -> None:
         assert self.journal is not None
@@ -154,6 +231,8 @@ class MetaServer:
                 if self.journal is not None:
                     await nursery.start(self.journal.run)
                 await self._hold_orphans()
+                if self.journal is not None and self.store.preallocated():
+                    nursery.start_soon(self._trim_after_grace)
                 self.port = listeners[0].getsockname()[1]
                 for sock in listeners:
                     nursery.start_soon(self._accept, sock)
@@ -198,6 +277,22 @@ class MetaServer:
         await trio.sleep(self.session_grace)
         for ino in orphans:
             await self._release_ino(ino)
+
+    async def _trim_after_grace(self) -> None:
+        """After a restart: preallocation that no client reclaimed is freed.
+
+        Writers that held write leases report their sizes when they reconnect
+        (``session``); until then, chunks past EOF may hold their data.
+        """
+        await trio.sleep(self.session_grace)
+        self._t = self._real_now()
+        n = 0
+        for ino in self.store.preallocated():
+            if ino not in self.leases.writers:
+                self._settle(ino, None, 0)
+                n += 1
+        if n:
+            log.info("freed the unused preallocation of %d files", n)
 
     # -- one connection --------------------------------------------------------------------
 
@@ -248,15 +343,22 @@ class MetaServer:
             raise _CloseConnection from None
 
     async def _serve_conn(self, conn: _Conn, fs: FrameSocket) -> None:
-        """Execute calls in arrival order; reply at once unless a reply must wait.
+        """Read frames; execute calls in arrival order; reply at once unless a reply must wait.
 
-        Replies wait (in ``conn.outbox``, sent by :meth:`_send_replies`) while the
-        journal records they may reflect are not durable yet, or while the socket
-        does not take them.
+        A call that may wait (for a recall, or for the backing directory) runs in
+        :meth:`_run_calls` and the calls after it queue behind it, while this task
+        keeps reading: recall acknowledgements must get through meanwhile, or two
+        clients recalling from each other would wait for each other.  Replies wait
+        (in ``conn.outbox``, sent by :meth:`_send_replies`) while the journal
+        records they may reflect are not durable yet, or the socket does not take them.
         """
+        conn.fs = fs
+        session = conn.session
+        leases = self.leases
         async with trio.open_nursery() as nursery:
+            conn.scope = nursery.cancel_scope
             nursery.start_soon(self._send_replies, conn, fs, nursery.cancel_scope)
-            journal = self.journal
+            nursery.start_soon(self._run_calls, conn)
             n = 0
             try:
                 # One scope whose deadline moves: cheaper than a fail_after per frame.
@@ -265,30 +367,38 @@ class MetaServer:
                         n += 1
                         if n % 32 == 0:
                             await trio.lowlevel.checkpoint()  # a pipelining client must not starve others
-                        idle.deadline = trio.current_time() + self.idle_timeout
+                        now = trio.current_time()
+                        idle.deadline = now + self.idle_timeout
                         got = await fs.receive()
                         if got is None:
                             log.debug("%s: client closed the connection", conn.peer)
+                            conn.clean_close = True
                             break
                         h, payload = got
+                        conn.session.last_heard = trio.current_time()
+                        if h.kind is Kind.RECALLED:
+                            leases.recalled(conn.session, h.req_id, settles_from_wire(wire.decode(payload)))
+                            continue
                         if h.kind is not Kind.CALL:
                             raise WireError(f"unexpected {h.kind.name} frame")
-                        kind, body = await self._execute(conn, payload)
-                        frame = wire.frame(kind, h.req_id, body)
-                        needed = journal.seq if journal is not None else 0
-                        if conn.outbox or (journal is not None and needed > journal.durable_seq):
-                            conn.outbox.append((frame, needed))
-                            conn.wake.set()
-                        else:
-                            fs.send_now(frame)
-                            if fs.pending():
-                                conn.wake.set()
+                        value = wire.decode(payload)
+                        if conn.busy or conn.calls or self._may_wait(session, value):
+                            if len(conn.calls) >= MAX_QUEUED:
+                                raise WireError(f"more than {MAX_QUEUED} calls queued")
+                            conn.calls.append((h.req_id, value))
+                            conn.calls_wake.set()
+                            continue
+                        kind, body = await self._execute(conn, value)
+                        conn.push(wire.frame(kind, h.req_id, body), self._needed())
                 if idle.cancelled_caught:
                     log.info("%s: silent for %.0f s, closing", conn.peer, self.idle_timeout)
                     raise _CloseConnection
-                # The client is done sending: let the last replies go out.
+                # The client is done sending: let the queued calls and last replies go out.
+                while conn.busy or conn.calls:
+                    await conn.calls_wake.wait()
                 conn.closing = True
                 conn.wake.set()
+                conn.calls_wake.set()
             except WireError as exc:
                 log.warning("%s: protocol error, closing the connection: %s", conn.peer, exc)
                 nursery.cancel_scope.cancel()
@@ -299,6 +409,52 @@ class MetaServer:
                 # here, or the nursery would wrap it in a group that _handle logs as one.
                 log.info("%s: connection lost: %s", conn.peer, exc)
                 nursery.cancel_scope.cancel()
+
+    def _needed(self) -> int:
+        return self.journal.seq if self.journal is not None else 0
+
+    def _may_wait(self, session: _Session, value: Any) -> bool:
+        """Could executing *value* wait?  Then it must not run in the reading task."""
+        if type(value) is not list or not value or type(value[0]) is not str:
+            return False
+        name = value[0]
+        if name == "control":
+            return True
+        if self.meta is not self.store and name in ("map_read", "map_write", "allocate_ahead"):
+            return True
+        m = codec.METHODS.get(name)
+        if m is None:
+            return False
+        try:
+            args = codec.decode_args(m, value[1:])
+        except WireError:
+            return False  # _execute refuses it
+        items = self._conflicts(session, m.name, args)
+        return bool(items) and self.leases.needs_recall(session, items)
+
+    async def _run_calls(self, conn: _Conn) -> None:
+        """Execute the calls that queued (see :meth:`_serve_conn`), in order."""
+        while True:
+            while not conn.calls:
+                if conn.closing:
+                    return
+                conn.calls_wake = trio.Event()
+                await conn.calls_wake.wait()
+            conn.busy = True
+            try:
+                while conn.calls:
+                    rid, value = conn.calls.popleft()
+                    try:
+                        kind, body = await self._execute(conn, value)
+                    except WireError as exc:
+                        log.warning("%s: protocol error, closing the connection: %s", conn.peer, exc)
+                        assert conn.scope is not None
+                        conn.scope.cancel()
+                        return
+                    conn.push(wire.frame(kind, rid, body), self._needed())
+            finally:
+                conn.busy = False
+                conn.calls_wake.set()
 
     async def _send_replies(self, conn: _Conn, fs: FrameSocket, scope: trio.CancelScope) -> None:
         """Send replies in order, each only once the changes it may reflect are durable."""
@@ -329,9 +485,8 @@ class MetaServer:
 
     # -- calls ---------------------------------------------------------------------------
 
-    async def _execute(self, conn: _Conn, payload: bytes) -> tuple[Kind, bytes]:
-        """Run one call; WireError for a malformed one (the connection closes)."""
-        value = wire.decode(payload)
+    async def _execute(self, conn: _Conn, value: Any) -> tuple[Kind, bytes]:
+        """Run one (decoded) call; WireError for a malformed one (the connection closes)."""
         if type(value) is list and value and value[0] in ("describe", "session", "ping", "control"):
             try:
                 return Kind.OK, wire.encode(await self._control(conn, value))
@@ -342,30 +497,71 @@ class MetaServer:
         except codec.UnknownMethod as exc:
             log.warning("%s: refused a call of %r: not a metadata method", conn.peer, exc.args[0])
             return Kind.ERROR, wire.encode_error(errno.ENOSYS, f"no method {exc.args[0]!r}")
-        if m.name in ("map_read", "map_write") and not (
-            args[1] >= 0 and 0 <= args[2] <= MAX_RANGE
+        if m.name in ("map_read", "map_write", "allocate_ahead") and not (
+            args[1] >= 0 and 0 <= args[2] <= MAX_RANGE and (m.name != "allocate_ahead" or args[3] >= 0)
         ):
             # FUSE never asks this; the store would walk (or list) every chunk of the range.
             return Kind.ERROR, wire.encode_error(errno.EINVAL, "offset or length out of range")
+        session = conn.session
+        if self.leases.term > 0:
+            # What conflicts may change while we wait (another call renamed the
+            # entry, say): ask again until nothing is left to recall.
+            first = True
+            while (items := self._conflicts(session, m.name, args)) and self.leases.needs_recall(
+                session, items, first=first
+            ):
+                await self.leases.recall(session, items)
+                first = False
         self._t = self._real_now()
         atime = self._atime(args[0]) if m.name == "map_read" and self.journal else None
+        journaled = m.mutates
         try:
             if m.name == "open":
-                result: Any = await self._open(conn.session, args[0])
+                result: Any = await self._open(session, args[0])
+            elif m.name == "create":
+                result = await self.store.create(*args)
+                session.opens[result.ino] = session.opens.get(result.ino, 0) + 1
+                if self.journal is not None:
+                    self.journal.append(self._t, "mknod", [*value[1:6], 0, None])
             elif m.name == "release":
-                await self._release(conn.session, args[0])
+                await self._release(session, args[0])
                 result = None
+            elif m.name == "settle":
+                # Only the writer's reports count: one sent before its lease was
+                # revoked arrives after the revocation's (newer) answer.
+                journaled = self.leases.is_writer(session, args[0])
+                if journaled:
+                    await self.store.settle_write(*args)
+                    if args[3]:
+                        self.leases.release_write(session, args[0])
+                result = None
+            elif m.name in ("unlink", "rmdir", "rename"):
+                named = [self._child(args[0], args[1])]
+                if m.name == "rename":
+                    named.append(self._child(args[2], args[3]))
+                await self._call(m, args)
+                result = named[0] if m.name != "rename" else named
+            elif m.name == "allocate_ahead":
+                args[3] = min(args[3], MAX_AHEAD) if self.write_leases else 0
+                result = await self._call(m, args)
             else:
                 result = await self._call(m, args)
         except FsError as exc:
             self._journal_destroys()
-            return Kind.ERROR, wire.encode_error(exc.errno, exc.args[1])
+            kind = Kind.ERROR
+            if (m.name == "lookup" and exc.errno == errno.ENOENT and self.leases.term > 0
+                    and args[0] in self.store.inodes):
+                # A name known absent: the client may cache that, its holding of the
+                # directory tells it when the name appears.
+                if self.leases.register(session, [args[0]]):
+                    kind = Kind.ERROR_CACHE
+            return kind, wire.encode_error(exc.errno, exc.args[1])
         except Exception:
             log.exception("%s: %s failed", conn.peer, m.name)
             return Kind.ERROR, wire.encode_error(errno.EIO, "internal error in the metadata server")
         if self.journal is not None:
-            if m.mutates:
-                self.journal.append(self._t, m.name, value[1:])
+            if journaled:
+                self.journal.append(self._t, m.name, [*value[1:4], args[3]] if m.name == "allocate_ahead" else value[1:])
             elif atime is not None and self._atime(args[0]) != atime:
                 self.journal.append(self._t, "map_read", [args[0], 0, 0])
         self._journal_destroys()
@@ -373,10 +569,84 @@ class MetaServer:
         if len(body) > MAX_REPLY:
             log.error("%s: %s reply of %d bytes is too large", conn.peer, m.name, len(body))
             return Kind.ERROR, wire.encode_error(errno.EOVERFLOW, "reply too large")
-        return Kind.OK, body
+        kind = Kind.OK
+        if m.name in _LEASED and self.leases.term > 0:
+            if self.leases.register(session, self._holds(m.name, args, result)):
+                kind = Kind.OK_CACHE
+                if (m.name == "allocate_ahead" and self.write_leases
+                        and self.leases.grant_write(session, args[0])):
+                    kind = Kind.OK_WRITE
+        return kind, body
+
+    def _conflicts(self, session: _Session | None, name: str, args: list[Any]) -> list[Item]:
+        """What other clients must give up before call *name* runs (pre-change state)."""
+        store = self.store
+        leases = self.leases
+        if name in ("getattr", "open", "map_read", "readlink"):
+            return [Item(args[0], write_only=True)] if args[0] in leases.writers else []
+        if name == "lookup":
+            d = store.inodes.get(args[0])
+            child = d.children.get(args[1]) if d is not None and d.children is not None else None
+            return [Item(child, write_only=True)] if child in leases.writers else []
+        if name == "readdirplus":
+            d = store.inodes.get(args[0])
+            if not leases.writers or d is None or d.children is None:
+                return []
+            return [Item(c, write_only=True) for c in d.children.values() if c in leases.writers]
+        if name in ("setattr", "truncate", "map_write", "allocate_ahead", "setxattr", "removexattr"):
+            return [Item(args[0])]
+        if name in ("mknod", "create"):
+            return [Item(args[0], (args[1],), directory=True)]
+        if name == "link":
+            return [Item(args[0]), Item(args[1], (args[2],), directory=True)]
+        if name in ("unlink", "rmdir"):
+            items = [Item(args[0], (args[1],), directory=True)]
+            d = store.inodes.get(args[0])
+            child = d.children.get(args[1]) if d is not None and d.children is not None else None
+            if child is not None:
+                items.append(Item(child, directory=name == "rmdir"))
+            return items
+        if name == "rename":
+            parent, old, new_parent, new = args[:4]
+            items = [Item(parent, (old,), directory=True), Item(new_parent, (new,), directory=True)]
+            for d_ino, n in ((parent, old), (new_parent, new)):
+                d = store.inodes.get(d_ino)
+                child = d.children.get(n) if d is not None and d.children is not None else None
+                if child is not None:
+                    c = store.inodes[child]
+                    # a moved directory's ".." changes
+                    items.append(Item(child, (b"..",) if c.children is not None else (),
+                                      directory=c.children is not None))
+            return items
+        if name == "release":
+            i = store.inodes.get(args[0])
+            if i is not None and i.nlink <= 0 and i.opens <= 1:
+                return [Item(args[0])]  # the last handle: its chunks are freed
+        return []
+
+    def _child(self, parent: int, name: bytes) -> int:
+        d = self.store.inodes.get(parent)
+        if d is None or d.children is None:
+            return 0
+        return d.children.get(name, 0)
+
+    @staticmethod
+    def _holds(name: str, args: list[Any], result: Any) -> list[int]:
+        """Inodes whose state a reply to call *name* carries (the caller caches them)."""
+        if name in ("lookup", "mknod", "create"):
+            return [args[0], result.ino]
+        if name == "link":
+            return [args[1], args[0]]
+        if name in ("unlink", "rmdir"):
+            return [args[0]]
+        if name == "rename":
+            return [args[0], args[2]]
+        if name == "readdirplus":
+            return [args[0], *(a.ino for _, a in result)]
+        return [args[0]]
 
     async def _call(self, m: codec.Method, args: list[Any]) -> Any:
-        if m.name not in ("map_read", "map_write") or self.meta is self.store:
+        if m.name not in ("map_read", "map_write", "allocate_ahead") or self.meta is self.store:
             return await m.bind(self.meta)(*args)
         # With a backing directory a write may wait for write-back (the dirty cap)
         # and a read for data fetched from DIR: answer "not yet" well before the
@@ -392,9 +662,10 @@ class MetaServer:
 
     def _journal_destroys(self) -> None:
         if self._destroyed:
-            if self.journal is not None:
-                for ino in self._destroyed:
+            for ino in self._destroyed:
+                if self.journal is not None:
                     self.journal.append_destroy(ino)
+                self.leases.destroyed(ino)
             self._destroyed.clear()
 
     async def _control(self, conn: _Conn, value: list[Any]) -> Any:
@@ -412,6 +683,8 @@ class MetaServer:
                 "stripe_size": s.default_spec.stripe_size,
                 # memory server "host:port" -> incarnation the pool's data lives in
                 "incarnations": dict(self.incarnations),
+                # how long a client may trust what it caches (0: cache nothing)
+                "lease_term": float(self.leases.term),
             }
         if name == "control" and len(raw) == 2:
             op, args = raw
@@ -424,7 +697,7 @@ class MetaServer:
             except Exception:
                 log.exception("%s: control %s failed", conn.peer, op)
                 raise FsError(errno.EIO, "internal error in the metadata server") from None
-        if name == "session" and len(raw) == 2:
+        if name == "session" and len(raw) in (2, 3):
             sid = codec.check_bytes(raw[0], "session id")
             if not 8 <= len(sid) <= 64:
                 raise WireError("session id of a bad length")
@@ -434,7 +707,8 @@ class MetaServer:
                 if not 0 < count <= MAX_HANDLES:
                     raise WireError(f"open handle count {count} out of range")
                 claimed[ino] = claimed.get(ino, 0) + count
-            return await self._claim_session(conn, sid, claimed)
+            settles = settles_from_wire(raw[2]) if len(raw) == 3 else []
+            return await self._claim_session(conn, sid, claimed, settles)
         raise WireError(f"malformed {name} call")
 
     # -- sessions and open counts -----------------------------------------------------------
@@ -444,9 +718,16 @@ class MetaServer:
         self._sessions[s.sid] = s
         return s
 
-    async def _claim_session(self, conn: _Conn, sid: bytes, claimed: dict[int, int]) -> list[int]:
+    async def _claim_session(
+        self, conn: _Conn, sid: bytes, claimed: dict[int, int],
+        settles: list[tuple[int, int, int]] | None = None,
+    ) -> list[int]:
         """Attach *conn* to session *sid* and make its open counts exactly *claimed*.
 
+        The client starts from empty caches on every connection, so whatever the
+        session held is forgotten; *settles* are the sizes and mtimes of the files it
+        was writing under write leases (kept unless its leases were taken from it:
+        after a server restart nobody holds any, and they are what it wrote).
         Returns the inodes that no longer exist (the client drops those handles).
         """
         old = conn.session
@@ -464,6 +745,18 @@ class MetaServer:
             conn.session = s
         s = conn.session
         self._t = self._real_now()
+        for ino, size, mtime in settles or ():
+            if s.evicted or self.leases.writers.get(ino, s) is not s:
+                log.warning("%s: size %d of inode %d not applied: the client lost its write "
+                            "lease (evicted)", conn.peer, size, ino)
+                continue
+            i = self.store.inodes.get(ino)
+            if i is not None and i.chunks is not None:
+                self.store.settle_now(ino, size, mtime, False)
+                if self.journal is not None:
+                    self.journal.append(self._t, "settle", [ino, size, mtime, 0])
+        self.leases.forget(s)
+        s.evicted = False
         lost = []
         for ino in set(claimed) | set(s.opens):
             want, have = claimed.get(ino, 0), s.opens.get(ino, 0)
@@ -504,6 +797,11 @@ class MetaServer:
         await self.store.release(ino)
 
     async def _release_ino(self, ino: int) -> None:
+        items = self._conflicts(None, "release", [ino])
+        first = True
+        while items and self.leases.needs_recall(None, items, first=first):
+            await self.leases.recall(None, items)
+            first = False
         self._t = self._real_now()
         await self.store.release(ino)
         self._journal_destroys()
@@ -513,6 +811,13 @@ class MetaServer:
         if s.conn is not conn:
             return  # taken over by a newer connection
         s.conn = None
+        assert self._nursery is not None
+        if conn.clean_close:
+            self.leases.forget(s)
+            self._journal_destroys()
+        elif self.leases.holds(s) or any(w is s for w in self.leases.writers.values()):
+            # Cut off: its caches stay trusted (by it) until its lease runs out.
+            self._nursery.start_soon(self._forget_later, s)
         if not s.opens:
             self._sessions.pop(s.sid, None)
             return
@@ -521,6 +826,13 @@ class MetaServer:
                  conn.peer, len(s.opens), self.session_grace)
         assert self._nursery is not None
         self._nursery.start_soon(self._expire, s, s.generation)
+
+    async def _forget_later(self, s: _Session) -> None:
+        await trio.sleep_until(s.last_heard + self.leases.term)
+        if s.conn is None:
+            self._t = self._real_now()
+            self.leases.forget(s)
+            self._journal_destroys()
 
     async def _expire(self, s: _Session, generation: int) -> None:
         await trio.sleep(self.session_grace)

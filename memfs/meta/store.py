@@ -627,10 +627,21 @@ class MetaStore(Meta):
         assert d.children is not None
         return list(d.children.items())
 
+    async def readdirplus(self, ino: int) -> list[tuple[bytes, Attr]]:
+        d = self._dir(ino)
+        assert d.children is not None
+        inodes = self.inodes
+        return [(name, self._attr(inodes[c])) for name, c in d.children.items()]
+
     async def open(self, ino: int) -> Attr:
         i = self._get(ino)
         i.opens += 1
         return self._attr(i)
+
+    async def create(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Attr:
+        a = self._mknod_now(parent, name, mode, uid, gid, 0, None)
+        self.inodes[a.ino].opens += 1
+        return a
 
     async def release(self, ino: int) -> None:
         i = self.inodes.get(ino)
@@ -782,6 +793,52 @@ class MetaStore(Meta):
         if self.watcher is not None:
             self.watcher.wrote(ino, first, last)
         return WritePlan(self._extents(i, offset, end))
+
+    async def allocate_ahead(
+        self, ino: int, offset: int, length: int, ahead: int
+    ) -> tuple[WritePlan, Attr]:
+        plan = await self.map_write(ino, offset, length)
+        i = self.inodes[ino]
+        assert i.chunks is not None
+        end = offset + length
+        if ahead > 0 and not i.backed:
+            cs = self.chunk_size
+            first, last = (end + cs - 1) // cs, (end + ahead - 1) // cs
+            missing = [k for k in range(first, last + 1) if k not in i.chunks]
+            if missing:
+                try:
+                    self._allocate(i, missing)
+                except FsError:  # SpaceBusy too: ahead of need is best effort
+                    pass
+                else:
+                    plan = WritePlan(self._extents(i, offset, end + ahead))
+        return plan, self._attr(i)
+
+    async def settle_write(self, ino: int, size: int, mtime_ns: int, trim: int) -> None:
+        self.settle_now(ino, size, mtime_ns, bool(trim))
+
+    def settle_now(self, ino: int, size: int, mtime_ns: int, trim: bool) -> None:
+        """A write lease's size and mtime (``size < 0``: unknown) and, with *trim*, the
+        end of its preallocation: chunks wholly past EOF are freed."""
+        i = self.inodes.get(ino)
+        if i is None or i.chunks is None:
+            return
+        if size > i.size:
+            # Only ever grows: a writer never shrinks a file without truncate.
+            i.size = size
+        if mtime_ns > 0 and size >= 0:
+            i.mtime_ns = i.ctime_ns = max(i.mtime_ns, mtime_ns)
+        if trim:
+            cs = self.chunk_size
+            self._free_chunks(i, keep_below=(i.size + cs - 1) // cs)
+
+    def preallocated(self) -> list[int]:
+        """Regular files holding chunks wholly past their EOF (unused preallocation)."""
+        cs = self.chunk_size
+        return [
+            i.ino for i in self.inodes.values()
+            if i.chunks and max(i.chunks) >= (i.size + cs - 1) // cs
+        ]
 
     def _allocate(self, i: Inode, missing: list[int]) -> None:
         """Allocate all of *missing* or nothing (ENOSPC)."""

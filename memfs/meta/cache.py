@@ -1,0 +1,258 @@
+"""What a cluster client caches under its leases (see :mod:`memfs.meta.leases`).
+
+Attributes, directory entries (names known present or absent; a directory is
+*complete* when every name is known, so any other name is absent without
+asking), and chunk maps (file chunk -> volume, offset; or a hole).  A write
+lease adds the right to write allocated chunks and to keep the file's size and
+mtime here (``dirty``) until they are sent (``settle``).
+
+Everything here is plain data, used from the client's trio loop: methods never
+await, so each is atomic.  The cache is trusted only while the lease is valid
+(``until``, on the trio clock): a client that cannot renew it (server silent,
+process stopped) falls back to asking the server, never to old state.
+
+Chunk maps and transfers: a read or write takes a chunk map, then moves bytes
+to or from the memory servers.  A recall must not be acknowledged while a
+transfer that used the old map is still running (the chunks may be freed and
+reused as soon as it is), so transfers *pin* their inode, and a map is used
+only if the inode's *generation* did not move while the map was fetched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import trio
+
+from memfs.meta import Attr, Extent
+
+#: chunk map value of a hole (reads as zeros)
+HOLE = (-1, 0)
+#: generation step at a lease loss: above any per-inode count
+_EPOCH = 1 << 40
+
+
+@dataclass(slots=True)
+class FileState:
+    """Chunk map and write-lease state of one regular file."""
+
+    #: chunk index -> (volume, offset of the chunk's first byte) or HOLE
+    chunks: dict[int, tuple[int, int]] = field(default_factory=dict)
+    writer: bool = False
+    #: where this client's last write ended (a sequential writer gets space ahead)
+    last_end: int = -1
+
+
+@dataclass(slots=True)
+class DirState:
+    #: name -> inode, 0 for a name known absent
+    names: dict[bytes, int] = field(default_factory=dict)
+    complete: bool = False
+
+
+class ClientCache:
+    """The state one client may serve without asking; see the module docstring."""
+
+    def __init__(self, chunk_size: int = 0, term: float = 0.0) -> None:
+        self.chunk_size = chunk_size
+        #: lease term the server grants (0: cache nothing)
+        self.term = term
+        #: the lease is valid before this time (trio clock)
+        self.until = 0.0
+        self.attrs: dict[int, Attr] = {}
+        self.dirs: dict[int, DirState] = {}
+        self.files: dict[int, FileState] = {}
+        #: size and mtime of files written under a write lease that the server does not
+        #: know yet; kept across lease losses until sent (they are the application's data)
+        self.dirty: dict[int, tuple[int, int]] = {}
+        self._gens: dict[int, int] = {}
+        self._epoch = 0
+        self._pins: dict[int, int] = {}
+        self._unpinned = trio.Event()
+        #: the kernel's caches are being dropped after a lost lease: until that is done,
+        #: pages it holds must not be kept at open, nor anything new cached
+        self.invalidating = 0
+        #: inodes and entries the kernel was told it may cache (see fs.Operations)
+        self.kernel_inodes: set[int] = set()
+        self.kernel_entries: dict[tuple[int, bytes], float] = {}
+
+    # -- the lease -------------------------------------------------------------------------
+
+    def valid(self) -> bool:
+        return trio.current_time() < self.until
+
+    def renew(self, sent: float) -> None:
+        """A reply to a request sent at *sent* arrived: the lease runs from then."""
+        until = sent + self.term
+        if until > self.until:
+            self.until = until
+
+    def ttl(self) -> float:
+        """How long the kernel may cache what is cached here now."""
+        if self.invalidating:
+            return 0.0
+        return max(0.0, self.until - trio.current_time())
+
+    # -- lookups (None: not known here) -----------------------------------------------------
+
+    def attr(self, ino: int) -> Attr | None:
+        a = self.attrs.get(ino)
+        if a is None or not self.valid():
+            return None
+        return a
+
+    def entry(self, parent: int, name: bytes) -> int | None:
+        """The inode *name* in *parent* names, 0 if known absent, None if unknown."""
+        d = self.dirs.get(parent)
+        if d is None or not self.valid():
+            return None
+        ino = d.names.get(name)
+        if ino is None and d.complete and name not in (b".", b".."):
+            return 0
+        return ino
+
+    # -- filling ---------------------------------------------------------------------------
+
+    def put_attr(self, a: Attr) -> None:
+        d = self.dirty.get(a.ino)
+        if d is not None and self.is_writer(a.ino):
+            a.size = max(a.size, d[0])  # our unsent writes are newer
+            a.mtime_ns = a.ctime_ns = max(a.mtime_ns, d[1])
+        self.attrs[a.ino] = a
+
+    def put_entry(self, parent: int, name: bytes, ino: int) -> None:
+        d = self.dirs.get(parent)
+        if d is None:
+            d = self.dirs[parent] = DirState()
+        d.names[name] = ino
+
+    def put_listing(self, parent: int, entries: list[tuple[bytes, Attr]]) -> None:
+        self.dirs[parent] = DirState({name: a.ino for name, a in entries}, complete=True)
+        for _, a in entries:
+            self.put_attr(a)
+
+    def new_directory(self, ino: int) -> None:
+        """We just made directory *ino*: it is empty, every name is known absent."""
+        self.dirs[ino] = DirState(complete=True)
+
+    def put_extents(self, ino: int, extents: list[Extent], *, writer: bool = False) -> None:
+        """Record what *extents* say of whole chunks (data in the backing directory is not
+        cached: it is fetched by the server on each read until resident)."""
+        cs = self.chunk_size
+        f = self.files.get(ino)
+        if f is None:
+            f = self.files[ino] = FileState()
+        if writer:
+            f.writer = True
+        chunks = f.chunks
+        for e in extents:
+            if e.volume < -1:
+                continue
+            pos, end = e.offset, e.offset + e.length
+            while pos < end:
+                k, within = divmod(pos, cs)
+                chunks[k] = HOLE if e.volume < 0 else (e.volume, e.voffset + (pos - e.offset) - within)
+                pos += cs - within
+
+    # -- using chunk maps --------------------------------------------------------------------
+
+    def is_writer(self, ino: int) -> bool:
+        f = self.files.get(ino)
+        return f is not None and f.writer
+
+    def extents(self, ino: int, offset: int, end: int, *, allocated: bool = False) -> list[Extent] | None:
+        """Extents of ``[offset, end)`` from the chunk map, None if any chunk is unknown
+        (or, *allocated*, a hole)."""
+        f = self.files.get(ino)
+        if f is None:
+            return None
+        cs = self.chunk_size
+        chunks = f.chunks
+        out: list[Extent] = []
+        pos = offset
+        while pos < end:
+            k, within = divmod(pos, cs)
+            c = chunks.get(k)
+            if c is None or (allocated and c[0] < 0):
+                return None
+            n = min(cs - within, end - pos)
+            vol = c[0]
+            voff = c[1] + within if vol >= 0 else 0
+            if out:
+                last = out[-1]
+                if last.volume == vol and (vol < 0 or last.voffset + last.length == voff):
+                    last.length += n
+                    pos += n
+                    continue
+            out.append(Extent(pos, n, vol, voff))
+            pos += n
+        return out
+
+    def wrote(self, ino: int, end: int, now_ns: int) -> None:
+        """A write under our write lease: size and mtime are ours to keep until settled."""
+        a = self.attrs.get(ino)
+        old = self.dirty.get(ino)
+        size = max(end, old[0] if old else 0, a.size if a is not None else 0)
+        self.dirty[ino] = (size, now_ns)
+        if a is not None:
+            a.size = size
+            a.mtime_ns = a.ctime_ns = now_ns
+        f = self.files.get(ino)
+        if f is not None:
+            f.last_end = end
+
+    # -- generations and pins --------------------------------------------------------------
+
+    def generation(self, ino: int) -> int:
+        return self._epoch + self._gens.get(ino, 0)
+
+    @contextmanager
+    def pinned(self, ino: int) -> Iterator[None]:
+        self._pins[ino] = self._pins.get(ino, 0) + 1
+        try:
+            yield
+        finally:
+            n = self._pins[ino] - 1
+            if n:
+                self._pins[ino] = n
+            else:
+                del self._pins[ino]
+                self._unpinned.set()
+
+    async def wait_unpinned(self, inos: list[int]) -> None:
+        while any(ino in self._pins for ino in inos):
+            self._unpinned = trio.Event()
+            await self._unpinned.wait()
+
+    # -- dropping --------------------------------------------------------------------------
+
+    def drop(self, ino: int) -> None:
+        """Forget everything about *ino* (a recall): its maps may no longer be used."""
+        self.attrs.pop(ino, None)
+        self.dirs.pop(ino, None)
+        self.files.pop(ino, None)
+        self._gens[ino] = self._gens.get(ino, 0) + 1
+
+    def drop_entry(self, parent: int, name: bytes) -> None:
+        d = self.dirs.get(parent)
+        if d is not None:
+            d.names.pop(name, None)
+            d.complete = False
+
+    def take_write(self, ino: int) -> tuple[int, int] | None:
+        """Our write lease on *ino* ends: what the server must learn (size, mtime), if anything."""
+        f = self.files.get(ino)
+        if f is not None:
+            f.writer = False
+        return self.dirty.pop(ino, None)
+
+    def clear(self) -> None:
+        """The lease is lost: nothing cached may be used any more (dirty sizes stay)."""
+        self.attrs.clear()
+        self.dirs.clear()
+        self.files.clear()
+        self._gens.clear()
+        self._epoch += _EPOCH
+        self.until = 0.0

@@ -1,0 +1,333 @@
+"""Leases: which client sessions may cache what, and recalling that before a change.
+
+The metadata server registers a session as a *holder* of every inode whose
+state it sends that session (attributes, a directory's entries, a file's chunk
+map).  A holder may serve that state from its caches (its own and its kernel's)
+for as long as its lease is valid.  Before the server applies a change, it
+*recalls* the affected inodes from every other holder: a RECALL frame over the
+holder's metadata connection, answered by RECALLED once the holder has dropped
+what it cached (its kernel's too) and finished the data transfers that used the
+old chunk map.  Only then is the change applied and its caller answered, so a
+change is visible on every node when the call that made it returns.
+
+Kinds of holding (CephFS capabilities and Lustre LDLM locks in miniature):
+
+* **read** (every holder): attributes, entries (also negative lookups: a
+  directory's holders hear of every name added or removed in it), chunk map.
+  A recall notifies: the holder drops the named state and stays a holder, so it
+  hears of later changes too (a directory's kernel dentries outlive any one
+  lookup).  ``touched`` says whether a holder has fetched state since its last
+  recall; untouched holders of a regular file have nothing cached and are not
+  asked again.
+* **write** (at most one session per file, and only while no other session has
+  fetched the file's state): it may write the chunks it holds without asking,
+  and keeps the file's size and mtime itself, sending them now and then
+  (``settle``).  Any other session's call that reads or changes the file first
+  revokes the write lease: the holder answers with its exact size and mtime,
+  which are applied before that call runs.  Unused preallocated chunks (past
+  EOF) are freed when a write lease ends.
+
+Time bounds (``term`` and ``recall_timeout``): a client trusts its caches only
+until ``term`` seconds after it *sent* the last request the server answered;
+the server counts from when it *received* the session's last frame, which is
+later.  A holder that does not answer a recall within ``recall_timeout`` is
+evicted (its connection closed, all its holdings dropped) and the change waits
+until that holder's own lease has surely run out (``last_heard + term``), then
+goes ahead.  A holder with no connection is treated the same way.  So no change
+ever waits longer than ``recall_timeout + term`` for a client, and an evicted
+or partitioned client has stopped trusting its caches by the time the change
+is applied.
+
+Everything here runs in the server's trio loop; methods that do not await are
+atomic.  The wait for acknowledgements is the only await: while an inode is
+being recalled, state about it that is sent out is marked not cacheable
+(:meth:`register` returns False), and such a receiver is recalled again before
+the change is applied (it may be using the old chunk map for one transfer).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import trio
+
+from memfs.wire import WireError
+
+log = logging.getLogger(__name__)
+
+#: how long a client trusts its caches after the request of its last answered call
+LEASE_TERM = 4.0
+#: how long a holder has to answer a recall before it is evicted
+RECALL_TIMEOUT = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    """One inode a change conflicts with."""
+
+    ino: int
+    #: entries of directory *ino* that are added, removed or replaced
+    names: tuple[bytes, ...] = ()
+    #: a directory: every holder hears of it (its kernel may hold dentries under it)
+    directory: bool = False
+    #: only a write lease conflicts (a read by another session: a "glimpse")
+    write_only: bool = False
+
+    def to_wire(self, revoke: bool) -> list[Any]:
+        return [self.ino, list(self.names), revoke]
+
+
+def items_from_wire(v: Any) -> list[tuple[int, list[bytes], bool]]:
+    """Decode a RECALL payload: ``[[ino, [name, ...], revoke_write], ...]``."""
+    if type(v) is not list:
+        raise WireError("recall: expected a list")
+    out = []
+    for x in v:
+        if type(x) is not list or len(x) != 3:
+            raise WireError("recall item: expected [ino, names, revoke]")
+        ino, names, revoke = x
+        if type(ino) is not int or type(names) is not list or type(revoke) is not bool:
+            raise WireError("recall item: bad types")
+        if not all(type(n) is bytes for n in names):
+            raise WireError("recall item: names must be bytes")
+        out.append((ino, names, revoke))
+    return out
+
+
+def settles_from_wire(v: Any) -> list[tuple[int, int, int]]:
+    """Decode a RECALLED payload: ``[[ino, size, mtime_ns], ...]`` of revoked write leases."""
+    if type(v) is not list:
+        raise WireError("recalled: expected a list")
+    out = []
+    for x in v:
+        if type(x) is not list or len(x) != 3 or not all(type(n) is int for n in x):
+            raise WireError("recalled item: expected [ino, size, mtime_ns]")
+        if x[1] < 0:
+            raise WireError("recalled item: negative size")
+        out.append((x[0], x[1], x[2]))
+    return out
+
+
+class Holder(Protocol):
+    """A client session as the lease table sees it (``memfs.meta.server._Session``)."""
+
+    #: server time (trio clock) the session's last frame arrived
+    last_heard: float
+
+    def send_recall(self, rid: int, payload: list[Any]) -> bool:
+        """Queue a RECALL frame behind the session's earlier replies; False if it has
+        no connection."""
+
+    def evict(self, reason: str) -> None:
+        """Close the session's connection (it did not answer a recall)."""
+
+
+@dataclass(eq=False)
+class _Waiting:
+    holder: Holder
+    done: trio.Event = field(default_factory=trio.Event)
+    settles: list[tuple[int, int, int]] = field(default_factory=list)
+
+
+class LeaseTable:
+    """Holders and write leases per inode; see the module docstring."""
+
+    def __init__(
+        self, *, term: float = LEASE_TERM, recall_timeout: float = RECALL_TIMEOUT,
+        settle: Callable[[int, int | None, int], None] | None = None,
+    ) -> None:
+        self.term = term
+        self.recall_timeout = recall_timeout
+        #: apply a revoked write lease's last size and mtime (None: unknown) and free
+        #: its unused preallocation: ``settle(ino, size, mtime_ns)``
+        self.settle = settle
+        #: ino -> holder -> touched (fetched state since its last recall)
+        self.holders: dict[int, dict[Holder, bool]] = {}
+        self.writers: dict[int, Holder] = {}
+        self._inos_of: dict[Holder, set[int]] = {}
+        self._recalling: dict[int, int] = {}
+        self._waiting: dict[int, _Waiting] = {}
+        self._next_rid = 1
+        #: counters for status and tests
+        self.recalls_sent = 0
+        self.evictions = 0
+
+    # -- granting ------------------------------------------------------------------------
+
+    def register(self, holder: Holder, inos: Iterable[int]) -> bool:
+        """*holder* is being sent the state of *inos*; True if it may cache it."""
+        cacheable = True
+        recalling = self._recalling
+        for ino in inos:
+            hs = self.holders.get(ino)
+            if hs is None:
+                hs = self.holders[ino] = {}
+            if holder not in hs:
+                mine = self._inos_of.get(holder)
+                if mine is None:
+                    mine = self._inos_of[holder] = set()
+                mine.add(ino)
+            hs[holder] = True
+            if ino in recalling:
+                cacheable = False
+        return cacheable
+
+    def grant_write(self, holder: Holder, ino: int) -> bool:
+        """Make *holder* the writer of *ino* if no other session has its state."""
+        if ino in self._recalling:
+            return False
+        w = self.writers.get(ino)
+        if w is not None:
+            return w is holder
+        for h, touched in self.holders.get(ino, {}).items():
+            if touched and h is not holder:
+                return False
+        self.writers[ino] = holder
+        return True
+
+    def is_writer(self, holder: Holder, ino: int) -> bool:
+        return self.writers.get(ino) is holder
+
+    def release_write(self, holder: Holder, ino: int) -> bool:
+        """*holder* gives its write lease back (it settled); False if it had none."""
+        if self.writers.get(ino) is holder:
+            del self.writers[ino]
+            return True
+        return False
+
+    # -- recalling ------------------------------------------------------------------------
+
+    def needs_recall(self, holder: Holder | None, items: Iterable[Item], *, first: bool = True) -> bool:
+        """Would :meth:`recall` have anything to do (no await needed otherwise)?
+
+        *first* False: after a recall of these items, only holders that fetched state
+        since (or a writer) still need one; directories' other holders have heard.
+        """
+        for it in items:
+            w = self.writers.get(it.ino)
+            if w is not None and w is not holder:
+                return True
+            if it.write_only:
+                continue
+            for h, touched in self.holders.get(it.ino, {}).items():
+                if h is not holder and (touched or (first and it.directory)):
+                    return True
+        return False
+
+    async def recall(self, holder: Holder | None, items: list[Item]) -> None:
+        """Take back what sessions other than *holder* hold of *items* (see module doc).
+
+        *holder* None: a change made by the server itself (eviction, stage-in).
+        """
+        inos = {it.ino for it in items}
+        for ino in inos:
+            self._recalling[ino] = self._recalling.get(ino, 0) + 1
+        try:
+            first = True
+            while True:
+                targets: dict[Holder, list[list[Any]]] = {}
+                for it in items:
+                    w = self.writers.get(it.ino)
+                    hs = self.holders.get(it.ino, {})
+                    for h, touched in hs.items():
+                        if h is holder:
+                            continue
+                        revoke = w is h
+                        if revoke or (not it.write_only and (touched or (first and it.directory))):
+                            targets.setdefault(h, []).append(it.to_wire(revoke))
+                            hs[h] = False
+                    if w is not None and w is not holder and w not in hs:
+                        targets.setdefault(w, []).append(it.to_wire(True))
+                if not targets:
+                    return
+                first = False
+                async with trio.open_nursery() as nursery:
+                    for h, payload in targets.items():
+                        nursery.start_soon(self._recall_one, h, payload)
+        finally:
+            for ino in inos:
+                n = self._recalling[ino] - 1
+                if n:
+                    self._recalling[ino] = n
+                else:
+                    del self._recalling[ino]
+
+    async def _recall_one(self, h: Holder, payload: list[list[Any]]) -> None:
+        rid = self._next_rid
+        self._next_rid = rid % 0xFFFFFFFF + 1
+        w = _Waiting(h)
+        self._waiting[rid] = w
+        self.recalls_sent += 1
+        try:
+            answered = False
+            if h.send_recall(rid, payload):
+                with trio.move_on_after(self.recall_timeout):
+                    await w.done.wait()
+                    answered = True
+            if answered:
+                for ino, size, mtime in w.settles:
+                    if self.writers.get(ino) is h:
+                        del self.writers[ino]
+                        if self.settle is not None:
+                            self.settle(ino, size, mtime)
+                for ino, _names, revoke in payload:
+                    if revoke and self.writers.get(ino) is h:  # revoked, nothing settled
+                        del self.writers[ino]
+                        if self.settle is not None:
+                            self.settle(ino, None, 0)
+                return
+            # No answer: the client is stopped, hung or cut off.  Make sure it can no
+            # longer renew its lease, wait until it has run out, then forget it.
+            self.evictions += 1
+            log.warning("a client did not answer a recall within %.1f s: evicting it "
+                        "(its caches expire %.1f s after it was last heard from)",
+                        self.recall_timeout, self.term)
+            h.evict("did not answer a recall")
+            await trio.sleep_until(h.last_heard + self.term)
+            self.forget(h)
+        finally:
+            del self._waiting[rid]
+
+    def recalled(self, holder: Holder, rid: int, settles: list[tuple[int, int, int]]) -> None:
+        """A RECALLED frame from *holder* (unknown or late ones are ignored)."""
+        w = self._waiting.get(rid)
+        if w is None or w.holder is not holder:
+            log.debug("late or unknown recall acknowledgement %d", rid)
+            return
+        w.settles = settles
+        w.done.set()
+
+    def forget(self, holder: Holder) -> None:
+        """Drop everything *holder* holds (it reconnected afresh, or was evicted, or is gone).
+
+        Its write leases end without a size from it: their unused preallocation is freed.
+        """
+        for ino in self._inos_of.pop(holder, ()):
+            hs = self.holders.get(ino)
+            if hs is not None:
+                hs.pop(holder, None)
+                if not hs:
+                    del self.holders[ino]
+            if self.writers.get(ino) is holder:
+                del self.writers[ino]
+                if self.settle is not None:
+                    self.settle(ino, None, 0)
+        for ino in [i for i, w in self.writers.items() if w is holder]:
+            del self.writers[ino]
+            if self.settle is not None:
+                self.settle(ino, None, 0)
+
+    def destroyed(self, ino: int) -> None:
+        """Inode *ino* no longer exists (after its holders were recalled)."""
+        hs = self.holders.pop(ino, None)
+        for h in hs or ():
+            mine = self._inos_of.get(h)
+            if mine is not None:
+                mine.discard(ino)
+        self.writers.pop(ino, None)
+
+    def holds(self, holder: Holder) -> int:
+        return len(self._inos_of.get(holder, ()))

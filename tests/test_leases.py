@@ -1,0 +1,280 @@
+"""Leases with recall between several metadata clients (memfs.meta.leases, memfs.meta.cache).
+
+A real MetaServer in this process and real RemoteMeta clients over loopback
+sockets; the FUSE layer is replaced by a recorder of what each client asks its
+kernel to drop.  The real-mount acceptance tests are in test_cluster.py.
+"""
+
+from __future__ import annotations
+
+import errno
+import stat
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+
+import pytest
+import trio
+
+from memfs.config import PoolConfig
+from memfs.errors import FsError
+from memfs.meta import SetAttr
+from memfs.meta.leases import Item, LeaseTable
+from memfs.meta.remote import RemoteMeta, open_remote_meta
+from memfs.meta.server import MetaServer
+from memfs.meta.store import ROOT_INO as ROOT
+from tests.test_meta_conformance import metadata_only
+
+SECRET = b"lease-test-secret-0123456789"
+POOL = PoolConfig(size=8 << 20, volumes=2, chunk_size=64 << 10, stripe_size=256 << 10)
+F = stat.S_IFREG | 0o644
+
+
+@dataclass
+class Kernel:
+    """Stands in for a client's kernel: records what it was asked to drop."""
+
+    inodes: list[int] = field(default_factory=list)
+    entries: list[tuple[int, bytes]] = field(default_factory=list)
+
+    async def __call__(self, inodes: list[int], entries: list[tuple[int, bytes]]) -> None:
+        self.inodes += inodes
+        self.entries += entries
+
+
+@asynccontextmanager
+async def cluster(
+    n: int, *, term: float = 4.0, recall_timeout: float = 2.0
+) -> AsyncIterator[tuple[MetaServer, list[RemoteMeta], list[Kernel]]]:
+    async with trio.open_nursery() as nursery:
+        server = MetaServer(metadata_only(POOL), SECRET, lease_term=term, recall_timeout=recall_timeout)
+        port = await nursery.start(server.serve, "127.0.0.1", 0)
+        async with AsyncExitStack() as stack:
+            clients = [await stack.enter_async_context(open_remote_meta("127.0.0.1", port, SECRET))
+                       for _ in range(n)]
+            kernels = [Kernel() for _ in range(n)]
+            for c, k in zip(clients, kernels, strict=True):
+                c.invalidator = k
+            yield server, clients, kernels
+        nursery.cancel_scope.cancel()
+
+
+def calls(server: MetaServer) -> int:
+    return server.leases.recalls_sent
+
+
+async def test_attribute_change_is_seen_by_the_next_call_of_another_client() -> None:
+    async with cluster(2) as (server, (a, b), (_, kb)):
+        f = await a.mknod(ROOT, b"f", F, 0, 0)
+        assert (await b.lookup(ROOT, b"f")).mode == F
+        assert b.attr_ttl(f.ino), "b may cache what it was sent"
+        await a.setattr(f.ino, SetAttr(mode=0o600))
+        assert f.ino in kb.inodes, "b's kernel was told before a's call returned"
+        assert (await b.getattr(f.ino)).mode & 0o777 == 0o600
+        assert (await b.lookup(ROOT, b"f")).mode & 0o777 == 0o600
+
+
+async def test_cached_calls_do_not_reach_the_server() -> None:
+    async with cluster(1) as (server, (a,), _):
+        f = await a.mknod(ROOT, b"f", F, 0, 0)
+        await a.getattr(f.ino)
+        before = server.store.inodes[f.ino].atime_ns
+        server.store.inodes[f.ino].mode = F | 0o7  # behind the lease's back: not seen
+        assert (await a.getattr(f.ino)).mode == F
+        assert (await a.lookup(ROOT, b"f")).mode == F
+        assert server.store.inodes[f.ino].atime_ns == before
+
+
+async def test_negative_entries_are_recalled_when_the_name_appears() -> None:
+    async with cluster(2) as (server, (a, b), (_, kb)):
+        with pytest.raises(FsError) as info:
+            await b.lookup(ROOT, b"x")
+        assert info.value.errno == errno.ENOENT
+        assert b.entry_ttl(ROOT, b"x"), "absent is cacheable"
+        with pytest.raises(FsError):
+            await b.lookup(ROOT, b"x")  # from the cache
+        x = await a.mknod(ROOT, b"x", F, 0, 0)
+        assert (ROOT, b"x") in kb.entries
+        assert (await b.lookup(ROOT, b"x")).ino == x.ino
+
+
+async def test_new_directory_is_complete_without_asking() -> None:
+    async with cluster(1) as (server, (a,), _):
+        d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
+        server.store.inodes[d.ino].children[b"ghost"] = ROOT  # type: ignore[index]
+        with pytest.raises(FsError):  # known absent: a's own directory, under its lease
+            await a.lookup(d.ino, b"ghost")
+        del server.store.inodes[d.ino].children[b"ghost"]  # type: ignore[union-attr]
+
+
+async def test_unlink_rename_rmdir_reach_other_clients() -> None:
+    async with cluster(3) as (server, (a, b, c), (_, kb, kc)):
+        d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
+        f = await a.mknod(d.ino, b"f", F, 0, 0)
+        for cl in (b, c):
+            assert (await cl.lookup(d.ino, b"f")).ino == f.ino
+        await a.rename(d.ino, b"f", ROOT, b"g")
+        for cl, k in ((b, kb), (c, kc)):
+            assert (d.ino, b"f") in k.entries
+            with pytest.raises(FsError):
+                await cl.lookup(d.ino, b"f")
+            assert (await cl.lookup(ROOT, b"g")).ino == f.ino
+        await b.unlink(ROOT, b"g")
+        with pytest.raises(FsError):
+            await c.lookup(ROOT, b"g")
+        await c.rmdir(ROOT, b"d")
+        with pytest.raises(FsError):
+            await b.lookup(ROOT, b"d")
+
+
+async def test_truncate_recalls_chunk_maps_and_waits_for_transfers() -> None:
+    async with cluster(2) as (server, (a, b), _):
+        f = await a.mknod(ROOT, b"f", F, 0, 0)
+        await a.open(f.ino)
+        await a.map_write(f.ino, 0, 200_000)
+        await a.release(f.ino)
+        await b.open(f.ino)
+        assert await b.map_read(f.ino, 0, 200_000)
+        gen = b.generation(f.ino)
+        done = trio.Event()
+
+        async def truncate() -> None:
+            await a.truncate(f.ino, 0)
+            done.set()
+
+        async with trio.open_nursery() as nursery:
+            with b.io(f.ino):  # a transfer on the old map is under way
+                nursery.start_soon(truncate)
+                await trio.sleep(0.3)
+                assert not done.is_set(), "chunks must not be freed under a running transfer"
+                assert b.generation(f.ino) != gen
+        assert done.is_set()
+        assert await b.map_read(f.ino, 0, 200_000) == []
+
+
+async def test_write_lease_writes_locally_and_is_glimpsed() -> None:
+    async with cluster(2) as (server, (a, b), _):
+        f = await a.create(ROOT, b"f", F, 0, 0)
+        await a.map_write(f.ino, 0, 4096)
+        assert server.leases.is_writer(server._sessions[a.session], f.ino)
+        ino = server.store.inodes[f.ino]
+        await a.map_write(f.ino, 4096, 4096)  # within the space taken ahead: no server call
+        assert a.cache.dirty[f.ino][0] == 8192
+        # b asks: a's size is fetched first (its write lease is revoked).
+        assert (await b.getattr(f.ino)).size == 8192
+        assert ino.size == 8192 and f.ino not in a.cache.dirty
+        assert not server.leases.writers
+        # Space a took ahead of need went back with the lease.
+        assert max(ino.chunks or {0: 0}) == 0
+        await a.release(f.ino)
+
+
+async def test_preallocation_returns_at_close_and_settles_the_size() -> None:
+    async with cluster(1) as (server, (a,), _):
+        s0 = await a.statfs()
+        f = await a.create(ROOT, b"f", F, 0, 0)
+        await a.map_write(f.ino, 0, 100)
+        during = await a.statfs()
+        assert s0.blocks_free - during.blocks_free > 1 * POOL.chunk_size // 4096, "space ahead"
+        await a.map_write(f.ino, 100, 100)
+        await a.sync(f.ino)
+        assert server.store.inodes[f.ino].size == 200
+        await a.map_write(f.ino, 200, 50)
+        await a.release(f.ino)
+        after = await a.statfs()
+        assert s0.blocks_free - after.blocks_free == POOL.chunk_size // 4096
+        assert server.store.inodes[f.ino].size == 250
+        await a.unlink(ROOT, b"f")
+        assert (await a.statfs()).blocks_free == s0.blocks_free
+
+
+async def test_unresponsive_client_is_evicted_within_the_bound(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.expected_warnings = True  # type: ignore[attr-defined]  # the eviction is logged
+    term, recall_timeout = 1.0, 0.5
+    async with cluster(2, term=term, recall_timeout=recall_timeout) as (server, (a, b), _):
+        f = await a.mknod(ROOT, b"f", F, 0, 0)
+        await b.getattr(f.ino)
+        assert b._conn is not None
+        b._conn.on_recall = lambda *args: None  # hung: never answers
+        t0 = trio.current_time()
+        with trio.fail_after(recall_timeout + term + 2):
+            await a.setattr(f.ino, SetAttr(mode=0o600))
+        assert trio.current_time() - t0 <= recall_timeout + term + 0.5
+        assert server.leases.evictions == 1
+        # b's lease ran out before the change was applied; it asks the server again.
+        assert not b.cache.valid() or f.ino not in b.cache.attrs
+        with trio.fail_after(10):
+            assert (await b.getattr(f.ino)).mode & 0o777 == 0o600
+
+
+async def test_client_that_closes_releases_at_once() -> None:
+    async with trio.open_nursery() as nursery:
+        server = MetaServer(metadata_only(POOL), SECRET, lease_term=30, recall_timeout=20)
+        port = await nursery.start(server.serve, "127.0.0.1", 0)
+        async with open_remote_meta("127.0.0.1", port, SECRET) as a:
+            async with open_remote_meta("127.0.0.1", port, SECRET) as b:
+                f = await a.create(ROOT, b"f", F, 0, 0)
+                await a.map_write(f.ino, 0, 10)
+                await b.getattr(f.ino)
+            with trio.fail_after(2):  # b is gone: nothing to recall, no 30 s wait
+                await a.setattr(f.ino, SetAttr(mode=0o600))
+        nursery.cancel_scope.cancel()
+
+
+async def test_no_caching_without_leases() -> None:
+    async with cluster(2, term=0) as (server, (a, b), _):
+        f = await a.mknod(ROOT, b"f", F, 0, 0)
+        await b.getattr(f.ino)
+        assert b.attr_ttl(f.ino) is None and not b.cache.attrs
+        await a.setattr(f.ino, SetAttr(mode=0o600))
+        assert calls(server) == 0
+        assert (await b.getattr(f.ino)).mode & 0o777 == 0o600
+
+
+class _Fake:
+    """A holder for LeaseTable unit tests: answers (or not) through the table."""
+
+    def __init__(self, table: LeaseTable, answer: Callable[[int], Awaitable[None]] | None) -> None:
+        self.table = table
+        self.answer = answer
+        self.last_heard = 0.0
+        self.evicted = False
+        self.got: list[list[object]] = []
+
+    def send_recall(self, rid: int, payload: list[object]) -> bool:
+        self.got.append(payload)
+        if self.answer is not None:
+            trio.lowlevel.spawn_system_task(self.answer, rid)
+        return True
+
+    def evict(self, reason: str) -> None:
+        self.evicted = True
+
+
+async def test_lease_table_bounds_with_a_virtual_clock(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.expected_warnings = True  # type: ignore[attr-defined]  # the eviction is logged
+    table = LeaseTable(term=4.0, recall_timeout=2.0)
+    quiet = _Fake(table, None)
+    quiet.last_heard = trio.current_time()
+
+    async def ack(rid: int) -> None:
+        await trio.sleep(0.1)
+        table.recalled(good, rid, [])
+
+    good = _Fake(table, ack)
+    assert table.register(quiet, [5]) and table.register(good, [5])  # type: ignore[arg-type]
+    t0 = trio.current_time()
+    await table.recall(None, [Item(5)])
+    # The silent holder costs the recall timeout, then its lease's remaining term.
+    assert trio.current_time() - t0 == pytest.approx(4.0, abs=0.01)
+    assert quiet.evicted and not good.evicted
+    assert table.holders[5] == {good: False}
+    # A holder that has fetched nothing since is not asked again.
+    t0 = trio.current_time()
+    await table.recall(None, [Item(5)])
+    assert trio.current_time() == t0 and len(good.got) == 1
+    # ... unless it is a directory (its kernel may hold dentries under it).
+    await table.recall(None, [Item(5, (b"n",), directory=True)])
+    assert len(good.got) == 2 and good.got[-1] == [[5, [b"n"], False]]
