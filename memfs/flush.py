@@ -49,7 +49,7 @@ import shutil
 import socket
 import stat
 import time
-from collections.abc import AsyncIterable, Callable, Iterable
+from collections.abc import AsyncIterable, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -155,6 +155,9 @@ class BackedMeta(Meta):
         #: unmounted) is never re-created under the same name on another filesystem
         self._root_id: tuple[int, int] | None = None
         self.root_lost = False
+        #: cluster (memfs mds): takes chunk maps of these inodes back from the clients
+        #: that cache them (memfs.meta.leases) before eviction frees their chunks
+        self.before_evict: Callable[[list[int]], Awaitable[None]] | None = None
         self.clock = clock
         #: cluster mode: seconds a write's bytes may take to reach a memory server after
         #: the mds placed it (the mds sees the placement, not the bytes); a copy begun
@@ -513,19 +516,34 @@ class BackedMeta(Meta):
         inodes = self.store.inodes
         # Files just staged in are kept while anything else can go.  The oldest few
         # thousand are almost always enough; the rest only if not.
+        def evictable(ino: int, spare_staged: bool) -> bool:
+            i = inodes.get(ino)
+            if i is None or not i.chunks:
+                self.lru.pop(ino, None)
+                return False
+            return not (ino == protect or ino in self.dirty or ino in self.pinned or i.nlink <= 0
+                        or not stat.S_ISREG(i.mode) or (spare_staged and ino in self._kept)
+                        or self._excluded(ino))
+
         for spare_staged, start, stop in ((True, 0, 4096), (True, 4096, None), (False, 0, None)):
             if not spare_staged and not self._kept:
                 break  # nothing was spared: the first passes saw everything
+            victims = []
+            need = want - freed
             for ino in list(itertools.islice(self.lru, start, stop)):
+                if need <= 0:
+                    break
+                if evictable(ino, spare_staged):
+                    victims.append(ino)
+                    need -= len(inodes[ino].chunks or ())
+            if victims and self.before_evict is not None:
+                # Clients reading these files through cached chunk maps let go first
+                # (the chunks are reused as soon as they are scrubbed).
+                await self.before_evict(victims)
+            for ino in victims:
                 if freed >= want:
                     break
-                i = inodes.get(ino)
-                if i is None or not i.chunks:
-                    self.lru.pop(ino, None)
-                    continue
-                if (ino == protect or ino in self.dirty or ino in self.pinned or i.nlink <= 0
-                        or not stat.S_ISREG(i.mode) or (spare_staged and ino in self._kept)
-                        or self._excluded(ino)):
+                if not evictable(ino, spare_staged):  # changed while the clients answered
                     continue
                 n = self.store.evict(ino)
                 self.lru.pop(ino, None)

@@ -216,6 +216,7 @@ async def _write_back(
         async with open_tcp_transport(as_tcp(opts.pool), opts.secret, io_timeout=INFO_TIMEOUT,
                                       incarnations=server.incarnations) as t:
             backed = BackedMeta(store, t, opts.flush, settle=SETTLE)
+            backed.before_evict = server.recall_inodes
             try:
                 await backed.load()
             except OSError as exc:

@@ -264,7 +264,7 @@ async def test_lease_table_bounds_with_a_virtual_clock(
         table.recalled(good, rid, [])
 
     good = _Fake(table, ack)
-    assert table.register(quiet, [5]) and table.register(good, [5])  # type: ignore[arg-type]
+    assert table.register(quiet, [5]) and table.register(good, [5])
     t0 = trio.current_time()
     await table.recall(None, [Item(5)])
     # The silent holder costs the recall timeout, then its lease's remaining term.

@@ -624,6 +624,15 @@ class MetaServer:
                 return [Item(args[0])]  # the last handle: its chunks are freed
         return []
 
+    async def recall_inodes(self, inos: list[int]) -> None:
+        """Take everything clients cache of *inos* back (the server itself is about to
+        change them: burst-buffer eviction frees their chunks)."""
+        items = [Item(ino) for ino in inos]
+        first = True
+        while self.leases.needs_recall(None, items, first=first):
+            await self.leases.recall(None, items)
+            first = False
+
     def _child(self, parent: int, name: bytes) -> int:
         d = self.store.inodes.get(parent)
         if d is None or d.children is None:
