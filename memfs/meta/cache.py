@@ -43,6 +43,8 @@ class FileState:
     writer: bool = False
     #: where this client's last write ended (a sequential writer gets space ahead)
     last_end: int = -1
+    #: space asked ahead last time (it doubles while the writer stays sequential)
+    ahead: int = 0
 
 
 @dataclass(slots=True)
@@ -64,6 +66,9 @@ class ClientCache:
         self.attrs: dict[int, Attr] = {}
         self.dirs: dict[int, DirState] = {}
         self.files: dict[int, FileState] = {}
+        #: ino -> xattr name -> value, None: known absent (the kernel asks for
+        #: security.capability before every write)
+        self.xattrs: dict[int, dict[bytes, bytes | None]] = {}
         #: size and mtime of files written under a write lease that the server does not
         #: know yet; kept across lease losses until sent (they are the application's data)
         self.dirty: dict[int, tuple[int, int]] = {}
@@ -114,6 +119,16 @@ class ClientCache:
         return ino
 
     # -- filling ---------------------------------------------------------------------------
+
+    def xattr(self, ino: int, name: bytes) -> tuple[bool, bytes | None]:
+        """(known, value); value None: known absent."""
+        x = self.xattrs.get(ino)
+        if x is None or name not in x or not self.valid():
+            return False, None
+        return True, x[name]
+
+    def put_xattr(self, ino: int, name: bytes, value: bytes | None) -> None:
+        self.xattrs.setdefault(ino, {})[name] = value
 
     def put_attr(self, a: Attr) -> None:
         d = self.dirty.get(a.ino)
@@ -233,6 +248,7 @@ class ClientCache:
         self.attrs.pop(ino, None)
         self.dirs.pop(ino, None)
         self.files.pop(ino, None)
+        self.xattrs.pop(ino, None)
         self._gens[ino] = self._gens.get(ino, 0) + 1
 
     def drop_entry(self, parent: int, name: bytes) -> None:
@@ -253,6 +269,7 @@ class ClientCache:
         self.attrs.clear()
         self.dirs.clear()
         self.files.clear()
+        self.xattrs.clear()
         self._gens.clear()
         self._epoch += _EPOCH
         self.until = 0.0

@@ -174,13 +174,14 @@ def _same(v: Any) -> Any:
     return v
 
 
-def _int_result(v: Any) -> int:
-    return check_int(v, "inode")
-
-
 def _two_ints(v: Any) -> tuple[int, int]:
-    a, b = _ints(v, "inodes", 2)
+    a, b = _ints(v, "inode and time", 2)
     return a, b
+
+
+def _three_ints(v: Any) -> tuple[int, int, int]:
+    a, b, c = _ints(v, "inodes and time", 3)
+    return a, b, c
 
 
 # -- the method table -----------------------------------------------------------------
@@ -233,10 +234,11 @@ METHODS: dict[str, Method] = {m.name: m for m in [
     _m("truncate", "int int", zero_to_wire, zero_from_wire, "mutates", lambda m: m.truncate),
     _m("mknod", "int bytes int int int int bytes?", attr_to_wire, attr_from_wire, "mutates", lambda m: m.mknod),
     _m("link", "int int bytes", attr_to_wire, attr_from_wire, "mutates", lambda m: m.link),
-    # the server answers with the inode(s) the entries named, so the client can drop them
-    _m("unlink", "int bytes", _same, _int_result, "mutates", lambda m: m.unlink),
-    _m("rmdir", "int bytes", _same, _int_result, "mutates", lambda m: m.rmdir),
-    _m("rename", "int bytes int bytes int", _same, _two_ints, "mutates", lambda m: m.rename),
+    # the server answers with the inode(s) the names named and the directories' new
+    # mtime, so the client can update what it caches
+    _m("unlink", "int bytes", _same, _two_ints, "mutates", lambda m: m.unlink),
+    _m("rmdir", "int bytes", _same, _two_ints, "mutates", lambda m: m.rmdir),
+    _m("rename", "int bytes int bytes int", _same, _three_ints, "mutates", lambda m: m.rename),
     _m("readlink", "int", _same, lambda v: check_bytes(v, "link target"), "read", lambda m: m.readlink),
     _m("readdir", "int", entries_to_wire, entries_from_wire, "read", lambda m: m.readdir),
     _m("readdirplus", "int", plus_to_wire, plus_from_wire, "read", lambda m: m.readdirplus),

@@ -64,6 +64,8 @@ RECALL_ANSWER = 1.5
 SETTLE_DELAY = 0.05
 #: the clock the metadata server stamps with (memfs.meta.store): mtimes stay ordered
 _CLOCK = getattr(time, "CLOCK_REALTIME_COARSE", 5)
+#: most space a sequential writer asks for ahead of its writes (the server caps it too)
+MAX_AHEAD = 64 << 20
 RECONNECT_MIN = 0.05
 RECONNECT_MAX = 2.0
 _PING = wire.encode(["ping"])
@@ -124,6 +126,10 @@ class AuthRefused(FsError):
 
     def __init__(self, msg: str) -> None:
         super().__init__(errno.EACCES, msg)
+
+
+class KnownAbsent(FsError):
+    """An error the server says the client may cache under its lease (an absent name)."""
 
 
 class FilesystemGone(FsError):
@@ -522,7 +528,7 @@ class RemoteMeta(Meta):
                 raise SpaceBusy()
             if kind is Kind.ERROR_CACHE and err == errno.ENOENT and method == "lookup":
                 self.cache.put_entry(args[0], args[1], 0)
-            raise FsError(err, msg)
+            raise (KnownAbsent if kind is Kind.ERROR_CACHE else FsError)(err, msg)
         try:
             return kind, m.result_from_wire(wire.decode(body))
         except WireError as exc:
@@ -754,9 +760,22 @@ class RemoteMeta(Meta):
         cache.drop(ino)
         return await self._call("truncate", ino, size)
 
+    def _touched(self, kind: Kind, parent: int, t: int, links: int = 0) -> None:
+        """Our change of directory *parent* at time *t* (its mtime and ctime now), which
+        gained *links* subdirectories."""
+        a = self.cache.attrs.get(parent)
+        if a is None:
+            return
+        if kind is Kind.OK_CACHE:
+            a.mtime_ns = a.ctime_ns = t
+            a.nlink += links
+        else:
+            del self.cache.attrs[parent]
+
     def _created(self, kind: Kind, parent: int, name: bytes, a: Attr) -> None:
         cache = self.cache
-        cache.attrs.pop(parent, None)  # its mtime moved
+        # The directory's mtime is the new entry's ctime (one timestamp per call).
+        self._touched(kind, parent, a.ctime_ns, 1 if stat.S_ISDIR(a.mode) and a.nlink == 2 else 0)
         if kind is Kind.OK_CACHE:
             cache.put_entry(parent, name, a.ino)
             cache.put_attr(a)
@@ -789,9 +808,9 @@ class RemoteMeta(Meta):
         self._created(kind, parent, name, a)
         return a
 
-    def _removed(self, kind: Kind, parent: int, name: bytes, child: int) -> None:
+    def _removed(self, kind: Kind, parent: int, name: bytes, child: int, t: int, links: int) -> None:
         cache = self.cache
-        cache.attrs.pop(parent, None)
+        self._touched(kind, parent, t, links)
         cache.attrs.pop(child, None)  # nlink and ctime moved
         if kind is Kind.OK_CACHE:
             cache.put_entry(parent, name, 0)
@@ -799,18 +818,18 @@ class RemoteMeta(Meta):
             cache.drop_entry(parent, name)
 
     async def unlink(self, parent: int, name: bytes) -> None:
-        kind, child = await self._call_kind("unlink", parent, name)
-        self._removed(kind, parent, name, child)
+        kind, (child, t) = await self._call_kind("unlink", parent, name)
+        self._removed(kind, parent, name, child, t, 0)
 
     async def rmdir(self, parent: int, name: bytes) -> None:
-        kind, child = await self._call_kind("rmdir", parent, name)
-        self._removed(kind, parent, name, child)
+        kind, (child, t) = await self._call_kind("rmdir", parent, name)
+        self._removed(kind, parent, name, child, t, -1)
         self.cache.drop(child)
 
     async def rename(
         self, parent: int, name: bytes, new_parent: int, new_name: bytes, flags: int = 0
     ) -> None:
-        kind, (src, dst) = await self._call_kind("rename", parent, name, new_parent, new_name, flags)
+        kind, (src, dst, _) = await self._call_kind("rename", parent, name, new_parent, new_name, flags)
         cache = self.cache
         for ino in (parent, new_parent, src, dst):
             cache.attrs.pop(ino, None)
@@ -861,11 +880,7 @@ class RemoteMeta(Meta):
             # The last handle here: our size goes to the server, our write lease and
             # the space it took ahead of need go back.
             await self._settle(ino, trim=True)
-        sent = False
-
-        def uncount() -> None:  # runs as the request is queued, atomically with it
-            nonlocal sent
-            sent = True
+        def uncount() -> None:
             n = self.opens[ino] - 1
             if n:
                 self.opens[ino] = n
@@ -876,27 +891,46 @@ class RemoteMeta(Meta):
         a = self.cache.attrs.get(ino)
         if a is not None and a.nlink <= 0 and self.opens[ino] == 1:
             self.cache.drop(ino)  # our last handle of an unlinked file: it is gone now
-        try:
-            await self._call("release", ino, on_send=uncount)
-        except FsError as exc:
-            # The next re-registration tells the server; nothing is lost.
-            log.debug("release of inode %d not confirmed (%s); settled at reconnection", ino, exc)
-            if not sent:
-                uncount()
+        conn = self._conn
+        if conn is not None and not conn.dead:
+            # Sent, not waited for: its reply says nothing we need, and calls after it
+            # on this connection run after it.  If the connection drops first, the
+            # next re-registration states our counts without it.
+            conn.request(wire.encode(codec.encode_call("release", ino)))
+        uncount()
 
     async def getxattr(self, ino: int, name: bytes) -> bytes:
-        return await self._call("getxattr", ino, name)
+        cache = self.cache
+        if cache.term:
+            known, value = cache.xattr(ino, name)
+            if known:
+                if value is None:
+                    raise FsError(errno.ENODATA)
+                return value
+        try:
+            kind, value = await self._call_kind("getxattr", ino, name)
+        except FsError as exc:
+            if isinstance(exc, KnownAbsent) and exc.errno == errno.ENODATA:
+                cache.put_xattr(ino, name, None)
+            raise
+        if kind is Kind.OK_CACHE:
+            cache.put_xattr(ino, name, value)
+        return value
 
     async def setxattr(self, ino: int, name: bytes, value: bytes) -> None:
+        self.cache.xattrs.pop(ino, None)
         await self._call("setxattr", ino, name, value)
         self.cache.attrs.pop(ino, None)  # ctime
+        self.cache.xattrs.pop(ino, None)
 
     async def listxattr(self, ino: int) -> list[bytes]:
         return await self._call("listxattr", ino)
 
     async def removexattr(self, ino: int, name: bytes) -> None:
+        self.cache.xattrs.pop(ino, None)
         await self._call("removexattr", ino, name)
         self.cache.attrs.pop(ino, None)
+        self.cache.xattrs.pop(ino, None)
 
     async def statfs(self) -> StatFs:
         return await self._call("statfs")
@@ -929,7 +963,8 @@ class RemoteMeta(Meta):
                     raise
                 continue
             if kind is Kind.OK_CACHE:
-                cache.put_extents(ino, extents)
+                cache.put_extents(ino, extents)  # the server may send a wider window
+                extents = _clip(extents, offset, offset + length)
             return extents
 
     async def map_write(self, ino: int, offset: int, length: int) -> WritePlan:
@@ -944,7 +979,10 @@ class RemoteMeta(Meta):
                     return WritePlan(extents)
             f = cache.files.get(ino)
             sequential = offset == 0 or (f is not None and f.last_end == offset)
-            ahead = max(self.stripe_size, length) if sequential and length else 0
+            ahead = 0
+            if sequential and length:
+                # Like readahead: a stream that keeps going gets more each time.
+                ahead = min(MAX_AHEAD, max(self.stripe_size, length, 2 * f.ahead if f is not None else 0))
             method, args = "allocate_ahead", [ino, offset, length, ahead]
         else:
             method, args = "map_write", [ino, offset, length]
@@ -968,12 +1006,13 @@ class RemoteMeta(Meta):
                 f = cache.files.get(ino)
                 if f is not None:
                     f.last_end = end
+                    f.ahead = args[3] if method == "allocate_ahead" else 0
             else:
                 # Size, blocks, mtime moved and holes may be data now.  (Our own change:
                 # maps taken before stay usable, so the generation stays.)
                 cache.attrs.pop(ino, None)
                 cache.files.pop(ino, None)
-            return WritePlan(_clip(plan.extents, end))
+            return WritePlan(_clip(plan.extents, offset, end))
 
     async def control(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
         kind, body = await self._roundtrip(
@@ -990,14 +1029,20 @@ class RemoteMeta(Meta):
         await self._call("reclaim")
 
 
-def _clip(extents: list[Extent], end: int) -> list[Extent]:
-    """*extents* up to byte *end* (a plan with space ahead covers more than the write)."""
+def _clip(extents: list[Extent], start: int, end: int) -> list[Extent]:
+    """*extents* within ``[start, end)`` (the server answers with a wider window)."""
     out = []
     for e in extents:
+        e_end = e.offset + e.length
+        if e_end <= start:
+            continue
         if e.offset >= end:
             break
-        if e.offset + e.length > end:
-            e = Extent(e.offset, end - e.offset, e.volume, e.voffset)
+        lo, hi = max(e.offset, start), min(e_end, end)
+        if hi <= lo:
+            continue
+        if (lo, hi) != (e.offset, e_end):
+            e = Extent(lo, hi - lo, e.volume, e.voffset + (lo - e.offset) if e.volume >= 0 else e.voffset)
         out.append(e)
     return out
 

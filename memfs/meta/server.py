@@ -73,11 +73,13 @@ CALL_WAIT = 3.0
 MAX_QUEUED = 4096
 #: a sequential writer's preallocation is capped at this many bytes past its write
 MAX_AHEAD = 64 << 20
+#: a cacheable chunk map covers the aligned window of this size around what was asked
+MAP_WINDOW = 8 << 20
 #: methods whose reply carries state a client may cache under its lease (see _holds)
 _LEASED = frozenset({
     "lookup", "getattr", "setattr", "truncate", "mknod", "create", "link", "unlink", "rmdir",
     "rename", "readlink", "readdir", "readdirplus", "open", "map_read", "map_write",
-    "allocate_ahead",
+    "allocate_ahead", "getxattr",
 })
 
 
@@ -353,7 +355,6 @@ class MetaServer:
         records they may reflect are not durable yet, or the socket does not take them.
         """
         conn.fs = fs
-        session = conn.session
         leases = self.leases
         async with trio.open_nursery() as nursery:
             conn.scope = nursery.cancel_scope
@@ -382,7 +383,7 @@ class MetaServer:
                         if h.kind is not Kind.CALL:
                             raise WireError(f"unexpected {h.kind.name} frame")
                         value = wire.decode(payload)
-                        if conn.busy or conn.calls or self._may_wait(session, value):
+                        if conn.busy or conn.calls or self._may_wait(conn.session, value):
                             if len(conn.calls) >= MAX_QUEUED:
                                 raise WireError(f"more than {MAX_QUEUED} calls queued")
                             conn.calls.append((h.req_id, value))
@@ -540,7 +541,8 @@ class MetaServer:
                 if m.name == "rename":
                     named.append(self._child(args[2], args[3]))
                 await self._call(m, args)
-                result = named[0] if m.name != "rename" else named
+                # what the names named, and the directories' new mtime (the call's time)
+                result = [*named, self._t]
             elif m.name == "allocate_ahead":
                 args[3] = min(args[3], MAX_AHEAD) if self.write_leases else 0
                 result = await self._call(m, args)
@@ -549,10 +551,11 @@ class MetaServer:
         except FsError as exc:
             self._journal_destroys()
             kind = Kind.ERROR
-            if (m.name == "lookup" and exc.errno == errno.ENOENT and self.leases.term > 0
-                    and args[0] in self.store.inodes):
-                # A name known absent: the client may cache that, its holding of the
-                # directory tells it when the name appears.
+            if (((m.name == "lookup" and exc.errno == errno.ENOENT)
+                    or (m.name == "getxattr" and exc.errno == errno.ENODATA))
+                    and self.leases.term > 0 and args[0] in self.store.inodes):
+                # A name known absent (an entry, an xattr): the client may cache that,
+                # its holding of the inode tells it when the name appears.
                 if self.leases.register(session, [args[0]]):
                     kind = Kind.ERROR_CACHE
             return kind, wire.encode_error(exc.errno, exc.args[1])
@@ -576,7 +579,28 @@ class MetaServer:
                 if (m.name == "allocate_ahead" and self.write_leases
                         and self.leases.grant_write(session, args[0])):
                     kind = Kind.OK_WRITE
+                if m.name in ("map_read", "allocate_ahead"):
+                    body = self._widened(m.name, args, result) or body
         return kind, body
+
+    def _widened(self, name: str, args: list[Any], result: Any) -> bytes | None:
+        """A cacheable chunk map around the range asked (MAP_WINDOW aligned), so the
+        client's next reads and writes nearby need no call; None: nothing to add."""
+        ino, offset, length = args[0], args[1], args[2]
+        i = self.store.inodes.get(ino)
+        if i is None or i.chunks is None or i.backed or not length:
+            return None
+        lo = offset - offset % MAP_WINDOW
+        if name == "map_read":
+            hi = min(i.size, offset + length - (offset + length) % MAP_WINDOW + MAP_WINDOW)
+            if hi <= offset + length and lo == offset:
+                return None
+            return wire.encode(codec.extents_to_wire(self.store.extents(ino, lo, hi - lo)))
+        plan, attr = result
+        end = offset + length + args[3]
+        hi = max(end, min(i.size, end - end % MAP_WINDOW + MAP_WINDOW))
+        extents = self.store._extents(i, lo, hi)
+        return wire.encode(codec.ahead_to_wire((type(plan)(extents), attr)))
 
     def _conflicts(self, session: _Session | None, name: str, args: list[Any]) -> list[Item]:
         """What other clients must give up before call *name* runs (pre-change state)."""
