@@ -124,29 +124,53 @@ class _Conn:
     fs: FrameSocket | None = None
     scope: trio.CancelScope | None = None
     #: calls queued behind one that waits (executed in arrival order)
-    calls: collections.deque[tuple[int, Any]] = field(default_factory=collections.deque)
+    calls: collections.deque[tuple[int, Any, _Parsed]] = field(default_factory=collections.deque)
+    #: replies held back while more calls are already buffered (sent together)
+    deferred: list[bytes] = field(default_factory=list)
     calls_wake: trio.Event = field(default_factory=trio.Event)
     busy: bool = False
     #: the client closed the connection itself (it exited, or dropped it after a
     #: timeout): it trusts nothing it cached before, so its leases end at once
     clean_close: bool = False
 
-    def push(self, frame: bytes, needed: int) -> None:
-        """Send *frame* after everything before it, once journal seq *needed* is durable."""
+    def push(self, frame: bytes, needed: int, *, defer: bool = False) -> None:
+        """Send *frame* after everything before it, once journal seq *needed* is durable.
+
+        *defer*: more calls are already here; hold the frame until :meth:`push` is
+        called without it (one send for the batch).
+        """
         fs = self.fs
         assert fs is not None
         if self.outbox or needed:
+            self.push_deferred()
             self.outbox.append((frame, needed))
             self.wake.set()
             return
+        self.deferred.append(frame)
+        if defer and len(self.deferred) < 64:
+            return
+        self.push_deferred()
+
+    def push_deferred(self) -> None:
+        """Send the replies held back by ``defer``."""
+        if not self.deferred:
+            return
+        fs = self.fs
+        assert fs is not None
+        data = self.deferred[0] if len(self.deferred) == 1 else b"".join(self.deferred)
+        self.deferred.clear()
         try:
-            fs.send_now(frame)
+            fs.send_now(data)
         except trio.BrokenResourceError:
             if self.scope is not None:
                 self.scope.cancel()
             return
         if fs.pending():
             self.wake.set()
+
+
+#: a parsed call: (method, arguments); None for control calls; an unknown method
+_Parsed = tuple[codec.Method, list[Any]] | None | codec.UnknownMethod
 
 
 class _CloseConnection(Exception):
@@ -205,8 +229,7 @@ class MetaServer:
         """A write lease ended: its size and mtime (None: unknown) and the end of its
         preallocation, applied and journaled."""
         size_ = -1 if size is None else size
-        self.store.settle_now(ino, size_, mtime_ns, True)
-        if self.journal is not None:
+        if self.store.settle_now(ino, size_, mtime_ns, True) and self.journal is not None:
             self.journal.append(self._t, "settle", [ino, size_, mtime_ns, 1])
         self._journal_destroys()
 
@@ -383,14 +406,18 @@ class MetaServer:
                         if h.kind is not Kind.CALL:
                             raise WireError(f"unexpected {h.kind.name} frame")
                         value = wire.decode(payload)
-                        if conn.busy or conn.calls or self._may_wait(conn.session, value):
+                        parsed = self._parse(value)
+                        if conn.busy or conn.calls or self._may_wait(conn.session, value, parsed):
                             if len(conn.calls) >= MAX_QUEUED:
                                 raise WireError(f"more than {MAX_QUEUED} calls queued")
-                            conn.calls.append((h.req_id, value))
+                            conn.calls.append((h.req_id, value, parsed))
                             conn.calls_wake.set()
+                            conn.push_deferred()  # earlier replies must not wait for it
                             continue
-                        kind, body = await self._execute(conn, value)
-                        conn.push(wire.frame(kind, h.req_id, body), self._needed())
+                        kind, body = await self._execute(conn, value, parsed)
+                        # Replies to calls that came in one read go out in one send.
+                        conn.push(wire.frame(kind, h.req_id, body), self._needed(),
+                                  defer=fs.buffered())
                 if idle.cancelled_caught:
                     log.info("%s: silent for %.0f s, closing", conn.peer, self.idle_timeout)
                     raise _CloseConnection
@@ -414,22 +441,28 @@ class MetaServer:
     def _needed(self) -> int:
         return self.journal.seq if self.journal is not None else 0
 
-    def _may_wait(self, session: _Session, value: Any) -> bool:
-        """Could executing *value* wait?  Then it must not run in the reading task."""
-        if type(value) is not list or not value or type(value[0]) is not str:
-            return False
-        name = value[0]
-        if name == "control":
-            return True
-        if self.meta is not self.store and name in ("map_read", "map_write", "allocate_ahead"):
-            return True
-        m = codec.METHODS.get(name)
-        if m is None:
-            return False
+    @staticmethod
+    def _parse(value: Any) -> _Parsed:
+        """A call's method and arguments; None for a control call; the UnknownMethod
+        (answered ENOSYS); WireError for anything malformed."""
+        if type(value) is list and value and value[0] in ("describe", "session", "ping", "control"):
+            return None
         try:
-            args = codec.decode_args(m, value[1:])
-        except WireError:
-            return False  # _execute refuses it
+            return codec.decode_call(value)
+        except codec.UnknownMethod as exc:
+            return exc
+
+    def _may_wait(self, session: _Session, value: Any, parsed: _Parsed) -> bool:
+        """Could executing this call wait?  Then it must not run in the reading task."""
+        if parsed is None:
+            return value[0] == "control"
+        if isinstance(parsed, codec.UnknownMethod):
+            return False
+        m, args = parsed
+        if self.meta is not self.store and m.name in ("map_read", "map_write", "allocate_ahead"):
+            return True
+        if not self.leases.holders:
+            return False
         items = self._conflicts(session, m.name, args)
         return bool(items) and self.leases.needs_recall(session, items)
 
@@ -444,9 +477,9 @@ class MetaServer:
             conn.busy = True
             try:
                 while conn.calls:
-                    rid, value = conn.calls.popleft()
+                    rid, value, parsed = conn.calls.popleft()
                     try:
-                        kind, body = await self._execute(conn, value)
+                        kind, body = await self._execute(conn, value, parsed)
                     except WireError as exc:
                         log.warning("%s: protocol error, closing the connection: %s", conn.peer, exc)
                         assert conn.scope is not None
@@ -486,18 +519,17 @@ class MetaServer:
 
     # -- calls ---------------------------------------------------------------------------
 
-    async def _execute(self, conn: _Conn, value: Any) -> tuple[Kind, bytes]:
+    async def _execute(self, conn: _Conn, value: Any, parsed: _Parsed) -> tuple[Kind, bytes]:
         """Run one (decoded) call; WireError for a malformed one (the connection closes)."""
-        if type(value) is list and value and value[0] in ("describe", "session", "ping", "control"):
+        if parsed is None:
             try:
                 return Kind.OK, wire.encode(await self._control(conn, value))
             except FsError as exc:
                 return Kind.ERROR, wire.encode_error(exc.errno, exc.args[1])
-        try:
-            m, args = codec.decode_call(value)
-        except codec.UnknownMethod as exc:
-            log.warning("%s: refused a call of %r: not a metadata method", conn.peer, exc.args[0])
-            return Kind.ERROR, wire.encode_error(errno.ENOSYS, f"no method {exc.args[0]!r}")
+        if isinstance(parsed, codec.UnknownMethod):
+            log.warning("%s: refused a call of %r: not a metadata method", conn.peer, parsed.args[0])
+            return Kind.ERROR, wire.encode_error(errno.ENOSYS, f"no method {parsed.args[0]!r}")
+        m, args = parsed
         if m.name in ("map_read", "map_write", "allocate_ahead") and not (
             args[1] >= 0 and 0 <= args[2] <= MAX_RANGE and (m.name != "allocate_ahead" or args[3] >= 0)
         ):
@@ -783,11 +815,8 @@ class MetaServer:
                 log.warning("%s: size %d of inode %d not applied: the client lost its write "
                             "lease (evicted)", conn.peer, size, ino)
                 continue
-            i = self.store.inodes.get(ino)
-            if i is not None and i.chunks is not None:
-                self.store.settle_now(ino, size, mtime, False)
-                if self.journal is not None:
-                    self.journal.append(self._t, "settle", [ino, size, mtime, 0])
+            if self.store.settle_now(ino, size, mtime, False) and self.journal is not None:
+                self.journal.append(self._t, "settle", [ino, size, mtime, 0])
         self.leases.forget(s)
         s.evicted = False
         lost = []

@@ -817,20 +817,28 @@ class MetaStore(Meta):
     async def settle_write(self, ino: int, size: int, mtime_ns: int, trim: int) -> None:
         self.settle_now(ino, size, mtime_ns, bool(trim))
 
-    def settle_now(self, ino: int, size: int, mtime_ns: int, trim: bool) -> None:
+    def settle_now(self, ino: int, size: int, mtime_ns: int, trim: bool) -> bool:
         """A write lease's size and mtime (``size < 0``: unknown) and, with *trim*, the
-        end of its preallocation: chunks wholly past EOF are freed."""
+        end of its preallocation: chunks wholly past EOF are freed.  True if anything
+        changed."""
         i = self.inodes.get(ino)
         if i is None or i.chunks is None:
-            return
+            return False
+        changed = False
         if size > i.size:
             # Only ever grows: a writer never shrinks a file without truncate.
             i.size = size
-        if mtime_ns > 0 and size >= 0:
-            i.mtime_ns = i.ctime_ns = max(i.mtime_ns, mtime_ns)
-        if trim:
+            changed = True
+        if mtime_ns > i.mtime_ns and size >= 0:
+            i.mtime_ns = i.ctime_ns = mtime_ns
+            changed = True
+        if trim and i.chunks:
             cs = self.chunk_size
-            self._free_chunks(i, keep_below=(i.size + cs - 1) // cs)
+            keep = (i.size + cs - 1) // cs
+            if max(i.chunks) >= keep:
+                self._free_chunks(i, keep_below=keep)
+                changed = True
+        return changed
 
     def preallocated(self) -> list[int]:
         """Regular files holding chunks wholly past their EOF (unused preallocation)."""
