@@ -1,0 +1,620 @@
+"""Leases with recall, end to end: real mounts on two client hosts (see test_cluster.py).
+
+What the lease protocol promises (docs/ARCHITECTURE.md, memfs/meta/leases.py),
+checked with real processes and real kernels' caches:
+
+* a change on one node is visible to the other node's very next call, however
+  warm that node's caches (its daemon's and its kernel's: attributes, dentries,
+  negative dentries, pages, open files);
+* a client that cannot answer a recall (stopped) delays a change at most
+  ``--recall-timeout + --lease-term``, and serves nothing stale when it runs again;
+* a client that dies releases its leases at once, its open files after ``--grace``;
+* an mds restart from its journal loses no byte and leaks no chunk;
+* space taken ahead of need comes back at close, and ENOSPC still comes at write(2).
+
+Short timings (``--lease-term 2 --recall-timeout 1 --grace 3``) keep this quick.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import random
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from memfs.cli import alive, pid_file
+from tests.conftest import wait_gone
+from tests.test_cluster import Cluster, fill, make_cluster, sha, wait_line
+from tests.test_cluster import pytestmark as cluster_marks
+
+# Skipped as test_cluster.py is (root, /dev/fuse, network namespaces).
+pytestmark = [*cluster_marks, pytest.mark.timeout(120)]
+
+LEASE_TERM, RECALL_TIMEOUT, GRACE = 2.0, 1.0, 3.0
+#: what a machine under load may add to a documented bound
+SLACK = 1.0
+CHUNK = 64 << 10
+STRIPE = 1 << 20
+POOL = 4 * (128 << 20)  # make_cluster: 2 memd x 2 volumes x 128 MiB
+#: a read(2) size larger than any file here: one call reads the whole file
+WHOLE = 4 << 20
+
+HOLDER = """
+import os, random, sys
+fd = os.open(sys.argv[1], os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+os.write(fd, random.Random(int(sys.argv[2])).randbytes(int(sys.argv[3])))
+os.fsync(fd)
+print("holding", flush=True)
+sys.stdin.read()
+"""
+
+WRITER = """
+import os, random, sys
+fd = os.open(sys.argv[1], os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+rng = random.Random(int(sys.argv[2]))
+total = 0
+for line in sys.stdin:
+    cmd, *args = line.split()
+    if cmd == "write":
+        for _ in range(int(args[0])):
+            total += os.write(fd, rng.randbytes(int(args[1])))
+        print("wrote", total, flush=True)
+    elif cmd == "close":
+        os.close(fd)
+        print("closed", total, flush=True)
+        break
+"""
+
+CREATOR = """
+import os, sys, time
+d, tag, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+print("ready", flush=True)
+sys.stdin.readline()
+worst = 0.0
+for i in range(n):
+    t = time.monotonic()
+    with open(os.path.join(d, tag + str(i)), "wb") as f:
+        f.write(tag.encode())
+    worst = max(worst, time.monotonic() - t)
+print("worst", round(worst, 3), flush=True)
+"""
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    mds_args = [
+        "--journal", str(tmp_path / "journal"), "--lease-term", str(LEASE_TERM),
+        "--recall-timeout", str(RECALL_TIMEOUT), "--grace", str(GRACE),
+    ]
+    with make_cluster(tmp_path, mds_args) as c:
+        yield c
+
+
+def daemon_pid(mnt: Path) -> int:
+    return int(pid_file(str(mnt)).read_text())
+
+
+def used(mnt: Path) -> int:
+    """Bytes of the pool in use, as statfs on *mnt* reports them."""
+    st = os.statvfs(mnt)
+    assert st.f_blocks * st.f_frsize == POOL
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def chunks(n: int) -> int:
+    """Bytes of whole chunks a file of *n* bytes takes."""
+    return -(-n // CHUNK) * CHUNK
+
+
+def wait_used(mnt: Path, expected: int, timeout: float) -> float:
+    """Poll statfs until *expected* bytes are in use; returns when (time.monotonic)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        now = time.monotonic()
+        got = used(mnt)
+        if got == expected:
+            return now
+        if now > deadline:
+            raise AssertionError(f"{got} bytes in use after {timeout} s, expected {expected}")
+        time.sleep(0.05)
+
+
+def same_stat(first: Path, second: Path) -> os.stat_result:
+    """stat *first* (the node that did not make the change: its very next call), then
+    *second*: both nodes must agree on everything the mds keeps."""
+    s1, s2 = first.stat(), second.stat()
+    fields = ("st_ino", "st_mode", "st_nlink", "st_size", "st_mtime_ns", "st_ctime_ns")
+    assert [getattr(s1, f) for f in fields] == [getattr(s2, f) for f in fields], (first, s1, s2)
+    return s1
+
+
+def log_lines(cluster: Cluster, name: str, *words: str) -> list[str]:
+    path = cluster.tmp / name
+    text = path.read_text() if path.exists() else ""
+    return [line for line in text.splitlines() if any(w in line for w in words)]
+
+
+@contextlib.contextmanager
+def on_host(cluster: Cluster, host: str, script: str, *args: str) -> Iterator[subprocess.Popen[bytes]]:
+    """A Python process on *host*, talking over pipes; killed and reaped at the end."""
+    proc = subprocess.Popen(
+        cluster.net.cmd(host, [sys.executable, "-c", script, *args]),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
+    )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None:
+                pipe.close()
+
+
+def tell(proc: subprocess.Popen[bytes], line: str) -> None:
+    assert proc.stdin is not None
+    proc.stdin.write(line.encode() + b"\n")
+
+
+@contextlib.contextmanager
+def stopped(pid: int) -> Iterator[None]:
+    """*pid* SIGSTOPped for the block; always continued (a stopped daemon would hang the
+    fixture's unmount)."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        if alive(pid):
+            os.kill(pid, signal.SIGCONT)
+
+
+# -- 1. coherence with warm caches ------------------------------------------------------------
+
+
+@dataclass
+class Expected:
+    """What the shared directory holds; both nodes must always show exactly this."""
+
+    data: bytes = b""
+    mode: int = 0o644
+    names: dict[str, bytes] = field(default_factory=dict)
+
+
+def check_file(b: Path, a: Path, want: bytes, read_first: bool) -> None:
+    """B's very next call after A's change sees it (alternately a read and a stat)."""
+    if read_first:
+        assert b.read_bytes() == want, b
+    st = same_stat(b, a)
+    assert st.st_size == len(want)
+    if not read_first:
+        assert b.read_bytes() == want, b
+
+
+def check_names(b: Path, exp: Expected) -> None:
+    assert sorted(os.listdir(b)) == sorted(exp.names)
+
+
+def coherence_round(a: Path, b: Path, r: int, exp: Expected) -> None:
+    """B warms every cache it has, A changes things, B's next calls must see each change."""
+    rng = random.Random(r)
+    co_a, co_b = a / "co", b / "co"
+    f_a, f_b = co_a / "f", co_b / "f"
+    first = r % 4 < 2  # read before stat, or stat before read
+
+    # B's caches: pages and attributes of f, the listing, a negative entry, the last
+    # round's names.
+    assert f_b.read_bytes() == exp.data
+    assert stat.S_IMODE(f_b.stat().st_mode) == exp.mode
+    check_names(co_b, exp)
+    for name, content in exp.names.items():
+        if name != "f":
+            assert (co_b / name).read_bytes() == content
+    new = f"n{r}"
+    assert not (co_b / new).exists()
+
+    # Rewritten (open O_TRUNC + write + close), alternately shorter and longer, while
+    # B holds f open: B's open file shows it too.
+    fd = os.open(f_b, os.O_RDONLY)
+    try:
+        assert os.pread(fd, WHOLE, 0) == exp.data
+        n = len(exp.data)
+        size = n + rng.randint(1, 300_000) if r % 2 or n == 0 else rng.randint(0, n - 1)
+        exp.data = exp.names["f"] = rng.randbytes(size)
+        f_a.write_bytes(exp.data)
+        check_file(f_b, f_a, exp.data, first)
+        assert os.pread(fd, WHOLE, 0) == exp.data
+    finally:
+        os.close(fd)
+
+    # Overwritten in place: same size, new bytes in the middle (B read it before).
+    assert f_b.read_bytes() == exp.data
+    if exp.data:
+        off = rng.randrange(len(exp.data))
+        patch = rng.randbytes(min(5000, len(exp.data) - off))
+        with open(f_a, "r+b") as fa:
+            fa.seek(off)
+            fa.write(patch)
+        exp.data = exp.names["f"] = exp.data[:off] + patch + exp.data[off + len(patch):]
+        check_file(f_b, f_a, exp.data, not first)
+
+    # truncate(2) alone, shorter or longer (zeros beyond the old end).
+    assert f_b.read_bytes() == exp.data
+    size = rng.randint(0, 2 * len(exp.data) + 1000)
+    os.truncate(f_a, size)
+    exp.data = exp.names["f"] = exp.data[:size].ljust(size, b"\0")
+    check_file(f_b, f_a, exp.data, first)
+
+    # chmod
+    exp.mode = rng.choice([m for m in (0o600, 0o640, 0o644, 0o664, 0o700, 0o755) if m != exp.mode])
+    os.chmod(f_a, exp.mode)
+    assert stat.S_IMODE(f_b.stat().st_mode) == exp.mode
+    same_stat(f_b, f_a)
+
+    # A name B looked up and did not find, created by A.
+    content = rng.randbytes(rng.randint(0, 100_000))
+    (co_a / new).write_bytes(content)
+    exp.names[new] = content
+    assert (co_b / new).read_bytes() == content
+    same_stat(co_b / new, co_a / new)
+    check_names(co_b, exp)
+
+    # Renamed (B knows both the old name and the absent new one).
+    moved = f"m{r}"
+    assert not (co_b / moved).exists()
+    os.rename(co_a / new, co_a / moved)
+    exp.names[moved] = exp.names.pop(new)
+    assert not (co_b / new).exists()
+    assert (co_b / moved).read_bytes() == content
+    check_names(co_b, exp)
+
+    # Replaced by rename (the atomic-update idiom): B read the old file.
+    old = f"m{r - 1}"
+    if old in exp.names:
+        assert (co_b / old).read_bytes() == exp.names[old]
+        tmp = co_a / f"tmp{r}"
+        fresh = rng.randbytes(rng.randint(1, 100_000))
+        tmp.write_bytes(fresh)
+        os.rename(tmp, co_a / old)
+        exp.names[old] = fresh
+        assert (co_b / old).read_bytes() == fresh
+        assert not (co_b / f"tmp{r}").exists()
+        same_stat(co_b / old, co_a / old)
+
+    # Unlinked (B read it just before).
+    gone = f"m{r - 2}"
+    if gone in exp.names:
+        assert (co_b / gone).read_bytes() == exp.names[gone]
+        os.unlink(co_a / gone)
+        del exp.names[gone]
+        assert not (co_b / gone).exists()
+        check_names(co_b, exp)
+
+    # mkdir, B lists it (empty: complete), a name appears in it, then it goes away.
+    d = f"d{r}"
+    os.mkdir(co_a / d)
+    exp.names[d] = b""
+    assert (co_b / d).is_dir()
+    assert os.listdir(co_b / d) == []
+    (co_a / d / "x").write_bytes(b"x")
+    assert os.listdir(co_b / d) == ["x"]
+    assert (co_b / d / "x").read_bytes() == b"x"
+    os.unlink(co_a / d / "x")
+    assert os.listdir(co_b / d) == []
+    assert not (co_b / d / "x").exists()
+    os.rmdir(co_a / d)
+    del exp.names[d]
+    assert not (co_b / d).exists()
+    check_names(co_b, exp)
+    same_stat(co_b, co_a)  # the directory's mtime, ctime and nlink
+
+
+def test_coherence_with_warm_caches_both_ways(cluster: Cluster) -> None:
+    """Forty rounds each way: whatever one node changed, the other node's next call sees,
+    whatever it had cached (pages, attributes, dentries, negative dentries, open files)."""
+    c1, c2 = cluster.mnt["c1"], cluster.mnt["c2"]
+    os.mkdir(c1 / "co")
+    exp = Expected()
+    (c1 / "co" / "f").write_bytes(b"")
+    os.chmod(c1 / "co" / "f", exp.mode)
+    exp.names["f"] = b""
+    t0 = time.monotonic()
+    for r in range(80):
+        a, b = (c1, c2) if r % 2 == 0 else (c2, c1)
+        coherence_round(a, b, r, exp)
+    elapsed = time.monotonic() - t0
+    # Every recall was answered: nobody was evicted, no client lost its connection.
+    assert log_lines(cluster, "mds.log", " WARNING ", " ERROR ") == []
+    for host in ("c1", "c2"):
+        assert log_lines(cluster, f"{host}.log", " WARNING ", " ERROR ") == []
+    assert elapsed < 60, f"80 rounds took {elapsed:.1f} s"
+
+
+def test_concurrent_creates_in_one_directory(cluster: Cluster) -> None:
+    """Both nodes create files in one directory at the same time (N ranks writing their
+    output side by side): every create succeeds promptly, nobody is evicted, and both
+    nodes list every file.  (Each create recalls the other node's entries of the
+    directory while that node's kernel may hold the directory locked for its own create.)"""
+    c1, c2 = cluster.mnt["c1"], cluster.mnt["c2"]
+    os.mkdir(c1 / "out")
+    assert os.listdir(c2 / "out") == []  # both nodes hold the directory
+    n = 30
+    with contextlib.ExitStack() as stack:
+        procs = [stack.enter_context(on_host(cluster, host, CREATOR, str(mnt / "out"), host, str(n)))
+                 for host, mnt in (("c1", c1), ("c2", c2))]
+        for proc in procs:
+            wait_line(proc, "ready")
+        for proc in procs:
+            tell(proc, "go")
+        outs = [proc.communicate(timeout=60)[0].decode() for proc in procs]
+        assert [proc.returncode for proc in procs] == [0, 0], outs
+    worst = max(float(out.split()[1]) for out in outs)
+    assert log_lines(cluster, "mds.log", "evicting") == []
+    assert worst < RECALL_TIMEOUT / 2, f"a create took {worst} s"
+    names = sorted(f"{h}{i}" for h in ("c1", "c2") for i in range(n))
+    for mnt in (c1, c2):
+        assert sorted(os.listdir(mnt / "out")) == names
+        for name in names:
+            assert (mnt / "out" / name).read_bytes() == name[:2].encode()
+
+
+# -- 2. a stopped client ------------------------------------------------------------------------
+
+
+def test_recall_of_a_stopped_client(cluster: Cluster) -> None:
+    """A client that cannot answer (SIGSTOP) delays a change no longer than
+    recall_timeout + lease_term, and once continued serves nothing it cached before."""
+    c1, c2 = cluster.mnt["c1"], cluster.mnt["c2"]
+    old, new = random.Random(1).randbytes(300_000), random.Random(2).randbytes(123_456)
+    (c1 / "f").write_bytes(old)
+    os.chmod(c1 / "f", 0o644)
+    assert (c2 / "f").read_bytes() == old  # c2 caches pages, attributes and the entry
+    assert stat.S_IMODE((c2 / "f").stat().st_mode) == 0o644
+    pid = daemon_pid(c2)
+    heard = time.monotonic()
+    os.statvfs(c2)  # never cached: the mds hears from c2 after *heard*
+    with stopped(pid):
+        t0 = time.monotonic()
+        (c1 / "f").write_bytes(new)  # O_TRUNC, then the new content
+        t1 = time.monotonic()
+        os.chmod(c1 / "f", 0o600)
+        t2 = time.monotonic()
+    # It waited for c2 (which holds f) until c2's lease had surely run out ...
+    assert t1 - t0 >= RECALL_TIMEOUT, f"c2 was not waited for: {t1 - t0:.2f} s"
+    assert t1 - heard >= LEASE_TERM, f"went ahead {t1 - heard:.2f} s after c2 was last heard"
+    # ... and no longer than the documented bound; the evicted client is not waited for again.
+    assert t2 - t0 <= RECALL_TIMEOUT + LEASE_TERM + SLACK, f"took {t2 - t0:.2f} s"
+    assert t2 - t1 < RECALL_TIMEOUT, f"chmod after the eviction took {t2 - t1:.2f} s"
+
+    with open(c2 / "f", "rb") as f:
+        assert f.read() == new
+    st = same_stat(c2 / "f", c1 / "f")
+    assert (st.st_size, stat.S_IMODE(st.st_mode)) == (len(new), 0o600)
+    assert len(log_lines(cluster, "mds.log", "evicting the client: did not answer a recall")) == 1
+
+    # The continued client works both ways again, with its caches.
+    (c2 / "g").write_bytes(b"from c2")
+    assert (c1 / "g").read_bytes() == b"from c2"
+    (c1 / "g").write_bytes(b"from c1, longer")
+    assert (c2 / "g").read_bytes() == b"from c1, longer"
+
+
+# -- 3. a killed client -------------------------------------------------------------------------
+
+
+def test_killed_client_releases_its_leases_at_once(cluster: Cluster) -> None:
+    """SIGKILL a client daemon that holds read leases and a write lease with space ahead
+    (a process keeps the file open): the other node proceeds at once, the space ahead
+    is freed at once, the open file's space after --grace."""
+    c1, c2 = cluster.mnt["c1"], cluster.mnt["c2"]
+    assert used(c1) == 0
+    r_data = random.Random(3).randbytes(200_000)
+    (c1 / "r").write_bytes(r_data)
+    assert (c2 / "r").read_bytes() == r_data  # c2: a read lease
+    w_size = 100_000
+    w_data = random.Random(4).randbytes(w_size)
+    with on_host(cluster, "c2", HOLDER, str(c2 / "w"), "4", str(w_size)) as holder:
+        wait_line(holder, "holding", timeout=30)
+        # The write's chunks and a stripe unit ahead of it, held by c2's write lease.
+        assert used(c1) == chunks(len(r_data)) + chunks(w_size + STRIPE)
+        pid = daemon_pid(c2)
+        os.kill(pid, signal.SIGKILL)
+        t_kill = time.monotonic()
+        assert wait_gone(pid, 10)
+
+        t0 = time.monotonic()
+        st = (c1 / "w").stat()
+        assert time.monotonic() - t0 < RECALL_TIMEOUT / 2, "waited for the dead client"
+        assert st.st_size == w_size  # what c2 settled at fsync
+        assert used(c1) == chunks(len(r_data)) + chunks(w_size)  # space ahead freed
+
+        t0 = time.monotonic()
+        with open(c1 / "w", "r+b") as f:
+            f.seek(w_size)
+            f.write(b"appended by c1")
+        (c1 / "r").write_bytes(b"rewritten by c1")
+        assert time.monotonic() - t0 < RECALL_TIMEOUT / 2, "waited for the dead client"
+        assert (c1 / "w").read_bytes() == w_data + b"appended by c1"
+        assert (c1 / "r").read_bytes() == b"rewritten by c1"
+
+        # The dead client's open handle keeps w's chunks for --grace, then they go.
+        os.unlink(c1 / "w")
+        os.unlink(c1 / "r")
+        assert used(c1) == chunks(w_size + 14)
+        freed = wait_used(c1, 0, GRACE + 10)
+        assert freed - t_kill >= GRACE - 0.25, "released before the session's grace"
+    with pytest.raises(OSError) as info:
+        os.stat(c2 / "r")  # the dead mount stays until the fixture unmounts it
+    assert info.value.errno == errno.ENOTCONN
+
+
+def test_client_killed_while_a_recall_waits_for_it(cluster: Cluster) -> None:
+    """A client that dies while the mds waits for its answer to a recall (here: stopped,
+    then killed) releases at once: the waiting change does not wait out the bound."""
+    c1, c2 = cluster.mnt["c1"], cluster.mnt["c2"]
+    w_size = 100_000
+    with on_host(cluster, "c2", HOLDER, str(c2 / "w"), "5", str(w_size)) as holder:
+        wait_line(holder, "holding", timeout=30)
+        pid = daemon_pid(c2)
+        result: dict[str, object] = {}
+
+        def stat_on_c1() -> None:
+            try:
+                result["size"] = (c1 / "w").stat().st_size  # revokes c2's write lease
+            except OSError as exc:
+                result["error"] = exc
+            result["done"] = time.monotonic()
+
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            thread = threading.Thread(target=stat_on_c1, daemon=True)
+            thread.start()
+            time.sleep(0.3)
+            assert "done" not in result, "the stat did not wait for c2's answer"
+            os.kill(pid, signal.SIGKILL)
+            t_kill = time.monotonic()
+        finally:
+            if alive(pid):
+                os.kill(pid, signal.SIGCONT)
+        assert wait_gone(pid, 10)
+        thread.join(RECALL_TIMEOUT + LEASE_TERM + 10)
+        assert not thread.is_alive()
+        assert "error" not in result, result
+        assert result["size"] == w_size
+        done = result["done"]
+        assert isinstance(done, float)
+        assert done - t_kill < RECALL_TIMEOUT / 2, (
+            f"the stat returned {done - t_kill:.2f} s after the client died "
+            f"({done - t0:.2f} s after it started)"
+        )
+
+
+# -- 4. mds restart -----------------------------------------------------------------------------
+
+
+def test_mds_restart_with_leases_and_a_writer_mid_file(cluster: Cluster) -> None:
+    """SIGKILL the mds while both clients hold leases, c1 is in the middle of writing a
+    file under its write lease (with space ahead) and c2 has just written one it closes
+    only after the restart; restart it from the journal.  No byte is lost, nothing
+    stale is served, and once everything is deleted and --grace has passed no chunk
+    is leaked."""
+    c1, c2 = cluster.mnt["c1"], cluster.mnt["c2"]
+    assert used(c1) == 0
+    rng = random.Random(6)
+    files = {name: rng.randbytes(rng.randint(1, 400_000)) for name in ("a", "b", "sub/x", "sub/z")}
+    os.mkdir(c1 / "sub")
+    for name, data in files.items():
+        (c1 / name).write_bytes(data)
+    os.chmod(c1 / "b", 0o644)
+    for name, data in files.items():  # c2 caches all of it
+        assert (c2 / name).read_bytes() == data
+    assert sorted(os.listdir(c2 / "sub")) == ["x", "z"]
+    assert not (c2 / "later").exists()
+
+    block = 300_000
+    with contextlib.ExitStack() as stack:
+        # c1 writes on across the restart; c2 only closes after it (its size, not yet
+        # sent when the mds died, comes with its re-registration).
+        closer = stack.enter_context(on_host(cluster, "c2", WRITER, str(c2 / "stream2"), "8"))
+        tell(closer, "write 0 0")  # created (not at the same time as c1's file: see
+        wait_line(closer, "wrote 0")  # test_concurrent_creates_in_one_directory)
+        writer = stack.enter_context(on_host(cluster, "c1", WRITER, str(c1 / "stream"), "7"))
+        tell(writer, f"write 5 {block}")
+        wait_line(writer, f"wrote {5 * block}")
+        written = sum(chunks(len(d)) for d in files.values()) + chunks(5 * block)
+        assert used(c1) > written, "the writer holds no space ahead: the test lost its point"
+        tell(closer, f"write 3 {block}")
+        wait_line(closer, f"wrote {3 * block}")
+        cluster.restart("mds")
+        t_restart = time.monotonic()
+        tell(closer, "close")
+        wait_line(closer, f"closed {3 * block}")
+
+        # Changed after the restart: c2 still has pre-restart pages and dentries.
+        new_a = rng.randbytes(333_333)
+        (c1 / "a").write_bytes(new_a)
+        os.chmod(c1 / "b", 0o600)
+        (c1 / "later").write_bytes(b"created after the restart")
+        os.rename(c1 / "sub" / "x", c1 / "sub" / "y")
+        os.unlink(c1 / "sub" / "z")
+        assert (c2 / "a").read_bytes() == new_a
+        same_stat(c2 / "a", c1 / "a")
+        assert stat.S_IMODE((c2 / "b").stat().st_mode) == 0o600
+        assert (c2 / "b").read_bytes() == files["b"]
+        assert (c2 / "later").read_bytes() == b"created after the restart"
+        assert sorted(os.listdir(c2 / "sub")) == ["y"]
+        assert (c2 / "sub" / "y").read_bytes() == files["sub/x"]
+        assert not (c2 / "sub" / "x").exists()
+
+        # Cached again under the new mds's leases, changed again.
+        newer_a = rng.randbytes(22_222)
+        (c1 / "a").write_bytes(newer_a)
+        assert (c2 / "a").read_bytes() == newer_a
+        same_stat(c2 / "a", c1 / "a")
+
+        # The writer carries on where it was and closes.
+        tell(writer, f"write 5 {block}")
+        wait_line(writer, f"wrote {10 * block}")
+        tell(writer, "close")
+        wait_line(writer, f"closed {10 * block}")
+        assert writer.wait(10) == 0 and closer.wait(10) == 0
+    for name, seed, n, reader in (("stream", 7, 10, c2), ("stream2", 8, 3, c1)):
+        rng_w = random.Random(seed)
+        expected = b"".join(rng_w.randbytes(block) for _ in range(n))
+        other = c1 if reader == c2 else c2
+        st = same_stat(reader / name, other / name)
+        assert st.st_size == len(expected), name
+        assert sha((reader / name).read_bytes()) == sha(expected), name
+
+    # Delete everything: once the restarted mds's grace is over, all space is back.
+    for name in ("a", "b", "later", "sub/y", "stream", "stream2"):
+        os.unlink(c2 / name)
+    os.rmdir(c2 / "sub")
+    assert os.listdir(c1) == []
+    time.sleep(max(0.0, t_restart + GRACE + 0.5 - time.monotonic()))
+    wait_used(c1, 0, 10)
+    assert used(c2) == 0
+
+
+# -- 5. space -----------------------------------------------------------------------------------
+
+
+def test_space_ahead_comes_back_at_close_and_enospc_at_write(cluster: Cluster) -> None:
+    """Space taken ahead of a sequential writer is counted used while the file is open and
+    freed at its close; a full pool still reports ENOSPC at write(2), not earlier, and
+    takes writes again once space is freed."""
+    c1, c2 = cluster.mnt["c1"], cluster.mnt["c2"]
+    assert used(c1) == 0
+    with open(c1 / "small", "wb") as f:
+        f.write(b"0123456789")
+        f.flush()
+        # While open: the write's chunk and a stripe unit ahead of it.
+        assert used(c1) == chunks(10 + STRIPE)
+    assert used(c1) == CHUNK  # closed: exactly one chunk
+    assert used(c2) == CHUNK
+    assert (c2 / "small").read_bytes() == b"0123456789"
+    os.unlink(c2 / "small")
+    assert used(c1) == 0
+
+    # The pool fills to the last byte: space ahead never costs a write its own chunks.
+    assert fill(c1 / "full", 600) == POOL >> 20
+    assert used(c1) == POOL
+    assert (c2 / "full").stat().st_size == POOL
+    os.unlink(c2 / "full")
+    assert used(c1) == 0
+    data = random.Random(8).randbytes(16 << 20)
+    (c1 / "again").write_bytes(data)
+    assert sha((c2 / "again").read_bytes()) == sha(data)
+    assert used(c2) == len(data)
