@@ -79,9 +79,8 @@ class ClientCache:
         #: the kernel's caches are being dropped after a lost lease: until that is done,
         #: pages it holds must not be kept at open, nor anything new cached
         self.invalidating = 0
-        #: inodes and entries the kernel was told it may cache (see fs.Operations)
+        #: inodes whose attributes the kernel was told it may cache (see fs.Operations)
         self.kernel_inodes: set[int] = set()
-        self.kernel_entries: dict[tuple[int, bytes], float] = {}
 
     # -- the lease -------------------------------------------------------------------------
 

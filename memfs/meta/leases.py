@@ -303,8 +303,12 @@ class LeaseTable:
     def forget(self, holder: Holder) -> None:
         """Drop everything *holder* holds (it reconnected afresh, or was evicted, or is gone).
 
-        Its write leases end without a size from it: their unused preallocation is freed.
+        Its write leases end without a size from it: their unused preallocation is
+        freed.  Recalls waiting for its answer end now: it holds nothing any more.
         """
+        for w in self._waiting.values():
+            if w.holder is holder:
+                w.done.set()
         for ino in self._inos_of.pop(holder, ()):
             hs = self.holders.get(ino)
             if hs is not None:

@@ -58,7 +58,8 @@ log = logging.getLogger(__name__)
 
 #: an idle connection sends a ping this often; the server drops silent ones
 KEEPALIVE = 5.0
-#: a recall is answered within this, whatever the kernel does (the server waits 2 s)
+#: a recall is answered within this, whatever the kernel does (the server waits 2 s by
+#: default; a client answers within 60% of what the server says it waits)
 RECALL_ANSWER = 1.5
 #: sizes written under a write lease reach the server within about this
 SETTLE_DELAY = 0.05
@@ -101,6 +102,8 @@ class PoolDescription:
     incarnations: dict[str, int] = field(default_factory=dict)
     #: how long a client may trust what it caches (0: it caches nothing)
     lease_term: float = 0.0
+    #: how long the server waits for a recall's answer before it evicts the client
+    recall_timeout: float = 0.0
 
     @classmethod
     def from_wire(cls, v: Any) -> PoolDescription:
@@ -116,6 +119,7 @@ class PoolDescription:
                 fsid=codec.check_bytes(v["fsid"], "fsid"),
                 incarnations=_incarnations(v.get("incarnations", {})),
                 lease_term=_lease_term(v.get("lease_term", 0.0)),
+                recall_timeout=_lease_term(v.get("recall_timeout", 0.0)),
             )
         except KeyError as exc:
             raise WireError(f"describe: missing {exc}") from None
@@ -308,6 +312,8 @@ class RemoteMeta(Meta):
         self._tasks: trio.Nursery | None = None
         self._dirty_wake = trio.Event()
         self._last_open: tuple[int, bool] = (0, False)
+        #: a recall is answered within this (below the server's --recall-timeout)
+        self.answer_within = RECALL_ANSWER
         self.stripe_size = 0
 
     @property
@@ -388,6 +394,8 @@ class RemoteMeta(Meta):
             self.stripe_size = desc.stripe_size
             self.cache.chunk_size = desc.chunk_size
             self.cache.term = desc.lease_term
+            if desc.recall_timeout:
+                self.answer_within = min(RECALL_ANSWER, desc.recall_timeout * 0.6)
         elif self.pool is not None and desc.fsid != self.pool.fsid:
             # Inode numbers we hold now name other files, or nothing: never carry on.
             fs.close()
@@ -553,8 +561,7 @@ class RemoteMeta(Meta):
         cache = self.cache
         settles: list[list[int]] = []
         inos: list[int] = []
-        entries: list[tuple[int, bytes]] = []
-        for ino, names, revoke in items:
+        for ino, _names, revoke in items:
             if revoke:
                 a = cache.attrs.get(ino)
                 took = cache.take_write(ino)
@@ -562,29 +569,23 @@ class RemoteMeta(Meta):
                     settles.append([ino, *took])
                 elif a is not None:
                     settles.append([ino, a.size, a.mtime_ns])
-            cache.drop(ino)
+            cache.drop(ino)  # names of a directory: its whole entry cache goes
             inos.append(ino)
-            entries.extend((ino, n) for n in names if n != b"..")
         assert self._tasks is not None
-        self._tasks.start_soon(self._finish_recall, conn, rid, inos, entries, wire.encode(settles))
+        self._tasks.start_soon(self._finish_recall, conn, rid, inos, wire.encode(settles))
 
-    async def _finish_recall(
-        self, conn: _Connection, rid: int, inos: list[int], entries: list[tuple[int, bytes]],
-        settles: bytes,
-    ) -> None:
+    async def _finish_recall(self, conn: _Connection, rid: int, inos: list[int], settles: bytes) -> None:
         """Let transfers that use the old chunk maps end, drop the kernel's caches, answer.
 
-        Answered within RECALL_ANSWER even if the kernel is slow to let go (a
+        Answered within ``answer_within`` even if the kernel is slow to let go (a
         page it must drop is locked by a read this daemon is serving, which may
-        itself wait for the server): never later than the server's patience.
+        itself wait for the server): before the server's patience runs out.
         """
-        with trio.move_on_after(RECALL_ANSWER):
+        with trio.move_on_after(self.answer_within):
             await self.cache.wait_unpinned(inos)
             if self.invalidator is not None:
                 self.cache.kernel_inodes.difference_update(inos)
-                for e in entries:
-                    self.cache.kernel_entries.pop(e, None)
-                await self.invalidator(inos, entries)
+                await self.invalidator(inos, [])
         conn.send_recalled(rid, settles)
 
     def _lease_lost(self, why: str) -> None:
@@ -595,14 +596,11 @@ class RemoteMeta(Meta):
         had = bool(cache.attrs or cache.dirs or cache.files or cache.kernel_inodes)
         cache.clear()
         inos = list(cache.kernel_inodes)
-        now = trio.current_time()
-        entries = [e for e, until in cache.kernel_entries.items() if until > now]
         cache.kernel_inodes.clear()
-        cache.kernel_entries.clear()
         if had:
             log.info("leases lost (%s): dropping %d cached inodes", why, len(inos))
-        if (inos or entries) and self.invalidator is not None and self._tasks is not None:
-            self._tasks.start_soon(self._invalidate_all, self.invalidator, inos, entries)
+        if inos and self.invalidator is not None and self._tasks is not None:
+            self._tasks.start_soon(self._invalidate_all, self.invalidator, inos, [])
 
     async def _invalidate_all(
         self, invalidator: Callable[[list[int], list[tuple[int, bytes]]], Awaitable[None]],
@@ -643,15 +641,14 @@ class RemoteMeta(Meta):
             a = cache.attrs.get(ino)
             d = (-1, 0) if a is None else (a.size, a.mtime_ns)
         if trim:
-            cache.take_write(ino)
+            # No more writes without asking; the size stays in ``dirty`` until the
+            # server has it (a reconnection in between sends it with the registration).
             cache.files.pop(ino, None)
         try:
             await self._call("settle", ino, d[0], d[1], int(trim))
         except FsError as exc:
             # Kept (it is the application's data): sent again, or with the next registration.
             log.debug("settle of inode %d failed: %s", ino, exc)
-            if d[0] >= 0:
-                cache.dirty.setdefault(ino, d)
             return
         if cache.dirty.get(ino) == d:
             del cache.dirty[ino]
@@ -674,20 +671,12 @@ class RemoteMeta(Meta):
         return ttl
 
     def entry_ttl(self, parent: int, name: bytes) -> float | None:
-        cache = self.cache
-        if not cache.term:
-            return None
-        if cache.entry(parent, name) is None:
-            return 0.0
-        ttl = cache.ttl()
-        if ttl:
-            entries = cache.kernel_entries
-            if len(entries) > 1 << 18:
-                now = trio.current_time()
-                for e in [e for e, until in entries.items() if until <= now]:
-                    del entries[e]
-            entries[(parent, name)] = trio.current_time() + ttl
-        return ttl
+        # The kernel keeps no dentries (present or absent): dropping one needs the
+        # directory's lock, which a create or unlink on this node holds while it
+        # waits for the mds, which may be waiting for our answer to a recall (two
+        # nodes working in one directory would deadlock).  Lookups are answered from
+        # our cache instead: a round trip to this daemon, not to the mds.
+        return 0.0 if self.cache.term else None
 
     def keep_cache(self, ino: int) -> bool | None:
         if not self.cache.term:

@@ -436,6 +436,9 @@ class MetaServer:
                 # The client went away (killed, or gave up on us): not an error.  Caught
                 # here, or the nursery would wrap it in a group that _handle logs as one.
                 log.info("%s: connection lost: %s", conn.peer, exc)
+                # A reset comes from the client's kernel: its end is closed (the
+                # process died with frames unread), as good as a clean close.
+                conn.clean_close = isinstance(exc.__cause__, ConnectionResetError)
                 nursery.cancel_scope.cancel()
 
     def _needed(self) -> int:
@@ -748,8 +751,10 @@ class MetaServer:
                 "stripe_size": s.default_spec.stripe_size,
                 # memory server "host:port" -> incarnation the pool's data lives in
                 "incarnations": dict(self.incarnations),
-                # how long a client may trust what it caches (0: cache nothing)
+                # how long a client may trust what it caches (0: cache nothing), and
+                # how soon it must answer a recall
                 "lease_term": float(self.leases.term),
+                "recall_timeout": float(self.leases.recall_timeout),
             }
         if name == "control" and len(raw) == 2:
             op, args = raw
