@@ -928,6 +928,11 @@ class RemoteMeta(Meta):
         cache = self.cache
         if cache.term:
             a = cache.attr(ino)
+            if a is None and cache.files.get(ino) is not None and cache.valid():
+                # A map but no size (a recall of another kind dropped it): one call
+                # for the attributes, then reads go on without the mds.
+                await self.getattr(ino)
+                a = cache.attr(ino)
             stale_atime = a is not None and (a.atime_ns <= a.mtime_ns or a.atime_ns <= a.ctime_ns)
             if a is not None and stale_atime and cache.is_writer(ino):
                 a.atime_ns = _now_ns()  # relatime, kept here: our own writes are not news
