@@ -391,8 +391,8 @@ class MetaServer:
                         n += 1
                         if n % 32 == 0:
                             await trio.lowlevel.checkpoint()  # a pipelining client must not starve others
-                        now = trio.current_time()
-                        idle.deadline = now + self.idle_timeout
+                        if not fs.buffered():  # about to wait: from now on, at most this long
+                            idle.deadline = trio.current_time() + self.idle_timeout
                         got = await fs.receive()
                         if got is None:
                             log.debug("%s: client closed the connection", conn.peer)
