@@ -5,7 +5,7 @@ MNT    ?= /mnt/memfs
 SIZE   ?= 4G
 MEMFS   = $(VENV)/bin/memfs
 
-.PHONY: install mount umount test lint bench bench-fs bench-tcp bench-bb clean
+.PHONY: install mount umount test lint bench bench-fs bench-tcp bench-bb bench-cluster bench-mds clean
 
 install: $(VENV)/.installed
 
@@ -43,8 +43,9 @@ lint: install
 	$(VENV)/bin/mypy
 
 # memfs vs tmpfs (fio, metadata), then the tcp data path vs raw loopback sockets, then the
-# burst buffer: writing into memfs --backing DIR vs into DIR (a disk directory) directly.
-bench: bench-fs bench-tcp bench-bb
+# burst buffer: writing into memfs --backing DIR vs into DIR (a disk directory) directly,
+# then cluster mode (memd + mds + client on loopback) vs embedded, then the mds under load.
+bench: bench-fs bench-tcp bench-bb bench-cluster bench-mds
 
 bench-fs: install
 	$(VENV)/bin/python bench/fsbench.py $(BENCH_ARGS)
@@ -56,6 +57,14 @@ bench-tcp: install
 # throttle; the header says which writes it limits).
 bench-bb: install
 	$(VENV)/bin/python bench/bbbench.py $(BB_BENCH_ARGS)
+
+# CLUSTER_BENCH_ARGS="--code ../other-checkout": run another checkout's memfs (a baseline).
+bench-cluster: install
+	$(VENV)/bin/python bench/clusterbench.py $(CLUSTER_BENCH_ARGS)
+
+# MDS_BENCH_ARGS="--profile /tmp/mds.txt": also py-spy the mds ($(VENV)/bin/pip install py-spy).
+bench-mds: install
+	$(VENV)/bin/python bench/mdsbench.py $(MDS_BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info
