@@ -226,3 +226,96 @@ async def test_errors_inside_the_body_come_out_unwrapped() -> None:
         with pytest.raises(KeyError):
             async with open_tcp_transport([VolumeAddr("tcp", "127.0.0.1", port, 0)], SECRET):
                 raise KeyError("mine")
+
+
+async def test_cancelled_receiver_hands_over() -> None:
+    """Requesters receive the replies themselves: the one receiving gives up, the
+    other still gets its reply (and the first one's bytes go to scratch)."""
+    both_in = trio.Event()
+    go_on = trio.Event()
+
+    async def script(stream: trio.SocketStream) -> None:
+        reqs = [await recv_frame(stream) for _ in range(2)]
+        both_in.set()
+        await go_on.wait()
+        for h, payload in reqs:
+            _, offset, n = wire.unpack_exact(wire.READ, payload)
+            await stream.send_all(wire.frame(Kind.OK, h.req_id, bytes([offset]) * n))
+        h, _ = await recv_frame(stream)  # a WRITE after them
+        await stream.send_all(wire.frame(Kind.OK, h.req_id))
+        await recv_frame(stream)
+
+    async with fake_memd(script) as vol, open_tcp_transport(
+        [vol], SECRET, connections_per_server=1, io_timeout=5
+    ) as t:
+        first = t.register(100)
+        first[:] = b"\xaa" * 100
+        second = t.register(100)
+
+        async def read(buf: memoryview, offset: int,
+                       task_status: trio.TaskStatus[trio.CancelScope]) -> None:
+            with trio.CancelScope() as scope:
+                task_status.started(scope)
+                await t.readinto(0, offset, buf)
+
+        with trio.fail_after(5):
+            async with trio.open_nursery() as nursery:
+                receiver = await nursery.start(read, first, 1)
+                await trio.testing.wait_all_tasks_blocked()  # the first one receives
+                await nursery.start(read, second, 2)
+                await both_in.wait()
+                await trio.testing.wait_all_tasks_blocked()
+                receiver.cancel()
+                await trio.testing.wait_all_tasks_blocked()
+                go_on.set()
+        assert bytes(second) == b"\2" * 100
+        assert bytes(first) == b"\xaa" * 100
+        await t.write(0, 0, b"x")  # the connection is in step
+
+
+async def test_late_reply_to_an_abandoned_request_is_no_timeout() -> None:
+    """Nobody waits for a cancelled request's reply; when it comes, it is taken
+    (not left for the deadline watchdog to call the server hung)."""
+    connections = 0
+    sent = trio.Event()
+
+    async def script(stream: trio.SocketStream) -> None:
+        nonlocal connections
+        connections += 1
+        h, payload = await recv_frame(stream)
+        await trio.sleep(0.2)  # the caller gives up meanwhile
+        await stream.send_all(wire.frame(Kind.OK, h.req_id, b"\1" * 10))
+        sent.set()
+        while True:
+            h, payload = await recv_frame(stream)
+            await stream.send_all(wire.frame(Kind.OK, h.req_id, b"\2" * 10))
+
+    async with fake_memd(script) as vol, open_tcp_transport(
+        [vol], SECRET, connections_per_server=1, io_timeout=0.5
+    ) as t:
+        with trio.move_on_after(0.05):
+            await t.read(0, 0, 10)
+        await sent.wait()
+        await trio.sleep(0.6)  # past the abandoned request's deadline: no reset (no warning)
+        assert bytes(await t.read(0, 0, 10)) == b"\2" * 10
+        assert connections == 1
+
+
+async def test_idle_connection_closed_by_the_server_is_replaced() -> None:
+    """With no request outstanding nobody reads the socket; a connection the
+    server closed meanwhile is noticed before the next request uses it."""
+    connections = 0
+
+    async def script(stream: trio.SocketStream) -> None:
+        nonlocal connections
+        connections += 1
+        h, _ = await recv_frame(stream)
+        await stream.send_all(wire.frame(Kind.OK, h.req_id))  # then hang up
+
+    async with fake_memd(script) as vol, open_tcp_transport(
+        [vol], SECRET, connections_per_server=1, io_timeout=5
+    ) as t:
+        for _ in range(3):
+            await t.write(0, 0, b"x")
+            await trio.sleep(0.05)
+        assert connections == 3

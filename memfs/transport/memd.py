@@ -19,9 +19,12 @@ number of clients:
   device VERBS_CONNECT is answered ENODEV with the reason;
 * data moves between the socket and volume memory with no copy in Python:
   WRITE payloads are received straight into the volume (after the range is
-  checked), READ replies are sent straight from it with ``sendmsg``;
-* a connection may sit idle between frames forever, but a frame that has
-  started must be received, served and answered within ``frame_timeout``;
+  checked), READ replies are sent straight from it with ``sendmsg``.  Only
+  what the connection's 64 KiB receive buffer caught of a WRITE is copied
+  from there: one ``recv`` brings a small WRITE whole, with its header;
+* a request that arrived whole is served and answered without a wait or a
+  timer; a connection may sit idle between frames forever, but a frame that
+  has started must be received, served and answered within ``frame_timeout``;
 * anything malformed (bad header, wrong payload size, a frame kind that is not
   a request) is logged and closes that connection only.  A WRITE whose range
   lies outside the volume is answered EINVAL and its payload discarded.
@@ -40,11 +43,11 @@ from __future__ import annotations
 import errno
 import faulthandler
 import logging
+import math
 import secrets
 import signal
 import socket
-import struct
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import trio
 import trio.lowlevel
@@ -55,11 +58,14 @@ from memfs.errors import UsageError
 from memfs.host import mem_available, sd_notify
 from memfs.transport.local import LocalTransport
 from memfs.transport.sockio import (
+    Buf,
     PeerClosed,
+    RecvBuffer,
     close_socket,
     recv_exactly_into,
     recv_some_into,
     send_all,
+    send_now,
 )
 from memfs.wire import Kind
 
@@ -76,7 +82,19 @@ HANDSHAKE_TIMEOUT = 10.0
 SERVED_ROLES = ("tcp", "verbs")
 #: AUTH is 65 bytes plus a short role name; nothing larger is read before it
 _AUTH_MAX = 512
-_DISCARD = 1 << 20
+#: a small WRITE (64 KiB of data with its header and struct) arrives in one recv
+_RECV_BUFFER = (64 << 10) + 64
+#: serving a frame costs about as much as moving this many data bytes; a
+#: connection yields to the others after _WORK_PER_CHECKPOINT of work
+_FRAME_WORK = 16 << 10
+_WORK_PER_CHECKPOINT = 256 << 10
+#: the fixed payload of each request kind but WRITE (whose data follows its struct)
+_REQUEST_SIZES = {
+    Kind.READ: wire.READ.size,
+    Kind.ZERO: wire.ZERO.size,
+    Kind.INFO: 0,
+    Kind.VERBS_CONNECT: wire.VERBS_ENDPOINT.size,
+}
 
 
 class _Drop(Exception):
@@ -86,10 +104,14 @@ class _Drop(Exception):
 class _ConnState:
     """What one connection owns beyond its socket."""
 
-    __slots__ = ("qp",)
+    __slots__ = ("qp", "deadline", "work")
 
     def __init__(self) -> None:
         self.qp: QueuePair | None = None
+        #: the current frame's deadline (inf while it needed no wait)
+        self.deadline = math.inf
+        #: about how many bytes were served since this connection last let others run
+        self.work = 0
 
 
 def format_addr(host: str, port: int) -> str:
@@ -285,80 +307,127 @@ class MemoryServer:
         return role
 
     async def _serve_requests(self, sock: socket.socket, state: _ConnState) -> None:
-        head = bytearray(wire.HEADER_SIZE)
-        hv = memoryview(head)
-        small = bytearray(32)
+        """Serve requests in order until the client leaves.
+
+        The common case costs no wait and no timer: a request that has arrived
+        whole (a READ, a small WRITE with its data) is served from the receive
+        buffer and its reply handed to the socket at once.  Only a frame that is
+        still arriving, or a reply the socket does not take, waits, under the
+        frame deadline.
+        """
+        rx = RecvBuffer(sock, _RECV_BUFFER)
+        limit = self.max_payload
+        waits = rx.waits
         while True:
-            n = await recv_some_into(sock, hv)  # idle between frames: no deadline
-            if n == 0:
+            if not len(rx) and not await rx.wait_some():  # idle between frames: no deadline
                 return
-            with trio.move_on_after(self.frame_timeout) as scope:
-                if n < wire.HEADER_SIZE:
-                    await recv_exactly_into(sock, hv[n:])
-                h = wire.parse_header(head, self.max_payload)
-                await self._request(sock, h, small, state)
-            if scope.cancelled_caught:
-                raise _Drop(f"a frame was not completed within {self.frame_timeout:g}s")
-            # A client that pipelines without pause must not starve the others.
-            await trio.lowlevel.checkpoint()
+            if rx.waits != waits:  # it waited (and so let others run) since the last checkpoint
+                waits = rx.waits
+                state.work = 0
+            h = None
+            if len(rx) >= wire.HEADER_SIZE:
+                h = wire.parse_header(rx.view(wire.HEADER_SIZE), limit)
+            if h is not None and len(rx) >= wire.HEADER_SIZE + h.length:
+                state.deadline = math.inf  # all here: only a reply the socket refuses waits
+                await self._request(sock, h, rx, state)
+            else:
+                state.deadline = trio.current_time() + self.frame_timeout
+                with trio.move_on_at(state.deadline) as scope:
+                    if h is None:
+                        await rx.fill(wire.HEADER_SIZE)
+                        h = wire.parse_header(rx.view(wire.HEADER_SIZE), limit)
+                    await self._request(sock, h, rx, state)
+                if scope.cancelled_caught:
+                    raise _Drop(f"a frame was not completed within {self.frame_timeout:g}s")
+            # A client that pipelines without pause must not starve the others, but a
+            # checkpoint per small frame would cost more than serving it.
+            state.work += _FRAME_WORK
+            if state.work >= _WORK_PER_CHECKPOINT:
+                state.work = 0
+                await trio.lowlevel.checkpoint()
 
     async def _request(
-        self, sock: socket.socket, h: wire.Header, small: bytearray, state: _ConnState
+        self, sock: socket.socket, h: wire.Header, rx: RecvBuffer, state: _ConnState
     ) -> None:
+        """Serve request *h* at the head of *rx* and answer it.
+
+        Waits only for bytes not received yet (with the whole frame buffered,
+        none) and for a reply the socket does not take at once.
+        """
         kind = h.kind
+        fixed = wire.HEADER_SIZE + _fixed_payload(h)
+        if len(rx) < fixed:
+            await rx.fill(fixed)
+        args = rx.view(fixed)[wire.HEADER_SIZE :]
         if kind is Kind.WRITE:
-            if h.length < wire.WRITE.size:
-                raise wire.WireError(f"WRITE payload of {h.length} bytes")
-            volume, offset = await _recv_struct(sock, wire.WRITE, small)
+            volume, offset = wire.WRITE.unpack(args)
+            rx.consume(fixed)
             n = h.length - wire.WRITE.size
             bad = self._check(volume, offset, n)
             if bad:
-                await _discard(sock, n)
-                await self._error(sock, h.req_id, errno.EINVAL, bad)
+                await rx.skip(n)
+                await self._error(sock, h.req_id, errno.EINVAL, bad, state)
                 return
-            await recv_exactly_into(sock, self._views[volume][offset : offset + n])
-            await send_all(sock, [wire.pack_header(Kind.OK, h.req_id, 0)])
+            state.work += n
+            dest = self._views[volume][offset : offset + n]
+            got = rx.take_into(dest)
+            if got < n:  # the bulk of a large write: straight into the volume
+                await recv_exactly_into(sock, dest[got:])
+            await self._reply(sock, [wire.pack_header(Kind.OK, h.req_id, 0)], state)
         elif kind is Kind.READ:
-            if h.length != wire.READ.size:
-                raise wire.WireError(f"READ payload of {h.length} bytes")
-            volume, offset, n = await _recv_struct(sock, wire.READ, small)
+            volume, offset, n = wire.READ.unpack(args)
+            rx.consume(fixed)
             bad = self._check(volume, offset, n)
             if not bad and n > self.max_payload:
                 bad = f"read of {n} bytes exceeds the limit of {self.max_payload}"
             if bad:
-                await self._error(sock, h.req_id, errno.EINVAL, bad)
+                await self._error(sock, h.req_id, errno.EINVAL, bad, state)
                 return
-            await send_all(
+            state.work += n
+            await self._reply(
                 sock,
                 [wire.pack_header(Kind.OK, h.req_id, n), self._views[volume][offset : offset + n]],
+                state,
             )
         elif kind is Kind.ZERO:
-            if h.length != wire.ZERO.size:
-                raise wire.WireError(f"ZERO payload of {h.length} bytes")
-            volume, offset, n = await _recv_struct(sock, wire.ZERO, small)
+            volume, offset, n = wire.ZERO.unpack(args)
+            rx.consume(fixed)
             bad = self._check(volume, offset, n)
             if bad:
-                await self._error(sock, h.req_id, errno.EINVAL, bad)
+                await self._error(sock, h.req_id, errno.EINVAL, bad, state)
                 return
             await self.memory.zero(volume, offset, n)
-            await send_all(sock, [wire.pack_header(Kind.OK, h.req_id, 0)])
+            await self._reply(sock, [wire.pack_header(Kind.OK, h.req_id, 0)], state)
         elif kind is Kind.INFO:
-            if h.length:
-                raise wire.WireError(f"INFO payload of {h.length} bytes")
-            await send_all(sock, [wire.frame(Kind.OK, h.req_id, self._info)])
-        elif kind is Kind.VERBS_CONNECT:
-            if h.length != wire.VERBS_ENDPOINT.size:
-                raise wire.WireError(f"VERBS_CONNECT payload of {h.length} bytes")
-            payload = bytearray(h.length)
-            await recv_exactly_into(sock, memoryview(payload))
-            peer = wire.decode_verbs_endpoint(payload)
+            rx.consume(fixed)
+            await self._reply(sock, [wire.frame(Kind.OK, h.req_id, self._info)], state)
+        else:
+            assert kind is Kind.VERBS_CONNECT
+            peer = wire.decode_verbs_endpoint(bytes(args))
+            rx.consume(fixed)
             err, reply = self._verbs_connect(sock, peer, state)
             if err:
-                await self._error(sock, h.req_id, err, reply.decode())
+                await self._error(sock, h.req_id, err, reply.decode(), state)
             else:
-                await send_all(sock, [wire.frame(Kind.OK, h.req_id, reply)])
-        else:
-            raise wire.WireError(f"unexpected {kind.name} frame")
+                await self._reply(sock, [wire.frame(Kind.OK, h.req_id, reply)], state)
+
+    async def _reply(self, sock: socket.socket, bufs: list[Buf], state: _ConnState) -> None:
+        """Send a reply: at once if the socket takes it, else within the frame deadline."""
+        rest = send_now(sock, bufs)
+        if not rest:
+            return
+        if state.deadline == math.inf:
+            state.deadline = trio.current_time() + self.frame_timeout
+        with trio.move_on_at(state.deadline) as scope:
+            await send_all(sock, rest)
+        if scope.cancelled_caught:
+            raise _Drop(f"a reply was not taken within {self.frame_timeout:g}s")
+
+    async def _error(
+        self, sock: socket.socket, req_id: int, err: int, message: str, state: _ConnState
+    ) -> None:
+        await self._reply(sock, [wire.frame(Kind.ERROR, req_id, wire.encode_error(err, message))],
+                          state)
 
     def _verbs_connect(
         self, sock: socket.socket, peer: wire.VerbsEndpoint, state: _ConnState
@@ -388,30 +457,32 @@ class MemoryServer:
         return 0, wire.encode_verbs_accept(qp.endpoint, self._verbs_regions)
 
     def _check(self, volume: int, offset: int, length: int) -> str | None:
+        """Why (volume, offset, length) is refused, or None (length and offset are unsigned)."""
+        views = self._views
+        if volume < len(views) and offset + length <= len(views[volume]):
+            return None  # the common case, in two comparisons
         try:
             self.memory.check_range(volume, offset, length)
         except ValueError as exc:
             return str(exc)
         return None
 
-    @staticmethod
-    async def _error(sock: socket.socket, req_id: int, err: int, message: str) -> None:
-        await send_all(sock, [wire.frame(Kind.ERROR, req_id, wire.encode_error(err, message))])
 
-
-async def _recv_struct(sock: socket.socket, st: struct.Struct, small: bytearray) -> tuple[Any, ...]:
-    view = memoryview(small)[: st.size]
-    await recv_exactly_into(sock, view)
-    return st.unpack(view)
-
-
-async def _discard(sock: socket.socket, n: int) -> None:
-    """Read and drop *n* payload bytes, keeping the stream in step."""
-    scratch = memoryview(bytearray(min(n, _DISCARD)))
-    while n:
-        k = min(n, len(scratch))
-        await recv_exactly_into(sock, scratch[:k])
-        n -= k
+def _fixed_payload(h: wire.Header) -> int:
+    """The payload bytes of request *h* that must be here before serving it (a
+    WRITE's data may follow later); :class:`~memfs.wire.WireError` if *h* is no
+    well-formed request."""
+    kind = h.kind
+    if kind is Kind.WRITE:
+        if h.length < wire.WRITE.size:
+            raise wire.WireError(f"WRITE payload of {h.length} bytes")
+        return wire.WRITE.size
+    size = _REQUEST_SIZES.get(kind)
+    if size is None:
+        raise wire.WireError(f"unexpected {kind.name} frame")
+    if h.length != size:
+        raise wire.WireError(f"{kind.name} payload of {h.length} bytes")
+    return size
 
 
 # -- the daemon -------------------------------------------------------------------------

@@ -8,6 +8,14 @@ could not redirect a reply whose reader gave up.  These helpers therefore drive
 non-blocking stdlib sockets directly: try the syscall, and only when it would
 block, wait with ``trio.lowlevel.wait_readable``/``wait_writable``.
 
+Small requests are dominated by per-call overhead, not by bytes, so two
+helpers let the common case go without any wait at all: :func:`send_now` hands
+a frame to the socket synchronously (only the rest of a frame the socket did
+not take needs an awaited :func:`send_all`), and a :class:`RecvBuffer`
+receives ahead, so that one ``recv`` usually brings a whole small frame (or
+several pipelined ones).  Its buffer is small: the bulk of a large payload is
+still received straight into its destination.
+
 None of these functions sets a deadline; callers wrap them in
 ``trio.fail_after``/``move_on_at`` (a socket can be closed under a waiting task
 only through :func:`close_socket`, which wakes it).
@@ -16,7 +24,7 @@ only through :func:`close_socket`, which wakes it).
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Sequence
 
 import trio
 import trio.lowlevel
@@ -44,24 +52,10 @@ async def recv_some_into(sock: socket.socket, view: memoryview) -> int:
 
 async def recv_exactly_into(sock: socket.socket, view: memoryview) -> None:
     """Fill *view* completely; :class:`PeerClosed` if the stream ends first."""
-    await recv_exactly_into_current(sock, len(view), lambda: view)
-
-
-async def recv_exactly_into_current(
-    sock: socket.socket, n: int, target: Callable[[], memoryview]
-) -> None:
-    """Receive *n* bytes into whatever buffer ``target()`` names at each step.
-
-    For the client's reader: the caller that owns the destination may give up
-    while the reply is still arriving and swap in a scratch buffer; the next
-    chunk must then land there, never in memory the caller has taken back.
-    ``target()`` is evaluated right before each ``recv_into``, with no await
-    in between.
-    """
-    got = 0
+    got, n = 0, len(view)
     while got < n:
         try:
-            k = sock.recv_into(target()[got:n])
+            k = sock.recv_into(view[got:])
         except BlockingIOError:
             await trio.lowlevel.wait_readable(sock)
             continue
@@ -70,23 +64,157 @@ async def recv_exactly_into_current(
         got += k
 
 
+def send_now(sock: socket.socket, buffers: Sequence[Buf]) -> list[memoryview]:
+    """Send as much of *buffers* as the socket takes without waiting; the unsent rest.
+
+    One scatter/gather ``sendmsg`` (no joining copy) of buffers of bytes
+    (memoryviews of format ``B``); an empty list means all was sent.  Whoever
+    gets a non-empty rest owns the stream until it has sent it
+    (:func:`send_all`): the peer has part of a frame.
+    """
+    try:
+        sent = sock.sendmsg(buffers)
+    except BlockingIOError:
+        sent = 0
+    if sent == sum(map(len, buffers)):
+        return []
+    rest = []
+    for b in buffers:
+        if sent >= len(b):
+            sent -= len(b)
+        else:
+            rest.append(memoryview(b)[sent:])
+            sent = 0
+    return rest
+
+
 async def send_all(sock: socket.socket, buffers: Iterable[Buf]) -> None:
     """Send all *buffers* in order with scatter/gather ``sendmsg`` (no joining copy)."""
-    bufs = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
+    bufs: list[Buf] = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
     while bufs:
+        rest = send_now(sock, bufs)
+        if not rest:
+            return
+        await trio.lowlevel.wait_writable(sock)
+        bufs = list(rest)
+
+
+class RecvBuffer:
+    """Bytes received ahead from a non-blocking socket, consumed frame by frame.
+
+    A ``recv`` asks for as much as fits, so a small frame (header, struct and
+    data) or several pipelined ones usually arrive in one syscall.  A receive
+    that did not fill the buffer means the socket is (very likely) empty: the
+    next one waits for readability first instead of spending a syscall on
+    ``EAGAIN``.  Payloads larger than what is buffered are taken with
+    :meth:`take_into` and the rest received straight into their destination.
+    """
+
+    __slots__ = ("sock", "start", "end", "waits", "drained", "_buf", "_mv")
+
+    def __init__(self, sock: socket.socket, capacity: int) -> None:
+        self.sock = sock
+        self._buf = bytearray(capacity)
+        self._mv = memoryview(self._buf)
+        self.start = 0  # buffered bytes are _buf[start:end]
+        self.end = 0
+        self.waits = 0  # how often a receive waited for the socket (and so let others run)
+        #: the socket is presumed empty: the next receive waits for it first.  Only
+        #: for a receiver that can wait: one that cannot clears it to try anyway.
+        self.drained = False
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    def view(self, n: int) -> memoryview:
+        """The next *n* buffered bytes, not consumed (valid until the next receive)."""
+        assert n <= self.end - self.start
+        return self._mv[self.start : self.start + n]
+
+    def consume(self, n: int) -> None:
+        assert n <= self.end - self.start
+        self.start += n
+        if self.start == self.end:
+            self.start = self.end = 0
+
+    def take_into(self, dest: memoryview) -> int:
+        """Move up to ``len(dest)`` buffered bytes into *dest*; how many."""
+        k = min(len(dest), self.end - self.start)
+        if k:
+            dest[:k] = self._mv[self.start : self.start + k]
+            self.consume(k)
+        return k
+
+    async def fill(self, n: int) -> None:
+        """Wait until *n* bytes are buffered (*n* at most the capacity).
+
+        :class:`PeerClosed` if the stream ends first.
+        """
+        while self.end - self.start < n:
+            if not await self._receive(n):
+                raise PeerClosed(f"connection closed after {self.end - self.start} of {n} bytes")
+
+    async def wait_some(self) -> bool:
+        """Wait until something is buffered; False if the peer closed the stream instead."""
+        while self.end == self.start:
+            if not await self._receive(1):
+                return False
+        return True
+
+    async def skip(self, n: int) -> None:
+        """Drop the next *n* bytes of the stream, buffered or not."""
+        while n:
+            if self.end == self.start:
+                await self.fill(1)
+            k = min(n, self.end - self.start)
+            self.consume(k)
+            n -= k
+
+    async def wait_readable(self) -> None:
+        """Wait until the socket has something to receive (or its end)."""
+        await trio.lowlevel.wait_readable(self.sock)
+        self.waits += 1
+        self.drained = False
+
+    def receive_now(self, n: int) -> int | None:
+        """One receive toward *n* buffered bytes, without waiting: how many bytes
+        came, 0 at the end of the stream, None if the socket has nothing now."""
+        if self.drained:
+            return None
+        if len(self._buf) - self.start < n:  # make room: move the partial frame to the front
+            size = self.end - self.start
+            self._mv[:size] = self._mv[self.start : self.end]
+            self.start, self.end = 0, size
         try:
-            sent = sock.sendmsg(bufs)
+            k = self.sock.recv_into(self._mv[self.end :])
         except BlockingIOError:
-            await trio.lowlevel.wait_writable(sock)
-            continue
-        while sent:
-            first = bufs[0]
-            if sent >= len(first):
-                sent -= len(first)
-                bufs.pop(0)
-            else:
-                bufs[0] = first[sent:]
-                sent = 0
+            self.drained = True
+            return None
+        self.end += k
+        self.drained = 0 < k and self.end < len(self._buf)
+        return k
+
+    def receive_into_now(self, view: memoryview) -> int | None:
+        """Receive past the (empty) buffer straight into *view*, without waiting:
+        as :meth:`receive_now`.
+
+        For the bulk of a large payload, which keeps arriving while we copy: a
+        short receive is no sign of an empty socket here, only ``EAGAIN`` is.
+        """
+        assert self.end == self.start
+        if self.drained:
+            return None
+        try:
+            return self.sock.recv_into(view)
+        except BlockingIOError:
+            self.drained = True
+            return None
+
+    async def _receive(self, n: int) -> bool:
+        """One receive toward *n* buffered bytes; False at the end of the stream."""
+        while (k := self.receive_now(n)) is None:
+            await self.wait_readable()
+        return k > 0
 
 
 async def recv_frame(

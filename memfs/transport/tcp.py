@@ -2,7 +2,7 @@
 
 Pool volume ``i`` is ``volumes[i]``, a (server, volume index on that server)
 pair from a pool spec (``tcp://host:port/N``).  Open it with
-:func:`open_tcp_transport`, which owns the nursery of the connection readers.
+:func:`open_tcp_transport`, which owns the nursery of its deadline watchdog.
 
 Connections and requests:
 
@@ -11,21 +11,27 @@ Connections and requests:
   sizes), the others on first use, and a failed one again on the next request
   that picks it;
 * requests are multiplexed: each connection has any number outstanding,
-  matched to replies by request id by one reader task per connection.  A
-  request's frame is sent whole under the connection's send lock (shielded
-  from the caller's cancellation, never from the deadline), so frames never
-  interleave;
-* READ replies are received straight into the caller's buffer; WRITE data is
-  sent straight from it with scatter/gather ``sendmsg``.  If a caller gives up
-  while its reply is arriving, the rest lands in a scratch buffer instead.
+  matched to replies by request id.  The requesters receive the replies
+  themselves, one at a time (see :class:`_Conn`), so a small request costs
+  one task and no timer: its frame goes to the socket synchronously when
+  nobody else is sending, and the requester waits on the socket for its
+  reply.  A frame the socket does not take at once is finished under the
+  connection's send lock (shielded from the caller's cancellation, never from
+  the deadline), so frames never interleave;
+* READ replies are received straight into the caller's buffer (a small one
+  through the connection's receive buffer); WRITE data is sent straight from
+  it with scatter/gather ``sendmsg``.  If a caller gives up while its reply is
+  arriving, the rest lands in a scratch buffer instead.
 
 Failures (all :class:`~memfs.errors.TransportError`, EIO to applications):
 
 * every request, including any connect and handshake it needs, finishes within
   ``io_timeout`` or fails; the connection it waited on is then reset (its
-  other requests fail at once) and reconnected on the next request.  A dead or
-  hung server stalls only requests to its own volumes: other servers have
-  their own connections and readers;
+  other requests fail at once) and reconnected on the next request.  Waits
+  for a connection or to send have their own deadlines; waits for replies are
+  watched by one task (:meth:`TcpTransport._watch_deadlines`) instead of a
+  timer per request.  A dead or hung server stalls only requests to its own
+  volumes: other servers have their own connections;
 * a server's *incarnation* (from INFO) is remembered on first contact.  If a
   reconnect finds another one, the server restarted and the memory behind its
   volumes is blank: every later request to those volumes fails ("memory
@@ -35,6 +41,7 @@ Failures (all :class:`~memfs.errors.TransportError`, EIO to applications):
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -50,12 +57,12 @@ from memfs.errors import TransportError, UsageError
 from memfs.transport import Buffer, Transport, VolumeInfo
 from memfs.transport.sockio import (
     PeerClosed,
+    RecvBuffer,
     close_socket,
     connect,
-    recv_exactly_into,
-    recv_exactly_into_current,
     recv_frame,
     send_all,
+    send_now,
 )
 from memfs.wire import Kind
 
@@ -69,6 +76,14 @@ ROLE = "tcp"
 _INFO_ID = 1
 _INFO_MAX = 1 << 20
 _SMALL_REPLY_MAX = 64 << 10  # OK to WRITE/ZERO is empty, ERROR is short
+#: a small READ's reply (up to 64 KiB of data) arrives in one recv
+_RECV_BUFFER = _SMALL_REPLY_MAX + 64
+#: a receiver lets other tasks run after about this much work without a wait
+#: (a reply counts like _REPLY_WORK bytes of data)
+_RECEIVE_WORK = 1 << 20
+_REPLY_WORK = 64 << 10
+#: an idle connection is checked for a server that went away after this long
+_IDLE_CHECK = 0.001
 
 
 def _name(host: str, port: int) -> str:
@@ -111,38 +126,68 @@ async def memd_handshake(sock: socket.socket, secret: bytes, role: str) -> tuple
 class _Pending:
     """One request awaiting its reply."""
 
-    __slots__ = ("dest", "event", "kind", "payload", "error")
+    __slots__ = ("dest", "deadline", "done", "task", "kind", "payload", "error")
 
-    def __init__(self, dest: memoryview | None) -> None:
+    def __init__(self, dest: memoryview | None, deadline: float) -> None:
         self.dest = dest  # READ: where the reply's data goes
-        self.event = trio.Event()
+        self.deadline = deadline  # the connection is reset if no reply came by then
+        self.done = False
+        self.task: trio.lowlevel.Task | None = None  # asleep in _Conn.wait
         self.kind = Kind.OK
-        self.payload = bytearray()
+        self.payload = b""
         self.error: str | None = None  # the connection failed before the reply
 
     def target(self) -> memoryview:
         assert self.dest is not None
         return self.dest
 
+    def wake(self) -> None:
+        if self.task is not None:
+            trio.lowlevel.reschedule(self.task)
+            self.task = None
+
+    def complete(self) -> None:
+        self.done = True
+        self.wake()
+
     def abandon(self) -> None:
         """The caller is gone: its buffer is no longer ours to write."""
-        if self.dest is not None and not self.event.is_set():
+        if self.dest is not None and not self.done:
             self.dest = memoryview(bytearray(len(self.dest)))
 
 
 class _Conn:
-    """One authenticated connection to a memory server and its reply reader."""
+    """One authenticated connection to a memory server.
 
-    def __init__(self, server: _Server, sock: socket.socket, slot: int) -> None:
+    Replies are received by the requesters themselves (leader/follower): a
+    requester whose reply has not come receives whatever arrives, completing
+    other requests on the way, unless another one already does; then it
+    sleeps until its reply is in or it is handed the receiving.  A small
+    request thus costs no task switch.  The receive state (:class:`RecvBuffer`
+    and a READ reply whose data is still arriving) lives here, so a receiver
+    that gives up leaves it for the next one.  A receiver that gets cancelled
+    hands over to a sleeping requester; replies to abandoned requests with no
+    one left to receive them are drained by the transport's watchdog.
+    """
+
+    def __init__(self, server: _Server, sock: socket.socket, slot: int, io_timeout: float) -> None:
         self.server = server
         self.sock = sock
         self.slot = slot
+        self.io_timeout = io_timeout
+        #: held while a frame is partly sent: by a sender the socket did not take
+        #: a whole frame from at once, or one that found it held (a frame sent
+        #: whole and synchronously needs no lock)
         self.send_lock = trio.Lock()
         self.pending: dict[int, _Pending] = {}
         self.closed = False
         self.reason = ""
+        self.receiving = False  # a requester is receiving replies
+        self.last_send = -math.inf
+        self._rx = RecvBuffer(sock, _RECV_BUFFER)
+        #: a READ reply whose data goes straight to its destination: (request id, bytes in)
+        self._partial: tuple[int, int] | None = None
         self._next_id = _INFO_ID
-        self._scope = trio.CancelScope()
 
     def add(self, p: _Pending) -> int:
         while True:
@@ -151,60 +196,210 @@ class _Conn:
                 self.pending[self._next_id] = p
                 return self._next_id
 
+    def usable(self, now: float) -> bool:
+        """False if the connection is closed, or (checked when idle) the server closed it.
+
+        With no requests outstanding nobody watches the socket, so a server
+        that went away (or restarted) would otherwise only be noticed by the
+        next request, which would fail with it instead of reconnecting.  Not
+        checked (a syscall) within a millisecond of the last request: no
+        server restarts that fast.
+        """
+        if self.closed:
+            return False
+        if self.pending or now - self.last_send < _IDLE_CHECK:
+            return True
+        try:
+            peek = self.sock.recv(1, socket.MSG_PEEK)
+        except BlockingIOError:
+            self._rx.drained = True  # nothing until our reply: wait before receiving
+            return True
+        except OSError as exc:
+            reason = f"lost connection to memory server {self.server.name}: {exc}"
+        else:
+            if peek:
+                return True  # a frame nobody asked for: the receiver reports it
+            reason = f"memory server {self.server.name} closed the connection"
+        log.info("%s (idle; reconnecting)", reason)
+        self.fail(reason)
+        return False
+
+    def send(self, p: _Pending, kind: Kind, head: bytes, data: memoryview | None) -> list[memoryview]:
+        """Register *p* and hand its frame to the socket, as far as it takes it now.
+
+        Nobody else may be in the middle of a frame: :attr:`send_lock` is free
+        (and no await since that was checked) or the caller holds it.  An
+        unsent rest must be sent (:meth:`finish_send`) under the lock before
+        anyone else sends.  A failed send fails the connection (and so *p*).
+        """
+        req_id = self.add(p)
+        self.last_send = p.deadline - self.io_timeout  # when the request started
+        length = len(head) + (len(data) if data is not None else 0)
+        bufs: list[bytes | memoryview] = [wire.pack_header(kind, req_id, length), head]
+        if data is not None:
+            bufs.append(data)
+        try:
+            return send_now(self.sock, bufs)
+        except OSError as exc:
+            self.fail(f"lost connection to memory server {self.server.name}: {exc}")
+            return []
+
+    async def finish_send(self, rest: list[memoryview], deadline: float) -> None:
+        """Send the rest of a frame the socket did not take at once.
+
+        Shielded: a frame cut short by the caller's cancellation would corrupt
+        the stream for every other request on the connection; never from the
+        deadline, which fails the connection instead.
+        """
+        with trio.CancelScope(shield=True, deadline=deadline) as scope:
+            try:
+                await send_all(self.sock, rest)
+            except OSError as exc:
+                self.fail(f"lost connection to memory server {self.server.name}: {exc}")
+        if scope.cancelled_caught:
+            self.fail(f"memory server {self.server.name} took no data for {self.io_timeout:g}s")
+
     def fail(self, reason: str) -> None:
-        """Reset: close the socket, stop the reader, fail every outstanding request."""
+        """Reset: close the socket (waking its receiver), fail every outstanding request."""
         if self.closed:
             return
         self.closed = True
         self.reason = reason
-        self._scope.cancel()
         close_socket(self.sock)
         self.server.drop(self)
         for p in self.pending.values():
             p.error = reason
-            p.event.set()
+            p.complete()
         self.pending.clear()
 
-    async def reader(self) -> None:
-        with self._scope:
-            try:
-                await self._read_replies()
-            except (OSError, wire.WireError, trio.ClosedResourceError) as exc:
-                if self.closed:  # we closed the socket under it (reset, aclose)
-                    return
+    async def wait(self, p: _Pending) -> None:
+        """Until *p* has its reply (or failed): receive, or sleep while another does.
+
+        On cancellation *p* is abandoned: the rest of its reply goes to scratch.
+        """
+
+        def abort(_: Any) -> trio.lowlevel.Abort:
+            p.task = None
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        try:
+            while not p.done:
+                if self.receiving:
+                    p.task = trio.lowlevel.current_task()
+                    await trio.lowlevel.wait_task_rescheduled(abort)
+                else:
+                    await self._receive_until(p)
+        except BaseException:
+            p.abandon()
+            raise
+
+    async def _receive_until(self, p: _Pending) -> None:
+        self.receiving = True
+        try:
+            while not self.receive_available() and not p.done:
+                await self._rx.wait_readable()
+            if not p.done:
+                await trio.lowlevel.checkpoint()  # many replies came at once: let others run
+        except (OSError, wire.WireError, trio.ClosedResourceError) as exc:
+            if not self.closed:  # else we closed the socket under it (reset, aclose)
                 reason = f"lost connection to memory server {self.server.name}: {exc}"
                 log.warning("%s", reason)
                 self.fail(reason)
-            except Exception as exc:
-                log.exception("reader of memory server %s failed", self.server.name)
-                self.fail(f"memory server {self.server.name}: {exc!r}")
+        except Exception as exc:
+            log.exception("receiving from memory server %s failed", self.server.name)
+            self.fail(f"memory server {self.server.name}: {exc!r}")
+        finally:
+            self.receiving = False
+            for other in self.pending.values():  # hand the receiving over to a sleeper
+                if other.task is not None:
+                    other.wake()
+                    break
 
-    async def _read_replies(self) -> None:
-        """Match replies to requests; no deadline here: each requester has its own."""
-        head = bytearray(wire.HEADER_SIZE)
-        hv = memoryview(head)
-        while True:
-            await recv_exactly_into(self.sock, hv)
-            h = wire.parse_header(head)
-            p = self.pending.get(h.req_id)
-            if p is None:
-                raise wire.WireError(f"reply to unknown request {h.req_id}")
-            if h.kind is Kind.OK and p.dest is not None:
-                if h.length != len(p.dest):
-                    raise wire.WireError(f"READ reply of {h.length} bytes, asked {len(p.dest)}")
-                await recv_exactly_into_current(self.sock, h.length, p.target)
-            elif h.kind in (Kind.OK, Kind.ERROR):
-                if h.length > _SMALL_REPLY_MAX:
-                    raise wire.WireError(f"{h.kind.name} reply of {h.length} bytes")
-                p.payload = bytearray(h.length)
-                await recv_exactly_into(self.sock, memoryview(p.payload))
+    def poll(self) -> None:
+        """Take whatever replies have arrived, for a caller that cannot wait."""
+        self._rx.drained = False  # a hint for receivers that wait, so maybe stale
+        try:
+            self.receive_available()
+        except (OSError, wire.WireError) as exc:
+            reason = f"lost connection to memory server {self.server.name}: {exc}"
+            log.warning("%s", reason)
+            self.fail(reason)
+
+    def receive_available(self) -> bool:
+        """Take the replies that have arrived, without waiting; matched by request id.
+
+        True if it stopped with more to do (a share of work done), False once
+        the socket had nothing more.  A small reply (a WRITE's OK, a small READ's
+        data) usually comes whole in one recv and is copied from the buffer; the
+        bulk of a large READ reply is received straight into its destination.
+        Raises for a broken stream (the caller fails the connection).
+        """
+        rx = self._rx
+        pending = self.pending
+        work = 0
+        while work < _RECEIVE_WORK:
+            if self._partial is not None:
+                req_id, got = self._partial
+                p = pending[req_id]
+                n = len(p.target())
+                k = rx.receive_into_now(p.target()[got:])
+                if k is None:
+                    return False
+                if k == 0:
+                    raise PeerClosed(f"connection closed after {got} of {n} bytes")
+                work += k
+                got += k
+                if got < n:
+                    self._partial = (req_id, got)
+                    continue
+                self._partial = None
+                kind = Kind.OK
             else:
-                raise wire.WireError(f"unexpected {h.kind.name} frame")
-            p.kind = h.kind
-            del self.pending[h.req_id]
-            p.event.set()
-            # Under a steady stream of replies no recv would block: let others run.
-            await trio.lowlevel.checkpoint()
+                if len(rx) < wire.HEADER_SIZE:
+                    k = rx.receive_now(wire.HEADER_SIZE)
+                    if k is None:
+                        return False
+                    if k == 0:
+                        if len(rx):
+                            raise PeerClosed(f"connection closed after {len(rx)} bytes of a header")
+                        raise PeerClosed("connection closed by the memory server")
+                    continue
+                h = wire.parse_header(rx.view(wire.HEADER_SIZE))
+                req_id, kind, n = h.req_id, h.kind, h.length
+                found = pending.get(req_id)
+                if found is None:
+                    raise wire.WireError(f"reply to unknown request {req_id}")
+                p = found
+                if kind is Kind.OK and p.dest is not None:
+                    if n != len(p.dest):
+                        raise wire.WireError(f"READ reply of {n} bytes, asked {len(p.dest)}")
+                    rx.consume(wire.HEADER_SIZE)
+                    got = rx.take_into(p.dest)
+                    work += got
+                    if got < n:
+                        self._partial = (req_id, got)
+                        continue
+                elif kind is Kind.OK or kind is Kind.ERROR:
+                    if n > _SMALL_REPLY_MAX:
+                        raise wire.WireError(f"{kind.name} reply of {n} bytes")
+                    if len(rx) < wire.HEADER_SIZE + n:
+                        k = rx.receive_now(wire.HEADER_SIZE + n)
+                        if k is None:
+                            return False
+                        if k == 0:
+                            raise PeerClosed(f"connection closed inside a {kind.name} reply")
+                        continue
+                    rx.consume(wire.HEADER_SIZE)
+                    if n:
+                        p.payload = bytes(rx.view(n))
+                        rx.consume(n)
+                else:
+                    raise wire.WireError(f"unexpected {kind.name} frame")
+            p.kind = kind
+            del pending[req_id]
+            p.complete()
+            work += _REPLY_WORK
+        return True
 
 
 def volume_infos(vmap: Sequence[tuple[Any, int]], addrs: Sequence[VolumeAddr]) -> list[VolumeInfo]:
@@ -270,19 +465,21 @@ async def open_tcp_transport(
     error: BaseException | None = None
     try:
         async with trio.open_nursery() as nursery:
-            t._nursery = nursery
             try:
                 await t._open()
+                nursery.start_soon(t._watch_deadlines)
                 yield t
             finally:
                 t._close()
                 nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:
-        # Readers never raise, so a group only wraps the opening's or the
-        # body's one exception: give callers that exception itself.
-        if len(group.exceptions) != 1:
+        # The watchdog never raises but Cancelled (from a scope around us, which
+        # sees it again at its next checkpoint), so a group wraps the opening's or
+        # the body's one exception: give callers that exception itself.
+        errors = [e for e in group.exceptions if not isinstance(e, trio.Cancelled)]
+        if len(errors) > 1:
             raise
-        error = group.exceptions[0]
+        error = errors[0] if errors else group.exceptions[0]
     if error is not None:
         raise error
 
@@ -315,7 +512,6 @@ class TcpTransport(Transport):
             self._map.append((server, v.volume))
         self._addrs = list(volumes)
         self._info: list[VolumeInfo] = []
-        self._nursery: trio.Nursery | None = None
         self._closed = False
 
     # -- opening and closing ----------------------------------------------------------
@@ -356,7 +552,7 @@ class TcpTransport(Transport):
         return {s.name: s.incarnation for s in self._servers.values() if s.incarnation is not None}
 
     async def _connect(self, server: _Server, slot: int) -> _Conn:
-        """Connect, authenticate, check the incarnation and start the reader."""
+        """Connect, authenticate and check the incarnation."""
         try:
             sock = await connect(server.host, server.port)
         except OSError as exc:
@@ -386,20 +582,15 @@ class TcpTransport(Transport):
                           server.incarnation)
                 server.close_all(server.lost)
             raise TransportError(server.lost)
-        conn = _Conn(server, sock, slot)
+        conn = _Conn(server, sock, slot, self.io_timeout)
         server.slots[slot] = conn
-        assert self._nursery is not None
-        self._nursery.start_soon(conn.reader)
         log.debug("connected to memory server %s (slot %d)", server.name, slot)
         return conn
 
     async def _handshake(self, sock: socket.socket) -> tuple[int, list[int]]:
         return await memd_handshake(sock, self._secret, ROLE)
 
-    async def _conn_for(self, server: _Server) -> _Conn:
-        if server.lost:
-            raise TransportError(server.lost)
-        slot = server.next_slot()
+    async def _conn_at(self, server: _Server, slot: int) -> _Conn:
         conn = server.slots[slot]
         if conn is not None:
             return conn
@@ -419,45 +610,87 @@ class TcpTransport(Transport):
         data: memoryview | None = None,
         dest: memoryview | None = None,
     ) -> _Pending:
-        """Send one request and wait for its reply, all within ``io_timeout``."""
-        deadline = trio.current_time() + self.io_timeout
-        p = _Pending(dest)
-        conn: _Conn | None = None
-        with trio.move_on_at(deadline):
-            conn = await self._conn_for(server)
-            async with conn.send_lock:
-                if conn.closed:
-                    raise TransportError(conn.reason)
-                req_id = conn.add(p)
-                length = len(head) + (len(data) if data is not None else 0)
-                # Shielded: a frame cut short by the caller's cancellation would
-                # corrupt the stream for every other request on the connection.
-                with trio.CancelScope(shield=True, deadline=deadline) as send_scope:
-                    try:
-                        await send_all(conn.sock, [wire.pack_header(kind, req_id, length), head,
-                                                   data if data is not None else b""])
-                    except OSError as exc:
-                        conn.fail(f"lost connection to memory server {server.name}: {exc}")
-                if send_scope.cancelled_caught:
-                    conn.fail(f"memory server {server.name} took no data for "
-                              f"{self.io_timeout:g}s")
-            try:
-                await p.event.wait()
-            except BaseException:
-                p.abandon()
-                raise
-        if not p.event.is_set():
-            reason = f"memory server {server.name} did not answer within {self.io_timeout:g}s"
-            if conn is not None:
-                log.warning("%s; resetting the connection", reason)
-                conn.fail(reason)
-            raise TransportError(reason)
+        """Send one request and wait for its reply, all within ``io_timeout``.
+
+        Fast path: on an open connection that nobody is sending on, the frame
+        goes to the socket synchronously, with no lock wait and no timer; the
+        reply wait has no timer either (:meth:`_watch_deadlines` enforces it).
+        Only a missing connection, a busy one or a frame the socket does not
+        take at once needs waits with deadlines.
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if server.lost:
+            raise TransportError(server.lost)
+        now = trio.current_time()
+        p = _Pending(dest, now + self.io_timeout)
+        slot = server.next_slot()
+        conn = server.slots[slot]
+        if conn is not None and not conn.send_lock.locked() and conn.usable(now):
+            rest = conn.send(p, kind, head, data)  # no await since the check: nobody cut in
+            if rest:
+                conn.send_lock.acquire_nowait()  # the stream is ours until the frame is out
+                try:
+                    await conn.finish_send(rest, p.deadline)
+                finally:
+                    conn.send_lock.release()
+        else:
+            conn = await self._send_waiting(server, slot, p, kind, head, data)
+        await conn.wait(p)
         if p.error is not None:
             raise TransportError(p.error)
         if p.kind is Kind.ERROR:
             err, msg = wire.decode_error(p.payload)
             raise TransportError(f"memory server {server.name}: {msg or os.strerror(err)}")
         return p
+
+    async def _send_waiting(
+        self, server: _Server, slot: int, p: _Pending, kind: Kind, head: bytes,
+        data: memoryview | None,
+    ) -> _Conn:
+        """Send when that means waiting: for a connection, or for another sender."""
+        conn: _Conn | None = None
+        with trio.move_on_at(p.deadline):
+            conn = await self._conn_at(server, slot)
+            async with conn.send_lock:
+                if conn.closed:
+                    raise TransportError(conn.reason)
+                rest = conn.send(p, kind, head, data)
+                if rest:
+                    await conn.finish_send(rest, p.deadline)
+            return conn
+        reason = f"memory server {server.name} did not answer within {self.io_timeout:g}s"
+        if conn is not None:
+            log.warning("%s; resetting the connection", reason)
+            conn.fail(reason)
+        raise TransportError(reason)
+
+    async def _watch_deadlines(self) -> None:
+        """Reset every connection with a request older than ``io_timeout``.
+
+        One timer for all requests instead of a cancel scope each.  It sleeps
+        until the earliest deadline outstanding, or ``io_timeout`` if there is
+        none: a request sent meanwhile cannot expire sooner.
+        """
+        while True:
+            now = trio.current_time()
+            wake = now + self.io_timeout
+            for server in self._servers.values():
+                for conn in server.slots:
+                    if conn is None or not conn.pending:
+                        continue
+                    if not conn.receiving:  # only abandoned requests: take their replies
+                        conn.poll()
+                        if not conn.pending:
+                            continue
+                    first = min(p.deadline for p in conn.pending.values())
+                    if first <= now:
+                        reason = (f"memory server {server.name} did not answer within "
+                                  f"{self.io_timeout:g}s")
+                        log.warning("%s; resetting the connection", reason)
+                        conn.fail(reason)
+                    else:
+                        wake = min(wake, first)
+            await trio.sleep_until(wake)
 
     def check_range(self, volume: int, offset: int, length: int) -> None:
         if self._closed:  # EIO for late requests
@@ -478,7 +711,7 @@ class TcpTransport(Transport):
 
     async def readinto(self, volume: int, offset: int, buf: memoryview) -> None:
         dest = memoryview(buf).cast("B")
-        if dest.readonly:  # the reader task would fail on it, taking the connection down
+        if dest.readonly:  # receiving would fail on it, taking the connection down
             raise ValueError("readinto needs a writable buffer")
         n = len(dest)
         self.check_range(volume, offset, n)

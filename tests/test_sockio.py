@@ -1,0 +1,136 @@
+"""The socket helpers under the tcp transport and the memory server.
+
+:class:`RecvBuffer` receives ahead and hands out frames that may be split
+anywhere by the network (across receives, across the end of its buffer);
+:func:`send_now` sends what the socket takes without waiting and returns the
+exact rest, which :func:`send_all` finishes.  The stream must come out byte
+for byte whatever the cuts.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+from collections.abc import Iterator
+
+import pytest
+import trio
+import trio.testing
+
+from memfs.transport.sockio import PeerClosed, RecvBuffer, send_all, send_now
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    b.setblocking(False)
+    yield a, b
+    a.close()
+    b.close()
+
+
+async def test_frames_cut_anywhere(pair: tuple[socket.socket, socket.socket]) -> None:
+    """Random message sizes sent in random pieces through a 100-byte buffer."""
+    ours, peer = pair
+    rng = random.Random(1)
+    messages = [rng.randbytes(rng.randrange(1, 300)) for _ in range(200)]
+    stream = b"".join(messages)
+    rx = RecvBuffer(ours, 100)
+
+    async def sender() -> None:
+        pos = 0
+        while pos < len(stream):
+            k = rng.randrange(1, 150)
+            peer.sendall(stream[pos : pos + k])
+            pos += k
+            if rng.random() < 0.3:
+                await trio.sleep(0.001)
+        peer.shutdown(socket.SHUT_WR)
+
+    got = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(sender)
+        for m in messages:
+            n = len(m)
+            if n <= 100:  # small: whole in the buffer
+                if rng.random() < 0.5:
+                    await rx.fill(n)
+                    got.append(bytes(rx.view(n)))
+                    rx.consume(n)
+                else:
+                    await rx.fill(min(n, 8))
+                    out = bytearray(n)
+                    k = rx.take_into(memoryview(out))
+                    if k < n:
+                        await rx.fill(n - k)
+                        rx.take_into(memoryview(out)[k:])
+                    got.append(bytes(out))
+            else:  # large: what is buffered, then straight into the destination
+                await rx.fill(1)
+                out = bytearray(n)
+                k = rx.take_into(memoryview(out))
+                while k < n:
+                    r = rx.receive_into_now(memoryview(out)[k:])
+                    if r is None:
+                        await rx.wait_readable()
+                        continue
+                    assert r > 0
+                    k += r
+                got.append(bytes(out))
+        assert not await rx.wait_some()  # a clean end between messages
+    assert got == messages
+
+
+async def test_skip_and_end_of_stream(pair: tuple[socket.socket, socket.socket]) -> None:
+    ours, peer = pair
+    rx = RecvBuffer(ours, 16)
+    peer.sendall(b"a" * 40 + b"keep" + b"xy")
+    await rx.skip(40)  # more than the buffer holds
+    await rx.fill(4)
+    assert bytes(rx.view(4)) == b"keep"
+    rx.consume(4)
+    peer.shutdown(socket.SHUT_WR)
+    with pytest.raises(PeerClosed, match="after 2 of 6 bytes"):
+        await rx.fill(6)  # the stream ends inside a message
+
+
+async def test_short_receive_waits_before_the_next(pair: tuple[socket.socket, socket.socket]) -> None:
+    """After a receive that did not fill the buffer, the next one waits for the
+    socket instead of spending a syscall on EAGAIN; nothing is lost by that."""
+    ours, peer = pair
+    rx = RecvBuffer(ours, 64)
+    assert rx.receive_now(1) is None  # nothing there yet
+    peer.sendall(b"one")
+    await rx.wait_readable()
+    assert rx.receive_now(1) == 3
+    peer.sendall(b"two")
+    assert rx.receive_now(4) is None  # presumed empty: wait first
+    await rx.fill(6)
+    assert bytes(rx.view(6)) == b"onetwo"
+
+
+async def test_send_now_returns_the_exact_rest(pair: tuple[socket.socket, socket.socket]) -> None:
+    ours, peer = pair
+    ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    rng = random.Random(2)
+    parts = [rng.randbytes(n) for n in (12, 12, 1 << 20)]
+    rest = send_now(ours, [parts[0], parts[1], memoryview(parts[2])])
+    assert rest, "a socket buffer cannot take 1 MiB at once"
+    assert send_now(ours, [b""]) == []
+    received = bytearray()
+
+    async def drain() -> None:
+        while len(received) < sum(map(len, parts)):
+            try:
+                chunk = peer.recv(1 << 16)
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(peer)
+                continue
+            received.extend(chunk)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(drain)
+        await trio.testing.wait_all_tasks_blocked()
+        await send_all(ours, rest)
+    assert received == b"".join(parts)
