@@ -22,11 +22,18 @@ shares it with its clients.  ``--profile FILE`` runs
 py-spy on the mds during the window of the first round of the first mode
 (collapsed stacks to FILE) and prints the functions with the most samples.
 
+With client caching (leases, the mds default) the repeated reads of ``read``
+mode are answered by the clients' own caches after the first one, and
+``mixed`` recalls nothing (each client works in its own directory): that is
+what applications see.  ``--mds-arg=--lease-term --mds-arg=0`` turns caching
+off, so every call reaches the mds: that measures the mds itself.
+
 Like bench/clusterbench.py, ``--code DIR`` runs another checkout (the memd,
 mds and clients all import it) and every process is stopped on any exit.
 
     python bench/mdsbench.py [--clients 4] [--tasks 32] [--seconds 5] [--warmup 2]
         [--mode read|mixed|both] [--rounds 3] [--code DIR] [--json FILE] [--profile FILE]
+        [--mds-arg=ARG ...]
 """
 
 from __future__ import annotations
@@ -310,6 +317,9 @@ def main() -> int:
     ap.add_argument("--code", help="memfs checkout to run (first on PYTHONPATH)")
     ap.add_argument("--json", help="also write results here")
     ap.add_argument("--profile", help="py-spy collapsed stacks of the mds (first window) to this file")
+    ap.add_argument("--mds-arg", action="append", default=[], metavar="ARG",
+                    help="extra argument for memfs mds, e.g. --mds-arg=--lease-term --mds-arg=0 "
+                         "(no client caching: every call reaches the mds)")
     args = ap.parse_args()
     if args.worker:
         _worker(json.loads(args.worker))
@@ -337,8 +347,8 @@ def main() -> int:
                     "--secret-file", secret], "memd listening", tmp / "memd.log"))
                 spec = "+".join(f"tcp://{LOOPBACK}:{memd.port}/{v}" for v in (0, 1))
                 mds = stack.enter_context(server(runner, [
-                    "mds", "--listen", f"{LOOPBACK}:0", "--pool", spec, "--secret-file", secret],
-                    "mds listening", tmp / "mds.log"))
+                    "mds", "--listen", f"{LOOPBACK}:0", "--pool", spec, "--secret-file", secret,
+                    *args.mds_arg], "mds listening", tmp / "mds.log"))
                 base = {"host": LOOPBACK, "port": mds.port, "secret": secret,
                         "files": args.files, "clients": args.clients}
                 setup = spawn({**base, "role": "setup"}, runner)
@@ -358,7 +368,8 @@ def main() -> int:
         shutil.rmtree(tmp, ignore_errors=True)
 
     print(f"\nmds load: {args.clients} clients x {args.tasks} calls in flight, {args.seconds:g} s "
-          f"after {args.warmup:g} s warm-up, medians of {args.rounds} rounds; code {code}")
+          f"after {args.warmup:g} s warm-up, medians of {args.rounds} rounds; code {code}; "
+          f"mds {' '.join(args.mds_arg) or '(defaults: clients cache under leases)'}")
     print("| mode | ops/s | per client | p50 ms | p99 ms | mds CPU % | mds waits for CPU % | "
           "clients CPU % | machine busy % | goal |")
     print("|---|---:|---|---:|---:|---:|---:|---|---:|---|")
