@@ -46,7 +46,7 @@ import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from memfs.errors import UsageError
 
@@ -83,7 +83,6 @@ class Kind(enum.IntEnum):
     RECALLED = 32  # client -> server: value [[ino, size, mtime_ns], ...] (settled write leases)
 
 
-_KINDS = frozenset(int(k) for k in Kind)
 
 READ = struct.Struct("!IQI")  # volume, offset, length
 WRITE = struct.Struct("!IQ")  # volume, offset; data follows
@@ -95,11 +94,16 @@ class WireError(Exception):
     """The peer broke the protocol; the connection must be closed."""
 
 
-@dataclass(frozen=True, slots=True)
-class Header:
+class Header(NamedTuple):
+    """A parsed frame header (a tuple: one is made for every frame received)."""
+
     kind: Kind
     req_id: int
     length: int
+
+
+#: frame kind number -> Kind, without the enum's own (slower) lookup
+_KIND_OF = {int(k): k for k in Kind}
 
 
 def pack_header(kind: Kind, req_id: int, length: int) -> bytes:
@@ -115,11 +119,12 @@ def parse_header(data: bytes | bytearray | memoryview, max_payload: int = MAX_PA
         raise WireError(f"bad magic {bytes(magic)!r}")
     if version != VERSION:
         raise WireError(f"protocol version {version}, expected {VERSION}")
-    if kind not in _KINDS:
+    k = _KIND_OF.get(kind)
+    if k is None:
         raise WireError(f"unknown frame kind {kind}")
     if length > max_payload:
         raise WireError(f"payload of {length} bytes exceeds the limit of {max_payload}")
-    return Header(Kind(kind), req_id, length)
+    return Header(k, req_id, length)
 
 
 def frame(kind: Kind, req_id: int, payload: bytes = b"") -> bytes:
