@@ -27,6 +27,12 @@ server makes the session's counts exactly that.  So an unlinked file held open
 here survives a server restart, and counts cannot drift across lost replies.
 ``release`` therefore never fails: when the server cannot be told now, it is
 told by the next re-registration.
+
+Caching: under the server's leases (:mod:`memfs.meta.leases`) the client
+answers what it may from its :class:`~memfs.meta.cache.ClientCache` without a
+call (attributes, names, xattrs, chunk maps; writes under a write lease), and
+:class:`~memfs.meta.lease_client.LeaseKeeper` answers recalls, drops
+everything when the lease is lost, and sends sizes written meanwhile.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ import os
 import random
 import stat
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,7 +56,7 @@ from memfs.errors import FsError, SpaceBusy
 from memfs.meta import RENAME_EXCHANGE, Attr, Extent, Meta, SetAttr, StatFs, WritePlan, codec
 from memfs.meta.cache import ClientCache
 from memfs.meta.conn import MAX_REPLY, ROLE, FrameSocket
-from memfs.meta.leases import items_from_wire
+from memfs.meta.lease_client import LeaseKeeper
 from memfs.net import connect
 from memfs.wire import Kind, WireError
 
@@ -58,11 +64,6 @@ log = logging.getLogger(__name__)
 
 #: an idle connection sends a ping this often; the server drops silent ones
 KEEPALIVE = 5.0
-#: a recall is answered within this, whatever the kernel does (the server waits 2 s by
-#: default; a client answers within 60% of what the server says it waits)
-RECALL_ANSWER = 1.5
-#: sizes written under a write lease reach the server within about this
-SETTLE_DELAY = 0.05
 #: the clock the metadata server stamps with (memfs.meta.store): mtimes stay ordered
 _CLOCK = getattr(time, "CLOCK_REALTIME_COARSE", 5)
 #: most space a sequential writer asks for ahead of its writes (the server caps it too)
@@ -309,11 +310,8 @@ class RemoteMeta(Meta):
         self._gone: FilesystemGone | None = None
         #: what this client may serve without asking, under its lease
         self.cache = ClientCache()
-        self._tasks: trio.Nursery | None = None
-        self._dirty_wake = trio.Event()
+        self.leases = LeaseKeeper(self.cache, self._call, lambda: self.invalidator)
         self._last_open: tuple[int, bool] = (0, False)
-        #: a recall is answered within this (below the server's --recall-timeout)
-        self.answer_within = RECALL_ANSWER
         self.stripe_size = 0
 
     @property
@@ -342,10 +340,10 @@ class RemoteMeta(Meta):
         self._first = None
         with self._scope:
             async with trio.open_nursery() as tasks:
-                self._tasks = tasks
+                self.leases.tasks = tasks
                 if self.cache.term:
-                    tasks.start_soon(self._watch_lease)
-                    tasks.start_soon(self._settle_dirty)
+                    tasks.start_soon(self.leases.watch)
+                    tasks.start_soon(self.leases.settle_dirty)
                 await self._connection_loop(conn)
 
     async def _connection_loop(self, conn: _Connection) -> None:
@@ -359,7 +357,7 @@ class RemoteMeta(Meta):
                 self._conn = None
                 self._ready = trio.Event()
                 # Whatever the server thinks, nothing cached may be trusted now.
-                self._lease_lost("lost the connection")
+                self.leases.lost("lost the connection")
             down_since = trio.current_time()
             log.warning("lost the metadata server at %s (%s); reconnecting", self.address, conn.reason)
             while True:
@@ -394,8 +392,7 @@ class RemoteMeta(Meta):
             self.stripe_size = desc.stripe_size
             self.cache.chunk_size = desc.chunk_size
             self.cache.term = desc.lease_term
-            if desc.recall_timeout:
-                self.answer_within = min(RECALL_ANSWER, desc.recall_timeout * 0.6)
+            self.leases.server_patience(desc.recall_timeout)
         elif self.pool is not None and desc.fsid != self.pool.fsid:
             # Inode numbers we hold now name other files, or nothing: never carry on.
             fs.close()
@@ -415,7 +412,7 @@ class RemoteMeta(Meta):
             if self.opens.pop(ino, None):
                 self._opens_version += 1
         self.cache.dirty.clear()  # told with the registration
-        return _Connection(fs, self.timeout, self.cache, self._on_recall)
+        return _Connection(fs, self.timeout, self.cache, self.leases.on_recall)
 
     async def _handshake(self, fs: FrameSocket) -> None:
         hs = wire.Handshake(self.secret)
@@ -553,130 +550,13 @@ class RemoteMeta(Meta):
             raise FsError(*wire.decode_error(body))
         return PoolDescription.from_wire(wire.decode(body))
 
-    # -- leases (memfs.meta.leases, memfs.meta.cache) ----------------------------------------
-
-    def _on_recall(self, conn: _Connection, rid: int, payload: bytes) -> None:
-        """A RECALL frame (called by the connection's reader: must not wait)."""
-        items = items_from_wire(wire.decode(payload))
-        cache = self.cache
-        settles: list[list[int]] = []
-        inos: list[int] = []
-        for ino, _names, revoke in items:
-            if revoke:
-                a = cache.attrs.get(ino)
-                took = cache.take_write(ino)
-                if took is not None:
-                    settles.append([ino, *took])
-                elif a is not None:
-                    settles.append([ino, a.size, a.mtime_ns])
-            cache.drop(ino)  # names of a directory: its whole entry cache goes
-            inos.append(ino)
-        assert self._tasks is not None
-        self._tasks.start_soon(self._finish_recall, conn, rid, inos, wire.encode(settles))
-
-    async def _finish_recall(self, conn: _Connection, rid: int, inos: list[int], settles: bytes) -> None:
-        """Let transfers that use the old chunk maps end, drop the kernel's caches, answer.
-
-        Answered within ``answer_within`` even if the kernel is slow to let go (a
-        page it must drop is locked by a read this daemon is serving, which may
-        itself wait for the server): before the server's patience runs out.
-        """
-        with trio.move_on_after(self.answer_within):
-            await self.cache.wait_unpinned(inos)
-            if self.invalidator is not None:
-                self.cache.kernel_inodes.difference_update(inos)
-                await self.invalidator(inos, [])
-        conn.send_recalled(rid, settles)
-
-    def _lease_lost(self, why: str) -> None:
-        """Stop trusting every cache, the kernel's too (connection lost, lease expired)."""
-        cache = self.cache
-        if not cache.term:
-            return
-        had = bool(cache.attrs or cache.dirs or cache.files or cache.kernel_inodes)
-        cache.clear()
-        inos = list(cache.kernel_inodes)
-        cache.kernel_inodes.clear()
-        if had:
-            log.info("leases lost (%s): dropping %d cached inodes", why, len(inos))
-        if inos and self.invalidator is not None and self._tasks is not None:
-            self._tasks.start_soon(self._invalidate_all, self.invalidator, inos, [])
-
-    async def _invalidate_all(
-        self, invalidator: Callable[[list[int], list[tuple[int, bytes]]], Awaitable[None]],
-        inos: list[int], entries: list[tuple[int, bytes]],
-    ) -> None:
-        self.cache.invalidating += 1
-        try:
-            await invalidator(inos, entries)
-        finally:
-            self.cache.invalidating -= 1
-
-    async def _watch_lease(self) -> None:
-        """Notice a lease that ran out (this process was stopped, or the server is
-        silent) before anything cached is used again."""
-        cache = self.cache
-        while True:
-            await trio.sleep_until(max(cache.until, trio.current_time() + 0.05))
-            if not cache.valid() and (cache.attrs or cache.dirs or cache.files or cache.kernel_inodes):
-                self._lease_lost("lease expired")
-
-    async def _settle_dirty(self) -> None:
-        """Send sizes and mtimes of files written under write leases, coalesced."""
-        cache = self.cache
-        while True:
-            await self._dirty_wake.wait()
-            self._dirty_wake = trio.Event()
-            await trio.sleep(SETTLE_DELAY)
-            for ino in list(cache.dirty):
-                await self._settle(ino, trim=False)
-
-    async def _settle(self, ino: int, *, trim: bool) -> None:
-        """Tell the server *ino*'s size and mtime now (and, *trim*, end our write lease)."""
-        cache = self.cache
-        d = cache.dirty.get(ino)
-        if d is None and not trim:
-            return
-        if d is None:
-            a = cache.attrs.get(ino)
-            d = (-1, 0) if a is None else (a.size, a.mtime_ns)
-        if trim:
-            # No more writes without asking; the size stays in ``dirty`` until the
-            # server has it (a reconnection in between sends it with the registration).
-            cache.files.pop(ino, None)
-        try:
-            await self._call("settle", ino, d[0], d[1], int(trim))
-        except FsError as exc:
-            # Kept (it is the application's data): sent again, or with the next registration.
-            log.debug("settle of inode %d failed: %s", ino, exc)
-            return
-        if cache.dirty.get(ino) == d:
-            del cache.dirty[ino]
-
-    def _settled_first(self, ino: int) -> Awaitable[None] | None:
-        """A call about *ino* that the server answers from its own state needs our unsent size."""
-        if ino in self.cache.dirty:
-            return self._settle(ino, trim=False)
-        return None
+    # -- leases (memfs.meta.leases, memfs.meta.cache, memfs.meta.lease_client) -------------
 
     def attr_ttl(self, ino: int) -> float | None:
-        cache = self.cache
-        if not cache.term:
-            return None
-        if ino not in cache.attrs:
-            return 0.0
-        ttl = cache.ttl()
-        if ttl:
-            cache.kernel_inodes.add(ino)
-        return ttl
+        return self.leases.attr_ttl(ino)
 
     def entry_ttl(self, parent: int, name: bytes) -> float | None:
-        # The kernel keeps no dentries (present or absent): dropping one needs the
-        # directory's lock, which a create or unlink on this node holds while it
-        # waits for the mds, which may be waiting for our answer to a recall (two
-        # nodes working in one directory would deadlock).  Lookups are answered from
-        # our cache instead: a round trip to this daemon, not to the mds.
-        return 0.0 if self.cache.term else None
+        return self.leases.entry_ttl(parent, name)
 
     def keep_cache(self, ino: int) -> bool | None:
         if not self.cache.term:
@@ -692,7 +572,7 @@ class RemoteMeta(Meta):
 
     async def sync(self, ino: int) -> None:
         if ino in self.cache.dirty:
-            await self._settle(ino, trim=False)
+            await self.leases.settle(ino, trim=False)
 
     # -- Meta ------------------------------------------------------------------------------------
 
@@ -720,7 +600,7 @@ class RemoteMeta(Meta):
             a = cache.attr(ino)
             if a is not None:
                 return a
-            if (w := self._settled_first(ino)) is not None:
+            if (w := self.leases.settled_first(ino)) is not None:
                 await w
         kind, a = await self._call_kind("getattr", ino)
         if kind is Kind.OK_CACHE:
@@ -728,7 +608,7 @@ class RemoteMeta(Meta):
         return a
 
     async def setattr(self, ino: int, changes: SetAttr) -> Attr:
-        if (w := self._settled_first(ino)) is not None:
+        if (w := self.leases.settled_first(ino)) is not None:
             await w
         kind, a = await self._call_kind("setattr", ino, changes)
         self._after_change(kind, a)
@@ -741,7 +621,7 @@ class RemoteMeta(Meta):
             self.cache.attrs.pop(a.ino, None)
 
     async def truncate(self, ino: int, size: int) -> list[tuple[int, int, int]]:
-        if (w := self._settled_first(ino)) is not None:
+        if (w := self.leases.settled_first(ino)) is not None:
             await w
         cache = self.cache
         # Our chunk map past the new size is void, and so is any size we did not send.
@@ -852,7 +732,7 @@ class RemoteMeta(Meta):
             self.opens[ino] = self.opens.get(ino, 0) + 1
             self._opens_version += 1
 
-        if (w := self._settled_first(ino)) is not None:
+        if (w := self.leases.settled_first(ino)) is not None:
             await w
         kind, a = await self._call_kind("open", ino, on_ok=counted)
         cacheable = kind is Kind.OK_CACHE
@@ -868,7 +748,7 @@ class RemoteMeta(Meta):
         if self.opens[ino] == 1 and (self.cache.is_writer(ino) or ino in self.cache.dirty):
             # The last handle here: our size goes to the server, our write lease and
             # the space it took ahead of need go back.
-            await self._settle(ino, trim=True)
+            await self.leases.settle(ino, trim=True)
         def uncount() -> None:
             n = self.opens[ino] - 1
             if n:
@@ -946,7 +826,7 @@ class RemoteMeta(Meta):
                     return extents
             if stale_atime:
                 cache.attrs.pop(ino, None)  # the server moves atime (relatime): ask it next time
-            if (w := self._settled_first(ino)) is not None:
+            if (w := self.leases.settled_first(ino)) is not None:
                 await w  # the server clips at the size it knows
         while True:
             try:
@@ -969,7 +849,7 @@ class RemoteMeta(Meta):
                 extents = cache.extents(ino, offset, end, allocated=True)
                 if extents is not None:
                     cache.wrote(ino, end, _now_ns())
-                    self._dirty_wake.set()
+                    self.leases.dirty_wake.set()
                     return WritePlan(extents)
             f = cache.files.get(ino)
             sequential = offset == 0 or (f is not None and f.last_end == offset)

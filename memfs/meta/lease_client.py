@@ -1,0 +1,182 @@
+"""The client half of leases (see :mod:`memfs.meta.leases`): answering recalls,
+noticing a lost lease, sending sizes written under write leases.
+
+:class:`LeaseKeeper` works on the :class:`~memfs.meta.cache.ClientCache` that
+:class:`~memfs.meta.remote.RemoteMeta` consults on every call; the remote client
+owns the connection and hands RECALL frames here (from its reader task, so
+nothing here may wait in :meth:`LeaseKeeper.on_recall`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+import trio
+
+from memfs import wire
+from memfs.errors import FsError
+from memfs.meta.cache import ClientCache
+from memfs.meta.leases import items_from_wire
+
+log = logging.getLogger(__name__)
+
+#: a recall is answered within this, whatever the kernel does (the server waits 2 s by
+#: default; a client answers within 60% of what the server says it waits)
+RECALL_ANSWER = 1.5
+#: sizes written under a write lease reach the server within about this
+SETTLE_DELAY = 0.05
+
+Invalidator = Callable[[list[int], list[tuple[int, bytes]]], Awaitable[None]]
+
+
+class RecallChannel(Protocol):
+    """Where a recall's answer goes (the connection it came on)."""
+
+    def send_recalled(self, rid: int, payload: bytes) -> None: ...
+
+
+class LeaseKeeper:
+    """See the module docstring.  ``tasks`` (a nursery) must be set before recalls come."""
+
+    def __init__(
+        self, cache: ClientCache, call: Callable[..., Awaitable[Any]],
+        invalidator: Callable[[], Invalidator | None],
+    ) -> None:
+        self.cache = cache
+        #: RemoteMeta._call: how ``settle`` reaches the server
+        self.call = call
+        #: the FUSE layer's kernel-cache invalidation, if any (looked up when needed)
+        self.invalidator = invalidator
+        self.tasks: trio.Nursery | None = None
+        #: a recall is answered within this (below the server's --recall-timeout)
+        self.answer_within = RECALL_ANSWER
+        self.dirty_wake = trio.Event()
+
+    def server_patience(self, recall_timeout: float) -> None:
+        """The server evicts a client that takes longer than *recall_timeout* to answer."""
+        if recall_timeout:
+            self.answer_within = min(RECALL_ANSWER, recall_timeout * 0.6)
+
+    def on_recall(self, conn: RecallChannel, rid: int, payload: bytes) -> None:
+        """A RECALL frame (called by the connection's reader: must not wait)."""
+        items = items_from_wire(wire.decode(payload))
+        cache = self.cache
+        settles: list[list[int]] = []
+        inos: list[int] = []
+        for ino, _names, revoke in items:
+            if revoke:
+                a = cache.attrs.get(ino)
+                took = cache.take_write(ino)
+                if took is not None:
+                    settles.append([ino, *took])
+                elif a is not None:
+                    settles.append([ino, a.size, a.mtime_ns])
+            cache.drop(ino)  # names of a directory: its whole entry cache goes
+            inos.append(ino)
+        assert self.tasks is not None
+        self.tasks.start_soon(self._finish_recall, conn, rid, inos, wire.encode(settles))
+
+    async def _finish_recall(self, conn: RecallChannel, rid: int, inos: list[int], settles: bytes) -> None:
+        """Let transfers that use the old chunk maps end, drop the kernel's caches, answer.
+
+        Answered within ``answer_within`` even if the kernel is slow to let go (a
+        page it must drop is locked by a read this daemon is serving, which may
+        itself wait for the server): before the server's patience runs out.
+        """
+        with trio.move_on_after(self.answer_within):
+            await self.cache.wait_unpinned(inos)
+            invalidate = self.invalidator()
+            if invalidate is not None:
+                self.cache.kernel_inodes.difference_update(inos)
+                await invalidate(inos, [])
+        conn.send_recalled(rid, settles)
+
+    def lost(self, why: str) -> None:
+        """Stop trusting every cache, the kernel's too (connection lost, lease expired)."""
+        cache = self.cache
+        if not cache.term:
+            return
+        had = bool(cache.attrs or cache.dirs or cache.files or cache.kernel_inodes)
+        cache.clear()
+        inos = list(cache.kernel_inodes)
+        cache.kernel_inodes.clear()
+        if had:
+            log.info("leases lost (%s): dropping %d cached inodes", why, len(inos))
+        invalidate = self.invalidator()
+        if inos and invalidate is not None and self.tasks is not None:
+            self.tasks.start_soon(self._invalidate_all, invalidate, inos)
+
+    async def _invalidate_all(self, invalidate: Invalidator, inos: list[int]) -> None:
+        self.cache.invalidating += 1
+        try:
+            await invalidate(inos, [])
+        finally:
+            self.cache.invalidating -= 1
+
+    async def watch(self) -> None:
+        """Notice a lease that ran out (this process was stopped, or the server is
+        silent) before anything cached is used again."""
+        cache = self.cache
+        while True:
+            await trio.sleep_until(max(cache.until, trio.current_time() + 0.05))
+            if not cache.valid() and (cache.attrs or cache.dirs or cache.files or cache.kernel_inodes):
+                self.lost("lease expired")
+
+    async def settle_dirty(self) -> None:
+        """Send sizes and mtimes of files written under write leases, coalesced."""
+        cache = self.cache
+        while True:
+            await self.dirty_wake.wait()
+            self.dirty_wake = trio.Event()
+            await trio.sleep(SETTLE_DELAY)
+            for ino in list(cache.dirty):
+                await self.settle(ino, trim=False)
+
+    async def settle(self, ino: int, *, trim: bool) -> None:
+        """Tell the server *ino*'s size and mtime now (and, *trim*, end our write lease)."""
+        cache = self.cache
+        d = cache.dirty.get(ino)
+        if d is None and not trim:
+            return
+        if d is None:
+            a = cache.attrs.get(ino)
+            d = (-1, 0) if a is None else (a.size, a.mtime_ns)
+        if trim:
+            # No more writes without asking; the size stays in ``dirty`` until the
+            # server has it (a reconnection in between sends it with the registration).
+            cache.files.pop(ino, None)
+        try:
+            await self.call("settle", ino, d[0], d[1], int(trim))
+        except FsError as exc:
+            # Kept (it is the application's data): sent again, or with the next registration.
+            log.debug("settle of inode %d failed: %s", ino, exc)
+            return
+        if cache.dirty.get(ino) == d:
+            del cache.dirty[ino]
+
+    def settled_first(self, ino: int) -> Awaitable[None] | None:
+        """A call about *ino* that the server answers from its own state needs our unsent size."""
+        if ino in self.cache.dirty:
+            return self.settle(ino, trim=False)
+        return None
+
+    def attr_ttl(self, ino: int) -> float | None:
+        cache = self.cache
+        if not cache.term:
+            return None
+        if ino not in cache.attrs:
+            return 0.0
+        ttl = cache.ttl()
+        if ttl:
+            cache.kernel_inodes.add(ino)
+        return ttl
+
+    def entry_ttl(self, parent: int, name: bytes) -> float | None:
+        # The kernel keeps no dentries (present or absent): dropping one needs the
+        # directory's lock, which a create or unlink on this node holds while it
+        # waits for the mds, which may be waiting for our answer to a recall (two
+        # nodes working in one directory would deadlock).  Lookups are answered from
+        # our cache instead: a round trip to this daemon, not to the mds.
+        return 0.0 if self.cache.term else None
