@@ -80,24 +80,19 @@ class Operations(pyfuse3.Operations):
         self.initialized = trio.Event()
         meta.invalidator = self.invalidate
 
-    async def invalidate(self, inodes: list[int], entries: list[tuple[int, bytes]]) -> None:
-        """Drop the kernel's cached attributes and pages of *inodes* and its dentries of
-        *entries* (another node changed them).
+    async def invalidate(self, inodes: list[int]) -> None:
+        """Drop the kernel's cached attributes and pages of *inodes* (another node changed
+        them; cluster mounts give the kernel no dentries, see memfs.meta.remote).
 
         In a thread: the kernel may have to wait for a page that a request this
         daemon is serving holds locked.
         """
 
         def work() -> None:
-            for parent, name in entries:
-                try:
-                    pyfuse3.invalidate_entry(parent, name)
-                except OSError:  # ENOENT: not cached, nothing to drop
-                    pass
             for ino in inodes:
                 try:
                     pyfuse3.invalidate_inode(ino)
-                except OSError:
+                except OSError:  # ENOENT: not cached, nothing to drop
                     pass
 
         try:

@@ -35,11 +35,9 @@ class Kernel:
     """Stands in for a client's kernel: records what it was asked to drop."""
 
     inodes: list[int] = field(default_factory=list)
-    entries: list[tuple[int, bytes]] = field(default_factory=list)
 
-    async def __call__(self, inodes: list[int], entries: list[tuple[int, bytes]]) -> None:
+    async def __call__(self, inodes: list[int]) -> None:
         self.inodes += inodes
-        self.entries += entries
 
 
 @asynccontextmanager

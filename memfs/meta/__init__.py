@@ -55,6 +55,17 @@ class Extent:
     voffset: int
 
 
+def add_run(out: list[Extent], pos: int, n: int, volume: int, voffset: int) -> None:
+    """Append ``n`` bytes at file offset *pos* to *out*, extending the last extent when
+    they continue it (the same hole, or contiguous volume memory)."""
+    if out:
+        last = out[-1]
+        if last.volume == volume and (volume < 0 or last.voffset + last.length == voffset):
+            last.length += n
+            return
+    out.append(Extent(pos, n, volume, voffset))
+
+
 @dataclass(slots=True)
 class WritePlan:
     """Where a write goes.  Newly allocated chunks are already zero (scrub-on-free)."""
@@ -97,9 +108,9 @@ class Meta(abc.ABC):
     chunk_size: int
     #: number of volumes in the pool
     n_volumes: int
-    #: set by the FUSE layer: drops the kernel's caches of these inodes and entries
+    #: set by the FUSE layer: drops the kernel's cached attributes and pages of inodes
     #: (a client that caches under leases calls it when they are recalled)
-    invalidator: Callable[[list[int], list[tuple[int, bytes]]], Awaitable[None]] | None = None
+    invalidator: Callable[[list[int]], Awaitable[None]] | None = None
 
     @abc.abstractmethod
     async def lookup(self, parent: int, name: bytes) -> Attr: ...

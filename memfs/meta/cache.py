@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from memfs.meta import Attr, Extent
+from memfs.meta import Attr, Extent, add_run
 
 #: chunk map value of a hole (reads as zeros)
 HOLE = (-1, 0)
@@ -194,13 +194,7 @@ class ClientCache:
             n = min(cs - within, end - pos)
             vol = c[0]
             voff = c[1] + within if vol >= 0 else 0
-            if out:
-                last = out[-1]
-                if last.volume == vol and (vol < 0 or last.voffset + last.length == voff):
-                    last.length += n
-                    pos += n
-                    continue
-            out.append(Extent(pos, n, vol, voff))
+            add_run(out, pos, n, vol, voff)
             pos += n
         return out
 

@@ -28,7 +28,7 @@ RECALL_ANSWER = 1.5
 #: sizes written under a write lease reach the server within about this
 SETTLE_DELAY = 0.05
 
-Invalidator = Callable[[list[int], list[tuple[int, bytes]]], Awaitable[None]]
+Invalidator = Callable[[list[int]], Awaitable[None]]
 
 
 class RecallChannel(Protocol):
@@ -90,7 +90,7 @@ class LeaseKeeper:
             invalidate = self.invalidator()
             if invalidate is not None:
                 self.cache.kernel_inodes.difference_update(inos)
-                await invalidate(inos, [])
+                await invalidate(inos)
         conn.send_recalled(rid, settles)
 
     def lost(self, why: str) -> None:
@@ -111,7 +111,7 @@ class LeaseKeeper:
     async def _invalidate_all(self, invalidate: Invalidator, inos: list[int]) -> None:
         self.cache.invalidating += 1
         try:
-            await invalidate(inos, [])
+            await invalidate(inos)
         finally:
             self.cache.invalidating -= 1
 
