@@ -18,6 +18,7 @@ import itertools
 import logging
 import os
 import stat
+import struct
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, ParamSpec, TypeVar
 
@@ -29,6 +30,11 @@ from memfs.errors import FsError
 from memfs.meta import NAME_MAX, Attr, Meta, SetAttr
 
 log = logging.getLogger(__name__)
+
+#: FUSE_NOTIFY_INC_EPOCH (kernel 6.16, protocol 7.44): every dentry the kernel holds
+#: for this mount is stale from now on; it takes no lock (unlike FUSE_NOTIFY_INVAL_ENTRY,
+#: which takes the directory's lock, even with FUSE_EXPIRE_ONLY)
+_NOTIFY_INC_EPOCH = struct.pack("<IiQ", 16, 8, 0)
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -78,11 +84,13 @@ class Operations(pyfuse3.Operations):
         self._dir_inodes: dict[int, int] = {}
         self._next_dh = itertools.count(1)
         self.initialized = trio.Event()
+        #: this session's /dev/fuse descriptor, if names can be dropped (see init)
+        self._dev_fd: int | None = None
         meta.invalidator = self.invalidate
 
     async def invalidate(self, inodes: list[int]) -> None:
         """Drop the kernel's cached attributes and pages of *inodes* (another node changed
-        them; cluster mounts give the kernel no dentries, see memfs.meta.remote).
+        them; names go with :meth:`forget_names`).
 
         In a thread: the kernel may have to wait for a page that a request this
         daemon is serving holds locked.
@@ -100,8 +108,21 @@ class Operations(pyfuse3.Operations):
         except Exception as exc:  # not mounted (any more): nothing is cached
             log.debug("kernel cache invalidation failed: %s", exc)
 
+    def forget_names(self) -> None:
+        """Make the kernel treat every name it cached (present or absent) as stale, so
+        its next use asks this daemon again.  Lock-free, so safe to call while this
+        daemon serves a request that holds a directory's lock (a recall during a create)."""
+        if self._dev_fd is not None:
+            try:
+                os.write(self._dev_fd, _NOTIFY_INC_EPOCH)
+            except OSError as exc:  # unmounted: nothing is cached
+                log.debug("kernel name invalidation failed: %s", exc)
+
     def init(self) -> None:
         """The kernel's INIT request is being answered (the reply follows)."""
+        self._dev_fd = _epoch_capable_fuse_fd()
+        if self._dev_fd is not None:
+            self.meta.names_invalidator = self.forget_names
         self.initialized.set()
 
     def _entry(self, a: Attr, parent: int = 0, name: bytes = b"") -> pyfuse3.EntryAttributes:
@@ -404,3 +425,35 @@ class Operations(pyfuse3.Operations):
     @_errno_boundary
     async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         await self.meta.removexattr(inode, name)
+
+
+def _epoch_capable_fuse_fd() -> int | None:
+    """This process's one /dev/fuse descriptor if the kernel takes FUSE_NOTIFY_INC_EPOCH.
+
+    pyfuse3 exposes neither libfuse's session fd nor this notification (libfuse 3.14
+    predates it), but a notification is one write(2) of a header to the session fd,
+    atomic beside libfuse's own replies.  Not found, or more than one, or an older
+    kernel (EINVAL): None, and cluster clients give the kernel no names to cache.
+    """
+    try:
+        rdev = os.stat("/dev/fuse").st_rdev
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return None
+    found = []
+    for name in fds:
+        try:
+            st = os.stat(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if stat.S_ISCHR(st.st_mode) and st.st_rdev == rdev:
+            found.append(int(name))
+    if len(found) != 1:
+        log.debug("kernel name invalidation off: %d /dev/fuse descriptors", len(found))
+        return None
+    try:
+        os.write(found[0], _NOTIFY_INC_EPOCH)  # harmless: nothing is cached yet
+    except OSError as exc:
+        log.info("kernel name invalidation off (kernel before 6.16?): %s", exc)
+        return None
+    return found[0]

@@ -35,14 +35,19 @@ class Kernel:
     """Stands in for a client's kernel: records what it was asked to drop."""
 
     inodes: list[int] = field(default_factory=list)
+    #: times every cached name was dropped (FUSE_NOTIFY_INC_EPOCH in fs.Operations)
+    names_forgotten: int = 0
 
     async def __call__(self, inodes: list[int]) -> None:
         self.inodes += inodes
 
+    def forget_names(self) -> None:
+        self.names_forgotten += 1
+
 
 @asynccontextmanager
 async def cluster(
-    n: int, *, term: float = 4.0, recall_timeout: float = 2.0
+    n: int, *, term: float = 4.0, recall_timeout: float = 2.0, kernel_names: bool = False
 ) -> AsyncIterator[tuple[MetaServer, list[RemoteMeta], list[Kernel]]]:
     async with trio.open_nursery() as nursery:
         server = MetaServer(metadata_only(POOL), SECRET, lease_term=term, recall_timeout=recall_timeout)
@@ -53,6 +58,8 @@ async def cluster(
             kernels = [Kernel() for _ in range(n)]
             for c, k in zip(clients, kernels, strict=True):
                 c.invalidator = k
+                if kernel_names:
+                    c.names_invalidator = k.forget_names
             yield server, clients, kernels
         nursery.cancel_scope.cancel()
 
@@ -95,6 +102,28 @@ async def test_negative_entries_are_recalled_when_the_name_appears() -> None:
         x = await a.mknod(ROOT, b"x", F, 0, 0)
         assert b.cache.entry(ROOT, b"x") is None and ROOT in kb.inodes
         assert (await b.lookup(ROOT, b"x")).ino == x.ino
+
+
+async def test_kernel_names_are_forgotten_before_a_conflicting_change_returns() -> None:
+    async with cluster(2, kernel_names=True) as (server, (a, b), (_, kb)):
+        with pytest.raises(FsError):
+            await b.lookup(ROOT, b"x")
+        assert b.entry_ttl(ROOT, b"x") > 0, "a kernel that can forget names lock-free may cache them"
+        assert b.entry_ttl(ROOT, b"unknown") == 0, "only what the lease covers"
+        await a.setattr(ROOT, SetAttr(mode=stat.S_IFDIR | 0o700))
+        assert kb.names_forgotten == 0, "an attribute change leaves names alone"
+        with pytest.raises(FsError):
+            await b.lookup(ROOT, b"x")
+        assert b.entry_ttl(ROOT, b"x") > 0
+        x = await a.mknod(ROOT, b"x", F, 0, 0)
+        assert kb.names_forgotten == 1, "b's kernel dropped its names before a's create returned"
+        assert b.entry_ttl(ROOT, b"x") == 0
+        assert (await b.lookup(ROOT, b"x")).ino == x.ino
+        assert b.entry_ttl(ROOT, b"x") > 0  # what the FUSE layer asks before it answers
+        await a.rename(ROOT, b"x", ROOT, b"y")
+        assert kb.names_forgotten == 2
+        await a.mknod(ROOT, b"z", F, 0, 0)
+        assert kb.names_forgotten == 2, "nothing given to the kernel since: nothing to drop"
 
 
 async def test_new_directory_is_complete_without_asking() -> None:

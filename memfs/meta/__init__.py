@@ -111,6 +111,9 @@ class Meta(abc.ABC):
     #: set by the FUSE layer: drops the kernel's cached attributes and pages of inodes
     #: (a client that caches under leases calls it when they are recalled)
     invalidator: Callable[[list[int]], Awaitable[None]] | None = None
+    #: set by the FUSE layer if it can make the kernel forget every cached name at once
+    #: without a directory lock; only then does a cluster client let the kernel cache names
+    names_invalidator: Callable[[], None] | None = None
 
     @abc.abstractmethod
     async def lookup(self, parent: int, name: bytes) -> Attr: ...

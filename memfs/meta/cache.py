@@ -81,6 +81,8 @@ class ClientCache:
         self.invalidating = 0
         #: inodes whose attributes the kernel was told it may cache (see fs.Operations)
         self.kernel_inodes: set[int] = set()
+        #: the kernel was told it may cache names (see LeaseKeeper.entry_ttl)
+        self.kernel_names = False
 
     # -- the lease -------------------------------------------------------------------------
 

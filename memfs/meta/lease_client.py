@@ -31,6 +31,13 @@ SETTLE_DELAY = 0.05
 Invalidator = Callable[[list[int]], Awaitable[None]]
 
 
+class KernelHooks(Protocol):
+    """What the FUSE layer set on the :class:`~memfs.meta.Meta` (both None: no kernel)."""
+
+    invalidator: Invalidator | None
+    names_invalidator: Callable[[], None] | None
+
+
 class RecallChannel(Protocol):
     """Where a recall's answer goes (the connection it came on)."""
 
@@ -40,15 +47,12 @@ class RecallChannel(Protocol):
 class LeaseKeeper:
     """See the module docstring.  ``tasks`` (a nursery) must be set before recalls come."""
 
-    def __init__(
-        self, cache: ClientCache, call: Callable[..., Awaitable[Any]],
-        invalidator: Callable[[], Invalidator | None],
-    ) -> None:
+    def __init__(self, cache: ClientCache, call: Callable[..., Awaitable[Any]], kernel: KernelHooks) -> None:
         self.cache = cache
         #: RemoteMeta._call: how ``settle`` reaches the server
         self.call = call
         #: the FUSE layer's kernel-cache invalidation, if any (looked up when needed)
-        self.invalidator = invalidator
+        self.kernel = kernel
         self.tasks: trio.Nursery | None = None
         #: a recall is answered within this (below the server's --recall-timeout)
         self.answer_within = RECALL_ANSWER
@@ -65,7 +69,9 @@ class LeaseKeeper:
         cache = self.cache
         settles: list[list[int]] = []
         inos: list[int] = []
-        for ino, _names, revoke in items:
+        names_changed = False
+        for ino, names, revoke in items:
+            names_changed = names_changed or bool(names)
             if revoke:
                 a = cache.attrs.get(ino)
                 took = cache.take_write(ino)
@@ -75,6 +81,8 @@ class LeaseKeeper:
                     settles.append([ino, a.size, a.mtime_ns])
             cache.drop(ino)  # names of a directory: its whole entry cache goes
             inos.append(ino)
+        if names_changed:
+            self._forget_kernel_names()
         assert self.tasks is not None
         self.tasks.start_soon(self._finish_recall, conn, rid, inos, wire.encode(settles))
 
@@ -87,7 +95,7 @@ class LeaseKeeper:
         """
         with trio.move_on_after(self.answer_within):
             await self.cache.wait_unpinned(inos)
-            invalidate = self.invalidator()
+            invalidate = self.kernel.invalidator
             if invalidate is not None:
                 self.cache.kernel_inodes.difference_update(inos)
                 await invalidate(inos)
@@ -104,9 +112,19 @@ class LeaseKeeper:
         cache.kernel_inodes.clear()
         if had:
             log.info("leases lost (%s): dropping %d cached inodes", why, len(inos))
-        invalidate = self.invalidator()
+        self._forget_kernel_names()
+        invalidate = self.kernel.invalidator
         if inos and invalidate is not None and self.tasks is not None:
             self.tasks.start_soon(self._invalidate_all, invalidate, inos)
+
+    def _forget_kernel_names(self) -> None:
+        """Every name the kernel cached goes (lock-free, so at once: a create on this
+        node may hold the directory's lock while it waits for the server, which waits
+        for this recall)."""
+        forget = self.kernel.names_invalidator
+        if forget is not None and self.cache.kernel_names:
+            self.cache.kernel_names = False
+            forget()
 
     async def _invalidate_all(self, invalidate: Invalidator, inos: list[int]) -> None:
         self.cache.invalidating += 1
@@ -174,9 +192,19 @@ class LeaseKeeper:
         return ttl
 
     def entry_ttl(self, parent: int, name: bytes) -> float | None:
-        # The kernel keeps no dentries (present or absent): dropping one needs the
-        # directory's lock, which a create or unlink on this node holds while it
-        # waits for the mds, which may be waiting for our answer to a recall (two
-        # nodes working in one directory would deadlock).  Lookups are answered from
-        # our cache instead: a round trip to this daemon, not to the mds.
-        return 0.0 if self.cache.term else None
+        # The kernel may cache a name (present or absent) that our lease covers only if
+        # it can be made to forget it without the directory's lock: a create or unlink
+        # on this node holds that lock while it waits for the mds, which may be waiting
+        # for our answer to a recall (FUSE_NOTIFY_INVAL_ENTRY would deadlock two nodes
+        # working in one directory).  FUSE_NOTIFY_INC_EPOCH takes no lock but drops every
+        # name at once.  Without it, lookups are answered from our cache: a round trip
+        # to this daemon, not to the mds.
+        cache = self.cache
+        if not cache.term:
+            return None
+        if self.kernel.names_invalidator is None or cache.entry(parent, name) is None:
+            return 0.0
+        ttl = cache.ttl()
+        if ttl:
+            cache.kernel_names = True
+        return ttl

@@ -310,7 +310,7 @@ class RemoteMeta(Meta):
         self._gone: FilesystemGone | None = None
         #: what this client may serve without asking, under its lease
         self.cache = ClientCache()
-        self.leases = LeaseKeeper(self.cache, self._call, lambda: self.invalidator)
+        self.leases = LeaseKeeper(self.cache, self._call, self)
         self._last_open: tuple[int, bool] = (0, False)
         self.stripe_size = 0
 
