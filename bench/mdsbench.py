@@ -11,7 +11,13 @@ the last --seconds count.  Modes:
   name (ENOENT), in turn;
 * ``mixed``: create a file (mknod) in the client's directory, getattr it,
   lookup an existing name, lookup a missing one, unlink it: 2 of 5 calls change
-  the namespace.
+  the namespace;
+* ``create``: only creates (mknod), each client in its own directory.
+
+``--journal-compare`` runs every round twice, on an mds without and one with
+``--journal`` (a fresh directory on this machine's disk; the order alternates
+from round to round), and reports the ratio of their medians: group commit's
+goal is creates with a journal at 0.7 of the rate without.
 
 Reported: ops/s in all and per client, client-side latency (median, p99), the
 mds's CPU (utime+stime from /proc/PID/stat over the window, 100% = one core),
@@ -32,8 +38,8 @@ Like bench/clusterbench.py, ``--code DIR`` runs another checkout (the memd,
 mds and clients all import it) and every process is stopped on any exit.
 
     python bench/mdsbench.py [--clients 4] [--tasks 32] [--seconds 5] [--warmup 2]
-        [--mode read|mixed|both] [--rounds 3] [--code DIR] [--json FILE] [--profile FILE]
-        [--mds-arg=ARG ...]
+        [--mode read|mixed|create|both] [--rounds 3] [--code DIR] [--json FILE] [--profile FILE]
+        [--mds-arg=ARG ...] [--journal-compare]
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ from pathlib import Path
 from typing import Any
 
 GOAL = 20_000  # read ops/s from 4 clients
+JOURNAL_GOAL = 0.7  # creates with --journal / without
 SETUP_TIMEOUT = 60.0
 STARTUP_TIMEOUT = 30.0  # a client connects and looks its inodes up
 ROOT_INO = 1
@@ -122,6 +129,10 @@ async def _worker_main(cfg: dict[str, Any]) -> None:
             n = 0
             while trio.current_time() < end:
                 i = rng.randrange(len(names))
+                if cfg["mode"] == "create":
+                    await call("create", meta.mknod, mine, f"t{k}-{n}".encode(), stat.S_IFREG | 0o644, 0, 0)
+                    n += 1
+                    continue
                 if cfg["mode"] == "mixed":
                     name = f"t{k}-{n}".encode()
                     n += 1
@@ -312,7 +323,8 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=5.0, help="measured window (default 5)")
     ap.add_argument("--warmup", type=float, default=2.0, help="load before the window (default 2)")
     ap.add_argument("--files", type=int, default=100, help="files in the tree (default 100)")
-    ap.add_argument("--mode", choices=("read", "mixed", "both"), default="both")
+    ap.add_argument("--mode", choices=("read", "mixed", "create", "both"), default="both",
+                    help="both: read and mixed")
     ap.add_argument("--rounds", type=int, default=3, help="fresh servers each round; medians")
     ap.add_argument("--code", help="memfs checkout to run (first on PYTHONPATH)")
     ap.add_argument("--json", help="also write results here")
@@ -320,6 +332,8 @@ def main() -> int:
     ap.add_argument("--mds-arg", action="append", default=[], metavar="ARG",
                     help="extra argument for memfs mds, e.g. --mds-arg=--lease-term --mds-arg=0 "
                          "(no client caching: every call reaches the mds)")
+    ap.add_argument("--journal-compare", action="store_true",
+                    help="each round also on an mds with --journal (a fresh directory); ratio of medians")
     args = ap.parse_args()
     if args.worker:
         _worker(json.loads(args.worker))
@@ -334,13 +348,16 @@ def main() -> int:
         print("--profile needs py-spy in the venv (pip install py-spy)", file=sys.stderr)
         return 2
     tmp = Path(tempfile.mkdtemp(prefix="memfs-mdsbench-"))
-    rounds: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    variants = ("", "journal") if args.journal_compare else ("",)
+    rounds: dict[str, list[dict[str, Any]]] = {f"{v} {m}".strip(): [] for v in variants for m in modes}
     try:
         runner = Runner(tmp, args.code)
         code = runner.where()
         print(f"memfs processes import {code}", file=sys.stderr, flush=True)
         secret = str(write_secret(tmp / "secret"))
-        for r in range(args.rounds):
+        order = [(r, v) for r in range(args.rounds) for v in (variants if r % 2 == 0 else variants[::-1])]
+        for r, variant in order:
+            extra = ["--journal", str(tmp / f"journal-{r}")] if variant else []
             with ExitStack() as stack:
                 memd = stack.enter_context(server(runner, [
                     "memd", "--listen", f"{LOOPBACK}:0", "--volumes", "2", "--size", "64M",
@@ -348,7 +365,7 @@ def main() -> int:
                 spec = "+".join(f"tcp://{LOOPBACK}:{memd.port}/{v}" for v in (0, 1))
                 mds = stack.enter_context(server(runner, [
                     "mds", "--listen", f"{LOOPBACK}:0", "--pool", spec, "--secret-file", secret,
-                    *args.mds_arg], "mds listening", tmp / "mds.log"))
+                    *args.mds_arg, *extra], "mds listening", tmp / "mds.log"))
                 base = {"host": LOOPBACK, "port": mds.port, "secret": secret,
                         "files": args.files, "clients": args.clients}
                 setup = spawn({**base, "role": "setup"}, runner)
@@ -359,10 +376,10 @@ def main() -> int:
                 if Path(got["memfs"]).resolve() != Path(code).resolve():
                     raise SystemExit(f"clients import {got['memfs']}, not {code}")
                 for mode in modes:
-                    profile = args.profile if r == 0 and mode == modes[0] else None
+                    profile = args.profile if r == 0 and mode == modes[0] and not variant else None
                     window = one_window(args, runner, base, mode, mds.proc.pid, profile)
-                    rounds[mode].append(window)
-                    print(f"round {r + 1}/{args.rounds} {mode}: {window['ops_per_s']:.0f} ops/s, "
+                    rounds[f"{variant} {mode}".strip()].append(window)
+                    print(f"round {r + 1}/{args.rounds} {variant} {mode}: {window['ops_per_s']:.0f} ops/s, "
                           f"mds cpu {window['mds_cpu']:.0f}%", file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -378,6 +395,10 @@ def main() -> int:
         per = [statistics.median(x["per_client"][c] for x in res) for c in range(args.clients)]
         cl = [statistics.median(x["clients_cpu"][c] for x in res) for c in range(args.clients)]
         goal = f">= {GOAL} {'ok' if med >= GOAL else 'MISSED'}" if mode == "read" else ""
+        if mode.startswith("journal"):
+            base_med = statistics.median(x["ops_per_s"] for x in rounds[mode.split()[-1]])
+            ratio = med / base_med if base_med else float("nan")
+            goal = f"{ratio:.2f} of no journal (goal {JOURNAL_GOAL}: {'ok' if ratio >= JOURNAL_GOAL else 'MISSED'})"
         print(f"| {mode} | {med:.0f} | {' '.join(f'{p:.0f}' for p in per)} | "
               f"{statistics.median(x['p50_ms'] for x in res):.2f} | "
               f"{statistics.median(x['p99_ms'] for x in res):.2f} | "

@@ -324,7 +324,19 @@ def _enc(v: Any, out: bytearray, depth: int) -> None:
                 raise ValueError("integer does not fit in 64 bits") from None
             return
         for item in v:
-            _enc(item, out, depth + 1)
+            # Scalars inline (a call's arguments, a journal record): no call per item.
+            t = type(item)
+            if t is int and -(1 << 63) <= item < (1 << 63):
+                out += b"i" + _I64.pack(item)
+            elif t is bytes:
+                out += b"b" + _LEN.pack(len(item)) + item
+            elif t is str:
+                b = item.encode("utf-8")
+                out += b"s" + _LEN.pack(len(b)) + b
+            elif item is None:
+                out += b"N"
+            else:
+                _enc(item, out, depth + 1)
     elif isinstance(v, dict):
         out += b"d" + _LEN.pack(len(v))
         for key, item in v.items():
@@ -375,10 +387,28 @@ def _dec(v: memoryview, pos: int, depth: int) -> tuple[Any, int]:
             raise WireError("list longer than its frame")
         if 0 < n <= _FAST_MAX and 9 * n <= len(v) - pos and v[pos : pos + 9 * n : 9] == _TAGS_I[:n]:
             return list(_int_list(n)[1].unpack_from(v, pos)), pos + 9 * n
-        items = []
+        items: list[Any] = []
+        append = items.append
+        end = len(v)
         for _ in range(n):
-            item, pos = _dec(v, pos, depth + 1)
-            items.append(item)
+            # Scalars inline, as in _enc (past-the-end reads raise, caught in decode()).
+            tag = v[pos]
+            if tag == 0x69:  # i
+                append(_I64.unpack_from(v, pos + 1)[0])
+                pos += 9
+            elif tag == 0x62:  # b
+                (m,) = _LEN.unpack_from(v, pos + 1)
+                start = pos + 5
+                if start + m > end:
+                    raise WireError("string runs past the end")
+                append(bytes(v[start : start + m]))
+                pos = start + m
+            elif tag == 0x4E:  # N
+                append(None)
+                pos += 1
+            else:
+                item, pos = _dec(v, pos, depth + 1)
+                append(item)
         return items, pos
     if tag == 0x64:  # d
         (n,) = _LEN.unpack_from(v, pos)

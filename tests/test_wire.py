@@ -96,6 +96,9 @@ def test_codec_refuses_what_it_cannot_carry() -> None:
         b"s\0\0\0\x05abc",  # string past the end
         b"s\0\0\0\x02\xff\xfe",  # invalid utf-8
         b"l\0\0\0\x05N",  # list longer than the frame
+        b"l\0\0\0\x02Ni\0\0",  # truncated int in a list
+        b"l\0\0\0\x03Nb\0\0\0\x09ab",  # bytes in a list past the end
+        b"l\0\0\0\x02Ns\0\0\0\x01\xff",  # invalid utf-8 in a list
         b"d\0\0\0\x01l\0\0\0\0N",  # a list as a key: unhashable
         b"d\0\0\0\x01N",  # dict value missing
         b"NN",  # trailing bytes
