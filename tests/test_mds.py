@@ -238,6 +238,11 @@ def test_only_metadata_methods_can_be_called(start_mds: Callable[..., Mds]) -> N
         for i in range(50):
             got = read_frame(sock)
             assert got is not None and got[0].kind in OK_KINDS and got[0].req_id == 100 + i
+        # Request id 0 wants no reply, failing or not; it runs in order with the others.
+        sock.sendall(wire.frame(Kind.CALL, 0, wire.encode(["release", 99999]))
+                     + wire.frame(Kind.CALL, 0, wire.encode(["mknod", ROOT, b"cast", 0o100644, 0, 0, 0, None])))
+        kind, value = call(sock, ["lookup", ROOT, b"cast"], req_id=9)
+        assert kind in OK_KINDS, "the reply-less mknod ran before this call, and nothing else came back"
         kind, desc = call(sock, ["describe"])
         assert kind in OK_KINDS
         assert desc["volumes"] == POOL_SPEC.split("+")
@@ -315,7 +320,7 @@ def test_garbage_closes_only_its_connection(start_mds: Callable[..., Mds]) -> No
                 while (got := read_frame(bad)) is not None:  # replies, if any, then EOF
                     assert got[0].kind in (*OK_KINDS, Kind.ERROR, Kind.ERROR_CACHE)
             if i % 10 == 0:
-                kind, value = call(good, ["getattr", ROOT], req_id=i)
+                kind, value = call(good, ["getattr", ROOT], req_id=i + 1)  # id 0 would want no reply
                 assert kind in OK_KINDS and value[0] == ROOT
         assert time.monotonic() - t0 < 20
         kind, _ = call(good, ["statfs"])
@@ -560,3 +565,28 @@ def test_memory_server_incarnations_are_kept_with_the_journal(tmp_path: Path) ->
     (tmp_path / INCARNATIONS).write_bytes(b"garbage")
     with pytest.raises(StartupError):
         _load_incarnations(str(tmp_path))
+
+
+async def test_a_silent_connection_is_closed_after_the_idle_timeout() -> None:
+    """Calls keep a connection open; silence longer than the idle timeout closes it."""
+    from memfs.config import PoolConfig
+    from memfs.meta.server import MetaServer
+    from tests.test_meta_conformance import metadata_only
+
+    pool = PoolConfig(size=8 * M, volumes=2, chunk_size=64 * K, stripe_size=256 * K)
+    async with trio.open_nursery() as nursery:
+        server = MetaServer(metadata_only(pool), SECRET, idle_timeout=0.8)
+        port = await nursery.start(server.serve, "127.0.0.1", 0)
+
+        def client() -> float:
+            with authed(port) as sock:
+                for _ in range(4):  # 1.2 s of calls: longer than the timeout, never silent
+                    time.sleep(0.3)
+                    assert call(sock, ["getattr", ROOT])[0] in OK_KINDS
+                t0 = time.monotonic()
+                assert read_frame(sock) is None, "closed"
+                return time.monotonic() - t0
+
+        silent = await trio.to_thread.run_sync(client)
+        assert 0.6 <= silent < 3.0, silent
+        nursery.cancel_scope.cancel()

@@ -199,6 +199,18 @@ class _Connection:
         self._last_send = now
         return rid, p
 
+    def cast(self, payload: bytes) -> None:
+        """Send a call that wants no reply (request id 0): the server runs it in order
+        with the others and answers nothing, so neither side pays for a reply."""
+        try:
+            self.fs.send_now(wire.frame(Kind.CALL, 0, payload))
+        except trio.BrokenResourceError as exc:
+            self.kill(f"send failed: {exc}")
+        else:
+            if self.fs.pending():
+                self._wake.set()
+        self._last_send = trio.current_time()
+
     def send_recalled(self, rid: int, payload: bytes) -> None:
         """Acknowledge recall *rid* (no await: the reader must not wait on the socket)."""
         if self.dead:
@@ -249,10 +261,14 @@ class _Connection:
         limit = self.keepalive + self.timeout  # the server answers our pings well within this
         cache = self.cache
         try:
-            # One scope whose deadline moves: cheaper than a fail_after per frame.
-            with trio.CancelScope() as silent:
+            # One scope whose deadline moves (in steps: setting a deadline is not
+            # free): cheaper than a fail_after per frame.
+            step = min(0.1, limit / 8)
+            with trio.CancelScope(deadline=trio.current_time() + limit) as silent:
                 while True:
-                    silent.deadline = trio.current_time() + limit
+                    now = trio.current_time()
+                    if now + limit - silent.deadline > step:
+                        silent.deadline = now + limit
                     got = await self.fs.receive()
                     if got is None:
                         self.kill("closed by the server")
@@ -762,10 +778,10 @@ class RemoteMeta(Meta):
             self.cache.drop(ino)  # our last handle of an unlinked file: it is gone now
         conn = self._conn
         if conn is not None and not conn.dead:
-            # Sent, not waited for: its reply says nothing we need, and calls after it
-            # on this connection run after it.  If the connection drops first, the
-            # next re-registration states our counts without it.
-            conn.request(wire.encode(codec.encode_call("release", ino)))
+            # Sent without a reply: it says nothing we need, and calls after it on
+            # this connection run after it.  If the connection drops first, the next
+            # re-registration states our counts without it.
+            conn.cast(wire.encode(codec.encode_call("release", ino)))
         uncount()
 
     async def getxattr(self, ino: int, name: bytes) -> bytes:

@@ -386,13 +386,17 @@ class MetaServer:
             n = 0
             try:
                 # One scope whose deadline moves: cheaper than a fail_after per frame.
-                with trio.CancelScope() as idle:
+                step = min(1.0, self.idle_timeout / 8)
+                with trio.CancelScope(deadline=trio.current_time() + self.idle_timeout) as idle:
                     while True:
                         n += 1
                         if n % 32 == 0:
                             await trio.lowlevel.checkpoint()  # a pipelining client must not starve others
                         if not fs.buffered():  # about to wait: from now on, at most this long
-                            idle.deadline = trio.current_time() + self.idle_timeout
+                            # (moved in steps: setting a deadline is not free)
+                            now = trio.current_time()
+                            if now + self.idle_timeout - idle.deadline > step:
+                                idle.deadline = now + self.idle_timeout
                         got = await fs.receive()
                         if got is None:
                             log.debug("%s: client closed the connection", conn.peer)
@@ -415,6 +419,11 @@ class MetaServer:
                             conn.push_deferred()  # earlier replies must not wait for it
                             continue
                         kind, body = await self._execute(conn, value, parsed)
+                        if not h.req_id:  # no reply wanted
+                            self._unanswered(conn, kind, body)
+                            if not fs.buffered():
+                                conn.push_deferred()
+                            continue
                         # Replies to calls that came in one read go out in one send.
                         conn.push(wire.frame(kind, h.req_id, body), self._needed(),
                                   defer=fs.buffered())
@@ -440,6 +449,13 @@ class MetaServer:
                 # process died with frames unread), as good as a clean close.
                 conn.clean_close = isinstance(exc.__cause__, ConnectionResetError)
                 nursery.cancel_scope.cancel()
+
+    @staticmethod
+    def _unanswered(conn: _Conn, kind: Kind, body: bytes) -> None:
+        """A call with request id 0 wants no reply (a client's release); its error is
+        only logged (the client states its open counts again at its next registration)."""
+        if kind is Kind.ERROR:
+            log.debug("%s: a call without reply failed: %s", conn.peer, wire.decode_error(body))
 
     def _needed(self) -> int:
         return self.journal.seq if self.journal is not None else 0
@@ -488,7 +504,10 @@ class MetaServer:
                         assert conn.scope is not None
                         conn.scope.cancel()
                         return
-                    conn.push(wire.frame(kind, rid, body), self._needed())
+                    if rid:
+                        conn.push(wire.frame(kind, rid, body), self._needed())
+                    else:
+                        self._unanswered(conn, kind, body)
             finally:
                 conn.busy = False
                 conn.calls_wake.set()
