@@ -64,6 +64,8 @@ log = logging.getLogger(__name__)
 
 #: an idle connection sends a ping this often; the server drops silent ones
 KEEPALIVE = 5.0
+#: calls without reply (releases) wait at most this long for a call to go with
+HOLD_MAX = 0.25
 #: the clock the metadata server stamps with (memfs.meta.store): mtimes stay ordered
 _CLOCK = getattr(time, "CLOCK_REALTIME_COARSE", 5)
 #: most space a sequential writer asks for ahead of its writes (the server caps it too)
@@ -181,6 +183,8 @@ class _Connection:
         self._wake = trio.Event()
         self._scope = trio.CancelScope()
         self._last_send = trio.current_time()
+        #: calls without reply not sent yet: they go with the next call (or ping)
+        self._held = bytearray()
 
     def request(self, payload: bytes, on_ok: Callable[[bytes], None] | None = None) -> tuple[int, _Pending]:
         """Send a call (no await: callers do their bookkeeping atomically with it)."""
@@ -189,8 +193,13 @@ class _Connection:
         now = trio.current_time()
         p = _Pending(on_ok, now)
         self.pending[rid] = p
+        frame = wire.frame(Kind.CALL, rid, payload)
+        if self._held:
+            self._held += frame
+            frame = bytes(self._held)
+            self._held.clear()
         try:
-            self.fs.send_now(wire.frame(Kind.CALL, rid, payload))
+            self.fs.send_now(frame)
         except trio.BrokenResourceError as exc:
             self.kill(f"send failed: {exc}")
         else:
@@ -200,16 +209,10 @@ class _Connection:
         return rid, p
 
     def cast(self, payload: bytes) -> None:
-        """Send a call that wants no reply (request id 0): the server runs it in order
-        with the others and answers nothing, so neither side pays for a reply."""
-        try:
-            self.fs.send_now(wire.frame(Kind.CALL, 0, payload))
-        except trio.BrokenResourceError as exc:
-            self.kill(f"send failed: {exc}")
-        else:
-            if self.fs.pending():
-                self._wake.set()
-        self._last_send = trio.current_time()
+        """A call that wants no reply (request id 0): the server runs it in order with
+        the others and answers nothing.  It leaves with our next call, in the same
+        send, or with a ping at most ``HOLD_MAX`` later."""
+        self._held += wire.frame(Kind.CALL, 0, payload)
 
     def send_recalled(self, rid: int, payload: bytes) -> None:
         """Acknowledge recall *rid* (no await: the reader must not wait on the socket)."""
@@ -310,9 +313,10 @@ class _Connection:
                 break
 
     async def _keepalive(self) -> None:
+        """Ping when idle (keeps the lease), or when calls were held for a while."""
         while True:
-            await trio.sleep_until(self._last_send + self.keepalive)
-            if trio.current_time() >= self._last_send + self.keepalive:
+            await trio.sleep_until(min(self._last_send + self.keepalive, trio.current_time() + HOLD_MAX))
+            if self._held or trio.current_time() >= self._last_send + self.keepalive:
                 self.request(_PING)
 
 
@@ -798,9 +802,9 @@ class RemoteMeta(Meta):
             self.cache.drop(ino)  # our last handle of an unlinked file: it is gone now
         conn = self._conn
         if conn is not None and not conn.dead:
-            # Sent without a reply: it says nothing we need, and calls after it on
-            # this connection run after it.  If the connection drops first, the next
-            # re-registration states our counts without it.
+            # Sent without a reply (with our next call): it says nothing we need, and
+            # calls after it on this connection run after it.  If the connection drops
+            # first, the next re-registration states our counts without it.
             conn.cast(wire.encode(codec.encode_call("release", ino)))
         uncount()
 
