@@ -5,7 +5,7 @@ MNT    ?= /mnt/memfs
 SIZE   ?= 4G
 MEMFS   = $(VENV)/bin/memfs
 
-.PHONY: install mount umount test lint bench bench-fs bench-tcp bench-bb bench-cluster bench-mds clean
+.PHONY: install mount umount test lint bench bench-fs bench-tcp bench-bb bench-cluster bench-mds bench-journal clean
 
 install: $(VENV)/.installed
 
@@ -45,7 +45,7 @@ lint: install
 # memfs vs tmpfs (fio, metadata), then the tcp data path vs raw loopback sockets, then the
 # burst buffer: writing into memfs --backing DIR vs into DIR (a disk directory) directly,
 # then cluster mode (memd + mds + client on loopback) vs embedded, then the mds under load.
-bench: bench-fs bench-tcp bench-bb bench-cluster bench-mds
+bench: bench-fs bench-tcp bench-bb bench-cluster bench-mds bench-journal
 
 bench-fs: install
 	$(VENV)/bin/python bench/fsbench.py $(BENCH_ARGS)
@@ -65,6 +65,10 @@ bench-cluster: install
 # MDS_BENCH_ARGS="--profile /tmp/mds.txt": also py-spy the mds ($(VENV)/bin/pip install py-spy).
 bench-mds: install
 	$(VENV)/bin/python bench/mdsbench.py $(MDS_BENCH_ARGS)
+
+# creates from 4 clients on an mds with --journal vs without (group commit; goal 0.7)
+bench-journal: install
+	$(VENV)/bin/python bench/mdsbench.py --mode create --journal-compare $(JOURNAL_BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -292,6 +292,16 @@ def one_window(
     }
 
 
+def fs_type(path: Path) -> str:
+    """The type of the filesystem *path* is on (the longest mount point above it)."""
+    best, kind = "", "?"
+    for line in Path("/proc/mounts").read_text().splitlines():
+        mnt, typ = line.split()[1:3]
+        if (str(path) + "/").startswith(mnt.rstrip("/") + "/") and len(mnt) >= len(best):
+            best, kind = mnt, typ
+    return kind
+
+
 def summarize_profile(path: str, top: int = 15) -> list[str]:
     """The functions with the most samples in py-spy's collapsed stacks: own and total."""
     own: Counter[str] = Counter()
@@ -387,6 +397,8 @@ def main() -> int:
     print(f"\nmds load: {args.clients} clients x {args.tasks} calls in flight, {args.seconds:g} s "
           f"after {args.warmup:g} s warm-up, medians of {args.rounds} rounds; code {code}; "
           f"mds {' '.join(args.mds_arg) or '(defaults: clients cache under leases)'}")
+    if args.journal_compare:
+        print(f"journal: a fresh directory in {tmp.parent} ({fs_type(tmp.parent)}, fdatasync per commit)")
     print("| mode | ops/s | per client | p50 ms | p99 ms | mds CPU % | mds waits for CPU % | "
           "clients CPU % | machine busy % | goal |")
     print("|---|---:|---|---:|---:|---:|---:|---|---:|---|")
