@@ -25,7 +25,7 @@ from memfs.config import FlushConfig, PoolConfig, VolumeAddr, format_size
 from memfs.errors import FsError, UsageError
 from memfs.flush import BackedMeta
 from memfs.host import sd_notify
-from memfs.meta.journal import Journal, JournalError
+from memfs.meta.journal import Journal, JournalError, fsync_dir
 from memfs.meta.server import MetaServer
 from memfs.meta.store import MetaStore
 from memfs.scrub import Scrubber
@@ -152,7 +152,8 @@ def _load_incarnations(journal_dir: str | None) -> dict[str, int]:
 
 
 def _save_incarnations(journal_dir: str, incarnations: dict[str, int]) -> None:
-    """Atomically: a crash leaves the old file or the new one."""
+    """Atomically and durably: a crash leaves the old file or the new one, and once
+    this returns, the new one (the rename is fsynced in the directory too)."""
     path = Path(journal_dir, INCARNATIONS)
     tmp = path.with_suffix(".tmp")
     with open(tmp, "wb") as f:
@@ -160,6 +161,7 @@ def _save_incarnations(journal_dir: str, incarnations: dict[str, int]) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    fsync_dir(path.parent)
 
 
 async def _scrub(

@@ -59,7 +59,14 @@ class Scrubber:
             failed: dict[int, str] = {} if retry else dict(self._failing)
             skipped = set(failed)
             while batch := self.store.take_dirty(BATCH, skip=failed):
-                bad = await self._zero(batch)
+                try:
+                    bad = await self._zero(batch)
+                except BaseException:
+                    # Cancelled (a waiting call gave up, its connection dropped):
+                    # the batch stays dirty, or it would be lost to every round
+                    # after (neither dirty nor allocatable).  Zeroed again later.
+                    self.store.return_dirty(batch)
+                    raise
                 if bad:
                     self.store.return_dirty([c for c in batch if c[0] in bad])
                     batch = [c for c in batch if c[0] not in bad]

@@ -560,7 +560,17 @@ def test_memory_server_incarnations_are_kept_with_the_journal(tmp_path: Path) ->
     assert _load_incarnations(None) == {}
     assert _load_incarnations(str(tmp_path)) == {}
     known = {"10.0.0.2:7100": 12345, "[::1]:7101": (1 << 62) + 7}
-    _save_incarnations(str(tmp_path), known)
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(os, "fsync", fsync)
+        _save_incarnations(str(tmp_path), known)
+    assert synced[-1] == str(tmp_path), "the rename is made durable: the directory is fsynced after it"
     assert _load_incarnations(str(tmp_path)) == known
     (tmp_path / INCARNATIONS).write_bytes(b"garbage")
     with pytest.raises(StartupError):

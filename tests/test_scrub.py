@@ -89,6 +89,39 @@ async def test_unzeroable_chunks_stay_dirty_and_are_never_handed_out(
     await transport.aclose()
 
 
+class GatedZero(LocalTransport):
+    """Zeroing waits until the gate opens (a slow memory server)."""
+
+    def __init__(self, *args: int) -> None:
+        super().__init__(*args)
+        self.gate = trio.Event()
+
+    async def zero(self, volume: int, offset: int, length: int) -> None:
+        await self.gate.wait()
+        await super().zero(volume, offset, length)
+
+
+async def test_a_cancelled_round_returns_its_batch(autojump_clock: trio.testing.MockClock) -> None:
+    """A drain whose caller gives up (the mds's call deadline, a dropped connection)
+    leaves the chunks it took dirty, not stuck between dirty and allocatable."""
+    store = MetaStore(POOL)
+    transport = GatedZero(POOL.volumes, POOL.volume_size)
+    scrubber = Scrubber(store, transport)
+    engine = DataEngine(store, transport)
+    await filled_then_freed(store, engine)
+    dirty = store.dirty_chunks
+    assert dirty
+    with trio.move_on_after(1):
+        await scrubber.drain()
+    assert not any(a.scrubbing for a in store.allocators), "the taken batch was lost"
+    assert store.dirty_chunks == dirty
+    transport.gate.set()
+    await scrubber.drain()
+    s = await store.statfs()
+    assert store.dirty_chunks == 0 and s.blocks_free == s.blocks
+    await transport.aclose()
+
+
 class DeadVolume(LocalTransport):
     """Volume 0's memory server is gone; the others work."""
 

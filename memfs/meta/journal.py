@@ -198,7 +198,8 @@ def load_state(state: Any, pool: PoolConfig) -> MetaStore:
 # -- file helpers (run in worker threads) ---------------------------------------------------
 
 
-def _fsync_dir(d: Path) -> None:
+def fsync_dir(d: Path) -> None:
+    """Make a rename or create in *d* durable (the entry lives in the directory)."""
     fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -227,7 +228,7 @@ def write_snapshot(d: Path, seq: int, state: dict[str, Any], fsync: bool = True)
         os.close(fd)
     os.replace(tmp, final)
     if fsync:
-        _fsync_dir(d)
+        fsync_dir(d)
     return final
 
 
@@ -476,7 +477,7 @@ class Journal:
             _write_all(fd, _JOURNAL_HEAD.pack(JOURNAL_MAGIC, base))
             if self.fsync:
                 os.fsync(fd)
-                _fsync_dir(self.dir)
+                fsync_dir(self.dir)
         except BaseException:
             os.close(fd)
             raise
