@@ -25,7 +25,7 @@ from memfs.data import DataEngine
 from memfs.errors import FsError, UsageError
 from memfs.flush import BackedMeta
 from memfs.fs import Operations
-from memfs.host import mem_available, sd_notify
+from memfs.host import mem_available, sd_notify, tune_malloc
 from memfs.meta import Meta
 from memfs.meta.remote import open_remote_meta
 from memfs.meta.store import MetaStore
@@ -176,6 +176,7 @@ def run(opts: MountOptions, ready: Callable[[], None] | None = None) -> int:
     """Mount, serve until unmounted, clean up.  Returns the exit status."""
     faulthandler.enable()
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    tune_malloc()
     trio.run(_main, opts, ready)
     return 0
 

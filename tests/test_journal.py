@@ -31,6 +31,8 @@ from memfs.meta.journal import (
     JournalError,
     dump_state,
     load_state,
+    read_snapshot,
+    write_snapshot,
 )
 from memfs.meta.remote import open_remote_meta
 from memfs.meta.server import MetaServer
@@ -294,3 +296,44 @@ async def test_scrubbed_chunks_replay_exactly(tmp_path: Path) -> None:
     # The in-flight batch came back dirty, not clean.
     dirty_after = {(v, i * POOL.chunk_size) for v, a in enumerate(after.allocators) for i in a.dirty}
     assert set(out_with_scrubber) <= dirty_after
+
+
+async def test_freed_chunks_go_out_lowest_first() -> None:
+    """A file rewritten after a delete gets ascending, adjacent chunks: one extent per
+    stripe unit (last-in-first-out handed them back reversed, one extent per chunk)."""
+    store = MetaStore(POOL)
+    a = await store.mknod(ROOT, b"a", stat.S_IFREG | 0o600, 0, 0)
+    await store.map_write(a.ino, 0, 2 * M)
+    await store.unlink(ROOT, b"a")
+    store.recycle_unzeroed()
+    b = await store.mknod(ROOT, b"b", stat.S_IFREG | 0o600, 0, 0)
+    await store.map_write(b.ino, 0, 2 * M)
+    extents = await store.map_read(b.ino, 0, 2 * M)
+    assert len(extents) == 2 * M // POOL.stripe_size
+    assert all(e.length == POOL.stripe_size for e in extents)
+
+
+async def test_old_journal_replays_last_in_first_out(tmp_path: Path) -> None:
+    """A format-3 snapshot and its journal were written allocating freed chunks last in,
+    first out: replay follows that rule (else two files would share chunks), and the
+    server switches to lowest-first only with the new snapshot it writes."""
+    async with served(tmp_path) as (server, meta):
+        snap = read_snapshot(only(tmp_path, "snapshot"))
+        snap["format"] = 3  # as the old code wrote it, and allocating as it did:
+        write_snapshot(tmp_path, snap["seq"], snap)
+        for a in server.store.allocators:
+            a.lowest_first = False
+        await workload(meta, seed=11, steps=400)
+        server.store.recycle_unzeroed()
+        await workload(meta, seed=12, steps=400)  # allocates from the freed lists
+        before = state(server.store)
+    after = await recovered(tmp_path)
+    got = state(after)
+    assert {k: v for k, v in got.items() if k != "allocators"} == {
+        k: v for k, v in before.items() if k != "allocators"
+    }, "every inode keeps exactly the chunks it had"
+    assert [(n, sorted(f), d) for n, f, d in got["allocators"]] == [
+        (n, sorted(f), d) for n, f, d in before["allocators"]
+    ]
+    assert all(a.lowest_first for a in after.allocators)
+    assert read_snapshot(only(tmp_path, "snapshot"))["format"] == 4

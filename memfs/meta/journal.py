@@ -66,7 +66,9 @@ _SNAP_HEAD = struct.Struct("!8sQI")  # magic, payload length, crc32
 _JOURNAL_HEAD = struct.Struct("!8sQ")  # magic, base seq
 _REC = struct.Struct("!II")  # payload length, crc32
 MAX_RECORD = 16 << 20
-SNAPSHOT_FORMAT = 3  # 3: inodes gain ``backed``; format 2 still loads
+SNAPSHOT_FORMAT = 4  # 4: freed chunks are a min-heap, allocated lowest first;
+#: 3: inodes gain ``backed``; formats 2 and 3 still load (and replay under their
+#: last-in-first-out allocation, then switch: see :meth:`Journal.open`)
 DESTROY = "_destroy"
 CLEAN = "_clean"  # chunks the scrubber zeroed: dirty -> allocatable
 
@@ -118,7 +120,7 @@ def dump_state(store: MetaStore, seq: int, pool: PoolConfig, fsid: bytes = b"") 
     """The whole state of *store* as plain values, copied (later changes do not leak in).
 
     Dict orders are kept on purpose: chunk order decides the order in which a
-    truncate returns chunks to the LIFO free lists, and so future allocations.
+    truncate frees chunks, and so (with the free heaps' order) future allocations.
     """
     inodes = []
     for i in store.inodes.values():
@@ -154,7 +156,7 @@ def dump_state(store: MetaStore, seq: int, pool: PoolConfig, fsid: bytes = b"") 
 def load_state(state: Any, pool: PoolConfig) -> MetaStore:
     """A store holding *state* (from :func:`dump_state`); open counts start at zero."""
     try:
-        if state["format"] not in (2, SNAPSHOT_FORMAT):
+        if state["format"] not in (2, 3, SNAPSHOT_FORMAT):
             raise JournalError(f"snapshot format {state['format']}, expected {SNAPSHOT_FORMAT}")
         if type(state["fsid"]) is not bytes:
             raise JournalError("snapshot has no filesystem id")
@@ -173,7 +175,9 @@ def load_state(state: Any, pool: PoolConfig) -> MetaStore:
             raise JournalError("snapshot has the wrong number of volumes")
         for a, (nxt, freed, dirty) in zip(store.allocators, state["allocators"], strict=True):
             a.next = nxt
-            a.freed = list(freed)
+            a.freed = list(freed)  # format 4: a heap already
+            # Older journals were written allocating last-in-first-out: replay them so.
+            a.lowest_first = state["format"] >= 4
             a.dirty = dict.fromkeys(dirty)
         for v in state["inodes"]:
             if state["format"] == 2:
@@ -405,6 +409,8 @@ class Journal:
             self.lock()
         self.pool = pool
         store, seq = await self._recover(pool)
+        for a in store.allocators:  # the snapshot written below is format 4
+            a.use_lowest_first()
         self.seq = self.durable_seq = seq
         state = dump_state(store, seq, pool, self.fsid)
         await trio.to_thread.run_sync(write_snapshot, self.dir, seq, state, self.fsync)

@@ -14,6 +14,7 @@ the chunk holding the new EOF for the caller to zero.
 from __future__ import annotations
 
 import errno
+import heapq
 import logging
 import stat
 import time
@@ -117,15 +118,22 @@ class Watcher(Protocol):
 
 
 class VolumeAllocator:
-    """Chunks of one volume: a bump pointer, a LIFO of clean freed chunks, and the
-    dirty chunks (freed, not yet zeroed by the scrubber).
+    """Chunks of one volume: a bump pointer, a min-heap of clean freed chunks, and
+    the dirty chunks (freed, not yet zeroed by the scrubber).
 
     Only clean chunks are handed out, so a newly allocated chunk reads as zeros
     and no writer ever has to zero anything: two clients writing disjoint parts
     of one fresh chunk cannot undo each other.
+
+    Freed chunks go out lowest first, so a run of allocations on a volume gets
+    ascending, mostly adjacent chunks that merge into one extent: one transfer
+    per stripe unit instead of one per chunk.  (A last-in-first-out list handed
+    a file's freed chunks back in descending order: after any deletion, a 1 MiB
+    read became 16 requests to the memory server.)  ``lowest_first`` is off only
+    while a journal written under that old rule is replayed.
     """
 
-    __slots__ = ("chunk_size", "n_chunks", "next", "freed", "dirty", "scrubbing")
+    __slots__ = ("chunk_size", "n_chunks", "next", "freed", "dirty", "scrubbing", "lowest_first")
 
     def __init__(self, n_chunks: int, chunk_size: int) -> None:
         self.chunk_size = chunk_size
@@ -134,6 +142,7 @@ class VolumeAllocator:
         self.freed: list[int] = []
         self.dirty: dict[int, None] = {}  # an ordered set of chunk numbers
         self.scrubbing: set[int] = set()  # taken by the scrubber, not yet back
+        self.lowest_first = True
 
     @property
     def free(self) -> int:
@@ -147,7 +156,8 @@ class VolumeAllocator:
 
     def alloc(self) -> int:
         if self.freed:
-            return self.freed.pop() * self.chunk_size
+            idx = heapq.heappop(self.freed) if self.lowest_first else self.freed.pop()
+            return idx * self.chunk_size
         if self.next >= self.n_chunks:
             raise FsError(errno.ENOSPC)
         self.next += 1
@@ -155,6 +165,19 @@ class VolumeAllocator:
 
     def release(self, voffset: int) -> None:
         self.dirty[voffset // self.chunk_size] = None
+
+    def put_free(self, idx: int) -> None:
+        """Chunk *idx* holds zeros: allocatable."""
+        if self.lowest_first:
+            heapq.heappush(self.freed, idx)
+        else:
+            self.freed.append(idx)
+
+    def use_lowest_first(self) -> None:
+        """From now on hand out freed chunks lowest first (after an old journal's replay)."""
+        if not self.lowest_first:
+            heapq.heapify(self.freed)
+            self.lowest_first = True
 
 
 def _check_name(name: bytes) -> None:
@@ -976,7 +999,7 @@ class MetaStore(Meta):
                 a.scrubbing.discard(idx)
             else:  # journal replay: never taken
                 del a.dirty[idx]
-            a.freed.append(idx)
+            a.put_free(idx)
         if self.on_clean is not None and chunks:
             self.on_clean(chunks)
 
