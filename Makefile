@@ -9,10 +9,12 @@ MEMFS   = $(VENV)/bin/memfs
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml scripts/setup-debian.sh scripts/link-pyverbs.sh
+$(VENV)/.installed: pyproject.toml scripts/setup-debian.sh scripts/link-pyverbs.sh \
+		scripts/build-pyfuse3.sh scripts/pyfuse3/0001-init-connection.patch
 	./scripts/setup-debian.sh
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
+	./scripts/build-pyfuse3.sh $(VENV)
 	$(VENV)/bin/pip install -q -e '.[test]'
 	./scripts/link-pyverbs.sh $(VENV)
 	touch $@

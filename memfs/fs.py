@@ -58,6 +58,10 @@ def _errno_boundary(fn: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coro
     return wrapper
 
 
+#: background requests (readahead, async direct I/O) the kernel may keep in flight
+MAX_BACKGROUND = 64
+
+
 class Operations(pyfuse3.Operations):
     supports_dot_lookup = True
 
@@ -71,6 +75,8 @@ class Operations(pyfuse3.Operations):
         attr_timeout: float = 1.0,
         entry_timeout: float = 1.0,
         negative_timeout: float = 1.0,
+        sole_writer: bool = False,
+        max_background: int = MAX_BACKGROUND,
     ) -> None:
         super().__init__()
         self.meta = meta
@@ -80,6 +86,10 @@ class Operations(pyfuse3.Operations):
         self.attr_timeout = attr_timeout
         self.entry_timeout = entry_timeout
         self.negative_timeout = negative_timeout
+        self.sole_writer = sole_writer
+        self.max_background = max_background
+        #: what init_connection negotiated; None: not called (a pyfuse3 without the hook)
+        self.negotiated: dict[str, int] | None = None
         self._dir_handles: dict[int, list[tuple[bytes, Attr | None]]] = {}
         self._dir_inodes: dict[int, int] = {}
         self._next_dh = itertools.count(1)
@@ -118,8 +128,28 @@ class Operations(pyfuse3.Operations):
             except OSError as exc:  # unmounted: nothing is cached
                 log.debug("kernel name invalidation failed: %s", exc)
 
+    def init_connection(self, conn: Any) -> None:
+        """Negotiate with the kernel (pyfuse3 with memfs's patch, scripts/pyfuse3/).
+
+        *sole_writer* (embedded mode: every change to file data comes through
+        this kernel) turns off libfuse's default ``AUTO_INVAL_DATA``, under
+        which the kernel dropped a file's cached pages whenever it saw a new
+        mtime, that is after each of its own writes: re-reads then came from
+        the page cache only until the next write.  More background requests
+        (readahead, async direct I/O) may be in flight than the kernel's 12.
+        """
+        if self.sole_writer:
+            conn.want &= ~pyfuse3.FUSE_CAP_AUTO_INVAL_DATA
+        conn.max_background = self.max_background
+        conn.congestion_threshold = self.max_background * 3 // 4
+        self.negotiated = {"want": conn.want, "max_background": conn.max_background}
+
     def init(self) -> None:
         """The kernel's INIT request is being answered (the reply follows)."""
+        if self.negotiated is None:
+            log.info("pyfuse3 %s has no init_connection (not memfs's patched build, see "
+                     "scripts/pyfuse3/): the kernel's defaults stay (cached pages dropped "
+                     "after every write, 12 background requests)", pyfuse3.__version__)
         self._dev_fd = _epoch_capable_fuse_fd()
         if self._dev_fd is not None:
             self.meta.names_invalidator = self.forget_names

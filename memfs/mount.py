@@ -225,6 +225,7 @@ async def _serve(
         # Other nodes change files too: drop cached pages at every open
         # (close-to-open), and let attributes expire per --attr-timeout.
         keep_cache=opts.mds is None,
+        sole_writer=opts.mds is None,
         attr_timeout=opts.attr_timeout,
         entry_timeout=opts.attr_timeout,
         negative_timeout=opts.attr_timeout,

@@ -1,0 +1,118 @@
+"""The kernel's page cache on an embedded mount, and what memfs negotiates with the
+kernel at INIT (pyfuse3 with memfs's patch: scripts/build-pyfuse3.sh).
+
+Embedded mode is the only writer of its files, so pages this kernel cached stay
+valid across its own writes: libfuse's default AUTO_INVAL_DATA (drop a file's
+pages whenever its mtime moves) is turned off.  These tests fail when the
+negotiation is not in effect, e.g. on a plain PyPI pyfuse3.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pyfuse3
+import pytest
+
+from memfs.fs import MAX_BACKGROUND, Operations
+from tests.conftest import Mounted
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long)
+_libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+_libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_PROT_READ, _MAP_SHARED, _PAGE = 1, 1, os.sysconf("SC_PAGE_SIZE")
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def resident_pages(path: Path) -> int:
+    """How many of *path*'s pages are in the page cache (mincore; touches none)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        addr = _libc.mmap(None, size, _PROT_READ, _MAP_SHARED, fd, 0)
+    finally:
+        os.close(fd)
+    assert addr not in (None, _MAP_FAILED), os.strerror(ctypes.get_errno())
+    try:
+        vec = ctypes.create_string_buffer((size + _PAGE - 1) // _PAGE)
+        assert _libc.mincore(addr, size, vec) == 0, os.strerror(ctypes.get_errno())
+        return sum(b & 1 for b in vec.raw)
+    finally:
+        _libc.munmap(addr, size)
+
+
+@pytest.mark.mount
+def test_own_writes_keep_the_page_cache(memfs_mount: Callable[..., Mounted]) -> None:
+    """A write through this kernel, then stat (which fetches the new mtime), leaves the
+    file's other cached pages in place; its bytes read back are the new ones."""
+    m = memfs_mount("--size", "64M")
+    path = m / "f"
+    data = bytearray(os.urandom(1 << 20))
+    path.write_bytes(data)
+    assert path.read_bytes() == data
+    pages = len(data) // _PAGE
+    assert resident_pages(path) == pages
+    for round_ in range(3):
+        with open(path, "r+b") as f:
+            f.seek(round_ * _PAGE)
+            f.write(b"x" * _PAGE)
+        data[round_ * _PAGE : (round_ + 1) * _PAGE] = b"x" * _PAGE
+        before = os.stat(path).st_mtime_ns
+        assert resident_pages(path) == pages, "the write or stat dropped cached pages"
+        assert path.read_bytes() == data
+        assert os.stat(path).st_mtime_ns == before
+
+
+@pytest.fixture
+def fusectl() -> Iterator[Path]:
+    """/sys/fs/fuse/connections, mounted for the test if it was not (and unmounted after)."""
+    root = Path("/sys/fs/fuse/connections")
+    with open("/proc/self/mounts") as f:
+        present = any(line.split()[1:3] == [str(root), "fusectl"] for line in f)
+    mounted_here = False
+    if not present:
+        r = subprocess.run(["mount", "-t", "fusectl", "none", str(root)], capture_output=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount fusectl: {r.stderr.decode().strip()}")
+        mounted_here = True
+    try:
+        yield root
+    finally:
+        if mounted_here:
+            subprocess.run(["umount", str(root)], check=False)
+
+
+@pytest.mark.mount
+def test_max_background_negotiated(memfs_mount: Callable[..., Mounted], fusectl: Path) -> None:
+    m = memfs_mount("--size", "16M")
+    conn = fusectl / str(os.minor(os.stat(m.path).st_dev))
+    assert int((conn / "max_background").read_text()) == MAX_BACKGROUND
+    assert int((conn / "congestion_threshold").read_text()) == MAX_BACKGROUND * 3 // 4
+
+
+class FakeConn:
+    def __init__(self) -> None:
+        self.want = pyfuse3.FUSE_CAP_AUTO_INVAL_DATA | pyfuse3.FUSE_CAP_ASYNC_READ
+        self.max_background = 12
+        self.congestion_threshold = 9
+
+
+@pytest.mark.parametrize("sole_writer", [True, False])
+def test_init_connection(sole_writer: bool) -> None:
+    """Only a sole writer (embedded) gives up AUTO_INVAL_DATA: on a cluster client
+    other nodes change files, and the kernel must notice a new mtime."""
+    ops = Operations.__new__(Operations)
+    ops.sole_writer, ops.max_background, ops.negotiated = sole_writer, 32, None
+    conn = FakeConn()
+    ops.init_connection(conn)
+    assert bool(conn.want & pyfuse3.FUSE_CAP_AUTO_INVAL_DATA) is not sole_writer
+    assert conn.want & pyfuse3.FUSE_CAP_ASYNC_READ
+    assert (conn.max_background, conn.congestion_threshold) == (32, 24)
+    assert ops.negotiated == {"want": conn.want, "max_background": 32}
