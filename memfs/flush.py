@@ -30,7 +30,10 @@ directory DIR (the parallel filesystem) in step with it:
 
 Backing-filesystem errors never fail an application's write: the data stays
 dirty, the error is logged and shown by ``memfs status``, and the file is
-retried with exponential backoff.
+retried with exponential backoff.  So are bugs: an unexpected exception in any
+background task (scheduler, workers, namespace mirror, stager) is logged with
+its traceback, shown by ``memfs status`` as ``(internal) ...``, and that task
+carries on; none of them can end the mount without draining.
 
 Cluster mode: the same object runs inside ``memfs mds``; clients see fetches
 and backpressure as slower ``map_read``/``map_write`` replies.
@@ -781,50 +784,62 @@ class BackedMeta(Meta):
             await self._schedule(send)
 
     async def _schedule(self, send: trio.MemorySendChannel[int]) -> None:
-        """Hand due files to the workers: forced ones first, then by age of last change."""
+        """Hand due files to the workers: forced ones first, then by age of last change.
+
+        A bug in a round is logged and the next round comes a second later: the
+        dirty files stay dirty, and the mount must keep draining them.
+        """
         while True:
-            now = self.clock()
-            urgent = (
-                self.draining or self.writers_waiting > 0
-                or self.dirty_chunks * self.chunk_size >= self.dirty_max // 2
-            )
-            due: list[int] = []
-            wait = 3600.0
-            for ino in list(self._forced):
-                d = self.dirty.get(ino)
-                if d is None:
-                    self._forced.discard(ino)
-                elif not d.busy:
-                    if d.retry_at > now:
-                        wait = min(wait, d.retry_at - now)
-                    else:
-                        due.append(ino)
-            for ino, d in self.dirty.items():
-                if len(due) >= 256:
-                    break
-                if d.busy or ino in self._forced:
-                    continue
+            try:
+                await self._schedule_round(send)
+            except Exception as exc:
+                self._record_bug("write-back scheduler", exc)
+                await trio.sleep(1.0)
+
+    async def _schedule_round(self, send: trio.MemorySendChannel[int]) -> None:
+        """Hand out what is due now, or wait until something may be."""
+        now = self.clock()
+        urgent = (
+            self.draining or self.writers_waiting > 0
+            or self.dirty_chunks * self.chunk_size >= self.dirty_max // 2
+        )
+        due: list[int] = []
+        wait = 3600.0
+        for ino in list(self._forced):
+            d = self.dirty.get(ino)
+            if d is None:
+                self._forced.discard(ino)
+            elif not d.busy:
                 if d.retry_at > now:
                     wait = min(wait, d.retry_at - now)
-                    continue
-                ready_at = d.since + self.cfg.delay
-                if urgent or ready_at <= now:
+                else:
                     due.append(ino)
-                else:  # ordered by last change: nothing after this one is due either
-                    wait = min(wait, ready_at - now)
-                    break
-            if not due:
-                with trio.move_on_after(max(wait, 0.01)):
-                    await self._wake.wait()
-                self._wake = trio.Event()
+        for ino, d in self.dirty.items():
+            if len(due) >= 256:
+                break
+            if d.busy or ino in self._forced:
                 continue
-            for ino in due:
-                d2 = self.dirty.get(ino)
-                if d2 is None or d2.busy:
-                    continue
-                d2.busy = True
-                self._forced.discard(ino)
-                await send.send(ino)
+            if d.retry_at > now:
+                wait = min(wait, d.retry_at - now)
+                continue
+            ready_at = d.since + self.cfg.delay
+            if urgent or ready_at <= now:
+                due.append(ino)
+            else:  # ordered by last change: nothing after this one is due either
+                wait = min(wait, ready_at - now)
+                break
+        if not due:
+            with trio.move_on_after(max(wait, 0.01)):
+                await self._wake.wait()
+            self._wake = trio.Event()
+            return
+        for ino in due:
+            d2 = self.dirty.get(ino)
+            if d2 is None or d2.busy:
+                continue
+            d2.busy = True
+            self._forced.discard(ino)
+            await send.send(ino)
 
     async def _worker(self, recv: trio.MemoryReceiveChannel[int]) -> None:
         buf = self.transport.register(STEP)
@@ -840,8 +855,8 @@ class BackedMeta(Meta):
                 path = self.store.path(ino) or b"?"
                 self._record_error(path, "read from the pool", exc)
                 self._backoff(d)
-            except Exception:  # a bug: log it, keep the data dirty, keep the mount alive
-                log.exception("write-back of inode %d failed", ino)
+            except Exception as exc:  # a bug: log it, keep the data dirty, keep the mount alive
+                self._record_bug(f"write-back of inode {ino}", exc)
                 self._backoff(d)
             finally:
                 d.busy = False
@@ -1099,14 +1114,18 @@ class BackedMeta(Meta):
                 async with self.ns_lock:
                     await self._apply_ns_ops()
                 failures = 0
+                continue
             except _Retry:
-                failures += 1
-                # Back off, but `memfs flush` and unmount try again at once.
-                with trio.move_on_after(min(MAX_BACKOFF, 0.5 * 2 ** min(failures, 10))):
-                    await self._ns_retry.wait()
-                if self._ns_retry.is_set():
-                    self._ns_retry = trio.Event()
-                    failures = 0
+                pass
+            except Exception as exc:  # a bug: the queue is kept, so nothing is lost
+                self._record_bug("namespace mirror", exc)
+            failures += 1
+            # Back off, but `memfs flush` and unmount try again at once.
+            with trio.move_on_after(min(MAX_BACKOFF, 0.5 * 2 ** min(failures, 10))):
+                await self._ns_retry.wait()
+            if self._ns_retry.is_set():
+                self._ns_retry = trio.Event()
+                failures = 0
 
     async def _apply_ns_ops(self) -> None:
         """Apply every queued namespace operation, in order (hold ``ns_lock``)."""
@@ -1222,6 +1241,22 @@ class BackedMeta(Meta):
             else:
                 log.warning("backing directory: %s: %s (data kept in memory, retrying)", p, msg)
 
+    def _record_bug(self, what: str, exc: Exception) -> None:
+        """An unexpected error in background work: logged with its traceback and shown
+        by ``memfs status`` (as ``(internal) WHAT``); the caller keeps the data and
+        carries on."""
+        log.error("%s failed (a bug; the data is kept and the work retried)", what,
+                  exc_info=exc)
+        key = f"(internal) {what}"
+        rec = self.errors.get(key)
+        if rec is None:
+            rec = self.errors[key] = _ErrorRecord(key, f"{exc!r}")
+            while len(self.errors) > MAX_ERRORS:
+                del self.errors[next(iter(self.errors))]
+        rec.error = f"{exc!r}"
+        rec.count += 1
+        rec.last = rec.logged = time.time()
+
     def _clear_error(self, path: bytes) -> None:
         rec = self.errors.pop(os.fsdecode(path), None)
         if rec is not None:
@@ -1244,6 +1279,11 @@ class BackedMeta(Meta):
                     t = self._tickets.get(ticket)
                     if t is not None:
                         t.failed[ino] = (where, exc.args[1])
+            except Exception as exc:  # a bug: the backing copy is intact; report, go on
+                self._record_bug(f"stage-in of inode {ino}", exc)
+                t = self._tickets.get(ticket)
+                if t is not None:
+                    t.failed[ino] = (os.fsdecode(self._where(ino)), f"internal error: {exc!r}")
             t = self._tickets.get(ticket)
             if t is not None:
                 t.inos.discard(ino)

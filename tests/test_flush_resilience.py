@@ -1,0 +1,131 @@
+"""The burst buffer's background tasks survive their own bugs (in-process, no mount).
+
+An unexpected exception in the write-back scheduler, the namespace mirror or
+the stager used to end the mount's background nursery, and with it the mount,
+without writing dirty data back.  Each test injects one such exception and
+checks that the work is still done and the error is reported.
+"""
+
+from __future__ import annotations
+
+import logging
+import stat
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from memfs.config import FlushConfig, PoolConfig
+from memfs.data import DataEngine
+from memfs.flush import BackedMeta
+from memfs.meta.store import MetaStore
+from memfs.transport.local import LocalTransport
+
+K, M = 1 << 10, 1 << 20
+POOL = PoolConfig(size=16 * M, volumes=2, stripe_size=256 * K, chunk_size=64 * K)
+ROOT = 1
+
+
+@asynccontextmanager
+async def running(backing: Path) -> AsyncIterator[tuple[BackedMeta, DataEngine]]:
+    backing.mkdir(exist_ok=True)  # noqa: ASYNC240 - a local mkdir
+    transport = LocalTransport(POOL.volumes, POOL.size // POOL.volumes)
+    b = BackedMeta(MetaStore(POOL), transport, FlushConfig(str(backing), delay=0.0, workers=1))
+    await b.load()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(b.run)
+        yield b, DataEngine(b, transport)
+        nursery.cancel_scope.cancel()
+
+
+def fail_once(obj: Any, name: str) -> list[int]:
+    """Make ``obj.name`` raise RuntimeError on its first call; returns a call counter."""
+    real = getattr(obj, name)
+    calls = [0]
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise RuntimeError("injected bug")
+        return real(*args, **kwargs)
+
+    setattr(obj, name, wrapper)
+    return calls
+
+
+async def until(what: Callable[[], bool], seconds: float = 10.0) -> None:
+    """Poll: the background tasks signal nothing a test could wait on."""
+    with trio.fail_after(seconds):
+        while not what():  # noqa: ASYNC110
+            await trio.sleep(0.02)
+
+
+def internal_errors(b: BackedMeta, caplog: pytest.LogCaptureFixture) -> list[str]:
+    """What status reports as internal errors; each was also logged as an ERROR."""
+    logged = [r.getMessage() for r in caplog.get_records("call") if r.levelno == logging.ERROR]
+    found = [e["path"] for e in b.status()["errors"] if e["path"].startswith("(internal)")]
+    for what in found:
+        assert any(m.startswith(what.removeprefix("(internal) ")) for m in logged), logged
+    return found
+
+
+@pytest.fixture(autouse=True)
+def _bugs_are_logged(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.expected_warnings = True  # type: ignore[attr-defined]
+
+
+async def test_namespace_mirror_survives_a_bug(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with running(tmp_path / "dir") as (b, _):
+        calls = fail_once(b, "_apply_op")
+        await b.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
+        b._ns_retry.set()  # as `memfs flush` does: no need to wait for the back-off
+        await until(lambda: (tmp_path / "dir" / "d").is_dir())
+        assert calls[0] >= 2
+        assert internal_errors(b, caplog) == ["(internal) namespace mirror"]
+
+
+async def test_scheduler_survives_a_bug(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    async with running(tmp_path / "dir") as (b, data):
+        a = await b.mknod(ROOT, b"f", stat.S_IFREG | 0o644, 0, 0)
+        await until(lambda: (tmp_path / "dir" / "f").exists())
+        calls = fail_once(b, "_schedule_round")
+        await b.open(a.ino)
+        await data.write(a.ino, 0, b"x" * 100 * K)
+        await b.release(a.ino)
+        await until(lambda: (tmp_path / "dir" / "f").stat().st_size == 100 * K)
+        assert (tmp_path / "dir" / "f").read_bytes() == b"x" * 100 * K
+        assert calls[0] >= 2
+        assert "(internal) write-back scheduler" in internal_errors(b, caplog)
+
+
+async def test_stager_survives_a_bug(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    backing = tmp_path / "dir"
+    backing.mkdir()
+    (backing / "a").write_bytes(b"a" * 200 * K)
+    (backing / "b").write_bytes(b"b" * 200 * K)
+    async with running(backing) as (b, data):
+        calls = fail_once(b, "_ensure_resident")
+        tid = (await b.control("stage_in", {}))["ticket"]
+
+        async def progress() -> dict[str, Any]:
+            return await b.control("progress", {"ticket": tid})
+
+        with trio.fail_after(10):
+            while not (p := await progress())["done"]:  # noqa: ASYNC110
+                await trio.sleep(0.02)
+        assert calls[0] >= 2
+        failed = p.get("failed") or []
+        assert len(failed) == 1 and "internal error" in str(failed[0]), p
+        # The stager went on: a second ticket stages what the first could not.
+        tid = (await b.control("stage_in", {}))["ticket"]
+        with trio.fail_after(10):
+            while not (p := await progress())["done"]:  # noqa: ASYNC110
+                await trio.sleep(0.02)
+        assert not p.get("failed"), p
+        ino = b.store.resolve(b"a").ino
+        assert bytes(await data.read(ino, 0, 200 * K)) == b"a" * 200 * K
