@@ -44,6 +44,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
+import functools
 import itertools
 import logging
 import os
@@ -579,25 +580,29 @@ class BackedMeta(Meta):
                     await ev.wait()
 
     async def _fetch(self, ino: int, ks: list[int], path: bytes | None = None) -> None:
+        """Fetch chunks *ks* of *ino* from DIR: one open of its copy, then a STEP at a
+        time, each part claimed just before it is read, so a reader that needs a later
+        part meanwhile fetches that part itself instead of waiting for this one."""
         cs = self.chunk_size
         # Open first: that may wait for the namespace lock, whose holder may be
         # fetching this very file (before an unlink): chunks are claimed only after.
         fd = await self._open_backing(ino, path)
         try:
-            ks = [k for k in ks if (ino, k) not in self._fetching]
-            events = {k: trio.Event() for k in ks}
-            for k, ev in events.items():
-                self._fetching[(ino, k)] = ev
-            try:
-                for run in _runs(ks):
-                    for part in (run[j : j + STEP // cs] for j in range(0, len(run), STEP // cs)):
-                        await self._fetch_run(ino, fd, part)
-            finally:
-                for k, ev in events.items():
-                    del self._fetching[(ino, k)]
-                    ev.set()
+            for run in _runs(ks):
+                for part in (run[j : j + STEP // cs] for j in range(0, len(run), STEP // cs)):
+                    mine = [k for k in part if (ino, k) not in self._fetching]
+                    events = {k: trio.Event() for k in mine}
+                    for k, ev in events.items():
+                        self._fetching[(ino, k)] = ev
+                    try:
+                        for sub in _runs(mine):
+                            await self._fetch_run(ino, fd, sub)
+                    finally:
+                        for k, ev in events.items():
+                            del self._fetching[(ino, k)]
+                            ev.set()
         finally:
-            os.close(fd)
+            _close_soon(fd)
 
     async def _open_backing(self, ino: int, path: bytes | None) -> int:
         if path is None:
@@ -639,6 +644,10 @@ class BackedMeta(Meta):
             return
         ks = [k for k in ks if k not in (i.chunks or {}) and k * cs < i.backed]
         if not ks:
+            return
+        if ks[-1] - ks[0] != len(ks) - 1:  # another reader filled a chunk in between
+            for run in _runs(ks):
+                await self._fetch_run(ino, fd, run)
             return
         start = ks[0] * cs
         n = min(len(ks) * cs, i.backed - start)
@@ -1270,8 +1279,9 @@ class BackedMeta(Meta):
             i = self.store.inodes.get(ino)
             try:
                 if i is not None and i.backed:
-                    for off in range(0, i.backed, STEP):
-                        await self._ensure_resident(ino, off, STEP)
+                    # The whole file at once: its copy in DIR is opened once (and the
+                    # namespace lock taken once), not once per STEP.
+                    await self._ensure_resident(ino, 0, i.backed)
             except FsError as exc:
                 if exc.errno != errno.ENOENT:  # removed meanwhile: nothing to stage
                     where = os.fsdecode(self._where(ino))
@@ -1507,6 +1517,21 @@ class BackedMeta(Meta):
 
 def vars_of(e: _ErrorRecord) -> dict[str, Any]:
     return {"path": e.path, "error": e.error, "count": e.count, "last": e.last}
+
+
+def _close_soon(fd: int) -> None:
+    """Close *fd* (opened for reading) in a worker thread, without waiting: closing a
+    file on a parallel filesystem can block, and neither a FUSE request nor
+    shutdown should wait behind a hung DIR."""
+    trio.lowlevel.start_thread_soon(functools.partial(os.close, fd), _log_close_error)
+
+
+def _log_close_error(result: Any) -> None:
+    """The close's outcome (trio calls this in the worker thread)."""
+    try:
+        result.unwrap()
+    except OSError as exc:
+        log.debug("closing a backing file: %s", exc)
 
 
 def _runs(ks: list[int]) -> list[list[int]]:

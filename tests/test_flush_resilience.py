@@ -9,7 +9,9 @@ checks that the work is still done and the error is reported.
 from __future__ import annotations
 
 import logging
+import os
 import stat
+import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -20,7 +22,7 @@ import trio
 
 from memfs.config import FlushConfig, PoolConfig
 from memfs.data import DataEngine
-from memfs.flush import BackedMeta
+from memfs.flush import STEP, BackedMeta
 from memfs.meta.store import MetaStore
 from memfs.transport.local import LocalTransport
 
@@ -129,3 +131,44 @@ async def test_stager_survives_a_bug(tmp_path: Path, caplog: pytest.LogCaptureFi
         assert not p.get("failed"), p
         ino = b.store.resolve(b"a").ino
         assert bytes(await data.read(ino, 0, 200 * K)) == b"a" * 200 * K
+
+
+async def test_stage_in_opens_each_copy_once_and_closes_it_off_the_trio_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Staging a file of several STEPs opened DIR's copy (and took the namespace lock)
+    once per STEP, and closed it on the trio thread, where a slow parallel filesystem
+    blocks every FUSE request."""
+    backing = tmp_path / "dir"
+    backing.mkdir()
+    payload = os.urandom(5 * STEP + 1000)
+    (backing / "big").write_bytes(payload)
+    async with running(backing) as (b, data):
+        opened: list[int] = []
+        real_open = b._open_backing
+
+        async def counting_open(ino: int, path: bytes | None) -> int:
+            fd = await real_open(ino, path)
+            opened.append(fd)
+            return fd
+
+        b._open_backing = counting_open  # type: ignore[method-assign]
+        closed_on: dict[int, bool] = {}
+        real_close = os.close
+        trio_thread = threading.get_ident()
+
+        def recording_close(fd: int) -> None:
+            if fd in opened:
+                closed_on[fd] = threading.get_ident() == trio_thread
+            real_close(fd)
+
+        monkeypatch.setattr(os, "close", recording_close)
+        tid = (await b.control("stage_in", {}))["ticket"]
+        with trio.fail_after(10):
+            while not (await b.control("progress", {"ticket": tid}))["done"]:  # noqa: ASYNC110
+                await trio.sleep(0.02)
+        await until(lambda: len(closed_on) == len(set(opened)))
+        assert len(opened) == 1
+        assert closed_on == {opened[0]: False}
+        ino = b.store.resolve(b"big").ino
+        assert bytes(await data.read(ino, 0, len(payload))) == payload
