@@ -44,6 +44,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
+import fcntl
 import functools
 import itertools
 import logging
@@ -70,6 +71,8 @@ log = logging.getLogger(__name__)
 
 #: where copies are written before they are renamed into place (inside DIR: same filesystem)
 TMP_DIR = b".memfs-tmp"
+#: in each daemon's temporary directory, flock'ed for the daemon's life
+TMP_LOCK = b".lock"
 #: ``setfattr -n user.memfs.flush -v off DIR``: never write this tree back file by file
 EXCLUDE_XATTR = b"user.memfs.flush"
 #: bytes moved per step of a copy or a fetch (a read waits for at most this much)
@@ -152,9 +155,12 @@ class BackedMeta(Meta):
         self.chunk_size = store.chunk_size
         self.n_volumes = store.n_volumes
         self.root = os.fsencode(cfg.backing)
-        #: this daemon's temporary copies: DIR/.memfs-tmp/HOST-PID (DIR may be shared)
+        #: this daemon's temporary copies: DIR/.memfs-tmp/HOST-PID-TOKEN (DIR may be
+        #: shared), in use while TMP_LOCK in it is flock'ed (see _remove_leftovers)
         self.tmp_top = os.path.join(self.root, TMP_DIR)
-        self.tmp = os.path.join(self.tmp_top, b"%s-%d" % (socket.gethostname().encode(), os.getpid()))
+        self.tmp = os.path.join(self.tmp_top, b"%s-%d-%s" % (
+            socket.gethostname().encode(), os.getpid(), secrets.token_hex(4).encode()))
+        self._tmp_lock = -1
         #: (st_dev, st_ino) of DIR at mount: a DIR that vanished (its filesystem
         #: unmounted) is never re-created under the same name on another filesystem
         self._root_id: tuple[int, int] | None = None
@@ -261,6 +267,7 @@ class BackedMeta(Meta):
             os.utime(self.root, ns=(root_st.st_atime_ns, root_st.st_mtime_ns))  # ours, not news
         self._remove_leftovers()
         os.mkdir(self.tmp, 0o700)
+        self._lock_tmp()
         out: list[tuple[bytes, os.stat_result, bytes | None]] = []
         stack = [b""]
         while stack:
@@ -278,19 +285,53 @@ class BackedMeta(Meta):
         out.sort(key=lambda x: x[0].count(b"/"))  # parents before children
         return root_st, out
 
+    def _lock_tmp(self) -> None:
+        """Create the lock file in our temporary directory and hold an flock on it
+        while this daemon lives: that, not a pid, tells another daemon on this host
+        that the directory is in use (a pid means nothing across PID namespaces)."""
+        # Read-only: a file open for writing would keep DIR from being remounted ro.
+        fd = os.open(os.path.join(self.tmp, TMP_LOCK), os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise
+        old, self._tmp_lock = self._tmp_lock, fd
+        if old >= 0:
+            os.close(old)
+
     def _remove_leftovers(self) -> None:
         """Temporary copies of daemons of this host that are gone (killed): never
-        renamed into place, so never part of DIR.  Other hosts' are theirs."""
+        renamed into place, so never part of DIR.  Other hosts' are theirs.
+
+        A directory is gone when its lock file can be flock'ed (its daemon held it
+        until it died); one from an older memfs (HOST-PID, no lock file) when no
+        process has that pid.  A directory of this host with neither is a daemon
+        between mkdir and lock: left alone.
+        """
         host = socket.gethostname().encode()
         for name in os.listdir(self.tmp_top):
             path = os.path.join(self.tmp_top, name)
-            owner, _, pid = name.rpartition(b"-")
-            if os.path.isdir(path) and not os.path.islink(path):
-                if owner != host or not pid.isdigit() or process_alive(int(pid)):
-                    continue
-                shutil.rmtree(path, ignore_errors=True)
+            if not os.path.isdir(path) or os.path.islink(path):
+                _unlink_quiet(path)  # junk
+                continue
+            if not name.startswith(host + b"-"):
+                continue
+            try:
+                fd = os.open(os.path.join(path, TMP_LOCK), os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                pid = name[len(host) + 1 :]
+                if pid.isdigit() and not process_alive(int(pid)):
+                    shutil.rmtree(path, ignore_errors=True)
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # its daemon lives (maybe in another PID namespace)
             else:
-                _unlink_quiet(path)  # from an older memfs, or junk
+                shutil.rmtree(path, ignore_errors=True)
+            finally:
+                os.close(fd)
 
     def _check_root(self) -> None:
         """OSError(ESTALE) if DIR is gone or is not the directory we mounted with."""
@@ -1035,6 +1076,7 @@ class BackedMeta(Meta):
             for d in (self.tmp_top, self.tmp):
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(d, 0o700)
+            self._lock_tmp()
             return os.open(tmp, flags, 0o600)
 
     def _finish_copy(
@@ -1353,9 +1395,13 @@ class BackedMeta(Meta):
     async def close(self) -> None:
         """Remove our temporary directory (and DIR/.memfs-tmp if no one else uses it)."""
         def remove() -> None:
+            _unlink_quiet(os.path.join(self.tmp, TMP_LOCK))
             for d in (self.tmp, self.tmp_top):
                 with contextlib.suppress(OSError):
                     os.rmdir(d)
+            if self._tmp_lock >= 0:
+                os.close(self._tmp_lock)
+                self._tmp_lock = -1
         await trio.to_thread.run_sync(remove)
 
     # -- control commands --------------------------------------------------------------------

@@ -162,9 +162,11 @@ def assert_same_subtree(mnt: Path, backing: Path, names: list[str], what: str) -
 
 
 def tmp_leftovers(backing: Path) -> list[str]:
-    """Files in ``.memfs-tmp`` (each daemon has its own directory there, HOST-PID)."""
+    """Files in ``.memfs-tmp`` (each daemon has its own directory there,
+    HOST-PID-TOKEN, holding its flock'ed ``.lock``, which is not a leftover)."""
     top = backing / TMP_DIR
-    return sorted(str(p.relative_to(top)) for p in top.rglob("*") if not p.is_dir())
+    return sorted(str(p.relative_to(top)) for p in top.rglob("*")
+                  if not p.is_dir() and p.name != ".lock")
 
 
 def tmp_sizes(backing: Path) -> list[int]:

@@ -1,16 +1,22 @@
-"""The burst buffer's background tasks survive their own bugs (in-process, no mount).
+"""The burst buffer's background machinery, in-process (no mount), each test for a
+fault the reading of flush.py found.
 
 An unexpected exception in the write-back scheduler, the namespace mirror or
 the stager used to end the mount's background nursery, and with it the mount,
-without writing dirty data back.  Each test injects one such exception and
-checks that the work is still done and the error is reported.
+without writing dirty data back: the first tests inject one such exception
+each and check that the work is still done and the error reported.  Then:
+stage-in opened a file's copy once per MiB (and closed it on the trio thread),
+and another daemon's temporary directory was judged by hostname and pid.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 import stat
+import subprocess
+import sys
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -22,7 +28,7 @@ import trio
 
 from memfs.config import FlushConfig, PoolConfig
 from memfs.data import DataEngine
-from memfs.flush import STEP, BackedMeta
+from memfs.flush import STEP, TMP_DIR, TMP_LOCK, BackedMeta
 from memfs.meta.store import MetaStore
 from memfs.transport.local import LocalTransport
 
@@ -41,6 +47,7 @@ async def running(backing: Path) -> AsyncIterator[tuple[BackedMeta, DataEngine]]
         await nursery.start(b.run)
         yield b, DataEngine(b, transport)
         nursery.cancel_scope.cancel()
+    await b.close()
 
 
 def fail_once(obj: Any, name: str) -> list[int]:
@@ -172,3 +179,45 @@ async def test_stage_in_opens_each_copy_once_and_closes_it_off_the_trio_thread(
         assert closed_on == {opened[0]: False}
         ino = b.store.resolve(b"big").ino
         assert bytes(await data.read(ino, 0, len(payload))) == payload
+
+
+_HOLD_LOCK = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("locked", flush=True)
+time.sleep(120)
+"""
+
+
+async def test_temporary_directory_of_a_live_daemon_is_kept(tmp_path: Path) -> None:
+    """A daemon on this host whose pid we cannot see (another PID namespace) but which
+    holds its directory's lock keeps its copies; one whose lock is free is gone."""
+    backing = tmp_path / "dir"
+    top = backing / os.fsdecode(TMP_DIR)
+    host = socket.gethostname()
+    live = top / f"{host}-999999999"  # no such pid here: it lives in another PID namespace
+    dead = top / f"{host}-999999998-4567abcd"
+    for d in (live, dead):
+        d.mkdir(parents=True)
+        (d / "7.1.feedf00d").write_bytes(b"a copy in progress")
+        (d / os.fsdecode(TMP_LOCK)).touch()
+    holder = subprocess.Popen(  # noqa: ASYNC220 - runs beside the test, killed at the end
+        [sys.executable, "-c", _HOLD_LOCK, str(live / os.fsdecode(TMP_LOCK))],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"locked\n"
+        async with running(backing) as (b, _):
+            assert (live / "7.1.feedf00d").exists(), "a live daemon's copy was removed"
+            assert not dead.exists()
+            ours = Path(os.fsdecode(b.tmp))
+            assert ours.parent == top and (ours / os.fsdecode(TMP_LOCK)).exists()
+        assert not ours.exists()  # noqa: ASYNC240 - a local stat
+    finally:
+        holder.kill()
+        holder.wait()
+        assert holder.stdout is not None
+        holder.stdout.close()
+    async with running(backing):
+        assert not live.exists(), "its daemon died: its directory goes"
