@@ -1041,12 +1041,19 @@ class BackedMeta(Meta):
             except OSError as exc:
                 self._record_error(self._where(ino), "write back", exc)
                 raise _Retry() from None
+            written, fd = fd, -1
+            try:
+                await _close_written(written)
+            except OSError as exc:  # a parallel filesystem may report a write error here
+                self._record_error(self._where(ino), "write back", exc)
+                raise _Retry() from None
             ok = True
             return tmp
         finally:
-            os.close(fd)
+            if fd >= 0:
+                _close_soon(fd)
             if src >= 0:
-                os.close(src)
+                _close_soon(src)
             if not ok:
                 await trio.to_thread.run_sync(_unlink_quiet, tmp)
 
@@ -1565,10 +1572,21 @@ def vars_of(e: _ErrorRecord) -> dict[str, Any]:
     return {"path": e.path, "error": e.error, "count": e.count, "last": e.last}
 
 
+async def _close_written(fd: int) -> None:
+    """Close a file we wrote, in a worker thread (closing it on a parallel filesystem
+    may flush and report a write error: raised as OSError).  Cancelled before the
+    thread started, it is closed in the background (once started, it finishes)."""
+    try:
+        await trio.to_thread.run_sync(os.close, fd)
+    except trio.Cancelled:
+        _close_soon(fd)
+        raise
+
+
 def _close_soon(fd: int) -> None:
-    """Close *fd* (opened for reading) in a worker thread, without waiting: closing a
-    file on a parallel filesystem can block, and neither a FUSE request nor
-    shutdown should wait behind a hung DIR."""
+    """Close *fd* in a worker thread, without waiting (a file we only read, or one
+    given up on): closing a file on a parallel filesystem can block, and neither a
+    FUSE request nor shutdown should wait behind a hung DIR."""
     trio.lowlevel.start_thread_soon(functools.partial(os.close, fd), _log_close_error)
 
 

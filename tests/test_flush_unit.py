@@ -221,3 +221,40 @@ async def test_temporary_directory_of_a_live_daemon_is_kept(tmp_path: Path) -> N
         holder.stdout.close()
     async with running(backing):
         assert not live.exists(), "its daemon died: its directory goes"
+
+
+async def test_write_back_closes_its_copy_off_the_trio_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Closing the copy written to DIR (which on a parallel filesystem may flush) ran
+    on the trio thread, in front of every FUSE request."""
+    async with running(tmp_path / "dir") as (b, data):
+        created: list[int] = []
+        real_create = b._create_tmp
+
+        def recording_create(tmp: bytes) -> int:
+            fd = real_create(tmp)
+            created.append(fd)
+            return fd
+
+        b._create_tmp = recording_create  # type: ignore[method-assign]
+        closed_on: dict[int, bool] = {}
+        real_close = os.close
+        trio_thread = threading.get_ident()
+
+        def recording_close(fd: int) -> None:
+            if fd in created:
+                closed_on[fd] = threading.get_ident() == trio_thread
+            real_close(fd)
+
+        monkeypatch.setattr(os, "close", recording_close)
+        a = await b.mknod(ROOT, b"f", stat.S_IFREG | 0o644, 0, 0)
+        payload = os.urandom(3 * STEP)  # more than one step: written through an open fd
+        await b.open(a.ino)
+        await data.write(a.ino, 0, payload)
+        await b.release(a.ino)
+        await until(lambda: (tmp_path / "dir" / "f").exists()
+                    and (tmp_path / "dir" / "f").stat().st_size == len(payload))
+        assert (tmp_path / "dir" / "f").read_bytes() == payload
+        assert created and set(closed_on) == set(created)
+        assert not any(closed_on.values()), "closed on the trio thread"
