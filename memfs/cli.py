@@ -320,6 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--foreground", "-f", action="store_true", help="do not fork into the background")
     m.add_argument("--debug", "-d", action="store_true", help="log at debug level")
     m.add_argument("--log", help="daemon log file (default: /run/memfs/MOUNTPOINT.log)")
+    m.add_argument("--metrics", metavar="HOST:PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics")
     _add_flush_arguments(m, mount=True)
 
     u = sub.add_parser("umount", help="unmount and wait for the daemon to exit")
@@ -361,6 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a client that does not answer a recall within this is evicted; the "
                         "change then waits at most --lease-term more (default 2)")
     ms.add_argument("--debug", "-d", action="store_true", help="log at debug level")
+    ms.add_argument("--metrics", metavar="HOST:PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics")
     _add_flush_arguments(ms, mount=False)
 
     paths_help = ("files or directories in the mount: absolute, or relative to the current "
@@ -539,6 +543,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
     else:
         mount.check_memory(opts.pool)
     opts.flush = flush
+    opts.metrics = parse_hostport(args.metrics, "--metrics") if args.metrics else None
     # Every mount has one: in cluster mode the mds may write back for it.
     ctl = control_socket(mountpoint)
     opts.control_path = str(ctl)
@@ -744,6 +749,7 @@ def cmd_mds(args: argparse.Namespace) -> int:
     if not 0 < args.recall_timeout <= 600:
         raise UsageError(f"bad --recall-timeout {args.recall_timeout}: expected seconds, above 0")
     opts.lease_term, opts.recall_timeout = args.lease_term, args.recall_timeout
+    opts.metrics = parse_hostport(args.metrics, "--metrics") if args.metrics else None
     opts.flush = flush_from_args(
         args, opts.volume_size * len(opts.pool) if opts.volume_size is not None else None
     )

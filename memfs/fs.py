@@ -19,8 +19,9 @@ import logging
 import os
 import stat
 import struct
+import time
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 import pyfuse3
 import trio
@@ -28,6 +29,9 @@ import trio
 from memfs.data import DataEngine
 from memfs.errors import FsError
 from memfs.meta import NAME_MAX, Attr, Meta, SetAttr
+
+if TYPE_CHECKING:
+    from memfs.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -40,20 +44,36 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
+#: request counters and latencies (``--metrics``); None: not kept
+OBSERVER: Metrics | None = None
+
+
 def _errno_boundary(fn: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine[Any, Any, R]]:
-    """Turn domain errors into FUSE replies; anything unexpected is logged and is EIO."""
+    """Turn domain errors into FUSE replies; anything unexpected is logged and is EIO.
+
+    Also where requests are counted and timed, when :data:`OBSERVER` is set."""
+    op = fn.__name__
 
     @functools.wraps(fn)
     async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        obs = OBSERVER
+        started = time.perf_counter() if obs is not None else 0.0
+        err: int | None = None
         try:
             return await fn(*args, **kwargs)
         except FsError as exc:
+            err = exc.errno
             raise pyfuse3.FUSEError(exc.errno) from None
-        except pyfuse3.FUSEError:
+        except pyfuse3.FUSEError as exc:
+            err = exc.errno
             raise
         except Exception:
-            log.exception("internal error in %s", fn.__name__)
+            err = errno.EIO
+            log.exception("internal error in %s", op)
             raise pyfuse3.FUSEError(errno.EIO) from None
+        finally:
+            if obs is not None:
+                obs.observe(op, started, err)
 
     return wrapper
 

@@ -56,6 +56,8 @@ class MdsOptions:
     recall_timeout: float = 2.0
     #: burst buffer: this server writes the pool back to (and stages in from) a directory
     flush: FlushConfig | None = None
+    #: serve Prometheus metrics here (``--metrics``)
+    metrics: tuple[str, int] | None = None
 
 
 class StartupError(Exception):
@@ -233,6 +235,32 @@ async def _write_back(
         raise StartupError(f"cannot reach the memory servers for write-back: {exc.args[1]}") from None
 
 
+def _start_metrics(
+    where: tuple[str, int], store: MetaStore, server: MetaServer, nursery: trio.Nursery
+) -> None:
+    """``--metrics``: calls counted per method, pool and lease numbers refreshed in the
+    background; the HTTP thread stops with the process."""
+    from memfs.metrics import Metrics, numeric
+
+    m = Metrics("mds")
+    m.serve(*where)
+
+    async def fill() -> dict[str, float]:
+        st = await store.statfs()
+        out = {
+            "memfs_pool_bytes": float(st.blocks * st.block_size),
+            "memfs_pool_free_bytes": float(st.blocks_free * st.block_size),
+            "memfs_files": float(st.files - st.files_free),
+            **server.gauges(),
+        }
+        if isinstance(server.meta, BackedMeta):
+            out.update(numeric("memfs_backing", server.meta.status()))
+        return out
+
+    server.metrics = m
+    nursery.start_soon(m.refresh, fill)
+
+
 async def _main(opts: MdsOptions, journal: Journal | None) -> int:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         volume_size = opts.volume_size or await query_volume_size(opts.pool, opts.secret)
@@ -267,6 +295,8 @@ async def _main(opts: MdsOptions, journal: Journal | None) -> int:
                             host, port)
             if opts.flush is not None:
                 await nursery.start(_write_back, store, opts, server)
+            if opts.metrics is not None:
+                _start_metrics(opts.metrics, store, server, nursery)
             sd_notify("READY=1")
             async for signum in signals:
                 log.info("received %s, stopping", signal.Signals(signum).name)

@@ -15,11 +15,13 @@ import signal
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import pyfuse3
 import trio
 import trio.lowlevel
 
+from memfs import fs
 from memfs.config import FlushConfig, PoolConfig, parse_pool_spec
 from memfs.data import DataEngine
 from memfs.errors import FsError, UsageError
@@ -33,6 +35,9 @@ from memfs.scrub import Scrubber
 from memfs.transport import Transport
 from memfs.transport.local import LocalTransport
 from memfs.transport.pool import open_pool_transport
+
+if TYPE_CHECKING:
+    from memfs.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +61,8 @@ class MountOptions:
     flush: FlushConfig | None = None
     #: where ``memfs flush/status/stage-in`` reach this daemon (a Unix socket)
     control_path: str | None = None
+    #: serve Prometheus metrics here (``--metrics``)
+    metrics: tuple[str, int] | None = None
 
 
 # Options that mount(8) and fstab pass but that mean nothing to FUSE.
@@ -200,7 +207,13 @@ async def _main(opts: MountOptions, ready: Callable[[], None] | None) -> None:
             from memfs.control import serve_control
 
             await background.start(serve_control, opts.control_path, meta)
-        await _serve(opts, meta, transport, ready)
+        metrics = _start_metrics(opts, meta, backed, background)
+        try:
+            await _serve(opts, meta, transport, ready)
+        finally:
+            if metrics is not None:
+                fs.OBSERVER = None
+                metrics.close()
         if backed is not None:
             if opts.flush is not None and opts.flush.discard_on_unmount:
                 files, nbytes = backed.pending
@@ -213,6 +226,34 @@ async def _main(opts: MountOptions, ready: Callable[[], None] | None) -> None:
                     await backed.drain(give_up_on=signals)
             await backed.close()
         background.cancel_scope.cancel()
+
+
+def _start_metrics(
+    opts: MountOptions, meta: Meta, backed: BackedMeta | None, nursery: trio.Nursery
+) -> Metrics | None:
+    """``--metrics``: requests counted at the FUSE boundary, pool and burst-buffer
+    numbers refreshed in the background."""
+    if opts.metrics is None:
+        return None
+    from memfs.metrics import Metrics, numeric
+
+    m = Metrics("mount")
+    m.serve(*opts.metrics)
+
+    async def fill() -> dict[str, float]:
+        st = await meta.statfs()
+        out = {
+            "memfs_pool_bytes": float(st.blocks * st.block_size),
+            "memfs_pool_free_bytes": float(st.blocks_free * st.block_size),
+            "memfs_files": float(st.files - st.files_free),
+        }
+        if backed is not None:
+            out.update(numeric("memfs_backing", backed.status()))
+        return out
+
+    fs.OBSERVER = m
+    nursery.start_soon(m.refresh, fill)
+    return m
 
 
 async def _serve(

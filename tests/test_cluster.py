@@ -467,3 +467,33 @@ def test_mds_dirty_cap_holds_writers_without_timing_out(tmp_path: Path) -> None:
             assert sha((c.mnt["c2"] / "big.bin").read_bytes()) == sha(data)
     finally:
         subprocess.run(["umount", "-l", str(back)], check=False)
+
+
+_SCRAPE = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())"
+
+
+def test_mds_metrics(tmp_path: Path) -> None:
+    """``memfs mds --metrics``: calls per method, the pool, sessions; scraped from a client node."""
+    from tests.test_metrics import scrape_until  # the same parsing as the mount's test
+
+    port = 9187
+    with make_cluster(tmp_path, ["--metrics", f"0.0.0.0:{port}"]) as c:
+        (c.mnt["c1"] / "f").write_bytes(b"x" * 300_000)
+        assert (c.mnt["c2"] / "f").read_bytes() == b"x" * 300_000
+        url = f"http://{c.net.addr['mds']}:{port}/metrics"
+
+        def get() -> str:
+            r = subprocess.run(c.net.cmd("c1", [sys.executable, "-c", _SCRAPE, url]),
+                               capture_output=True, text=True, timeout=30)
+            assert r.returncode == 0, r.stderr
+            return r.stdout
+
+        got = scrape_until(get, lambda g: g.get(("memfs_mds_sessions_connected", ())) == 2
+                           and g.get(("memfs_files", ())) == 2)
+        assert got[("memfs_up", (("role", "mds"),))] == 1
+        assert got[("memfs_requests_total", (("op", "create"),))] >= 1
+        assert got[("memfs_request_seconds_count", (("op", "create"),))] >= 1
+        assert got[("memfs_pool_bytes", ())] == 4 * (128 << 20)
+        assert got[("memfs_pool_free_bytes", ())] < 4 * (128 << 20)
+        assert got[("memfs_mds_sessions_connected", ())] == 2
+        assert ("memfs_mds_journal_durable_seq", ()) not in got  # no --journal here

@@ -37,8 +37,9 @@ import errno
 import logging
 import os
 import socket
+import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 import trio.lowlevel
@@ -52,6 +53,9 @@ from memfs.meta.journal import Journal
 from memfs.meta.leases import LEASE_TERM, RECALL_TIMEOUT, Item, LeaseTable, settles_from_wire
 from memfs.meta.store import MetaStore
 from memfs.wire import Kind, WireError
+
+if TYPE_CHECKING:
+    from memfs.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -218,12 +222,29 @@ class MetaServer:
         self._nursery: trio.Nursery | None = None
         #: lease_term 0: clients cache nothing (every call goes to the server)
         self.leases = LeaseTable(term=lease_term, recall_timeout=recall_timeout, settle=self._settle)
+        #: request counters and latencies (``memfs mds --metrics``); None: not kept
+        self.metrics: Metrics | None = None
 
     @property
     def write_leases(self) -> bool:
         """Write leases need every write to reach the store: not with a backing
         directory, whose write-back follows each map_write."""
         return self.leases.term > 0 and self.meta is self.store
+
+    def gauges(self) -> dict[str, float]:
+        """This server's numbers for ``--metrics`` (sessions, leases, journal)."""
+        out = {
+            "memfs_mds_sessions": float(len(self._sessions)),
+            "memfs_mds_sessions_connected": float(
+                sum(1 for x in self._sessions.values() if x.conn is not None)
+            ),
+            "memfs_mds_leased_inodes": float(len(self.leases.holders)),
+            "memfs_mds_recalls_sent": float(self.leases.recalls_sent),
+            "memfs_mds_lease_evictions": float(self.leases.evictions),
+        }
+        if self.journal is not None:
+            out["memfs_mds_journal_durable_seq"] = float(self.journal.durable_seq)
+        return out
 
     def _settle(self, ino: int, size: int | None, mtime_ns: int) -> None:
         """A write lease ended: its size and mtime (None: unknown) and the end of its
@@ -542,7 +563,23 @@ class MetaServer:
     # -- calls ---------------------------------------------------------------------------
 
     async def _execute(self, conn: _Conn, value: Any, parsed: _Parsed) -> tuple[Kind, bytes]:
-        """Run one (decoded) call; WireError for a malformed one (the connection closes)."""
+        """Run one (decoded) call; WireError for a malformed one (the connection closes).
+        Counted and timed per method when :attr:`metrics` is set."""
+        obs = self.metrics
+        if obs is None:
+            return await self._execute_call(conn, value, parsed)
+        started = time.perf_counter()
+        kind, payload = await self._execute_call(conn, value, parsed)
+        if parsed is None:
+            op = "control"
+        elif isinstance(parsed, codec.UnknownMethod):
+            op = "unknown"
+        else:
+            op = parsed[0].name
+        obs.observe(op, started, wire.decode_error(payload)[0] if kind is Kind.ERROR else None)
+        return kind, payload
+
+    async def _execute_call(self, conn: _Conn, value: Any, parsed: _Parsed) -> tuple[Kind, bytes]:
         if parsed is None:
             try:
                 return Kind.OK, wire.encode(await self._control(conn, value))
