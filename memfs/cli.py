@@ -339,6 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="RDMA device for verbs:// clients: auto (default: the first one pyverbs "
                         "finds, if any), off, or a name such as mlx5_0")
     d.add_argument("--debug", "-d", action="store_true", help="log at debug level")
+    d.add_argument("--metrics", metavar="HOST:PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics")
 
     ms = sub.add_parser("mds", help="serve metadata to memfs mounts over TCP (foreground)")
     ms.add_argument("--listen", required=True, metavar="HOST:PORT",
@@ -725,7 +727,9 @@ def cmd_memd(args: argparse.Namespace) -> int:
     size = parse_size(args.size, "--size")
     secret = wire.load_secret(args.secret_file) if args.secret_file else b""
     setup_logging(args.debug)
-    return memd.run(volumes, size, host, port, secret, rdma_device=args.rdma_device)
+    metrics = parse_hostport(args.metrics, "--metrics") if args.metrics else None
+    return memd.run(volumes, size, host, port, secret, rdma_device=args.rdma_device,
+                    metrics=metrics)
 
 
 def cmd_mds(args: argparse.Namespace) -> int:

@@ -1,4 +1,5 @@
-"""Prometheus metrics: ``--metrics HOST:PORT`` on the mount daemon and ``memfs mds``.
+"""Prometheus metrics: ``--metrics HOST:PORT`` on the mount daemon, ``memfs mds`` and
+``memfs memd``.
 
 prometheus_client serves ``/metrics`` from its own HTTP thread.  Request
 counters and latency histograms are updated where requests are served (they
@@ -7,10 +8,11 @@ sessions) are copied into gauges by a trio task every :data:`REFRESH` seconds,
 because the HTTP thread must not touch trio objects.
 
 Names: ``memfs_requests_total{op}``, ``memfs_request_errors_total{op,errno}``,
-``memfs_request_seconds{op}`` (histogram), ``memfs_pool_bytes``,
-``memfs_pool_free_bytes``, ``memfs_files``, and per daemon the numbers of its
-status (``memfs_backing_*`` for the burst buffer, ``memfs_mds_*``), each with a
-``role`` label of ``mount`` or ``mds`` on ``memfs_up``.
+``memfs_request_seconds{op}`` (histogram), ``memfs_bytes_total{op}`` (memd),
+``memfs_up{role}`` (``mount``, ``mds``, ``memd``), and per daemon the numbers
+of its state: ``memfs_pool_bytes``, ``memfs_pool_free_bytes``, ``memfs_files``
+(mount, mds), ``memfs_backing_*`` (the burst buffer's status), ``memfs_mds_*``,
+``memfs_memd_*``.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ class Metrics:
                               ["op", "errno"], registry=self.registry)
         self.latency = Histogram("memfs_request_seconds", "Time to serve a request", ["op"],
                                  buckets=BUCKETS, registry=self.registry)
+        self.bytes = Counter("memfs_bytes", "Bytes moved by requests, by operation", ["op"],
+                             registry=self.registry)
         up = Gauge("memfs_up", "1 while this daemon serves", ["role"], registry=self.registry)
         up.labels(role).set(1)
         self._gauges: dict[str, Gauge] = {}
@@ -57,6 +61,10 @@ class Metrics:
         self.latency.labels(op).observe(time.perf_counter() - started)
         if err is not None:
             self.errors.labels(op, errno.errorcode.get(err, str(err))).inc()
+
+    def moved(self, op: str, nbytes: int) -> None:
+        """A request of *op* moved *nbytes* of data."""
+        self.bytes.labels(op).inc(nbytes)
 
     def set(self, values: dict[str, float]) -> None:
         """Gauges by name (created on first use)."""

@@ -18,7 +18,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,7 +116,9 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
 
 
 @contextlib.contextmanager
-def make_cluster(tmp_path: Path, mds_args: list[str]) -> Iterator[Cluster]:
+def make_cluster(
+    tmp_path: Path, mds_args: list[str], memd_args: tuple[str, ...] = ()
+) -> Iterator[Cluster]:
     secret = tmp_path / "secret"
     secret.write_bytes(os.urandom(24).hex().encode())
     secret.chmod(0o600)
@@ -128,7 +130,7 @@ def make_cluster(tmp_path: Path, mds_args: list[str]) -> Iterator[Cluster]:
             for host in ("mem1", "mem2"):
                 argv[host] = [
                     "memd", "--listen", f"{net.addr[host]}:{PORT_MEMD}", "--volumes", "2",
-                    "--size", "128M", "--secret-file", str(secret),
+                    "--size", "128M", "--secret-file", str(secret), *memd_args,
                 ]
                 servers[host] = start(net, host, argv[host], "memd listening",
                                       tmp_path / f"{host}.log")
@@ -473,21 +475,37 @@ _SCRAPE = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1],
 
 
 def test_mds_metrics(tmp_path: Path) -> None:
-    """``memfs mds --metrics``: calls per method, the pool, sessions; scraped from a client node."""
+    """``--metrics`` on ``memfs mds`` (calls per method, the pool, sessions) and ``memfs
+    memd`` (requests and bytes, volumes, clients), scraped from a client node."""
     from tests.test_metrics import scrape_until  # the same parsing as the mount's test
 
     port = 9187
-    with make_cluster(tmp_path, ["--metrics", f"0.0.0.0:{port}"]) as c:
-        (c.mnt["c1"] / "f").write_bytes(b"x" * 300_000)
-        assert (c.mnt["c2"] / "f").read_bytes() == b"x" * 300_000
-        url = f"http://{c.net.addr['mds']}:{port}/metrics"
+    metrics = ("--metrics", f"0.0.0.0:{port}")
+    with make_cluster(tmp_path, list(metrics), memd_args=metrics) as c:
+        (c.mnt["c1"] / "f").write_bytes(b"x" * 4_000_000)  # stripes over both memory servers
+        assert (c.mnt["c2"] / "f").read_bytes() == b"x" * 4_000_000
 
-        def get() -> str:
-            r = subprocess.run(c.net.cmd("c1", [sys.executable, "-c", _SCRAPE, url]),
-                               capture_output=True, text=True, timeout=30)
-            assert r.returncode == 0, r.stderr
-            return r.stdout
+        def getter(host: str) -> Callable[[], str]:
+            url = f"http://{c.net.addr[host]}:{port}/metrics"
 
+            def get() -> str:
+                r = subprocess.run(c.net.cmd("c1", [sys.executable, "-c", _SCRAPE, url]),
+                                   capture_output=True, text=True, timeout=30)
+                assert r.returncode == 0, r.stderr
+                return r.stdout
+
+            return get
+
+        for host in ("mem1", "mem2"):
+            # Both clients are connected to each memory server (and the mds, to scrub).
+            mem = scrape_until(getter(host), lambda g: g.get(("memfs_memd_connections", ()), 0) >= 2)
+            assert mem[("memfs_up", (("role", "memd"),))] == 1
+            assert mem[("memfs_memd_connections", ())] >= 2
+            assert mem[("memfs_memd_volume_bytes", ())] == 2 * (128 << 20)
+            assert mem[("memfs_bytes_total", (("op", "write"),))] >= 1_000_000
+            assert mem[("memfs_bytes_total", (("op", "read"),))] >= 1_000_000
+            assert mem[("memfs_requests_total", (("op", "write"),))] >= 1
+        get = getter("mds")
         got = scrape_until(get, lambda g: g.get(("memfs_mds_sessions_connected", ())) == 2
                            and g.get(("memfs_files", ())) == 2)
         assert got[("memfs_up", (("role", "mds"),))] == 1

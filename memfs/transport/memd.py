@@ -47,6 +47,7 @@ import math
 import secrets
 import signal
 import socket
+import time
 from typing import TYPE_CHECKING
 
 import trio
@@ -70,6 +71,7 @@ from memfs.transport.sockio import (
 from memfs.wire import Kind
 
 if TYPE_CHECKING:
+    from memfs.metrics import Metrics
     from memfs.transport.verbs import MemoryRegion, QueuePair, RdmaDevice
 
 log = logging.getLogger(__name__)
@@ -104,10 +106,14 @@ class _Drop(Exception):
 class _ConnState:
     """What one connection owns beyond its socket."""
 
-    __slots__ = ("qp", "deadline", "work")
+    __slots__ = ("qp", "deadline", "work", "err", "moved")
 
     def __init__(self) -> None:
         self.qp: QueuePair | None = None
+        #: the errno the last request was answered with (for --metrics), else None
+        self.err: int | None = None
+        #: bytes the last READ or WRITE moved (for --metrics)
+        self.moved = 0
         #: the current frame's deadline (inf while it needed no wait)
         self.deadline = math.inf
         #: about how many bytes were served since this connection last let others run
@@ -156,6 +162,10 @@ class MemoryServer:
         self._qps: set[QueuePair] = set()
         if rdma is not None:
             self.enable_rdma(rdma)
+        #: clients connected now
+        self.connections = 0
+        #: request counters (``memfs memd --metrics``); None: not kept
+        self.metrics: Metrics | None = None
 
     def enable_rdma(self, device: RdmaDevice) -> None:
         """Register every volume with *device* (which this server then owns and closes).
@@ -255,6 +265,7 @@ class MemoryServer:
     async def _connection(self, sock: socket.socket, peer: str) -> None:
         """Serve one client; whatever it sends, only this connection ends."""
         state = _ConnState()
+        self.connections += 1
         try:
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -278,6 +289,7 @@ class MemoryServer:
         except Exception:
             log.exception("connection from %s: unexpected error", peer)
         finally:
+            self.connections -= 1
             if state.qp is not None:
                 log.debug("%s: destroying its RDMA queue pair", peer)
                 self._close_qp(state.qp)
@@ -349,6 +361,22 @@ class MemoryServer:
     async def _request(
         self, sock: socket.socket, h: wire.Header, rx: RecvBuffer, state: _ConnState
     ) -> None:
+        """Serve request *h*; counted, timed and its bytes added up with ``--metrics``."""
+        obs = self.metrics
+        if obs is None:
+            return await self._serve_one(sock, h, rx, state)
+        started = time.perf_counter()
+        state.err = None
+        state.moved = 0
+        await self._serve_one(sock, h, rx, state)
+        op = h.kind.name.lower()
+        obs.observe(op, started, state.err)
+        if state.moved:
+            obs.moved(op, state.moved)
+
+    async def _serve_one(
+        self, sock: socket.socket, h: wire.Header, rx: RecvBuffer, state: _ConnState
+    ) -> None:
         """Serve request *h* at the head of *rx* and answer it.
 
         Waits only for bytes not received yet (with the whole frame buffered,
@@ -369,6 +397,7 @@ class MemoryServer:
                 await self._error(sock, h.req_id, errno.EINVAL, bad, state)
                 return
             state.work += n
+            state.moved = n
             dest = self._views[volume][offset : offset + n]
             got = rx.take_into(dest)
             if got < n:  # the bulk of a large write: straight into the volume
@@ -384,6 +413,7 @@ class MemoryServer:
                 await self._error(sock, h.req_id, errno.EINVAL, bad, state)
                 return
             state.work += n
+            state.moved = n
             await self._reply(
                 sock,
                 [wire.pack_header(Kind.OK, h.req_id, n), self._views[volume][offset : offset + n]],
@@ -426,6 +456,8 @@ class MemoryServer:
     async def _error(
         self, sock: socket.socket, req_id: int, err: int, message: str, state: _ConnState
     ) -> None:
+        state.err = err
+        state.moved = 0
         await self._reply(sock, [wire.frame(Kind.ERROR, req_id, wire.encode_error(err, message))],
                           state)
 
@@ -489,7 +521,7 @@ def _fixed_payload(h: wire.Header) -> int:
 
 
 def run(n_volumes: int, volume_size: int, host: str, port: int, secret: bytes,
-        rdma_device: str = "auto") -> int:
+        rdma_device: str = "auto", metrics: tuple[str, int] | None = None) -> int:
     """``memfs memd``: serve in the foreground until SIGTERM/SIGINT; the exit status.
 
     *rdma_device*: ``auto`` (the first device pyverbs finds, if any), ``off``,
@@ -508,7 +540,7 @@ def run(n_volumes: int, volume_size: int, host: str, port: int, secret: bytes,
         server = MemoryServer(n_volumes, volume_size, secret)
     except MemoryError as exc:
         raise UsageError(str(exc)) from None
-    trio.run(_serve_until_signalled, server, host, port, rdma_device)
+    trio.run(_serve_until_signalled, server, host, port, rdma_device, metrics)
     return 0
 
 
@@ -532,8 +564,29 @@ def _setup_rdma(server: MemoryServer, spec: str) -> None:
             log.info("RDMA off: %s", why)
 
 
+def _start_metrics(server: MemoryServer, where: tuple[str, int], nursery: trio.Nursery) -> None:
+    """``--metrics``: requests and bytes per kind, volumes, clients, RDMA."""
+    from memfs.metrics import Metrics
+
+    m = Metrics("memd")
+    m.serve(*where)
+    vols = server.memory.volumes
+
+    async def fill() -> dict[str, float]:
+        return {
+            "memfs_memd_volumes": float(len(vols)),
+            "memfs_memd_volume_bytes": float(sum(v.size for v in vols)),
+            "memfs_memd_connections": float(server.connections),
+            "memfs_memd_rdma": 1.0 if server.rdma is not None else 0.0,
+        }
+
+    server.metrics = m
+    nursery.start_soon(m.refresh, fill)
+
+
 async def _serve_until_signalled(
-    server: MemoryServer, host: str, port: int, rdma_device: str = "off"
+    server: MemoryServer, host: str, port: int, rdma_device: str = "off",
+    metrics: tuple[str, int] | None = None,
 ) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         try:
@@ -548,6 +601,8 @@ async def _serve_until_signalled(
             sock.close()
             raise
         async with trio.open_nursery() as nursery:
+            if metrics is not None:
+                _start_metrics(server, metrics, nursery)
             bound = await nursery.start(server.serve_socket, sock)
             if not server.secret:
                 log.warning(
