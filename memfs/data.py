@@ -19,7 +19,9 @@ request buffer into volume memory.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
+from collections.abc import Awaitable, Callable
 
 import trio
 
@@ -64,9 +66,7 @@ class DataEngine:
         view = memoryview(buf)
         data = [e for e in extents if e.volume >= 0]
         if self.transport.concurrent and len({e.volume for e in data}) > 1:
-            async with trio.open_nursery() as nursery:
-                for e in data:
-                    nursery.start_soon(self._readinto, e, view, offset)
+            await _concurrently([functools.partial(self._readinto, e, view, offset) for e in data])
         else:
             for e in data:
                 await self._readinto(e, view, offset)
@@ -102,9 +102,9 @@ class DataEngine:
 
     async def _write(self, plan: WritePlan, src: memoryview, offset: int) -> None:
         if self.transport.concurrent and len({e.volume for e in plan.extents}) > 1:
-            async with trio.open_nursery() as nursery:
-                for e in plan.extents:
-                    nursery.start_soon(self._write_extent, e, src, offset)
+            await _concurrently(
+                [functools.partial(self._write_extent, e, src, offset) for e in plan.extents]
+            )
         else:
             for e in plan.extents:
                 await self._write_extent(e, src, offset)
@@ -116,3 +116,21 @@ class DataEngine:
     async def truncate(self, ino: int, size: int) -> None:
         for vol, voff, n in await self.meta.truncate(ino, size):
             await self.transport.zero(vol, voff, n)
+
+
+async def _concurrently(jobs: list[Callable[[], Awaitable[None]]]) -> None:
+    """Run *jobs* at once; a failure is raised as itself, not in an exception group,
+    when every failure is an FsError (a memory server that died mid-transfer is an
+    EIO for the caller, not an internal error)."""
+    try:
+        async with trio.open_nursery() as nursery:
+            for job in jobs:
+                nursery.start_soon(job)
+    except BaseExceptionGroup as group:
+        errors, rest = group.split(FsError)
+        if errors is None or rest is not None:
+            raise
+        first: BaseException = errors
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        raise first from None

@@ -17,6 +17,7 @@ import trio
 
 from memfs.config import PoolConfig
 from memfs.data import DataEngine
+from memfs.errors import TransportError
 from memfs.layout import LAYOUT_XATTR
 from memfs.meta import Meta
 from memfs.meta.store import MetaStore
@@ -266,3 +267,25 @@ async def test_non_concurrent_transport_is_used_serially(autojump_clock: trio.ab
     assert bytes(await engine.read(ino, 0, 100 + len(data))) == bytes(100) + data
     spans = sorted((s, e) for _, _, s, e in transport.calls)
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))
+
+
+async def test_a_dead_volume_in_a_striped_transfer_is_one_transport_error(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Concurrent transfers to several volumes, one of which fails: the caller gets that
+    TransportError (EIO at the FUSE boundary), not an exception group (which the
+    boundary would log as an internal error)."""
+    engine, transport = slow_engine(concurrent=True)
+    ino = await create(engine.meta, b"f")
+    await engine.write(ino, 0, b"a" * 16 * K)  # 4 stripes over 4 volumes
+
+    async def dead(op: str, volume: int) -> None:
+        await trio.sleep(1)
+        if volume == 2:
+            raise TransportError("memory server slow:2 is gone")
+
+    transport._delay = dead  # type: ignore[method-assign]
+    with pytest.raises(TransportError, match="slow:2 is gone"):
+        await engine.read(ino, 0, 16 * K)
+    with pytest.raises(TransportError, match="slow:2 is gone"):
+        await engine.write(ino, 0, b"b" * 16 * K)
