@@ -11,8 +11,8 @@ Names: ``memfs_requests_total{op}``, ``memfs_request_errors_total{op,errno}``,
 ``memfs_request_seconds{op}`` (histogram), ``memfs_bytes_total{op}`` (memd),
 ``memfs_up{role}`` (``mount``, ``mds``, ``memd``), and per daemon the numbers
 of its state: ``memfs_pool_bytes``, ``memfs_pool_free_bytes``, ``memfs_files``
-(mount, mds), ``memfs_backing_*`` (the burst buffer's status), ``memfs_mds_*``,
-``memfs_memd_*``.
+(mount, mds), ``memfs_memory_server_up{server}`` (cluster mount),
+``memfs_backing_*`` (the burst buffer's status), ``memfs_mds_*``, ``memfs_memd_*``.
 """
 
 from __future__ import annotations
@@ -74,6 +74,15 @@ class Metrics:
                 g = self._gauges[name] = Gauge(name, name.replace("_", " "), registry=self.registry)
             g.set(value)
 
+    def set_labeled(self, name: str, label: str, values: dict[str, float]) -> None:
+        """One gauge *name* with a sample per value of *label*."""
+        g = self._gauges.get(name)
+        if g is None:
+            g = self._gauges[name] = Gauge(name, name.replace("_", " "), [label],
+                                           registry=self.registry)
+        for key, value in values.items():
+            g.labels(key).set(value)
+
     def serve(self, host: str, port: int) -> int:
         """Serve ``/metrics`` on HOST:PORT from a thread; the bound port."""
         try:
@@ -92,7 +101,8 @@ class Metrics:
 
     async def refresh(self, fill: Callable[[], Awaitable[dict[str, float]]]) -> None:
         """Copy what *fill* returns into gauges, every :data:`REFRESH` seconds, until
-        cancelled; a failing *fill* is logged and tried again next time."""
+        cancelled; a failing *fill* is logged and tried again next time.  (*fill* may
+        also call :meth:`set_labeled` itself.)"""
         while True:
             try:
                 self.set(await fill())

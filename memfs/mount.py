@@ -207,7 +207,7 @@ async def _main(opts: MountOptions, ready: Callable[[], None] | None) -> None:
             from memfs.control import serve_control
 
             await background.start(serve_control, opts.control_path, meta)
-        metrics = _start_metrics(opts, meta, backed, background)
+        metrics = _start_metrics(opts, meta, transport, backed, background)
         try:
             await _serve(opts, meta, transport, ready)
         finally:
@@ -229,7 +229,8 @@ async def _main(opts: MountOptions, ready: Callable[[], None] | None) -> None:
 
 
 def _start_metrics(
-    opts: MountOptions, meta: Meta, backed: BackedMeta | None, nursery: trio.Nursery
+    opts: MountOptions, meta: Meta, transport: Transport, backed: BackedMeta | None,
+    nursery: trio.Nursery,
 ) -> Metrics | None:
     """``--metrics``: requests counted at the FUSE boundary, pool and burst-buffer
     numbers refreshed in the background."""
@@ -249,6 +250,10 @@ def _start_metrics(
         }
         if backed is not None:
             out.update(numeric("memfs_backing", backed.status()))
+        up = transport.servers_up()
+        if up:
+            m.set_labeled("memfs_memory_server_up", "server",
+                          {name: float(ok) for name, ok in up.items()})
         return out
 
     fs.OBSERVER = m

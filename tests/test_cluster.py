@@ -117,7 +117,8 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
 
 @contextlib.contextmanager
 def make_cluster(
-    tmp_path: Path, mds_args: list[str], memd_args: tuple[str, ...] = ()
+    tmp_path: Path, mds_args: list[str], memd_args: tuple[str, ...] = (),
+    c1_args: tuple[str, ...] = (),
 ) -> Iterator[Cluster]:
     secret = tmp_path / "secret"
     secret.write_bytes(os.urandom(24).hex().encode())
@@ -150,7 +151,7 @@ def make_cluster(
                 log = tmp_path / f"{host}.log"
                 if host == "c1":
                     argv_mount = [*MEMFS, "mount", str(path), "--mds", mds,
-                                  "--secret-file", str(secret), "--log", str(log)]
+                                  "--secret-file", str(secret), "--log", str(log), *c1_args]
                 else:  # what mount(8) runs for an fstab line `HOST:PORT MNT fuse.memfs ...`
                     argv_mount = [sys.executable, "-c", HELPER, mds, str(path), "-o",
                                   f"secret_file={secret},log={log},_netdev,nofail"]
@@ -481,12 +482,14 @@ def test_mds_metrics(tmp_path: Path) -> None:
 
     port = 9187
     metrics = ("--metrics", f"0.0.0.0:{port}")
-    with make_cluster(tmp_path, list(metrics), memd_args=metrics) as c:
+    with make_cluster(tmp_path, list(metrics), memd_args=metrics,
+                      c1_args=("--metrics", f"127.0.0.1:{port}")) as c:
         (c.mnt["c1"] / "f").write_bytes(b"x" * 4_000_000)  # stripes over both memory servers
         assert (c.mnt["c2"] / "f").read_bytes() == b"x" * 4_000_000
 
         def getter(host: str) -> Callable[[], str]:
-            url = f"http://{c.net.addr[host]}:{port}/metrics"
+            where = "127.0.0.1" if host == "c1" else c.net.addr[host]  # c1: its own mount
+            url = f"http://{where}:{port}/metrics"
 
             def get() -> str:
                 r = subprocess.run(c.net.cmd("c1", [sys.executable, "-c", _SCRAPE, url]),
@@ -515,3 +518,17 @@ def test_mds_metrics(tmp_path: Path) -> None:
         assert got[("memfs_pool_free_bytes", ())] < 4 * (128 << 20)
         assert got[("memfs_mds_sessions_connected", ())] == 2
         assert ("memfs_mds_journal_durable_seq", ()) not in got  # no --journal here
+
+        # The client mount: requests, and the health of each memory server it uses.
+        names = {h: f"{c.net.addr[h]}:{PORT_MEMD}" for h in ("mem1", "mem2")}
+        up = ("memfs_memory_server_up", (("server", names["mem2"]),))
+        cli = scrape_until(getter("c1"), lambda g: g.get(up) == 1)
+        assert cli[("memfs_up", (("role", "mount"),))] == 1
+        assert cli[("memfs_requests_total", (("op", "write"),))] >= 1
+        assert cli[up] == 1
+        c.kill("mem2")
+        with pytest.raises(OSError):  # the next use of mem2 finds it gone
+            os.pread(os.open(c.mnt["c1"] / "f", os.O_RDONLY | os.O_DIRECT), 4_000_000, 0)
+        cli = scrape_until(getter("c1"), lambda g: g.get(up) == 0)
+        assert cli[up] == 0
+        assert cli[("memfs_memory_server_up", (("server", names["mem1"]),))] == 1

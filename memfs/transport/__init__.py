@@ -74,6 +74,11 @@ class Transport(abc.ABC):
     async def aclose(self) -> None:
         """Release volumes and connections."""
 
+    def servers_up(self) -> dict[str, bool]:
+        """Memory servers by name: reachable now (a connection open, not restarted)?
+        Empty for memory in this process."""
+        return {}
+
     def check_range(self, volume: int, offset: int, length: int) -> None:
         vols = self.volumes
         if not 0 <= volume < len(vols):

@@ -692,6 +692,13 @@ class TcpTransport(Transport):
                         wake = min(wake, first)
             await trio.sleep_until(wake)
 
+    def servers_up(self) -> dict[str, bool]:
+        return {
+            server.name: not server.lost
+            and any(c is not None and not c.closed for c in server.slots)
+            for server in self._servers.values()
+        }
+
     def check_range(self, volume: int, offset: int, length: int) -> None:
         if self._closed:  # EIO for late requests
             raise TransportError("the tcp transport is closed")

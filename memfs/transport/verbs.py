@@ -1050,6 +1050,12 @@ class VerbsTransport(Transport):
                 return addr, region.lkey
         return None
 
+    def servers_up(self) -> dict[str, bool]:
+        return {
+            server.name: not server.lost and server.conn is not None and not server.conn.closed
+            for server in self._servers.values()
+        }
+
     def check_range(self, volume: int, offset: int, length: int) -> None:
         if self._closed:  # EIO for late requests
             raise TransportError("the verbs transport is closed")
