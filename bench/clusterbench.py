@@ -189,7 +189,7 @@ def _alive(pid: int) -> bool:
 
 
 def _daemon_pid(path: Path) -> int | None:
-    from memfs.cli import pid_file  # where `memfs mount` writes it
+    from memfs.cli.runtime import pid_file  # where `memfs mount` writes it
 
     try:
         return int(pid_file(str(path)).read_text())
@@ -238,7 +238,7 @@ def cluster(runner: Runner, tmp: Path, volume_size: str) -> Iterator[Path]:
     with ExitStack() as stack:  # unwinds mount, mds, memds: users before what they use
         memds = [
             stack.enter_context(server(runner, [
-                "memd", "--listen", f"{LOOPBACK}:0", "--volumes", "2", "--size", volume_size,
+                "memd", "--listen", f"{LOOPBACK}:0", "--volumes", "2", "--volume-size", volume_size,
                 "--secret-file", secret,
             ], "memd listening", tmp / f"memd{i}.log"))
             for i in range(2)

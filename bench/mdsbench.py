@@ -370,7 +370,7 @@ def main() -> int:
             extra = ["--journal", str(tmp / f"journal-{r}")] if variant else []
             with ExitStack() as stack:
                 memd = stack.enter_context(server(runner, [
-                    "memd", "--listen", f"{LOOPBACK}:0", "--volumes", "2", "--size", "64M",
+                    "memd", "--listen", f"{LOOPBACK}:0", "--volumes", "2", "--volume-size", "64M",
                     "--secret-file", secret], "memd listening", tmp / "memd.log"))
                 spec = "+".join(f"tcp://{LOOPBACK}:{memd.port}/{v}" for v in (0, 1))
                 mds = stack.enter_context(server(runner, [

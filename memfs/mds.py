@@ -21,9 +21,9 @@ from pathlib import Path
 import trio
 
 from memfs import wire
+from memfs.backing.meta import BackedMeta
 from memfs.config import FlushConfig, PoolConfig, VolumeAddr, format_size
 from memfs.errors import FsError, UsageError
-from memfs.flush import BackedMeta
 from memfs.host import sd_notify
 from memfs.meta.journal import Journal, JournalError, fsync_dir
 from memfs.meta.server import MetaServer
@@ -240,7 +240,7 @@ def _start_metrics(
 ) -> None:
     """``--metrics``: calls counted per method, pool and lease numbers refreshed in the
     background; the HTTP thread stops with the process."""
-    from memfs.metrics import Metrics, numeric
+    from memfs.metrics import Metrics
 
     m = Metrics("mds")
     m.serve(*where)
@@ -254,7 +254,7 @@ def _start_metrics(
             **server.gauges(),
         }
         if isinstance(server.meta, BackedMeta):
-            out.update(numeric("memfs_backing", server.meta.status()))
+            out.update(server.meta.status().gauges("memfs_backing"))
         return out
 
     server.metrics = m

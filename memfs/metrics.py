@@ -109,11 +109,3 @@ class Metrics:
             except Exception as exc:  # noqa: BLE001 - metrics must never stop the daemon
                 log.warning("metrics: could not collect: %r", exc)
             await trio.sleep(REFRESH)
-
-
-def numeric(prefix: str, status: dict[str, Any]) -> dict[str, float]:
-    """The int/float entries of a status dict as gauge values named PREFIX_KEY."""
-    return {
-        f"{prefix}_{k}": float(v) for k, v in status.items()
-        if isinstance(v, (int, float)) and not isinstance(v, bool)
-    }

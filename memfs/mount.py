@@ -22,10 +22,10 @@ import trio
 import trio.lowlevel
 
 from memfs import fs
+from memfs.backing.meta import BackedMeta
 from memfs.config import FlushConfig, PoolConfig, parse_pool_spec
 from memfs.data import DataEngine
 from memfs.errors import FsError, UsageError
-from memfs.flush import BackedMeta
 from memfs.fs import Operations
 from memfs.host import mem_available, sd_notify, tune_malloc
 from memfs.meta import Meta
@@ -236,7 +236,7 @@ def _start_metrics(
     numbers refreshed in the background."""
     if opts.metrics is None:
         return None
-    from memfs.metrics import Metrics, numeric
+    from memfs.metrics import Metrics
 
     m = Metrics("mount")
     m.serve(*opts.metrics)
@@ -249,7 +249,7 @@ def _start_metrics(
             "memfs_files": float(st.files - st.files_free),
         }
         if backed is not None:
-            out.update(numeric("memfs_backing", backed.status()))
+            out.update(backed.status().gauges("memfs_backing"))
         up = transport.servers_up()
         if up:
             m.set_labeled("memfs_memory_server_up", "server",

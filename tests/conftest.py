@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from memfs.cli import alive, is_mounted
+from memfs.cli.mounts import is_mounted
+from memfs.cli.runtime import alive
 
 MEMFS = [sys.executable, "-m", "memfs"]
 
@@ -97,7 +98,7 @@ def _mount(
     )
     if res.returncode != 0:
         raise AssertionError(f"memfs mount failed ({res.returncode}): {res.stderr}")
-    from memfs.cli import pid_file
+    from memfs.cli.runtime import pid_file
 
     pid = int(pid_file(str(mnt)).read_text())
     m = Mounted(mnt, log, pid)

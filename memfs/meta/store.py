@@ -90,8 +90,11 @@ class Inode:
 class Watcher(Protocol):
     """Told of every change that write-back to a backing directory must follow.
 
-    Called from inside store methods, after the change, synchronously: paths
-    computed in a callback are those of the namespace right after that change.
+    One rule for every callback: it is called from inside the store method,
+    synchronously, once the change is complete (names, link counts, and the
+    destruction of an inode the change freed, reported first by
+    :meth:`destroyed`), so paths computed in a callback are those of the namespace
+    right after that change, and an inode it names may already be gone.
     """
 
     def wrote(self, ino: int, first: int, last: int) -> None:
@@ -105,8 +108,9 @@ class Watcher(Protocol):
     def created(self, ino: int) -> None:
         """A new name for *ino* (mknod, mkdir, symlink, link)."""
 
-    def removed(self, parent: int, name: bytes, ino: int) -> None:
-        """Entry *name* of *parent* (which named *ino*) is gone (unlink, rmdir)."""
+    def removed(self, parent: int, name: bytes, ino: int, directory: bool) -> None:
+        """Entry *name* of *parent* (which named *ino*, a directory if *directory*) is
+        gone (unlink, rmdir)."""
 
     def renamed(
         self, parent: int, name: bytes, new_parent: int, new_name: bytes,
@@ -504,6 +508,9 @@ class MetaStore(Meta):
         return self._attr(inode)
 
     async def link(self, ino: int, parent: int, name: bytes) -> Attr:
+        return self._link_now(ino, parent, name)
+
+    def _link_now(self, ino: int, parent: int, name: bytes) -> Attr:
         i = self._get(ino)
         d = self._dir(parent)
         assert d.children is not None
@@ -536,9 +543,9 @@ class MetaStore(Meta):
         del d.children[name]
         self._touch_dir(d, now)
         self._unname(i, parent, name)
-        if self.watcher is not None:
-            self.watcher.removed(parent, name, i.ino)
         self._drop_link(i, now)
+        if self.watcher is not None:
+            self.watcher.removed(parent, name, i.ino, False)
 
     async def rmdir(self, parent: int, name: bytes) -> None:
         d = self._dir(parent)
@@ -557,9 +564,9 @@ class MetaStore(Meta):
         d.nlink -= 1
         self._touch_dir(d, now)
         i.nlink = 0
-        if self.watcher is not None:
-            self.watcher.removed(parent, name, i.ino)
         self._maybe_destroy(i)
+        if self.watcher is not None:
+            self.watcher.removed(parent, name, i.ino, True)
 
     async def rename(
         self, parent: int, name: bytes, new_parent: int, new_name: bytes, flags: int = 0
@@ -744,9 +751,13 @@ class MetaStore(Meta):
             raise FsError(errno.ENODATA)
         i.ctime_ns = self.now()
 
+    def space(self) -> tuple[int, int]:
+        """(chunks in the pool, chunks free or reclaimable)."""
+        return (sum(a.n_chunks for a in self.allocators),
+                sum(a.free + a.reclaimable for a in self.allocators))
+
     async def statfs(self) -> StatFs:
-        total = sum(a.n_chunks for a in self.allocators)
-        free = sum(a.free + a.reclaimable for a in self.allocators)
+        total, free = self.space()
         per = self.chunk_size // 4096
         # Inodes are not limited (beyond daemon memory); the count shown must only
         # never go negative (statvfs fields are unsigned: df would get EIO).
@@ -966,6 +977,29 @@ class MetaStore(Meta):
             i.size = i.backed = size
         i.atime_ns, i.mtime_ns = atime_ns, mtime_ns
         return self._attr(i)
+
+    def adopt_link(self, ino: int, parent: int, name: bytes) -> None:
+        """A further hard link found in the backing directory (no watcher call)."""
+        watcher, self.watcher = self.watcher, None
+        try:
+            self._link_now(ino, parent, name)
+        finally:
+            self.watcher = watcher
+
+    def adopt_attrs(
+        self, ino: int, *, mtime_ns: int, mode: int | None = None, uid: int | None = None,
+        gid: int | None = None,
+    ) -> None:
+        """Attributes as found in the backing directory (no watcher call): a
+        directory's mtime after its children were entered, the root's owner."""
+        i = self._get(ino)
+        i.mtime_ns = mtime_ns
+        if mode is not None:
+            i.mode = mode
+        if uid is not None:
+            i.uid = uid
+        if gid is not None:
+            i.gid = gid
 
 
     @property

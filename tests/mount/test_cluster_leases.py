@@ -33,10 +33,10 @@ from pathlib import Path
 
 import pytest
 
-from memfs.cli import alive, pid_file
+from memfs.cli.runtime import alive, pid_file
 from tests.conftest import wait_gone
-from tests.test_cluster import Cluster, fill, make_cluster, sha, wait_line
-from tests.test_cluster import pytestmark as cluster_marks
+from tests.mount.test_cluster import Cluster, fill, make_cluster, sha, wait_line
+from tests.mount.test_cluster import pytestmark as cluster_marks
 
 # Skipped as test_cluster.py is (root, /dev/fuse, network namespaces).
 pytestmark = [*cluster_marks, pytest.mark.timeout(120)]

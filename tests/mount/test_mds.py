@@ -258,7 +258,7 @@ def test_volume_sizes_come_from_the_memory_servers(
     secret.write_bytes(SECRET)
     secret.chmod(0o600)
     memd = subprocess.Popen(
-        [*MEMFS, "memd", "--listen", "127.0.0.1:0", "--volumes", "2", "--size", "8M",
+        [*MEMFS, "memd", "--listen", "127.0.0.1:0", "--volumes", "2", "--volume-size", "8M",
          "--secret-file", str(secret)],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )
@@ -581,7 +581,7 @@ async def test_a_silent_connection_is_closed_after_the_idle_timeout() -> None:
     """Calls keep a connection open; silence longer than the idle timeout closes it."""
     from memfs.config import PoolConfig
     from memfs.meta.server import MetaServer
-    from tests.test_meta_conformance import metadata_only
+    from tests.unit.test_meta_conformance import metadata_only
 
     pool = PoolConfig(size=8 * M, volumes=2, chunk_size=64 * K, stripe_size=256 * K)
     async with trio.open_nursery() as nursery:

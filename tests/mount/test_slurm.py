@@ -31,12 +31,13 @@ from pathlib import Path
 
 import pytest
 
-from memfs.cli import is_mounted, mount_type, pid_file
+from memfs.cli.mounts import is_mounted, mount_type
+from memfs.cli.runtime import pid_file
 from tests.conftest import MEMFS, MOUNT_SKIP, stop_server, wait_gone
 
 pytestmark = pytest.mark.mount
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "contrib" / "slurm"
+SCRIPTS = Path(__file__).resolve().parent.parent.parent / "contrib" / "slurm"
 PROLOG = SCRIPTS / "memfs-prolog.sh"
 EPILOG = SCRIPTS / "memfs-epilog.sh"
 JOB_ID = "4242"
@@ -493,7 +494,7 @@ def test_job_lifecycle_cluster(node: Node) -> None:
     check = node.tmp / "check"
     try:
         memd, memd_port = start_server(
-            ["memd", "--listen", "127.0.0.1:0", "--volumes", "2", "--size", "64M",
+            ["memd", "--listen", "127.0.0.1:0", "--volumes", "2", "--volume-size", "64M",
              "--secret-file", str(secret)], node.tmp / "memd.log")
         servers.append(memd)
         spec = f"tcp://127.0.0.1:{memd_port}/0+tcp://127.0.0.1:{memd_port}/1"

@@ -26,9 +26,10 @@ from typing import Any
 import pytest
 import trio
 
+from memfs.backing.dirside import TMP_LOCK
+from memfs.backing.meta import STEP, TMP_DIR, BackedMeta
 from memfs.config import FlushConfig, PoolConfig
 from memfs.data import DataEngine
-from memfs.flush import STEP, TMP_DIR, TMP_LOCK, BackedMeta
 from memfs.meta.store import MetaStore
 from memfs.transport.local import LocalTransport
 
@@ -75,7 +76,7 @@ async def until(what: Callable[[], bool], seconds: float = 10.0) -> None:
 def internal_errors(b: BackedMeta, caplog: pytest.LogCaptureFixture) -> list[str]:
     """What status reports as internal errors; each was also logged as an ERROR."""
     logged = [r.getMessage() for r in caplog.get_records("call") if r.levelno == logging.ERROR]
-    found = [e["path"] for e in b.status()["errors"] if e["path"].startswith("(internal)")]
+    found = [e.path for e in b.status().errors if e.path.startswith("(internal)")]
     for what in found:
         assert any(m.startswith(what.removeprefix("(internal) ")) for m in logged), logged
     return found
@@ -90,9 +91,9 @@ async def test_namespace_mirror_survives_a_bug(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     async with running(tmp_path / "dir") as (b, _):
-        calls = fail_once(b, "_apply_op")
+        calls = fail_once(b.dirside, "_apply")
         await b.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
-        b._ns_retry.set()  # as `memfs flush` does: no need to wait for the back-off
+        b.mirror.retry_now()  # as `memfs flush` does: no need to wait for the back-off
         await until(lambda: (tmp_path / "dir" / "d").is_dir())
         assert calls[0] >= 2
         assert internal_errors(b, caplog) == ["(internal) namespace mirror"]
@@ -102,7 +103,7 @@ async def test_scheduler_survives_a_bug(tmp_path: Path, caplog: pytest.LogCaptur
     async with running(tmp_path / "dir") as (b, data):
         a = await b.mknod(ROOT, b"f", stat.S_IFREG | 0o644, 0, 0)
         await until(lambda: (tmp_path / "dir" / "f").exists())
-        calls = fail_once(b, "_schedule_round")
+        calls = fail_once(b.writeback, "schedule_round")
         await b.open(a.ino)
         await data.write(a.ino, 0, b"x" * 100 * K)
         await b.release(a.ino)
@@ -118,7 +119,7 @@ async def test_stager_survives_a_bug(tmp_path: Path, caplog: pytest.LogCaptureFi
     (backing / "a").write_bytes(b"a" * 200 * K)
     (backing / "b").write_bytes(b"b" * 200 * K)
     async with running(backing) as (b, data):
-        calls = fail_once(b, "_ensure_resident")
+        calls = fail_once(b.residency, "ensure_resident")
         tid = (await b.control("stage_in", {}))["ticket"]
 
         async def progress() -> dict[str, Any]:
@@ -152,14 +153,14 @@ async def test_stage_in_opens_each_copy_once_and_closes_it_off_the_trio_thread(
     (backing / "big").write_bytes(payload)
     async with running(backing) as (b, data):
         opened: list[int] = []
-        real_open = b._open_backing
+        real_open = b.residency.open_backing
 
         async def counting_open(ino: int, path: bytes | None) -> int:
             fd = await real_open(ino, path)
             opened.append(fd)
             return fd
 
-        b._open_backing = counting_open  # type: ignore[method-assign]
+        b.residency.open_backing = counting_open  # type: ignore[method-assign]
         closed_on: dict[int, bool] = {}
         real_close = os.close
         trio_thread = threading.get_ident()
@@ -211,7 +212,7 @@ async def test_temporary_directory_of_a_live_daemon_is_kept(tmp_path: Path) -> N
         async with running(backing) as (b, _):
             assert (live / "7.1.feedf00d").exists(), "a live daemon's copy was removed"
             assert not dead.exists()
-            ours = Path(os.fsdecode(b.tmp))
+            ours = Path(os.fsdecode(b.dirside.tmp))
             assert ours.parent == top and (ours / os.fsdecode(TMP_LOCK)).exists()
         assert not ours.exists()  # noqa: ASYNC240 - a local stat
     finally:
@@ -230,14 +231,14 @@ async def test_write_back_closes_its_copy_off_the_trio_thread(
     on the trio thread, in front of every FUSE request."""
     async with running(tmp_path / "dir") as (b, data):
         created: list[int] = []
-        real_create = b._create_tmp
+        real_create = b.dirside.create_tmp
 
         def recording_create(tmp: bytes) -> int:
             fd = real_create(tmp)
             created.append(fd)
             return fd
 
-        b._create_tmp = recording_create  # type: ignore[method-assign]
+        b.dirside.create_tmp = recording_create  # type: ignore[method-assign]
         closed_on: dict[int, bool] = {}
         real_close = os.close
         trio_thread = threading.get_ident()

@@ -23,7 +23,7 @@ from memfs.meta.leases import Item, LeaseTable
 from memfs.meta.remote import RemoteMeta, open_remote_meta
 from memfs.meta.server import MetaServer
 from memfs.meta.store import ROOT_INO as ROOT
-from tests.test_meta_conformance import metadata_only
+from tests.unit.test_meta_conformance import metadata_only
 
 SECRET = b"lease-test-secret-0123456789"
 POOL = PoolConfig(size=8 << 20, volumes=2, chunk_size=64 << 10, stripe_size=256 << 10)

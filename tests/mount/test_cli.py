@@ -27,7 +27,9 @@ from typing import Any, TypeVar
 import pytest
 
 from memfs import cli
-from memfs.cli import is_mounted, pid_file
+from memfs.cli import cmd_mount, common, parser, runtime
+from memfs.cli.mounts import is_mounted
+from memfs.cli.runtime import pid_file
 from memfs.config import FlushConfig
 from memfs.errors import UsageError
 from tests.conftest import MEMFS, MOUNT_SKIP, Mounted, wait_gone
@@ -212,7 +214,7 @@ def test_dev_fuse_missing(
     real_exists = os.path.exists
     monkeypatch.setattr(os.path, "exists", lambda p: p != "/dev/fuse" and real_exists(p))
     with pytest.raises(UsageError, match="modprobe fuse"):
-        cli.check_mountpoint(str(tmp_path))
+        cmd_mount.check_mountpoint(str(tmp_path))
     assert cli.main(["mount", str(tmp_path), "--size", "16M"]) == cli.EXIT_USAGE
     out, err = capsys.readouterr()
     assert out == ""
@@ -458,7 +460,7 @@ def test_after_sigkill(memfs_mount: Callable[..., Mounted]) -> None:
     m = memfs_mount("--size", "16M")
     os.kill(m.pid, signal.SIGKILL)
     deadline = time.monotonic() + TIMEOUT
-    while cli.alive(m.pid):
+    while runtime.alive(m.pid):
         assert time.monotonic() < deadline
         time.sleep(0.02)
     with pytest.raises(OSError) as info:
@@ -526,10 +528,10 @@ def test_non_root_mount_belongs_to_the_user() -> None:
 
 def test_instance_names_are_unique() -> None:
     """Pid and log file names: escaped like ``systemd-escape -p``, so never shared."""
-    assert cli.instance_name("/mnt/memfs") == "mnt-memfs"
-    assert cli.instance_name("/mnt/a-b") != cli.instance_name("/mnt/a/b")
-    assert cli.instance_name("/mnt/a b") != cli.instance_name("/mnt/a/b")
-    assert cli.instance_name("/root") != cli.instance_name("/")
+    assert runtime.instance_name("/mnt/memfs") == "mnt-memfs"
+    assert runtime.instance_name("/mnt/a-b") != runtime.instance_name("/mnt/a/b")
+    assert runtime.instance_name("/mnt/a b") != runtime.instance_name("/mnt/a/b")
+    assert runtime.instance_name("/root") != runtime.instance_name("/")
 
 
 @needs_mount
@@ -722,19 +724,19 @@ def test_flush_config_from_arguments(tmp_path: Path) -> None:
     """What ``memfs mount`` hands the engine: canonical backing path, defaults, knobs."""
     (tmp_path / "real").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "real")
-    args = cli.build_parser().parse_args(["mount", "/mnt/x", "--backing", str(tmp_path / "link")])
-    config = cli.flush_from_args(args, 1 << 30)
+    args = parser.build_parser().parse_args(["mount", "/mnt/x", "--backing", str(tmp_path / "link")])
+    config = parser.flush_from_args(args, 1 << 30)
     assert config == FlushConfig(backing=str(tmp_path / "real"), delay=5.0, dirty_max=None,
                                  workers=4, fsync=True, discard_on_unmount=False)
-    args = cli.build_parser().parse_args([
+    args = parser.build_parser().parse_args([
         "mount", "/mnt/x", "--backing", str(tmp_path / "real"), "--flush-delay", "0.5",
         "--dirty-max", "1G", "--flush-workers", "16", "--no-backing-fsync", "--discard-on-unmount",
     ])
-    assert cli.flush_from_args(args, 1 << 30) == FlushConfig(
+    assert parser.flush_from_args(args, 1 << 30) == FlushConfig(
         backing=str(tmp_path / "real"), delay=0.5, dirty_max=1 << 30, workers=16, fsync=False,
         discard_on_unmount=True,
     )
-    assert cli.flush_from_args(cli.build_parser().parse_args(["mount", "/mnt/x"]), None) is None
+    assert parser.flush_from_args(parser.build_parser().parse_args(["mount", "/mnt/x"]), None) is None
 
 
 # -- burst buffer commands against real daemons --------------------------------------
@@ -765,7 +767,7 @@ def test_umount_says_what_stage_out_trees_lose(
     m = memfs_mount("--size", "64M", "--backing", str(backing), "--flush-delay", "0.2")
     (m / "kept.txt").write_bytes(b"kept\n")
     (m / "tree" / "sub").mkdir(parents=True)
-    os.setxattr(m / "tree", cli.FLUSH_XATTR, b"off")
+    os.setxattr(m / "tree", common.FLUSH_XATTR, b"off")
     (m / "tree" / "a.bin").write_bytes(os.urandom(3 << 20))
     (m / "tree" / "sub" / "b.bin").write_bytes(os.urandom(100_000))
     _wait_until(lambda: _status(m.path).get("pinned_files") == 2, what="two pinned files")
@@ -810,7 +812,7 @@ def test_interrupted_umount_leaves_a_daemon_that_can_still_be_reached(tmp_path: 
         assert umount.wait(TIMEOUT) == 130
         assert umount.stderr is not None
         umount.stderr.close()
-        assert cli.alive(pid)  # still writing back
+        assert runtime.alive(pid)  # still writing back
 
         line = assert_one_error_line(memfs("mount", str(mnt), "--size", "16M"))
         assert line == (f"memfs: error: a memfs daemon (pid {pid}) for {mnt} is still writing "
@@ -842,7 +844,7 @@ def test_interrupted_umount_leaves_a_daemon_that_can_still_be_reached(tmp_path: 
             waiter.kill()
         assert waiter.returncode == 0, err
         assert f"memfs: writing back 4 MiB (1 files) to {small} before exit..." in err
-        assert not cli.alive(pid)
+        assert not runtime.alive(pid)
         pid = None
         assert (small / "big.bin").read_bytes() == data
         assert not pid_file(str(mnt)).exists()
@@ -883,11 +885,11 @@ def test_the_mount_roots_owner_may_use_the_control_socket() -> None:
         res = memfs("mount", str(mnt), "--size", "64M", "--backing", str(backing),
                     "--log", str(base / "log"))
         assert res.returncode == 0, res.stderr
-        sock = cli.control_socket(str(mnt))
+        sock = runtime.control_socket(str(mnt))
         assert sock.parent == Path("/run/memfs-ctl")
         assert stat.S_IMODE(sock.parent.stat().st_mode) == 0o755
         assert stat.S_IMODE(sock.stat().st_mode) == 0o666
-        assert stat.S_IMODE(cli.runtime_dir().stat().st_mode) == 0o700  # pid and log files
+        assert stat.S_IMODE(runtime.runtime_dir().stat().st_mode) == 0o700  # pid and log files
 
         res = as_nobody("status", str(mnt))
         assert res.returncode == cli.EXIT_USAGE, res

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from memfs.cli import is_mounted, pid_file
+from memfs.cli.mounts import is_mounted
+from memfs.cli.runtime import pid_file
 from tests.conftest import MOUNT_SKIP, stop_server, wait_gone
 from tests.netns import TestNet, netns_unavailable
 
@@ -131,7 +132,7 @@ def make_cluster(
             for host in ("mem1", "mem2"):
                 argv[host] = [
                     "memd", "--listen", f"{net.addr[host]}:{PORT_MEMD}", "--volumes", "2",
-                    "--size", "128M", "--secret-file", str(secret), *memd_args,
+                    "--volume-size", "128M", "--secret-file", str(secret), *memd_args,
                 ]
                 servers[host] = start(net, host, argv[host], "memd listening",
                                       tmp_path / f"{host}.log")
@@ -478,7 +479,7 @@ _SCRAPE = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1],
 def test_mds_metrics(tmp_path: Path) -> None:
     """``--metrics`` on ``memfs mds`` (calls per method, the pool, sessions) and ``memfs
     memd`` (requests and bytes, volumes, clients), scraped from a client node."""
-    from tests.test_metrics import scrape_until  # the same parsing as the mount's test
+    from tests.mount.test_metrics import scrape_until  # the same parsing as the mount's test
 
     port = 9187
     metrics = ("--metrics", f"0.0.0.0:{port}")

@@ -78,7 +78,7 @@ def start_memd(tmp_path: Path, secret_file: Path) -> Iterator[Callable[..., Memd
     def start(port: int = 0, secret: bool = True, volumes: int = 2) -> Memd:
         log = tmp_path / f"memd{next(counter)}.log"
         args = ["--listen", f"127.0.0.1:{port}", "--volumes", str(volumes),
-                "--size", str(VOLUME_SIZE)]
+                "--volume-size", str(VOLUME_SIZE)]
         if secret:
             args += ["--secret-file", str(secret_file)]
         with open(log, "w") as err:
@@ -540,6 +540,12 @@ def one_error_line(res: subprocess.CompletedProcess[str]) -> str:
         (["--listen", "127.0.0.1:0", "--size", "1M", "--volumes", "x"], "bad --volumes"),
         (["--listen", "127.0.0.1:0", "--size", "1024T"], "exceeds the memory available"),
         (["--listen", "192.0.2.1:7100", "--size", "1M"], "cannot listen on 192.0.2.1:7100"),
+        (["--listen", "127.0.0.1:0"], "needs --size (all volumes together) or --volume-size"),
+        (["--listen", "127.0.0.1:0", "--volumes", "3", "--size", "1M"],
+         "--size 1M does not split evenly over 3 volumes"),
+        (["--listen", "127.0.0.1:0", "--volumes", "2", "--size", "1M", "--volume-size", "1M"],
+         "--size 1M disagrees with --volumes 2 x --volume-size 1M = 2M"),
+        (["--listen", "127.0.0.1:0", "--volume-size", "4Q"], "bad --volume-size '4Q'"),
     ],
 )
 def test_cli_errors(args: list[str], message: str) -> None:
@@ -583,3 +589,21 @@ def test_cli_lifecycle(start_memd: Callable[..., Memd], tmp_path: Path, sig: int
     text = m.log_text()
     assert "anyone who can reach 127.0.0.1:" in text and " WARNING " in text
     server_log_is_clean(m)
+
+
+@pytest.mark.parametrize("sizes", [["--size", "4M"], ["--volume-size", "2M"],
+                                   ["--size", "4M", "--volume-size", "2M"]])
+def test_size_is_the_whole_and_volume_size_each(sizes: list[str]) -> None:
+    """``--size`` means all volumes together, as for ``memfs mount``; ``--volume-size``
+    each, as for ``memfs mds``."""
+    proc = subprocess.Popen(memd_cmd("--listen", "127.0.0.1:0", "--volumes", "2", *sizes),
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert "(2 volumes x 2M)" in line, line
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        assert proc.stdout is not None
+        proc.stdout.close()

@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 
-from memfs.cli import control_socket
+from memfs.cli.runtime import control_socket
 from memfs.control import ControlClient
 from tests.conftest import MEMFS, Mounted
 

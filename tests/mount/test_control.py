@@ -44,6 +44,20 @@ import pytest
 import trio
 
 from memfs import cli, control
+from memfs.backing.status import BackingStatus, TicketProgress
+from memfs.cli import (
+    cmd_flush,
+    cmd_stage_in,
+    cmd_stage_out,
+    cmd_umount,
+    common,
+    mounts,
+    runtime,
+)
+from memfs.cli import tickets as cli_tickets
+from memfs.cli.cmd_status import format_status
+from memfs.cli.mounts import MountEntry
+from memfs.cli.progress import progress_text
 from memfs.control import ControlClient, serve_control
 from memfs.errors import ControlError, FsError, UsageError
 from memfs.meta import Meta
@@ -613,18 +627,18 @@ def test_control_socket_paths(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
     their runtime directory.  Always short enough for a Unix socket address, and
     unique.  A user's CLI tries their own daemon's place, then root's."""
     monkeypatch.setattr(os, "geteuid", lambda: 0)
-    assert cli.control_socket("/mnt/memfs") == Path("/run/memfs-ctl/mnt-memfs.ctl")
-    assert cli.pid_file("/mnt/memfs") == Path("/run/memfs/mnt-memfs.pid")
-    assert cli.control_sockets("/mnt/memfs") == [Path("/run/memfs-ctl/mnt-memfs.ctl")]
+    assert runtime.control_socket("/mnt/memfs") == Path("/run/memfs-ctl/mnt-memfs.ctl")
+    assert runtime.pid_file("/mnt/memfs") == Path("/run/memfs/mnt-memfs.pid")
+    assert runtime.control_sockets("/mnt/memfs") == [Path("/run/memfs-ctl/mnt-memfs.ctl")]
     deep = "/scratch/" + "/".join(["a-long-directory-name"] * 8)
-    path = cli.control_socket(deep)
+    path = runtime.control_socket(deep)
     assert len(os.fsencode(path)) <= 107
-    assert path.parent == cli.ROOT_CONTROL_DIR
-    assert path == cli.control_socket(deep)
-    assert path != cli.control_socket(deep + "x")
+    assert path.parent == runtime.ROOT_CONTROL_DIR
+    assert path == runtime.control_socket(deep)
+    assert path != runtime.control_socket(deep + "x")
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
-    assert cli.control_sockets("/mnt/memfs") == [
+    assert runtime.control_sockets("/mnt/memfs") == [
         tmp_path / "memfs" / "mnt-memfs.ctl", Path("/run/memfs-ctl/mnt-memfs.ctl")]
 
 
@@ -632,16 +646,16 @@ def test_control_directory_modes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     """Root's socket directory is enterable by all (0755, also when it was made
     0700 before); a user's runtime directory stays private."""
     shared = tmp_path / "run" / "memfs-ctl"
-    monkeypatch.setattr(cli, "ROOT_CONTROL_DIR", shared)
+    monkeypatch.setattr(runtime, "ROOT_CONTROL_DIR", shared)
     old = os.umask(0o077)
     try:
-        cli.make_control_dir(shared)
+        runtime.make_control_dir(shared)
         assert stat.S_IMODE(shared.stat().st_mode) == 0o755
         shared.chmod(0o700)
-        cli.make_control_dir(shared)
+        runtime.make_control_dir(shared)
         assert stat.S_IMODE(shared.stat().st_mode) == 0o755
         private = tmp_path / "user" / "memfs"
-        cli.make_control_dir(private)
+        runtime.make_control_dir(private)
         assert stat.S_IMODE(private.stat().st_mode) == 0o700
     finally:
         os.umask(old)
@@ -700,10 +714,12 @@ class Env:
 def env(tmp_path: Path, sock_path: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Env]:
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    real_table = cli.mount_table
-    monkeypatch.setattr(cli, "mount_table", lambda: [*real_table(), (str(mnt), "fuse.memfs")])
-    monkeypatch.setattr(cli, "control_socket", lambda m: Path(sock_path) if m == str(mnt) else None)
-    monkeypatch.setattr(cli, "POLL_INTERVAL", 0.01)
+    real_table = mounts.mount_table
+    monkeypatch.setattr(mounts, "mount_table",
+                        lambda: [*real_table(), MountEntry("memfs", str(mnt), "fuse.memfs")])
+    monkeypatch.setattr(runtime, "control_socket", lambda m: Path(sock_path) if m == str(mnt) else None)
+    monkeypatch.setattr(cli_tickets, "POLL_INTERVAL", 0.01)
+    monkeypatch.setattr(cmd_umount, "POLL_INTERVAL", 0.01)
     e = Env(mnt, sock_path, FakeMeta())
     try:
         yield e
@@ -794,7 +810,7 @@ def test_flush_wait_progress_on_a_terminal(
         step(1, 1 << 20, errors=[failing, again]), step(0, 0, True, errors=[failing, again]),
     ])}
     env.start()
-    monkeypatch.setattr(cli, "_isatty", lambda: True)
+    monkeypatch.setattr(cmd_flush, "stderr_is_terminal", lambda: True)
     code, out, err = run_cli(capsys, "flush", str(env.mnt), "--wait")
     assert (code, out) == (0, "")
     assert "\rflushing: 0/3 files, 3.0 MiB/3.0 MiB left\x1b[K" in err
@@ -829,9 +845,10 @@ def test_status(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_format_status_tolerates_missing_and_odd_values() -> None:
-    text = cli.format_status("/m", {"capacity": 0, "flush_rate": float("nan"), "errors": [5]})
+    text = format_status("/m", BackingStatus.from_json(
+        {"capacity": 0, "flush_rate": float("nan"), "errors": [5]}))
     assert "pool:       0 B used of 0 B\n" in text and "errors:     none" in text
-    assert "draining" in cli.format_status("/m", {"draining": True})
+    assert "draining" in format_status("/m", BackingStatus.from_json({"draining": True}))
 
 
 def test_daemon_errors(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
@@ -954,7 +971,7 @@ def test_stage_in_progress_on_a_terminal(
     env.fake.handlers = {"stage_in": lambda a: {"ticket": 7},
                          "progress": progress_script([step(2, 2 << 20), step(0, 0, True)])}
     env.start()
-    monkeypatch.setattr(cli, "_isatty", lambda: True)
+    monkeypatch.setattr(cmd_stage_in, "stderr_is_terminal", lambda: True)
     code, out, err = run_cli(capsys, "stage-in", str(env.mnt))
     assert (code, out) == (0, "")
     assert "\rstaging in: 1/3 files, 2.0 MiB/3.0 MiB left" in err
@@ -1017,8 +1034,9 @@ def tree_state(top: Path) -> dict[str, tuple[Any, ...]]:
 def stage_out_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    real_table = cli.mount_table
-    monkeypatch.setattr(cli, "mount_table", lambda: [*real_table(), (str(mnt), "fuse.memfs")])
+    real_table = mounts.mount_table
+    monkeypatch.setattr(mounts, "mount_table",
+                        lambda: [*real_table(), MountEntry("memfs", str(mnt), "fuse.memfs")])
     return mnt
 
 
@@ -1036,7 +1054,7 @@ def test_stage_out_writes_one_faithful_archive(
     archive.write_bytes(b"an older archive")
     code, out, err = run_cli(capsys, "stage-out", str(tree), "--archive", str(archive))
     assert (code, out, err) == (0, "", "")
-    assert os.getxattr(tree, cli.FLUSH_XATTR) == b"off"
+    assert os.getxattr(tree, common.FLUSH_XATTR) == b"off"
     assert sorted(os.listdir(out_dir)) == ["out.tar"]  # no temporary left over
     with tarfile.open(archive) as tar:
         members = {m.name: m for m in tar.getmembers()}
@@ -1067,7 +1085,7 @@ def test_stage_out_progress_on_a_terminal(
     (tree / "a").mkdir(parents=True)
     (tree / "a" / "f").write_bytes(b"x" * (2 << 20))
     (tree / "g").write_bytes(b"y" * 100)
-    monkeypatch.setattr(cli, "_isatty", lambda: True)
+    monkeypatch.setattr(cmd_stage_out, "stderr_is_terminal", lambda: True)
     code, out, err = run_cli(capsys, "stage-out", str(tree), "--archive", str(tmp_path / "t.tar"))
     assert (code, out) == (0, "")
     assert "\rstage-out: 2/2 files, 0 B/2.0 MiB left" in err, repr(err)
@@ -1119,7 +1137,7 @@ def test_stage_out_mistakes(
         assert code == cli.EXIT_USAGE and out == ""
         assert mentions in one_error_line(err), (path, archive, err)
     with pytest.raises(OSError):  # refused before the tree was touched
-        os.getxattr(mnt / "t", cli.FLUSH_XATTR)
+        os.getxattr(mnt / "t", common.FLUSH_XATTR)
 
 
 # -- umount: waiting for a daemon that drains -----------------------------------------------
@@ -1129,7 +1147,7 @@ def test_umount_waits_for_a_draining_daemon(
     env: Env, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Told once what is being written back (after ~2 s), then waits until the daemon is gone."""
-    monkeypatch.setattr(cli, "DRAIN_NOTICE_AFTER", 0.3)
+    monkeypatch.setattr(cmd_umount, "DRAIN_NOTICE_AFTER", 0.3)
     start = time.monotonic()
 
     def status(args: dict[str, Any]) -> dict[str, Any]:
@@ -1144,7 +1162,7 @@ def test_umount_waits_for_a_draining_daemon(
     env.start()
     client = ControlClient(env.sock, str(env.mnt), timeout=2)
     client.connect()
-    cli.wait_for_daemon(str(env.mnt), None, client)
+    cmd_umount.wait_for_daemon(str(env.mnt), None, client)
     elapsed = time.monotonic() - start
     out, err = capsys.readouterr()
     assert 1.0 < elapsed < 5, elapsed
@@ -1165,7 +1183,7 @@ def test_umount_wait_without_a_backing_directory(
         start = time.monotonic()
         reaper = threading.Thread(target=proc.wait)
         reaper.start()
-        cli.wait_for_daemon(str(env.mnt), proc.pid, client)
+        cmd_umount.wait_for_daemon(str(env.mnt), proc.pid, client)
         assert time.monotonic() - start > 0.3
         reaper.join()
     assert capsys.readouterr() == ("", "")
@@ -1173,11 +1191,11 @@ def test_umount_wait_without_a_backing_directory(
 
 def test_progress_text() -> None:
     p = {"files": 328, "bytes": int(1.2 * (1 << 30)), "total_files": 340, "total_bytes": 4 << 30}
-    assert cli.progress_text("flushing", p, 0.5) == "flushing: 12/340 files, 1.2 GiB/4.0 GiB left"
-    assert cli.progress_text("flushing", p, 10) == \
+    assert progress_text("flushing", TicketProgress.from_json(p), 0.5) == "flushing: 12/340 files, 1.2 GiB/4.0 GiB left"
+    assert progress_text("flushing", TicketProgress.from_json(p), 10) == \
         "flushing: 12/340 files, 1.2 GiB/4.0 GiB left, 286.7 MiB/s"
-    assert cli.format_bytes(0) == "0 B" and cli.format_bytes(1023) == "1023 B"
-    assert cli.format_bytes(1536) == "1.5 KiB"
+    assert common.format_bytes(0) == "0 B" and common.format_bytes(1023) == "1023 B"
+    assert common.format_bytes(1536) == "1.5 KiB"
 
 
 def test_json_reply_is_one_line_even_with_newlines_in_strings(sock_path: str) -> None:
@@ -1322,7 +1340,7 @@ def test_stage_out_of_the_mount_root_is_refused(
         assert (code, out) == (cli.EXIT_USAGE, "")
         assert "is the root of the memfs mount" in one_error_line(err)
     with pytest.raises(OSError):
-        os.getxattr(mnt, cli.FLUSH_XATTR)
+        os.getxattr(mnt, common.FLUSH_XATTR)
     assert not (tmp_path / "a.tar").exists()
 
 
@@ -1331,8 +1349,8 @@ def test_umount_shows_why_write_back_keeps_failing(
 ) -> None:
     """On a terminal, while the daemon drains: each new write-back error once,
     newest first; errors from before the unmount (older than a minute) are history."""
-    monkeypatch.setattr(cli, "DRAIN_NOTICE_AFTER", 0.1)
-    monkeypatch.setattr(cli, "_isatty", lambda: True)
+    monkeypatch.setattr(cmd_umount, "DRAIN_NOTICE_AFTER", 0.1)
+    monkeypatch.setattr(cmd_umount, "stderr_is_terminal", lambda: True)
     now = time.time()
     old = {"path": "old.dat", "error": "[Errno 13] Permission denied", "count": 1, "last": now - 3600}
     full = {"path": "out/a.dat", "error": "[Errno 28] No space left on device", "count": 1,
@@ -1352,7 +1370,7 @@ def test_umount_shows_why_write_back_keeps_failing(
     env.start()
     client = ControlClient(env.sock, str(env.mnt), timeout=2)
     client.connect()
-    cli.wait_for_daemon(str(env.mnt), None, client)
+    cmd_umount.wait_for_daemon(str(env.mnt), None, client)
     out, err = capsys.readouterr()
     note = "memfs: write-back of out/a.dat: [Errno 28] No space left on device (retrying)\n"
     assert err.count(note) == 2, err

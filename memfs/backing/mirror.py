@@ -1,0 +1,115 @@
+"""The namespace mirror: memfs's namespace changes applied to DIR, in order.
+
+Operations (:class:`memfs.backing.ops.NsOp`) are queued by the tracker as they
+happen, with the paths of that moment, and applied strictly in order by one
+task, or by whoever holds :attr:`NamespaceMirror.lock` (a write-back worker
+publishes a file only after every earlier operation, under the same lock, so a
+file always lands at the path it has in memfs at that moment).  An operation
+that DIR already contradicts (ENOENT, EEXIST... : a file never written back, a
+directory someone else filled) is skipped; any other error keeps it at the head
+of the queue and is retried with back-off.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import logging
+from collections.abc import Awaitable, Callable
+
+import trio
+
+from memfs.backing.dirside import BackingDir
+from memfs.backing.ops import ErrorLog, NsOp, Retry
+
+log = logging.getLogger(__name__)
+
+MAX_BACKOFF = 30.0
+#: errors of a namespace operation that mean DIR already differs from what we expected
+#: (a file that was never written back, a directory someone else filled): nothing to retry
+SKIP_ERRNOS = {errno.ENOENT, errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR,
+               errno.EXDEV, errno.EINVAL}
+
+
+class NamespaceMirror:
+    """The ordered queue of namespace operations and the task that applies them."""
+
+    def __init__(self, dirside: BackingDir, errors: ErrorLog) -> None:
+        self.dirside = dirside
+        self.errors = errors
+        #: fetch an op's ``keep`` inode before its copy in DIR goes (set by residency)
+        self.keep: Callable[[NsOp], Awaitable[None]] | None = None
+        self.ops: collections.deque[NsOp] = collections.deque()
+        self.queued = 0  # operations ever queued
+        self.applied = 0  # ... and applied (or found moot)
+        #: held while applying operations and while publishing a file (see module doc)
+        self.lock = trio.Lock()
+        self._wake = trio.Event()
+        self._retry = trio.Event()  # `memfs flush`, unmount: retry now
+
+    def queue(self, op: NsOp) -> None:
+        self.ops.append(op)
+        self.queued += 1
+        self._wake.set()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def retry_now(self) -> None:
+        """Skip the back-off (``memfs flush``, unmount)."""
+        self._retry.set()
+        self._wake.set()
+
+    def touches(self, path: bytes) -> bool:
+        """Does a queued operation name *path* or a directory above it?"""
+        for op in self.ops:
+            for p in (op.path, op.path2):
+                if p and (p == path or path.startswith(p + b"/")):
+                    return True
+        return False
+
+    async def apply_all(self) -> None:
+        """Apply every queued operation, in order (hold :attr:`lock`).  Raises
+        :class:`Retry` when DIR fails (the operation stays at the head)."""
+        while self.ops:
+            op = self.ops[0]
+            if op.keep and self.keep is not None:
+                await self.keep(op)
+            try:
+                await trio.to_thread.run_sync(self.dirside.apply, op)
+            except OSError as exc:
+                if exc.errno in SKIP_ERRNOS:
+                    log.debug("%s %r: %s (skipped)", op.kind.value, op.path, exc.strerror)
+                else:
+                    self.errors.record(op.path, op.kind.value, exc)
+                    raise Retry() from None
+            else:
+                self.errors.clear(op.path)
+            self.ops.popleft()
+            self.applied += 1
+
+    async def run(self) -> None:
+        """Apply operations as they come; back off while DIR fails.  A bug in a
+        pass is logged and shown by status; the queue is kept, so nothing is lost."""
+        failures = 0
+        while True:
+            if not self.ops:
+                await self._wake.wait()
+                self._wake = trio.Event()
+                continue
+            try:
+                async with self.lock:
+                    await self.apply_all()
+                failures = 0
+                continue
+            except Retry:
+                pass
+            except Exception as exc:
+                self.errors.bug("namespace mirror", exc)
+            failures += 1
+            # Back off, but `memfs flush` and unmount try again at once.
+            with trio.move_on_after(min(MAX_BACKOFF, 0.5 * 2 ** min(failures, 10))):
+                await self._retry.wait()
+            if self._retry.is_set():
+                self._retry = trio.Event()
+                failures = 0

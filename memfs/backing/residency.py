@@ -1,0 +1,309 @@
+"""What of each file is in the pool: fetch from DIR, eviction, room for writes.
+
+A file entered from DIR (stage-in at mount, or evicted since) has ``backed``
+bytes whose chunks may be missing from the pool; :meth:`Residency.ensure_resident`
+fetches what a read or write needs, a STEP at a time, each part claimed just
+before it is read so that concurrent readers of other parts fetch those
+themselves.  When the pool is full, whole clean files are evicted, least
+recently used first (files named by a live stage-in ticket last), after the
+clients that cache their chunk maps let go (``before_evict``, cluster mode).
+Writers that would take dirty data past the cap wait for write-back.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import itertools
+import logging
+import os
+import stat
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import trio
+
+from memfs.backing.dirside import BackingDir, close_soon, pread_full
+from memfs.backing.mirror import NamespaceMirror
+from memfs.backing.ops import ErrorLog, NsOp, Retry
+from memfs.backing.surface import BackingStore
+from memfs.backing.tracker import ChangeTracker
+from memfs.errors import FsError, SpaceBusy
+from memfs.transport import Transport
+
+log = logging.getLogger(__name__)
+
+#: bytes moved per step of a copy or a fetch (a read waits for at most this much)
+STEP = 1 << 20
+T = TypeVar("T")
+
+
+class Residency:
+    """Fetches, eviction and the dirty cap of one pool with a backing directory."""
+
+    def __init__(
+        self, store: BackingStore, transport: Transport, dirside: BackingDir,
+        mirror: NamespaceMirror, errors: ErrorLog,
+    ) -> None:
+        self.store = store
+        self.transport = transport
+        self.dirside = dirside
+        self.mirror = mirror
+        self.errors = errors
+        self.chunk_size = store.chunk_size
+        self.tracker: ChangeTracker | None = None  # set by BackedMeta (they refer to each other)
+        #: cluster (memfs mds): takes chunk maps of these inodes back from the clients
+        #: that cache them (memfs.meta.leases) before eviction frees their chunks
+        self.before_evict: Callable[[list[int]], Awaitable[None]] | None = None
+        #: before eviction: forget tickets that expired (their files stop being spared)
+        self.expire: Callable[[], None] = lambda: None
+        #: files with data in the pool, least recently used first (eviction order)
+        self.lru: collections.OrderedDict[int, None] = collections.OrderedDict()
+        #: files named by live stage-in tickets (-> how many): evicted only as a last resort
+        self.kept: collections.Counter[int] = collections.Counter()
+        self._fetching: dict[tuple[int, int], trio.Event] = {}
+        self.fetched_bytes = 0
+        self.evicted_bytes = 0
+
+    def touch(self, ino: int) -> None:
+        lru = self.lru
+        if ino in lru:
+            lru.move_to_end(ino)
+        else:
+            lru[ino] = None
+
+    def forget(self, ino: int) -> None:
+        self.lru.pop(ino, None)
+        self.kept.pop(ino, None)
+
+    def missing_bytes(self, ino: int) -> int:
+        i = self.store.inodes.get(ino)
+        if i is None or not i.backed:
+            return 0
+        return min(len(self.store.missing(ino, 0, i.backed)) * self.chunk_size, i.backed)
+
+    # -- room: the dirty cap and a full pool ---------------------------------------------
+
+    async def wait_dirty_room(self, ino: int, offset: int, length: int) -> None:
+        """Backpressure: wait while this write would take dirty data past the cap."""
+        tracker = self.tracker
+        assert tracker is not None
+        cs = self.chunk_size
+        first, last = offset // cs, (offset + length - 1) // cs
+        while True:
+            d = tracker.dirty.get(ino)
+            new = (last - first + 1) - (sum(1 for k in range(first, last + 1) if k in d.chunks) if d else 0)
+            if (not new or not tracker.dirty_chunks
+                    or (tracker.dirty_chunks + new) * cs <= tracker.dirty_max):
+                return
+            if ino in tracker.pinned and tracker.excluded(ino):
+                return
+            await tracker.wait_cleaned()
+
+    async def with_room(self, fn: Callable[[], Awaitable[T]], protect: int = 0) -> T:
+        """Run store call *fn*; on a full pool evict clean data, scrub, and retry.
+        *protect*: a file that must keep its pool data (the one being written)."""
+        for _ in range(16):
+            try:
+                return await fn()
+            except SpaceBusy:
+                await self.store.reclaim()
+            except FsError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                if not await self.evict(STEP // self.chunk_size * 4, protect):
+                    raise
+        raise FsError(errno.ENOSPC)
+
+    async def evict(self, want: int, protect: int = 0) -> bool:
+        """Evict clean files, least recently used first, until *want* chunks are freed."""
+        tracker = self.tracker
+        assert tracker is not None
+        if self.dirside.lost:
+            return False  # DIR is gone: the pool may hold the only copy of everything
+        self.expire()  # staged files stop being spared when their ticket ends
+        freed = 0
+        inodes = self.store.inodes
+
+        # Files just staged in are kept while anything else can go.  The oldest few
+        # thousand are almost always enough; the rest only if not.
+        def evictable(ino: int, spare_staged: bool) -> bool:
+            i = inodes.get(ino)
+            if i is None or not i.chunks:
+                self.lru.pop(ino, None)
+                return False
+            return not (ino == protect or ino in tracker.dirty or ino in tracker.pinned
+                        or i.nlink <= 0 or not stat.S_ISREG(i.mode)
+                        or (spare_staged and ino in self.kept) or tracker.excluded(ino))
+
+        for spare_staged, start, stop in ((True, 0, 4096), (True, 4096, None), (False, 0, None)):
+            if not spare_staged and not self.kept:
+                break  # nothing was spared: the first passes saw everything
+            victims = []
+            need = want - freed
+            for ino in list(itertools.islice(self.lru, start, stop)):
+                if need <= 0:
+                    break
+                if evictable(ino, spare_staged):
+                    victims.append(ino)
+                    need -= len(inodes[ino].chunks or ())
+            if victims and self.before_evict is not None:
+                # Clients reading these files through cached chunk maps let go first
+                # (the chunks are reused as soon as they are scrubbed).
+                await self.before_evict(victims)
+            for ino in victims:
+                if freed >= want:
+                    break
+                if not evictable(ino, spare_staged):  # changed while the clients answered
+                    continue
+                n = self.store.evict(ino)
+                self.lru.pop(ino, None)
+                freed += n
+                self.evicted_bytes += n * self.chunk_size
+                log.debug("evicted inode %d (%d chunks)", ino, n)
+            if freed >= want:
+                break
+        if freed:
+            await self.store.reclaim()
+        return freed > 0
+
+    # -- fetch ----------------------------------------------------------------------------
+
+    async def ensure_resident(
+        self, ino: int, offset: int, length: int, path: bytes | None = None
+    ) -> None:
+        """Fetch what ``[offset, offset+length)`` of *ino* needs from DIR; wait for fetches
+        others started of the same chunks.  *path*: where in DIR (default: its name now)."""
+        while ks := self.store.missing(ino, offset, length):
+            mine = [k for k in ks if (ino, k) not in self._fetching]
+            if mine:
+                try:
+                    await self._fetch(ino, mine, path)
+                except FsError:
+                    if self.store.missing(ino, offset, length):
+                        raise
+                    return  # fetched by someone else meanwhile (a file being unlinked)
+            for k in ks:
+                ev = self._fetching.get((ino, k))
+                if ev is not None:
+                    await ev.wait()
+
+    async def keep(self, op: NsOp) -> None:
+        """The mirror's hook: fetch *op*'s ``keep`` inode whole from where DIR has it,
+        before *op* removes that copy."""
+        i = self.store.inodes.get(op.keep)
+        if i is None:
+            return
+        try:
+            await self.ensure_resident(op.keep, 0, i.backed, op.keep_from or op.path)
+        except FsError as exc:
+            log.warning("inode %d: could not keep its data before %s: %s",
+                        op.keep, op.kind.value, exc)
+
+    async def _fetch(self, ino: int, ks: list[int], path: bytes | None = None) -> None:
+        """Fetch chunks *ks* of *ino* from DIR: one open of its copy, then a STEP at a
+        time, each part claimed just before it is read, so a reader that needs a later
+        part meanwhile fetches that part itself instead of waiting for this one."""
+        cs = self.chunk_size
+        # Open first: that may wait for the namespace lock, whose holder may be
+        # fetching this very file (before an unlink): chunks are claimed only after.
+        fd = await self.open_backing(ino, path)
+        try:
+            for run in runs(ks):
+                for part in (run[j : j + STEP // cs] for j in range(0, len(run), STEP // cs)):
+                    mine = [k for k in part if (ino, k) not in self._fetching]
+                    events = {k: trio.Event() for k in mine}
+                    for k, ev in events.items():
+                        self._fetching[(ino, k)] = ev
+                    try:
+                        for sub in runs(mine):
+                            await self._fetch_run(ino, fd, sub)
+                    finally:
+                        for k, ev in events.items():
+                            del self._fetching[(ino, k)]
+                            ev.set()
+        finally:
+            close_soon(fd)
+
+    async def open_backing(self, ino: int, path: bytes | None) -> int:
+        """Open *ino*'s copy in DIR for reading (at *path*, else at its name now)."""
+        if path is None:
+            # DIR must match the namespace first: a rename may still be queued.
+            async with self.mirror.lock:
+                try:
+                    await self.mirror.apply_all()
+                except Retry:
+                    pass  # reading may work where writing does not, if no change is in the way
+                paths = self.store.paths(ino)
+                if not paths:
+                    raise FsError(errno.EIO, f"inode {ino}: data only in the backing directory, "
+                                             "and the file has no name there any more")
+                path = paths[0]
+                if self.mirror.touches(path):
+                    # A change not applied yet moves what DIR has at that path: reading
+                    # it could give another file's bytes.
+                    raise FsError(errno.EIO, f"{os.fsdecode(path)}: its data is in the backing "
+                                             "directory, which cannot be updated right now")
+        try:
+            return await trio.to_thread.run_sync(self.dirside.open_read, path)
+        except OSError as exc:
+            self.errors.record(path, "read", exc)
+            full = self.dirside.path(path)
+            raise FsError(errno.EIO, f"cannot read {os.fsdecode(full)}: {exc.strerror}") from None
+
+    async def _fetch_run(self, ino: int, fd: int, ks: list[int]) -> None:
+        cs = self.chunk_size
+        i = self.store.inodes.get(ino)
+        if i is None:
+            return
+        ks = [k for k in ks if k not in (i.chunks or {}) and k * cs < i.backed]
+        if not ks:
+            return
+        if ks[-1] - ks[0] != len(ks) - 1:  # another reader filled a chunk in between
+            for run in runs(ks):
+                await self._fetch_run(ino, fd, run)
+            return
+        start = ks[0] * cs
+        n = min(len(ks) * cs, i.backed - start)
+        buf = bytearray(len(ks) * cs)
+        try:
+            got = await trio.to_thread.run_sync(pread_full, fd, memoryview(buf)[:n], start)
+        except OSError as exc:
+            self.errors.record(self.store.path(ino) or b"?", "read", exc)
+            raise FsError(errno.EIO, f"cannot read inode {ino} from the backing directory: "
+                                     f"{exc.strerror}") from None
+        if got < n:  # shrunk behind our back: zeros would be wrong data
+            path = self.store.path(ino) or b"(unlinked)"
+            short = OSError(errno.EIO, f"the backing copy ends at {start + got}, expected {i.backed} bytes")
+            self.errors.record(path, "read", short)
+            raise FsError(errno.EIO, f"{os.fsdecode(path)}: {short.strerror}")
+        placed = await self.with_room(lambda: self._reserve(ino, ks))
+        view = memoryview(buf)
+        try:
+            for k, vol, voff in placed:
+                off = (k - ks[0]) * cs
+                await self.transport.write(vol, voff, view[off : off + cs])
+        except BaseException:
+            for _, vol, voff in placed:
+                self.store.unreserve(vol, voff)
+            raise
+        for k, vol, voff in placed:
+            self.store.install(ino, k, vol, voff)
+        self.fetched_bytes += n
+        self.touch(ino)
+
+    async def _reserve(self, ino: int, ks: list[int]) -> list[tuple[int, int, int]]:
+        return self.store.reserve(ino, ks)
+
+
+def runs(ks: list[int]) -> list[list[int]]:
+    """Consecutive runs of sorted chunk numbers."""
+    out: list[list[int]] = []
+    for k in sorted(ks):
+        if out and out[-1][-1] == k - 1:
+            out[-1].append(k)
+        else:
+            out.append([k])
+    return out
+
+

@@ -1,0 +1,358 @@
+"""The burst buffer's parts, each driven alone (no mount, no processes).
+
+The tracker and the mirror run against a real in-memory store and a temporary
+DIR; timing (the write-back delay, back-off, ticket expiry) runs on trio's
+``autojump_clock`` with the clock injected, so a 5-second delay takes
+milliseconds.  The mount-level behaviour is tested in tests/mount/.
+"""
+
+from __future__ import annotations
+
+import errno
+import stat
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+
+from memfs.backing.dirside import BackingDir
+from memfs.backing.meta import BackedMeta
+from memfs.backing.mirror import NamespaceMirror
+from memfs.backing.ops import ErrorLog, NsKind, NsOp
+from memfs.backing.status import BackingError, BackingStatus, TicketProgress
+from memfs.backing.tickets import TICKET_TTL
+from memfs.backing.tracker import ChangeTracker
+from memfs.config import FlushConfig, PoolConfig
+from memfs.data import DataEngine
+from memfs.meta.store import MetaStore
+from memfs.transport.local import LocalTransport
+
+K, M = 1 << 10, 1 << 20
+POOL = PoolConfig(size=8 * M, volumes=2, stripe_size=128 * K, chunk_size=64 * K)
+ROOT = 1
+REG, DIR = stat.S_IFREG | 0o644, stat.S_IFDIR | 0o755
+
+
+# -- the tracker: versions, dirty chunks, namespace operations ------------------------
+
+
+def tracked(clock: list[float] | None = None) -> tuple[MetaStore, ChangeTracker, list[NsOp]]:
+    store = MetaStore(POOL)
+    ops: list[NsOp] = []
+    t = [0.0] if clock is None else clock
+    tracker = ChangeTracker(store, dirty_max=4 * M, delay=5.0, queue=ops.append,
+                            touch=lambda ino: None, forget=lambda ino: None, clock=lambda: t[0])
+    store.watcher = tracker
+    return store, tracker, ops
+
+
+async def test_tracker_versions_and_chunks() -> None:
+    now = [10.0]
+    store, tracker, _ = tracked(now)
+    a = await store.mknod(ROOT, b"f", REG, 0, 0)
+    v1 = tracker.version(a.ino)
+    assert v1 > 0 and tracker.dirty[a.ino].since == 10.0
+    now[0] = 11.0
+    await store.map_write(a.ino, 0, 3 * 64 * K)  # chunks 0..2
+    d = tracker.dirty[a.ino]
+    assert d.chunks == {0, 1, 2} and tracker.dirty_chunks == 3
+    assert tracker.version(a.ino) > v1 and d.since == 11.0
+    await store.truncate(a.ino, 64 * K + 1)  # keeps chunks 0 and 1
+    assert d.chunks == {0, 1} and tracker.dirty_chunks == 2
+    tracker.clean(a.ino, v1)  # an old version: stays dirty
+    assert a.ino in tracker.dirty
+    tracker.clean(a.ino, tracker.version(a.ino))
+    assert a.ino not in tracker.dirty and tracker.dirty_chunks == 0
+
+
+async def test_tracker_namespace_operations_in_order_with_paths_of_their_moment() -> None:
+    store, tracker, ops = tracked()
+    d = await store.mknod(ROOT, b"d", DIR, 0, 0)
+    await store.mknod(d.ino, b"ln", stat.S_IFLNK | 0o777, 0, 0, target=b"x")
+    f = await store.mknod(d.ino, b"f", REG, 0, 0)
+    await store.rename(d.ino, b"f", ROOT, b"g")
+    await store.rename(ROOT, b"d", ROOT, b"e")
+    await store.unlink(d.ino, b"ln")
+    await store.rmdir(ROOT, b"e")
+    assert [(o.kind, o.path, o.path2) for o in ops] == [
+        (NsKind.MKDIR, b"d", b""),
+        (NsKind.SYMLINK, b"d/ln", b""),
+        (NsKind.RENAME, b"d/f", b"g"),
+        (NsKind.RENAME, b"d", b"e"),
+        (NsKind.UNLINK, b"e/ln", b""),
+        (NsKind.RMDIR, b"e", b""),
+    ]
+    assert f.ino in tracker.dirty  # a regular file is written back, not mirrored
+
+
+async def test_tracker_is_called_after_the_change_unlink_and_rename_alike() -> None:
+    """One rule: the watcher sees the namespace after the change, including the
+    destruction the change caused (destroyed first, then removed/renamed)."""
+    store, tracker, ops = tracked()
+    calls: list[str] = []
+    real_destroyed, real_removed = tracker.destroyed, tracker.removed
+
+    def destroyed(ino: int) -> None:
+        calls.append("destroyed")
+        real_destroyed(ino)
+
+    def removed(parent: int, name: bytes, ino: int, directory: bool) -> None:
+        calls.append(f"removed nlink={store.inodes[ino].nlink if ino in store.inodes else 'gone'}")
+        real_removed(parent, name, ino, directory)
+
+    tracker.destroyed = destroyed  # type: ignore[method-assign]
+    tracker.removed = removed  # type: ignore[method-assign]
+    a = await store.mknod(ROOT, b"a", REG, 0, 0)
+    await store.unlink(ROOT, b"a")
+    assert calls == ["destroyed", "removed nlink=gone"]
+    assert a.ino not in tracker.dirty
+    b = await store.mknod(ROOT, b"b", REG, 0, 0)
+    await store.open(b.ino)
+    calls.clear()
+    await store.unlink(ROOT, b"b")  # open: not destroyed, link count already dropped
+    assert calls == ["removed nlink=0"]
+    assert ops[-1].kind is NsKind.UNLINK and ops[-1].path == b"b"
+
+
+async def test_tracker_pins_excluded_trees() -> None:
+    store, tracker, _ = tracked()
+    d = await store.mknod(ROOT, b"scratch", DIR, 0, 0)
+    await store.setxattr(d.ino, b"user.memfs.flush", b"off")
+    f = await store.mknod(d.ino, b"f", REG, 0, 0)
+    assert tracker.excluded(f.ino)
+    tracker.clean(f.ino, tracker.version(f.ino))
+    tracker.pinned.add(f.ino)
+    await store.map_write(f.ino, 0, 64 * K)
+    assert f.ino not in tracker.dirty  # pinned: not written back
+    await store.removexattr(d.ino, b"user.memfs.flush")
+    tracker.unpin()
+    assert f.ino in tracker.dirty and tracker.dirty[f.ino].chunks == {0}
+
+
+# -- the mirror: order, skips, retries --------------------------------------------------
+
+
+async def test_mirror_applies_in_order_and_skips_what_dir_contradicts(tmp_path: Path) -> None:
+    dirside = BackingDir(str(tmp_path), fsync=False)
+    dirside.scan()  # DIR's identity, our temporary directory
+    errors = ErrorLog()
+    mirror = NamespaceMirror(dirside, errors)
+    mirror.queue(NsOp(NsKind.MKDIR, b"a", mode=DIR))
+    mirror.queue(NsOp(NsKind.UNLINK, b"never-written"))  # ENOENT: skipped
+    mirror.queue(NsOp(NsKind.RENAME, b"a", b"b"))
+    async with mirror.lock:
+        await mirror.apply_all()
+    assert (tmp_path / "b").is_dir() and not (tmp_path / "a").exists()
+    assert mirror.applied == mirror.queued == 3 and not errors
+
+
+async def test_mirror_keeps_a_failing_operation_and_retries(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.expected_warnings = True  # type: ignore[attr-defined]
+    dirside = BackingDir(str(tmp_path), fsync=False)
+    dirside.scan()
+    errors = ErrorLog(wallclock=trio.current_time)
+    mirror = NamespaceMirror(dirside, errors)
+    fails = [2]
+    real = dirside.apply
+
+    def flaky(op: NsOp) -> None:
+        if fails[0]:
+            fails[0] -= 1
+            raise OSError(errno.EIO, "I/O error")
+        real(op)
+
+    dirside.apply = flaky  # type: ignore[method-assign]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(mirror.run)
+        mirror.queue(NsOp(NsKind.MKDIR, b"x", mode=DIR))
+        mirror.queue(NsOp(NsKind.MKDIR, b"x/y", mode=DIR))
+        start = trio.current_time()
+        while mirror.applied < 2:  # noqa: ASYNC110 - the mirror signals nothing
+            await trio.sleep(0.1)
+        # two failures: back-off 1 s then 2 s (virtual), order kept
+        assert trio.current_time() - start >= 3.0
+        assert (tmp_path / "x" / "y").is_dir()
+        assert not errors.entries()  # cleared once it worked
+        nursery.cancel_scope.cancel()
+
+
+# -- the whole, on an injected clock ----------------------------------------------------
+
+
+@asynccontextmanager
+async def backed(tmp_path: Path, **cfg: object) -> AsyncIterator[tuple[BackedMeta, DataEngine]]:
+    backing = tmp_path / "dir"
+    backing.mkdir(exist_ok=True)  # noqa: ASYNC240 - a local mkdir
+    transport = LocalTransport(POOL.volumes, POOL.size // POOL.volumes)
+    b = BackedMeta(MetaStore(POOL), transport,
+                   FlushConfig(str(backing), fsync=False, **cfg),  # type: ignore[arg-type]
+                   clock=trio.current_time, wallclock=trio.current_time)
+    await b.load()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(b.run)
+        yield b, DataEngine(b, transport)
+        nursery.cancel_scope.cancel()
+    await b.close()
+
+
+def record_starts(b: BackedMeta) -> list[float]:
+    """Times (on the injected clock) at which a worker starts copying a file: taken in
+    the trio thread, so worker threads cannot move them."""
+    starts: list[float] = []
+    real = b.writeback.flush_one
+
+    async def flush_one(*args: object) -> None:
+        starts.append(trio.current_time())
+        await real(*args)  # type: ignore[arg-type]
+
+    b.writeback.flush_one = flush_one  # type: ignore[method-assign,assignment]
+    return starts
+
+
+async def settle(b: BackedMeta) -> None:
+    """Until nothing is pending.  Small steps: with an autojump clock every idle wait
+    for a worker thread advances the clock by one step."""
+    while b.pending[0]:  # noqa: ASYNC110
+        await trio.sleep(0.001)
+
+
+async def test_written_back_after_the_delay_not_before(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    async with backed(tmp_path, delay=5.0, workers=1) as (b, data):
+        starts = record_starts(b)
+        a = await b.mknod(ROOT, b"f", REG, 0, 0)
+        await data.write(a.ino, 0, b"x" * 1000)
+        t0 = trio.current_time()
+        await trio.sleep(4.9)
+        assert not starts and not (tmp_path / "dir" / "f").exists()
+        await settle(b)
+        assert len(starts) == 1 and 5.0 <= starts[0] - t0 < 5.1, starts
+        assert (tmp_path / "dir" / "f").read_bytes() == b"x" * 1000
+
+
+async def test_flush_ticket_is_immediate_and_tickets_expire(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    async with backed(tmp_path, delay=3600.0, workers=1) as (b, data):
+        starts = record_starts(b)
+        a = await b.mknod(ROOT, b"f", REG, 0, 0)
+        await data.write(a.ino, 0, b"y" * 100 * K)
+        t0 = trio.current_time()
+        ticket = (await b.control("flush", {"paths": ["f"]}))["ticket"]
+        p = TicketProgress.from_json(await b.control("progress", {"ticket": ticket}))
+        assert p.total_files == 1 and p.total_bytes == 2 * 64 * K
+        while not p.done:
+            await trio.sleep(0.05)
+            p = TicketProgress.from_json(await b.control("progress", {"ticket": ticket}))
+        assert starts and starts[0] - t0 < 0.1  # at once, not after the hour's delay
+        assert (tmp_path / "dir" / "f").read_bytes() == b"y" * 100 * K
+        await trio.sleep(TICKET_TTL + 1)
+        with pytest.raises(Exception, match="no ticket"):
+            await b.control("progress", {"ticket": ticket})
+
+
+async def test_failed_copy_backs_off_and_is_shown(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.expected_warnings = True  # type: ignore[attr-defined]
+    async with backed(tmp_path, delay=0.0, workers=1) as (b, data):
+        starts = record_starts(b)
+        real = b.dirside.publish
+        fails = [3]
+
+        def failing(*args: object) -> None:
+            if fails[0]:
+                fails[0] -= 1
+                raise OSError(errno.ENOSPC, "No space left on device")
+            real(*args)  # type: ignore[arg-type]
+
+        b.dirside.publish = failing  # type: ignore[method-assign,assignment]
+        a = await b.mknod(ROOT, b"f", REG, 0, 0)
+        await data.write(a.ino, 0, b"z" * 10)
+        while not b.status().errors or b.status().errors[0].count < 2:  # noqa: ASYNC110
+            await trio.sleep(0.001)
+        st = b.status()
+        assert st.dirty_files == 1
+        assert [(e.path, e.error, e.count) for e in st.errors] == [
+            ("f", "write back: No space left on device", 2)]
+        await settle(b)
+        # back-off between attempts: at least 1 s, 2 s, 4 s (0.5 * 2**failures), not a
+        # spin (the autojump clock may add a little while worker threads run)
+        gaps = [b2 - a2 for a2, b2 in zip(starts, starts[1:], strict=False)]
+        assert len(starts) == 4 and all(g >= want for g, want in zip(gaps, (1, 2, 4), strict=True)), gaps
+        assert (tmp_path / "dir" / "f").read_bytes() == b"z" * 10
+        assert not b.status().errors
+
+
+async def test_eviction_least_recently_used_first_and_staged_spared(tmp_path: Path) -> None:
+    backing = tmp_path / "dir"
+    backing.mkdir()
+    for name in ("old", "mid", "new"):
+        (backing / name).write_bytes(name.encode() * (M // len(name)))
+    async with backed(tmp_path, delay=0.0, workers=1) as (b, data):
+        ino = {n: b.store.resolve(n.encode()).ino for n in ("old", "mid", "new")}
+        for n in ("old", "mid", "new"):  # fetched in this order: LRU order
+            assert await data.read(ino[n], 0, 3) == n.encode()[:3]
+        tid = b.tickets.stage_in([ino["old"]])  # staged: spared while others can go
+        b.residency.touch(ino["mid"])
+        assert await b.residency.evict(1)
+        chunks = {n: len(b.store.inodes[i].chunks or ()) for n, i in ino.items()}
+        assert chunks["new"] == 0 and chunks["old"] and chunks["mid"], chunks
+        with trio.fail_after(30):
+            while not b.tickets.progress(tid).done:  # noqa: ASYNC110
+                await trio.sleep(0.01)
+        assert not b.store.missing(ino["old"], 0, M)  # staged whole
+
+
+async def test_dirty_cap_holds_writers_until_write_back(tmp_path: Path) -> None:
+    """(Real clock: the write-back that makes room runs in worker threads, and an
+    autojump clock would jump past any deadline while they work.)"""
+    async with backed(tmp_path, delay=3600.0, workers=1, dirty_max=256 * K) as (b, data):
+        a = await b.mknod(ROOT, b"f", REG, 0, 0)
+        await data.write(a.ino, 0, b"a" * 256 * K)  # up to the cap
+        assert b.tracker.dirty_chunks == 4
+        done = trio.Event()
+
+        async def writer() -> None:
+            await data.write(a.ino, 256 * K, b"b" * 64 * K)
+            done.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(writer)
+            # past the cap: written back at once (no hour's delay), then the writer goes on
+            with trio.fail_after(30):
+                await done.wait()
+        assert (tmp_path / "dir" / "f").stat().st_size >= 256 * K
+
+
+# -- the typed status -------------------------------------------------------------------
+
+
+def test_status_round_trip_and_tolerance() -> None:
+    st = BackingStatus(backing="/x", capacity=10, dirty_files=2, flush_rate=1.5, draining=True,
+                       errors=(BackingError("p", "write back: EIO", 3, 12.0),))
+    assert BackingStatus.from_json(st.to_json()) == st
+    odd = {"capacity": "lots", "dirty_files": 2.0, "draining": 1, "errors": [{"path": 5}, "x"],
+           "flush_rate": float("nan"), "unknown": 1}
+    got = BackingStatus.from_json(odd)
+    assert got.capacity == 0 and got.dirty_files == 2 and got.draining is False
+    assert got.flush_rate == 0.0 and got.errors == (BackingError("5", ""),)
+    assert BackingStatus.from_json(None) == BackingStatus()
+    gauges = st.gauges("m")
+    assert gauges["m_capacity"] == 10.0 and "m_draining" not in gauges and "m_backing" not in gauges
+
+
+def test_progress_json_keys_are_those_the_cli_reads() -> None:
+    p = TicketProgress(done=True, files=1, bytes=2, total_files=3, total_bytes=4,
+                       failed=(BackingError("a", "why"),))
+    j = p.to_json()
+    assert j["failed"] == [{"path": "a", "error": "why"}] and j["errors"] == []
+    assert TicketProgress.from_json(j) == p
+
+
