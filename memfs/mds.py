@@ -276,6 +276,11 @@ async def _main(opts: MdsOptions, journal: Journal | None) -> int:
         async with trio.open_nursery() as nursery:
             server.incarnations.update(_load_incarnations(opts.journal_dir))
             nursery.start_soon(_scrub, store, opts.pool, opts.secret, server, opts.journal_dir)
+            if opts.flush is not None:
+                # Before serving: a call answered by the bare store would not be
+                # written back (no watcher yet), and a client would get write
+                # leases, whose writes never reach the burst buffer at all.
+                await nursery.start(_write_back, store, opts, server)
             try:
                 port = await nursery.start(server.serve, opts.host, opts.port)
             except OSError as exc:
@@ -293,8 +298,6 @@ async def _main(opts: MdsOptions, journal: Journal | None) -> int:
             if not opts.secret:
                 log.warning("no --secret-file: anyone who can reach %s:%d may change metadata",
                             host, port)
-            if opts.flush is not None:
-                await nursery.start(_write_back, store, opts, server)
             if opts.metrics is not None:
                 _start_metrics(opts.metrics, store, server, nursery)
             sd_notify("READY=1")

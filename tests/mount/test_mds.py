@@ -281,6 +281,48 @@ def test_volume_sizes_come_from_the_memory_servers(
             memd.stdout.close()
 
 
+def test_backing_tree_is_whole_before_the_mds_serves(
+    start_mds: Callable[..., Mds], tmp_path: Path
+) -> None:
+    """With --backing, the mds answers no call before DIR's tree is entered and
+    write-back follows the store: the first call sees every file, and no write
+    lease is handed out (a write under one would never be written back)."""
+    backing = tmp_path / "backing"
+    backing.mkdir()
+    names = [f"f{i:05d}" for i in range(3000)]
+    for n in names:
+        (backing / n).write_bytes(b"x")
+    secret = tmp_path / "secret"
+    secret.write_bytes(SECRET)
+    secret.chmod(0o600)
+    memd = subprocess.Popen(
+        [*MEMFS, "memd", "--listen", "127.0.0.1:0", "--volumes", "2", "--volume-size", "16M",
+         "--secret-file", str(secret)],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    try:
+        assert memd.stdout is not None
+        ready, _, _ = select.select([memd.stdout], [], [], READY_TIMEOUT)
+        line = memd.stdout.readline() if ready else ""
+        m = re.match(r"memd listening on 127\.0\.0\.1:(\d+)", line)
+        assert m, line
+        pool = f"tcp://127.0.0.1:{m[1]}/0+tcp://127.0.0.1:{m[1]}/1"
+        mds = start_mds("--backing", str(backing), pool=pool, volume_size=None)
+        with authed(mds.port) as sock:  # the very first calls after "listening"
+            kind, entries = call(sock, ["readdir", ROOT])
+            assert kind in OK_KINDS, entries
+            inos = dict(entries)
+            kind, plan = call(sock, ["allocate_ahead", inos[names[0].encode()], 0, 64 * K, M],
+                              req_id=8)
+        assert sorted(n.decode() for n in inos if n not in (b".", b"..")) == names
+        assert kind in (Kind.OK, Kind.OK_CACHE), (kind, plan)  # no write lease
+    finally:
+        memd.kill()
+        memd.wait(timeout=10)
+        if memd.stdout is not None:
+            memd.stdout.close()
+
+
 def _attack(rng: random.Random) -> bytes:
     """One hostile message: garbage, a broken frame, or a well-framed nonsense call."""
     kind = rng.randrange(7)
