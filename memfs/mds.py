@@ -22,6 +22,7 @@ import trio
 
 from memfs import wire
 from memfs.backing.meta import BackedMeta
+from memfs.backing.recovery import BackingJournal
 from memfs.config import FlushConfig, PoolConfig, VolumeAddr, format_size
 from memfs.errors import FsError, UsageError
 from memfs.host import sd_notify
@@ -75,11 +76,6 @@ def run(opts: MdsOptions) -> int:
     # Check the pool geometry and lock the journal before anything listens.
     if opts.volume_size is not None:
         pool_config(opts, opts.volume_size)
-    if opts.flush is not None and opts.journal_dir:
-        # Fetches and evictions change the store outside client calls, which the
-        # journal does not record.  The backing directory is the durable copy.
-        raise UsageError("--backing and --journal cannot be combined: with a backing "
-                         "directory, a restarted mds finds the written-back files there")
     journal = Journal(opts.journal_dir) if opts.journal_dir else None
     try:
         if journal is not None:
@@ -204,10 +200,11 @@ INCARNATIONS = "incarnations"
 
 
 async def _write_back(
-    store: MetaStore, opts: MdsOptions, server: MetaServer,
+    store: MetaStore, opts: MdsOptions, server: MetaServer, recovered: BackingJournal | None,
     *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Burst buffer: enter the backing tree, then write back and stage in for the pool.
+    """Burst buffer: enter the backing tree (or, restarted from the journal, go on
+    from where it was), then write back and stage in for the pool.
 
     Data moves between the backing directory and the memory servers over TCP (the
     servers answer there for ``verbs://`` volumes too).
@@ -219,10 +216,16 @@ async def _write_back(
     try:
         async with open_tcp_transport(as_tcp(opts.pool), opts.secret, io_timeout=INFO_TIMEOUT,
                                       incarnations=server.incarnations) as t:
-            backed = BackedMeta(store, t, opts.flush, settle=SETTLE)
+            backed = BackedMeta(store, t, opts.flush, settle=SETTLE, recovered=recovered)
             backed.before_evict = server.recall_inodes
             try:
-                await backed.load()
+                if recovered is not None and recovered.loaded:
+                    await backed.resume()
+                else:
+                    await backed.load()
+                    if recovered is not None:  # the tree is in no record: snapshot it
+                        recovered.loaded = True
+                        await recovered.journal.snapshot_now()
             except OSError as exc:
                 raise UsageError(f"cannot use backing directory {opts.flush.backing}: {exc}") from None
             async with trio.open_nursery() as nursery:
@@ -265,8 +268,10 @@ async def _main(opts: MdsOptions, journal: Journal | None) -> int:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         volume_size = opts.volume_size or await query_volume_size(opts.pool, opts.secret)
         config = pool_config(opts, volume_size)
+        recovered = (BackingJournal(opts.flush, journal)
+                     if journal is not None and opts.flush is not None else None)
         try:
-            store = await journal.open(config) if journal else MetaStore(config)
+            store = await journal.open(config, recovered) if journal else MetaStore(config)
         except JournalError as exc:
             raise StartupError(str(exc)) from None
         server = MetaServer(
@@ -280,7 +285,7 @@ async def _main(opts: MdsOptions, journal: Journal | None) -> int:
                 # Before serving: a call answered by the bare store would not be
                 # written back (no watcher yet), and a client would get write
                 # leases, whose writes never reach the burst buffer at all.
-                await nursery.start(_write_back, store, opts, server)
+                await nursery.start(_write_back, store, opts, server, recovered)
             try:
                 port = await nursery.start(server.serve, opts.host, opts.port)
             except OSError as exc:

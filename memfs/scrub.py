@@ -60,6 +60,9 @@ class Scrubber:
             skipped = set(failed)
             while batch := self.store.take_dirty(BATCH, skip=failed):
                 try:
+                    if self.store.wait_durable is not None:
+                        # The records that freed these chunks first (see MetaStore).
+                        await self.store.wait_durable()
                     bad = await self._zero(batch)
                 except BaseException:
                     # Cancelled (a waiting call gave up, its connection dropped):

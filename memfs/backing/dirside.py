@@ -24,7 +24,8 @@ from typing import Any
 
 import trio
 
-from memfs.backing.ops import NsKind, NsOp
+from memfs.backing import faults
+from memfs.backing.ops import EXCHANGE_PLANS, NsKind, NsOp
 from memfs.host import process_alive
 
 log = logging.getLogger(__name__)
@@ -62,9 +63,9 @@ class BackingDir:
 
     # -- start-up ----------------------------------------------------------------------
 
-    def scan(self) -> tuple[os.stat_result, list[Entry]]:
-        """Make our temporary directory, remove dead daemons' leftovers, and list
-        DIR's tree (parents before children)."""
+    def prepare(self, keep: bytes = b"") -> os.stat_result:
+        """Take DIR's identity, make our temporary directory (and *keep*, a directory
+        beside it that outlives this daemon), remove dead daemons' leftovers."""
         root_st = os.stat(self.root)
         self._root_id = (root_st.st_dev, root_st.st_ino)
         if not os.path.isdir(self.tmp_top):
@@ -73,6 +74,13 @@ class BackingDir:
         self.remove_leftovers()
         os.mkdir(self.tmp, 0o700)
         self._lock_tmp()
+        if keep and not os.path.isdir(keep):
+            os.mkdir(keep, 0o700)
+        return root_st
+
+    def scan(self, keep: bytes = b"") -> tuple[os.stat_result, list[Entry]]:
+        """:meth:`prepare`, then list DIR's tree (parents before children)."""
+        root_st = self.prepare(keep)
         out: list[Entry] = []
         stack = [b""]
         while stack:
@@ -149,10 +157,11 @@ class BackingDir:
         if not ok:
             raise OSError(errno.ESTALE, "the backing directory vanished or was replaced")
 
-    def close(self) -> None:
-        """Remove our temporary directory (and DIR/.memfs-tmp if no one else uses it)."""
+    def close(self, keep: bytes = b"") -> None:
+        """Remove our temporary directory, *keep* if empty, and DIR/.memfs-tmp if no
+        one else uses it."""
         unlink_quiet(os.path.join(self.tmp, TMP_LOCK))
-        for d in (self.tmp, self.tmp_top):
+        for d in (self.tmp, *([keep] if keep else []), self.tmp_top):
             with contextlib.suppress(OSError):
                 os.rmdir(d)
         if self._tmp_lock >= 0:
@@ -223,6 +232,8 @@ class BackingDir:
                 os.link(tmp, src)
             try:
                 os.rename(src, dest)
+                if n == 0 and len(paths) > 1:
+                    faults.kill_at("kill-mid-publish")
             except FileNotFoundError:
                 if dirs is None:
                     raise
@@ -292,6 +303,26 @@ class BackingDir:
                 os.rename(other, path)
         elif k is NsKind.ATTRS:
             self._set_attrs(path, op, times=True)
+
+    def exchange_plan(self, op: NsOp) -> int:
+        """Which of :data:`EXCHANGE_PLANS` swaps *op*'s two paths as DIR is now."""
+        here = os.path.lexists(os.path.join(self.root, op.path))
+        there = os.path.lexists(os.path.join(self.root, op.path2))
+        return 1 if here and there else 2 if here else 3 if there else 4
+
+    def exchange_step(self, op: NsOp, swap_dir: bytes) -> None:
+        """Rename number ``op.step`` of its plan; a source already gone means that
+        rename was done before a crash (it is recorded only after)."""
+        names = {"a": os.path.join(self.root, op.path), "b": os.path.join(self.root, op.path2),
+                 "s": os.path.join(swap_dir, b"swap")}
+        src, dst = EXCHANGE_PLANS[op.plan][op.step]
+        self.check_root()
+        try:
+            os.rename(names[src], names[dst])
+        except FileNotFoundError:
+            if os.path.lexists(names[dst]):
+                return  # done before the crash
+            raise
 
     def _set_attrs(self, path: bytes, op: NsOp, *, times: bool) -> None:
         if stat.S_ISLNK(op.mode):

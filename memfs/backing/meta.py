@@ -26,6 +26,7 @@ import trio
 from memfs.backing.dirside import TMP_DIR, BackingDir
 from memfs.backing.mirror import NamespaceMirror
 from memfs.backing.ops import ErrorLog
+from memfs.backing.recovery import BackingJournal
 from memfs.backing.residency import STEP, Residency
 from memfs.backing.status import BackingStatus
 from memfs.backing.surface import BackingStore
@@ -49,7 +50,7 @@ class BackedMeta(Meta):
     def __init__(
         self, store: MetaStore, transport: Transport, cfg: FlushConfig, *,
         clock: Callable[[], float] = time.monotonic, settle: float = 0.0,
-        wallclock: Callable[[], float] = time.time,
+        wallclock: Callable[[], float] = time.time, recovered: BackingJournal | None = None,
     ) -> None:
         self.store = store
         self.cfg = cfg
@@ -62,11 +63,26 @@ class BackedMeta(Meta):
         self.mirror = NamespaceMirror(self.dirside, self.errors)
         self.residency = Residency(surface, transport, self.dirside, self.mirror, self.errors)
         total, _ = store.space()
-        self.tracker = ChangeTracker(
-            surface, dirty_max=cfg.dirty_max if cfg.dirty_max is not None else total * store.chunk_size // 2,
-            delay=cfg.delay, queue=self.mirror.queue, touch=self.residency.touch,
-            forget=self.residency.forget, clock=clock,
-        )
+        dirty_max = cfg.dirty_max if cfg.dirty_max is not None else total * store.chunk_size // 2
+        #: cluster mode with a journal: the state replay rebuilt, and where to record
+        self.recovered = recovered
+        if recovered is None:
+            self.tracker = ChangeTracker(
+                surface, dirty_max=dirty_max, delay=cfg.delay, queue=self.mirror.queue,
+                touch=self.residency.touch, forget=self.residency.forget, clock=clock,
+            )
+        else:
+            assert recovered.tracker is not None
+            self.tracker = recovered.tracker
+            self.tracker.connect(queue=self.mirror.queue, touch=self.residency.touch,
+                                 forget=self.residency.forget)
+            self.tracker.dirty_max, self.tracker.clock = dirty_max, clock
+            self.tracker.replaying = False
+            self.tracker.recorder = self.mirror.recorder = recovered
+            self.mirror.ops = recovered.ops
+            self.mirror.queued = len(recovered.ops)
+            self.mirror.swap_dir = os.path.join(
+                self.dirside.tmp_top, b"journal-" + recovered.journal.fsid.hex().encode())
         self.residency.tracker = self.tracker
         self.mirror.keep = self.residency.keep
         self.writeback = WriteBack(
@@ -98,7 +114,7 @@ class BackedMeta(Meta):
         Returns the number of entries.  Leftover temporary copies of a daemon that
         was killed are removed: they were never renamed into place.
         """
-        root_st, entries = await trio.to_thread.run_sync(self.dirside.scan)
+        root_st, entries = await trio.to_thread.run_sync(self.dirside.scan, self.mirror.swap_dir)
         store = self.store
         seen: dict[tuple[int, int], int] = {}
         by_path: dict[bytes, int] = {b"": ROOT_INO}
@@ -136,6 +152,22 @@ class BackedMeta(Meta):
         store.watcher = self.tracker
         log.info("backing directory %s: %d entries visible", self.cfg.backing, len(entries))
         return len(entries)
+
+    async def resume(self) -> int:
+        """After an mds restart from its journal: the store already holds DIR's tree
+        and the write-back state (:mod:`memfs.backing.recovery`); DIR is not scanned
+        again.  Returns the number of files with data in the pool."""
+        await trio.to_thread.run_sync(self.dirside.prepare, self.mirror.swap_dir)
+        resident = [i.ino for i in self.store.inodes.values() if i.chunks]
+        for ino in resident:  # eviction candidates (their order of use is not journaled)
+            self.residency.touch(ino)
+        self.store.watcher = self.tracker
+        log.info("backing directory %s: resumed from the journal: %d files dirty, %d "
+                 "namespace changes to apply, %d files in memory", self.cfg.backing,
+                 len(self.tracker.dirty), len(self.mirror.ops), len(resident))
+        self.tracker.wake()
+        self.mirror.wake()
+        return len(resident)
 
     # -- Meta: the data path ------------------------------------------------------------
 
@@ -325,7 +357,7 @@ class BackedMeta(Meta):
 
     async def close(self) -> None:
         """Remove our temporary directory (and DIR/.memfs-tmp if no one else uses it)."""
-        await trio.to_thread.run_sync(self.dirside.close)
+        await trio.to_thread.run_sync(self.dirside.close, self.mirror.swap_dir)
 
     # -- control commands --------------------------------------------------------------------
 

@@ -19,8 +19,19 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
+from memfs.backing import faults
 from memfs.backing.dirside import BackingDir
-from memfs.backing.ops import ErrorLog, NsOp, Retry
+from memfs.backing.ops import (
+    EXCHANGE_PLANS,
+    NS_DONE,
+    NS_STEP,
+    ErrorLog,
+    NoRecord,
+    NsKind,
+    NsOp,
+    Recorder,
+    Retry,
+)
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +55,12 @@ class NamespaceMirror:
         self.applied = 0  # ... and applied (or found moot)
         #: held while applying operations and while publishing a file (see module doc)
         self.lock = trio.Lock()
+        #: the mds journal (memfs.backing.recovery): what was applied is recorded, and
+        #: each change to DIR waits until everything before it is durable
+        self.recorder: Recorder = NoRecord()
+        #: with a journal: where EXCHANGE parks a copy (outside any daemon's own
+        #: temporary directory, which a restart removes)
+        self.swap_dir = b""
         self._wake = trio.Event()
         self._retry = trio.Event()  # `memfs flush`, unmount: retry now
 
@@ -75,8 +92,14 @@ class NamespaceMirror:
             op = self.ops[0]
             if op.keep and self.keep is not None:
                 await self.keep(op)
+            # A crash may lose what follows, never what DIR already shows: the change
+            # that made this operation, the fetch of its `keep`, the operations before.
+            await self.recorder.durable()
             try:
-                await trio.to_thread.run_sync(self.dirside.apply, op)
+                if op.kind is NsKind.EXCHANGE and self.recorder.journaled:
+                    await self._exchange_in_steps(op)
+                else:
+                    await trio.to_thread.run_sync(self.dirside.apply, op)
             except OSError as exc:
                 if exc.errno in SKIP_ERRNOS:
                     log.debug("%s %r: %s (skipped)", op.kind.value, op.path, exc.strerror)
@@ -85,8 +108,23 @@ class NamespaceMirror:
                     raise Retry() from None
             else:
                 self.errors.clear(op.path)
+            faults.kill_at(f"kill-after-ns:{op.kind.value}")
             self.ops.popleft()
             self.applied += 1
+            self.recorder.note(NS_DONE, [])
+
+    async def _exchange_in_steps(self, op: NsOp) -> None:
+        """RENAME_EXCHANGE as single renames, each recorded before the next: replayed
+        after a crash, it goes on from where it was instead of swapping back."""
+        if not op.plan:
+            op.plan = await trio.to_thread.run_sync(self.dirside.exchange_plan, op)
+            self.recorder.note(NS_STEP, [op.plan, 0])
+            await self.recorder.durable()
+        while op.step < len(EXCHANGE_PLANS[op.plan]):
+            await trio.to_thread.run_sync(self.dirside.exchange_step, op, self.swap_dir)
+            op.step += 1
+            self.recorder.note(NS_STEP, [op.plan, op.step])
+            await self.recorder.durable()
 
     async def run(self) -> None:
         """Apply operations as they come; back off while DIR fails.  A bug in a
@@ -97,6 +135,8 @@ class NamespaceMirror:
                 await self._wake.wait()
                 self._wake = trio.Event()
                 continue
+            if faults.HOLD:
+                await trio.sleep_forever()
             try:
                 async with self.lock:
                     await self.apply_all()

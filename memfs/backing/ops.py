@@ -8,6 +8,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from memfs.backing.status import BackingError
 from memfs.errors import FsError
@@ -49,6 +50,59 @@ class NsOp:
     #: this op removes its copy in DIR
     keep: int = 0
     keep_from: bytes = b""
+    #: EXCHANGE with a journal: which renames it takes (:data:`EXCHANGE_PLANS`) and how
+    #: many are done, so that one cut short by a crash resumes instead of swapping back
+    plan: int = 0
+    step: int = 0
+
+    def to_plain(self) -> list[Any]:
+        return [self.kind.value, self.path, self.path2, self.mode, self.uid, self.gid,
+                self.mtime_ns, self.target, self.rdev, self.keep, self.keep_from,
+                self.plan, self.step]
+
+    @classmethod
+    def from_plain(cls, v: list[Any]) -> NsOp:
+        (kind, path, path2, mode, uid, gid, mtime_ns, target, rdev, keep, keep_from,
+         plan, step) = v
+        return cls(NsKind(kind), path, path2, mode, uid, gid, mtime_ns, target, rdev, keep,
+                   keep_from, plan, step)
+
+
+#: EXCHANGE plans: the renames (source, destination) that swap ``a`` and ``b`` in DIR,
+#: by which of them exist there ("s" is a swap name of the journal's own)
+EXCHANGE_PLANS: dict[int, tuple[tuple[str, str], ...]] = {
+    1: (("a", "s"), ("b", "a"), ("s", "b")),  # both exist
+    2: (("a", "b"),),  # only a (b was never written back)
+    3: (("b", "a"),),  # only b
+    4: (),  # neither
+}
+
+#: records of the burst buffer's own (replayed by :mod:`memfs.backing.recovery`)
+WRITTEN_BACK = "_wb"  # [ino]: the file's current version is in DIR
+NS_DONE = "_nsdone"  # []: the head of the namespace queue is applied
+NS_STEP = "_nsstep"  # [plan, step]: the head EXCHANGE took its plan / did a rename
+
+
+class Recorder(Protocol):
+    """Where the burst buffer records what it did to DIR (the mds journal), and waits
+    until that is durable before the next change to DIR."""
+
+    @property
+    def journaled(self) -> bool: ...
+    def note(self, kind: str, args: list[Any]) -> None: ...
+    async def durable(self) -> None: ...
+
+
+class NoRecord:
+    """No journal: nothing to record, nothing to wait for."""
+
+    journaled = False
+
+    def note(self, kind: str, args: list[Any]) -> None:
+        pass
+
+    async def durable(self) -> None:
+        pass
 
 
 class Retry(Exception):

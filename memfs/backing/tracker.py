@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from memfs.backing.ops import NsKind, NsOp
+from memfs.backing.ops import WRITTEN_BACK, NoRecord, NsKind, NsOp, Recorder
 from memfs.backing.surface import BackingStore
 from memfs.meta.store import ROOT_INO
 
@@ -61,6 +61,10 @@ class ChangeTracker:
         self._queue = queue
         self._touch = touch
         self._forget = forget
+        #: records a file written back (the mds journal; see memfs.backing.recovery)
+        self.recorder: Recorder = NoRecord()
+        #: journal replay: open counts are not journaled, so ``keep`` assumes open
+        self.replaying = False
         self._versions = itertools.count(1)
         self.dirty: collections.OrderedDict[int, Dirty] = collections.OrderedDict()
         self.dirty_chunks = 0
@@ -70,6 +74,13 @@ class ChangeTracker:
         self.writers_waiting = 0
         self._wake = trio.Event()  # the scheduler: something to do
         self._cleaned = trio.Event()  # writers waiting on the cap
+
+    def connect(
+        self, *, queue: Callable[[NsOp], None], touch: Callable[[int], None],
+        forget: Callable[[int], None],
+    ) -> None:
+        """Hand a tracker rebuilt by journal replay to the live parts."""
+        self._queue, self._touch, self._forget = queue, touch, forget
 
     # -- for the scheduler and the writers ---------------------------------------------
 
@@ -111,7 +122,25 @@ class ChangeTracker:
             return
         del self.dirty[ino]
         self.dirty_chunks -= len(d.chunks)
+        self.recorder.note(WRITTEN_BACK, [ino])
         self._signal_cleaned()
+
+    def pin(self, ino: int, v: int) -> None:
+        """Version *v* of *ino* is in an excluded tree: not written back, pinned.  Not
+        recorded: after a restart the file is found dirty and pinned again."""
+        d = self.dirty.get(ino)
+        if d is None or d.version != v:
+            return
+        del self.dirty[ino]
+        self.dirty_chunks -= len(d.chunks)
+        self.pinned.add(ino)
+        self._signal_cleaned()
+
+    def replay_clean(self, ino: int) -> None:
+        """Journal replay: the file was written back here (whatever its version)."""
+        d = self.dirty.pop(ino, None)
+        if d is not None:
+            self.dirty_chunks -= len(d.chunks)
 
     def mark(self, ino: int) -> Dirty | None:
         """*ino* changed: a new version (None: pinned, not written back)."""
@@ -251,6 +280,6 @@ class ChangeTracker:
         """*ino* lost its last name while still open, with data only in DIR: it must
         be fetched before DIR's copy goes (0: nothing to keep)."""
         i = self.store.inodes.get(ino)
-        if i is None or i.opens <= 0 or i.nlink > 0 or not i.backed:
+        if i is None or (i.opens <= 0 and not self.replaying) or i.nlink > 0 or not i.backed:
             return 0
         return ino if self.store.missing(ino, 0, i.backed) else 0

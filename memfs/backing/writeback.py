@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import trio
 
+from memfs.backing import faults
 from memfs.backing.dirside import BackingDir, close_soon, close_written, unlink_quiet, write_step
 from memfs.backing.mirror import NamespaceMirror
 from memfs.backing.ops import ErrorLog, NsKind, NsOp, Retry
@@ -100,6 +101,8 @@ class WriteBack:
         A bug in a round is logged and the next round comes a second later: the
         dirty files stay dirty, and the mount must keep draining them.
         """
+        if faults.HOLD:
+            await trio.sleep_forever()
         while True:
             try:
                 await self.schedule_round(send)
@@ -184,8 +187,7 @@ class WriteBack:
             tracker.clean(ino, v)  # unlinked: nothing to write
             return
         if tracker.excluded(ino):
-            tracker.clean(ino, v)
-            tracker.pinned.add(ino)
+            tracker.pin(ino, v)
             return
         started = self.clock()
         tmp = await self._copy(ino, v, buf)
@@ -195,6 +197,9 @@ class WriteBack:
         try:
             async with self.mirror.lock:
                 await self.mirror.apply_all()
+                # Nothing reaches DIR before the changes it shows are durable (a crash
+                # must not leave DIR ahead of the journal).
+                await self.mirror.recorder.durable()
                 if tracker.version(ino) != v:
                     return
                 paths = self.store.paths(ino)
@@ -209,6 +214,8 @@ class WriteBack:
                         self.errors.record(paths[0], "write back", exc)
                         raise Retry() from None
                     published = True
+                    if len(paths) == 1:
+                        faults.kill_at("kill-mid-publish")
         finally:
             if not published:
                 await trio.to_thread.run_sync(unlink_quiet, tmp)

@@ -24,6 +24,13 @@ Files in DIR::
 Record framing: ``length u32 | crc32 u32 | payload`` with payload
 ``wire.encode([seq, t, method, *args])``.  Records are numbered without gaps.
 
+With a backing directory (``memfs mds --backing DIR``) the burst buffer's
+changes outside calls are recorded too: the store's fetches and evictions
+(``_reserve``, ``_install``, ``_unreserve``, ``_evict``, replayed by the store)
+and the write-back state of an :class:`Extension` (files written back, namespace
+changes applied to DIR), whose own state is kept in the snapshots beside the
+store's.
+
 Recovery: load the newest snapshot, replay the journals whose base is at or
 after it, in order; seq numbers must continue without a gap.  A bad record at
 the very end of the newest journal (a torn write: cut short, bad checksum, or
@@ -47,7 +54,7 @@ import os
 import struct
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
@@ -56,7 +63,7 @@ from memfs.config import PoolConfig, format_size
 from memfs.errors import FsError, UsageError
 from memfs.layout import Layout, LayoutSpec
 from memfs.meta import codec
-from memfs.meta.store import Inode, MetaStore, _now
+from memfs.meta.store import BACKING_RECORDS, Inode, MetaStore, _now
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +73,9 @@ _SNAP_HEAD = struct.Struct("!8sQI")  # magic, payload length, crc32
 _JOURNAL_HEAD = struct.Struct("!8sQ")  # magic, base seq
 _REC = struct.Struct("!II")  # payload length, crc32
 MAX_RECORD = 16 << 20
-SNAPSHOT_FORMAT = 4  # 4: freed chunks are a min-heap, allocated lowest first;
-#: 3: inodes gain ``backed``; formats 2 and 3 still load (and replay under their
+SNAPSHOT_FORMAT = 5  # 5: chunks reserved by fetches, the extension's state;
+#: 4: freed chunks are a min-heap, allocated lowest first;
+#: 3: inodes gain ``backed``; formats 2 to 4 still load (2 and 3 replay under their
 #: last-in-first-out allocation, then switch: see :meth:`Journal.open`)
 DESTROY = "_destroy"
 CLEAN = "_clean"  # chunks the scrubber zeroed: dirty -> allocatable
@@ -83,6 +91,22 @@ DERIVED_FIELDS = ("name", "links")
 
 class JournalError(Exception):
     """DIR cannot be used as it is: damaged, or written for another pool."""
+
+
+class Extension(Protocol):
+    """State beside the store that the journal keeps (the burst buffer's): restored
+    from the snapshot, brought up to date by replaying its own records (whose names
+    start with ``_``), and dumped into every snapshot."""
+
+    def attach(self, store: MetaStore, state: Any, fresh: bool) -> None:
+        """Before replay: *state* from the snapshot (None: the snapshot has none);
+        *fresh*: no snapshot at all (a new filesystem).  JournalError if unusable."""
+
+    def replay(self, method: str, args: list[Any]) -> bool:
+        """Apply one of our records; False: not ours."""
+
+    def dump(self) -> Any:
+        """Our state now, as plain values (for a snapshot)."""
 
 
 def _name(kind: str, seq: int) -> str:
@@ -116,7 +140,9 @@ def _spec_from(v: Any) -> LayoutSpec | None:
     return None if v is None else LayoutSpec(*v)
 
 
-def dump_state(store: MetaStore, seq: int, pool: PoolConfig, fsid: bytes = b"") -> dict[str, Any]:
+def dump_state(
+    store: MetaStore, seq: int, pool: PoolConfig, fsid: bytes = b"", extension: Any = None,
+) -> dict[str, Any]:
     """The whole state of *store* as plain values, copied (later changes do not leak in).
 
     Dict orders are kept on purpose: chunk order decides the order in which a
@@ -150,13 +176,15 @@ def dump_state(store: MetaStore, seq: int, pool: PoolConfig, fsid: bytes = b"") 
             [a.next, list(a.freed), sorted([*a.dirty, *a.scrubbing])] for a in store.allocators
         ],
         "inodes": inodes,
+        "reserved": sorted([vol, voff] for vol, voff in store.reserved),
+        "backing": extension,
     }
 
 
 def load_state(state: Any, pool: PoolConfig) -> MetaStore:
     """A store holding *state* (from :func:`dump_state`); open counts start at zero."""
     try:
-        if state["format"] not in (2, 3, SNAPSHOT_FORMAT):
+        if state["format"] not in (2, 3, 4, SNAPSHOT_FORMAT):
             raise JournalError(f"snapshot format {state['format']}, expected {SNAPSHOT_FORMAT}")
         if type(state["fsid"]) is not bytes:
             raise JournalError("snapshot has no filesystem id")
@@ -193,6 +221,7 @@ def load_state(state: Any, pool: PoolConfig) -> MetaStore:
             i.chunks = chunks
             i.backed = backed
             store.inodes[ino] = i
+        store.reserved = {(vol, voff) for vol, voff in state.get("reserved", ())}
         store.rebuild_names()
         return store
     except (KeyError, TypeError, ValueError, AssertionError) as exc:
@@ -323,11 +352,26 @@ class _FrozenClock:
         return self.t
 
 
-async def apply_record(store: MetaStore, clock: _FrozenClock, rec: list[Any]) -> None:
+async def apply_record(
+    store: MetaStore, clock: _FrozenClock, rec: list[Any], extension: Extension | None = None,
+) -> None:
     """Replay one record on *store* (with ``defer_destroy`` set)."""
     seq, t, method, *raw = rec
     clock.t = t
     try:
+        if method in BACKING_RECORDS:
+            if extension is None:
+                raise JournalError(f"record {seq} ({method}) was written by an mds with "
+                                   "--backing: start it with the same --backing")
+            store.replay_backing(method, [codec.check_int(x, "argument") for x in raw])
+            return
+        if method.startswith("_") and method not in (DESTROY, CLEAN):
+            if extension is None:
+                raise JournalError(f"record {seq} ({method}) was written by an mds with "
+                                   "--backing: start it with the same --backing")
+            if not extension.replay(method, raw):
+                raise JournalError(f"record {seq}: unknown record {method!r}")
+            return
         if method == DESTROY:
             (ino,) = raw
             store.destroy(codec.check_int(ino, "inode"))
@@ -373,6 +417,9 @@ class Journal:
         self._since_snapshot = 0
         self._bytes_since_snapshot = 0
         self._snapshotting = False
+        self._running = False
+        #: the burst buffer's state, kept with the store (see :class:`Extension`)
+        self.extension: Extension | None = None
 
     # -- start-up ----------------------------------------------------------------------
 
@@ -399,7 +446,7 @@ class Journal:
             raise UsageError(f"cannot lock journal directory {self.dir}: {exc.strerror}") from None
         self._lock_fd = fd
 
-    async def open(self, pool: PoolConfig) -> MetaStore:
+    async def open(self, pool: PoolConfig, extension: Extension | None = None) -> MetaStore:
         """Lock DIR, recover the store it holds (or a fresh one), start a new journal.
 
         Raises :class:`JournalError` for damage and :class:`UsageError` for an
@@ -408,11 +455,12 @@ class Journal:
         if self._lock_fd < 0:
             self.lock()
         self.pool = pool
+        self.extension = extension
         store, seq = await self._recover(pool)
-        for a in store.allocators:  # the snapshot written below is format 4
+        for a in store.allocators:  # the snapshot written below allocates lowest first
             a.use_lowest_first()
         self.seq = self.durable_seq = seq
-        state = dump_state(store, seq, pool, self.fsid)
+        state = dump_state(store, seq, pool, self.fsid, self._extension_state())
         await trio.to_thread.run_sync(write_snapshot, self.dir, seq, state, self.fsync)
         self._fd = await trio.to_thread.run_sync(self._new_journal, seq)
         await trio.to_thread.run_sync(self._remove_before, seq)
@@ -439,7 +487,10 @@ class Journal:
                 raise JournalError(f"{self.dir} holds journals but no snapshot")
             log.info("journal %s is empty: starting a new filesystem", self.dir)
             self.fsid = os.urandom(16)
-            return MetaStore(pool), 0
+            store = MetaStore(pool)
+            if self.extension is not None:
+                self.extension.attach(store, None, True)
+            return store, 0
         snap_seq = max(snapshots)
         state = await trio.to_thread.run_sync(read_snapshot, snapshots[snap_seq])
         if not isinstance(state, dict) or state.get("seq") != snap_seq:
@@ -447,6 +498,12 @@ class Journal:
         try:
             store = load_state(state, pool)
             self.fsid = state["fsid"]
+            ext_state = state.get("backing")
+            if self.extension is not None:
+                self.extension.attach(store, ext_state, False)
+            elif ext_state is not None:
+                raise JournalError("it was written by an mds with --backing: start it with "
+                                   "the same --backing")
         except JournalError as exc:
             raise JournalError(f"journal {self.dir}: {exc}") from None
         seq = snap_seq
@@ -465,11 +522,15 @@ class Journal:
             for rec in await trio.to_thread.run_sync(read_records, journals[base], base, last):
                 if rec[0] != seq + 1:
                     raise JournalError(f"{journals[base]}: record {rec[0]} follows record {seq}")
-                await apply_record(store, clock, rec)
+                await apply_record(store, clock, rec, self.extension)
                 seq += 1
                 replayed += 1
         store.defer_destroy = False
         store.now = _now
+        if store.reserved:
+            log.info("journal %s: %d chunks of interrupted fetches go to the scrubber",
+                     self.dir, len(store.reserved))
+            store.release_reserved()
         log.info(
             "journal %s: loaded snapshot %d and replayed %d records: %d inodes",
             self.dir, snap_seq, replayed, len(store.inodes),
@@ -519,10 +580,33 @@ class Journal:
         while self.durable_seq < seq:
             await self._durable.wait()
 
+    def _extension_state(self) -> Any:
+        return None if self.extension is None else self.extension.dump()
+
+    async def snapshot_now(self) -> None:
+        """Write a snapshot of the state now (and start a new journal after it), for
+        what no record describes: the backing directory's tree, entered at the first
+        start.  Only before the committer runs (:meth:`run`)."""
+        if self.store is None or self.pool is None or self._running:
+            raise RuntimeError("snapshot_now() goes between open() and run()")
+        seq = self.seq
+        state = dump_state(self.store, seq, self.pool, self.fsid, self._extension_state())
+        await self._flush()  # the old journal gets exactly the records up to seq
+        old = self._fd
+        try:
+            self._fd = await trio.to_thread.run_sync(self._new_journal, seq)
+            os.close(old)
+            await trio.to_thread.run_sync(write_snapshot, self.dir, seq, state, self.fsync)
+            await trio.to_thread.run_sync(self._remove_before, seq)
+        except OSError as exc:
+            raise self._failed(exc) from None
+        self._since_snapshot = self._bytes_since_snapshot = 0
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The committer: write and fdatasync what was appended; snapshot now and then."""
         if self.store is None:
             raise RuntimeError("Journal.open() first")
+        self._running = True
         try:
             async with trio.open_nursery() as nursery:
                 task_status.started()
@@ -560,7 +644,8 @@ class Journal:
         """Start a new journal at the current seq and snapshot the state there."""
         assert self.store is not None and self.pool is not None
         seq = self.seq
-        state = dump_state(self.store, seq, self.pool, self.fsid)  # no await since reading self.seq
+        # no await since reading self.seq
+        state = dump_state(self.store, seq, self.pool, self.fsid, self._extension_state())
         await self._flush()  # the old journal gets exactly the records up to seq
         old = self._fd
         try:

@@ -218,6 +218,8 @@ class MetaServer:
         store.on_destroy = self._destroyed.append
         if journal is not None:
             store.on_clean = self._cleaned
+            store.on_backing = self._backing_changed
+            store.wait_durable = self._wait_durable
         self._sessions: dict[bytes, _Session] = {}
         self._nursery: trio.Nursery | None = None
         #: lease_term 0: clients cache nothing (every call goes to the server)
@@ -257,6 +259,15 @@ class MetaServer:
     def _cleaned(self, chunks: list[tuple[int, int]]) -> None:
         assert self.journal is not None
         self.journal.append_clean(chunks)
+
+    def _backing_changed(self, kind: str, args: list[Any]) -> None:
+        """A fetch or eviction of the burst buffer (no call records it)."""
+        assert self.journal is not None
+        self.journal.append(0, kind, args)
+
+    async def _wait_durable(self) -> None:
+        assert self.journal is not None
+        await self.journal.wait_durable(self.journal.seq)
 
     def _clock(self) -> int:
         return self._t

@@ -19,7 +19,7 @@ import logging
 import stat
 import time
 from collections.abc import Awaitable, Callable, Container
-from typing import Protocol
+from typing import Any, Protocol
 
 from memfs.config import PoolConfig
 from memfs.errors import FsError, SpaceBusy, UsageError
@@ -51,6 +51,11 @@ _CLOCK = getattr(time, "CLOCK_REALTIME_COARSE", 5)  # 5 on Linux; not exported b
 
 def _now() -> int:
     return time.clock_gettime_ns(_CLOCK)
+
+
+#: what :attr:`MetaStore.on_backing` reports (journal record kinds)
+RESERVE, INSTALL, UNRESERVE, EVICT = "_reserve", "_install", "_unreserve", "_evict"
+BACKING_RECORDS = (RESERVE, INSTALL, UNRESERVE, EVICT)
 
 
 class Inode:
@@ -222,8 +227,18 @@ class MetaStore(Meta):
         self.on_dirty: Callable[[], None] | None = None
         #: called with chunks put back clean (the journal records it)
         self.on_clean: Callable[[list[tuple[int, int]]], None] | None = None
-        #: write-back to a backing directory (memfs.flush) follows changes through this
+        #: write-back to a backing directory (memfs.backing) follows changes through this
         self.watcher: Watcher | None = None
+        #: chunks reserved for a fetch from the backing directory, not yet installed:
+        #: owned by no file (a journal snapshot keeps them; recovery frees them)
+        self.reserved: set[tuple[int, int]] = set()
+        #: called with each change the burst buffer makes outside metadata calls
+        #: (``_reserve``, ``_install``, ``_unreserve``, ``_evict``: the journal records them)
+        self.on_backing: Callable[[str, list[Any]], None] | None = None
+        #: with a journal: returns once every change recorded so far is durable (the
+        #: scrubber waits for it before zeroing freed chunks: a crash must not bring
+        #: back a file whose memory was already zeroed)
+        self.wait_durable: Callable[[], Awaitable[None]] | None = None
         root = self._new_inode(stat.S_IFDIR | root_mode, root_uid, root_gid, self.now())
         root.nlink = 2
         root.parent = ROOT_INO
@@ -933,19 +948,39 @@ class MetaStore(Meta):
         part of the file (:meth:`install` makes them so).  ENOSPC/SpaceBusy like a write."""
         i = self._get(ino)
         assert i.chunks is not None
-        return self._take_chunks(i, ks)
+        placed = self._take_chunks(i, ks)
+        self.reserved.update((vol, voff) for _, vol, voff in placed)
+        if self.on_backing is not None:
+            self.on_backing(RESERVE, [ino, *(x for p in placed for x in p)])
+        return placed
 
     def install(self, ino: int, k: int, volume: int, voffset: int) -> bool:
         """Make fetched chunk *k* part of *ino*; False (chunk freed) if no longer wanted."""
+        if self.on_backing is not None:
+            self.on_backing(INSTALL, [ino, k, volume, voffset])
+        self.reserved.discard((volume, voffset))
         i = self.inodes.get(ino)
         if i is None or i.chunks is None or k in i.chunks or k * self.chunk_size >= i.backed:
-            self.unreserve(volume, voffset)
+            self._release(volume, voffset)
             return False
         i.chunks[k] = voffset
         return True
 
     def unreserve(self, volume: int, voffset: int) -> None:
         """Give back a reserved chunk (it may hold partial data: it is scrubbed first)."""
+        if self.on_backing is not None:
+            self.on_backing(UNRESERVE, [volume, voffset])
+        self.reserved.discard((volume, voffset))
+        self._release(volume, voffset)
+
+    def release_reserved(self) -> None:
+        """Recovery: fetches that were under way died with the server; their chunks
+        (maybe partly written) go to the scrubber."""
+        for volume, voffset in sorted(self.reserved):
+            self._release(volume, voffset)
+        self.reserved.clear()
+
+    def _release(self, volume: int, voffset: int) -> None:
         self.allocators[volume].release(voffset)
         if self.on_dirty is not None:
             self.on_dirty()
@@ -956,10 +991,30 @@ class MetaStore(Meta):
         i = self._get(ino)
         if not i.chunks:
             return 0
+        if self.on_backing is not None:
+            self.on_backing(EVICT, [ino])
         n = len(i.chunks)
         i.backed = i.size
         self._free_chunks(i)
         return n
+
+    def replay_backing(self, kind: str, args: list[int]) -> None:
+        """Apply a change recorded through :attr:`on_backing` (journal replay); it must
+        come out as it did (allocation is deterministic), else ValueError."""
+        if kind == RESERVE:
+            ino, flat = args[0], args[1:]
+            want = [tuple(flat[j : j + 3]) for j in range(0, len(flat), 3)]
+            got = self.reserve(ino, [k for k, _, _ in want])
+            if [tuple(p) for p in got] != want:
+                raise ValueError(f"reserve for inode {ino} gave {got}, recorded {want}")
+        elif kind == INSTALL:
+            self.install(*args)
+        elif kind == UNRESERVE:
+            self.unreserve(*args)
+        elif kind == EVICT:
+            self.evict(args[0])
+        else:
+            raise ValueError(f"not a burst-buffer record: {kind!r}")
 
     def adopt(
         self, parent: int, name: bytes, mode: int, uid: int, gid: int, *,

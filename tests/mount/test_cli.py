@@ -640,8 +640,6 @@ def test_mds_backing_mistakes(tmp_path: Path) -> None:
         **_flush_cases(tmp_path),
         "dirty_max_above_pool": (["--backing", str(tmp_path / "backing"), "--dirty-max", "65M"],
                                  "--dirty-max 65M is larger than the pool"),
-        "with_journal": (["--backing", str(tmp_path / "backing"), "--journal", str(tmp_path / "j")],
-                         "--backing and --journal cannot be combined"),
     }
     for name, (args, mentions) in cases.items():
         res = memfs(*base, *args, timeout=10)

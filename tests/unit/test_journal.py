@@ -27,6 +27,7 @@ from memfs.meta import Meta, SetAttr
 from memfs.meta.journal import (
     DERIVED_FIELDS,
     INODE_FIELDS,
+    SNAPSHOT_FORMAT,
     Journal,
     JournalError,
     dump_state,
@@ -336,4 +337,4 @@ async def test_old_journal_replays_last_in_first_out(tmp_path: Path) -> None:
         (n, sorted(f), d) for n, f, d in before["allocators"]
     ]
     assert all(a.lowest_first for a in after.allocators)
-    assert read_snapshot(only(tmp_path, "snapshot"))["format"] == 4
+    assert read_snapshot(only(tmp_path, "snapshot"))["format"] == SNAPSHOT_FORMAT
