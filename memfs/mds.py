@@ -257,7 +257,7 @@ def _start_metrics(
             **server.gauges(),
         }
         if isinstance(server.meta, BackedMeta):
-            out.update(server.meta.status().gauges("memfs_backing"))
+            out.update((await server.meta.status()).gauges("memfs_backing"))
         return out
 
     server.metrics = m

@@ -249,7 +249,7 @@ def _start_metrics(
             "memfs_files": float(st.files - st.files_free),
         }
         if backed is not None:
-            out.update(backed.status().gauges("memfs_backing"))
+            out.update((await backed.status()).gauges("memfs_backing"))
         up = transport.servers_up()
         if up:
             m.set_labeled("memfs_memory_server_up", "server",

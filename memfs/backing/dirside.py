@@ -20,7 +20,9 @@ import secrets
 import shutil
 import socket
 import stat
-from typing import Any
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import trio
 
@@ -29,6 +31,7 @@ from memfs.backing.ops import EXCHANGE_PLANS, NsKind, NsOp
 from memfs.host import process_alive
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: where copies are written before they are renamed into place (inside DIR: same filesystem)
 TMP_DIR = b".memfs-tmp"
@@ -339,15 +342,48 @@ class BackingDir:
 
 # -- file descriptors and whole reads/writes (worker threads) ------------------------------
 
+async def in_thread(
+    fn: Callable[..., T], *args: Any, on_late: Callable[[T], None] | None = None
+) -> T:
+    """``fn(*args)`` in a worker thread, for a syscall on DIR.  Cancelled, the caller
+    stops waiting at once (a hung parallel filesystem must not hold up shutdown, nor
+    a client's call past its deadline); the call itself runs to its end in the
+    thread, and *on_late* (in a worker thread) gets a result no one will use: a
+    descriptor to close."""
+    lock = threading.Lock()
+    state: dict[str, Any] = {"abandoned": False, "done": False}
+
+    def run() -> T:
+        result = fn(*args)
+        with lock:
+            late = state["abandoned"]
+            state["done"], state["result"] = True, result
+        if late and on_late is not None:
+            on_late(result)
+        return result
+
+    try:
+        return await trio.to_thread.run_sync(run, abandon_on_cancel=True)
+    except trio.Cancelled:
+        with lock:
+            state["abandoned"] = True
+            done = state["done"]
+        if done and on_late is not None:  # finished, but its result was dropped
+            result = state["result"]
+            trio.lowlevel.start_thread_soon(lambda: on_late(result), _log_close_error)
+        raise
+
+
+async def open_in_thread(fn: Callable[..., int], *args: Any) -> int:
+    """:func:`in_thread` for a call that opens a file: never leaks the descriptor."""
+    return await in_thread(fn, *args, on_late=os.close)
+
+
 async def close_written(fd: int) -> None:
     """Close a file we wrote, in a worker thread (closing it on a parallel filesystem
-    may flush and report a write error: raised as OSError).  Cancelled before the
-    thread started, it is closed in the background (once started, it finishes)."""
-    try:
-        await trio.to_thread.run_sync(os.close, fd)
-    except trio.Cancelled:
-        close_soon(fd)
-        raise
+    may flush and report a write error: raised as OSError).  Cancelled, it is still
+    closed, once, by that thread."""
+    await in_thread(os.close, fd)
 
 
 def close_soon(fd: int) -> None:

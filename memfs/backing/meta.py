@@ -23,14 +23,14 @@ from typing import Any
 
 import trio
 
-from memfs.backing.dirside import TMP_DIR, BackingDir
+from memfs.backing.dirside import TMP_DIR, BackingDir, in_thread
 from memfs.backing.mirror import NamespaceMirror
 from memfs.backing.ops import ErrorLog
 from memfs.backing.recovery import BackingJournal
 from memfs.backing.residency import STEP, Residency
 from memfs.backing.status import BackingStatus
 from memfs.backing.surface import BackingStore
-from memfs.backing.tickets import Tickets
+from memfs.backing.tickets import WALK_STEP, Tickets
 from memfs.backing.tracker import EXCLUDE_XATTR, ChangeTracker
 from memfs.backing.writeback import WriteBack
 from memfs.config import FlushConfig
@@ -42,6 +42,9 @@ from memfs.transport import Transport
 log = logging.getLogger(__name__)
 
 __all__ = ["STEP", "TMP_DIR", "BackedMeta"]
+
+#: seconds the daemon waits, when it exits, to remove its temporary directory in DIR
+CLOSE_TIMEOUT = 5.0
 
 
 class BackedMeta(Meta):
@@ -355,9 +358,17 @@ class BackedMeta(Meta):
                         "back (stage-out archives them)", len(tracker.pinned),
                         nbytes * self.store.chunk_size >> 20)
 
-    async def close(self) -> None:
-        """Remove our temporary directory (and DIR/.memfs-tmp if no one else uses it)."""
-        await trio.to_thread.run_sync(self.dirside.close, self.mirror.swap_dir)
+    async def close(self, give_up_after: float = CLOSE_TIMEOUT) -> None:
+        """Remove our temporary directory (and DIR/.memfs-tmp if no one else uses it).
+        Bounded: the daemon must exit even when DIR hangs (a parallel filesystem
+        whose servers are gone); the next start removes what is left.  (Tests on an
+        autojump clock pass ``math.inf``: virtual time jumps past any deadline while
+        a worker thread runs.)"""
+        with trio.move_on_after(give_up_after):
+            await in_thread(self.dirside.close, self.mirror.swap_dir)
+            return
+        log.warning("backing directory %s does not answer: leaving %s behind",
+                    self.cfg.backing, os.fsdecode(self.dirside.tmp))
 
     # -- control commands --------------------------------------------------------------------
 
@@ -365,25 +376,31 @@ class BackedMeta(Meta):
         tickets = self.tickets
         tickets.expire()
         if op == "status":
-            return self.status().to_json()
+            return (await self.status()).to_json()
         if op in ("flush", "stage_in"):
             paths = args.get("paths", [])
             if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
                 raise FsError(errno.EINVAL, "paths must be a list of strings")
             roots = [tickets.resolve(p) for p in paths] or [ROOT_INO]
-            return {"ticket": tickets.flush(roots) if op == "flush" else tickets.stage_in(roots)}
+            tid = await (tickets.flush(roots) if op == "flush" else tickets.stage_in(roots))
+            return {"ticket": tid}
         if op == "progress":
             return tickets.progress(args.get("ticket")).to_json()
         raise FsError(errno.ENOSYS, f"unknown command {op!r}")
 
-    def status(self) -> BackingStatus:
+    async def status(self) -> BackingStatus:
+        """The numbers ``memfs status`` shows.  The walk over every inode lets other
+        tasks (FUSE requests, client calls) run every WALK_STEP inodes: a big tree
+        must not stall them; the counts are those of a moment, roughly."""
         s = self.store
         cs = s.chunk_size
         total, free = s.space()
         tracker = self.tracker
         resident = evicted = pinned_chunks = 0
-        for i in s.inodes.values():
-            if i.chunks is None:
+        for n, i in enumerate(list(s.inodes.values())):
+            if n % WALK_STEP == WALK_STEP - 1:
+                await trio.lowlevel.checkpoint()
+            if i.chunks is None or i.ino not in s.inodes:
                 continue
             if i.backed and len(i.chunks) * cs < i.backed and s.missing(i.ino, 0, i.backed):
                 evicted += 1
@@ -391,7 +408,7 @@ class BackedMeta(Meta):
                 resident += 1
             if i.ino in tracker.pinned:
                 pinned_chunks += len(i.chunks)
-        staging_files, staging_bytes = self.tickets.staging()
+        staging_files, staging_bytes = await self.tickets.staging()
         wb = self.writeback
         return BackingStatus(
             backing=self.cfg.backing,

@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from memfs.backing import faults
-from memfs.backing.dirside import BackingDir
+from memfs.backing.dirside import BackingDir, in_thread
 from memfs.backing.ops import (
     EXCHANGE_PLANS,
     NS_DONE,
@@ -99,7 +99,7 @@ class NamespaceMirror:
                 if op.kind is NsKind.EXCHANGE and self.recorder.journaled:
                     await self._exchange_in_steps(op)
                 else:
-                    await trio.to_thread.run_sync(self.dirside.apply, op)
+                    await in_thread(self.dirside.apply, op)
             except OSError as exc:
                 if exc.errno in SKIP_ERRNOS:
                     log.debug("%s %r: %s (skipped)", op.kind.value, op.path, exc.strerror)
@@ -117,11 +117,11 @@ class NamespaceMirror:
         """RENAME_EXCHANGE as single renames, each recorded before the next: replayed
         after a crash, it goes on from where it was instead of swapping back."""
         if not op.plan:
-            op.plan = await trio.to_thread.run_sync(self.dirside.exchange_plan, op)
+            op.plan = await in_thread(self.dirside.exchange_plan, op)
             self.recorder.note(NS_STEP, [op.plan, 0])
             await self.recorder.durable()
         while op.step < len(EXCHANGE_PLANS[op.plan]):
-            await trio.to_thread.run_sync(self.dirside.exchange_step, op, self.swap_dir)
+            await in_thread(self.dirside.exchange_step, op, self.swap_dir)
             op.step += 1
             self.recorder.note(NS_STEP, [op.plan, op.step])
             await self.recorder.durable()

@@ -23,7 +23,7 @@ from typing import TypeVar
 
 import trio
 
-from memfs.backing.dirside import BackingDir, close_soon, pread_full
+from memfs.backing.dirside import BackingDir, close_soon, in_thread, open_in_thread, pread_full
 from memfs.backing.mirror import NamespaceMirror
 from memfs.backing.ops import ErrorLog, NsOp, Retry
 from memfs.backing.surface import BackingStore
@@ -245,7 +245,7 @@ class Residency:
                     raise FsError(errno.EIO, f"{os.fsdecode(path)}: its data is in the backing "
                                              "directory, which cannot be updated right now")
         try:
-            return await trio.to_thread.run_sync(self.dirside.open_read, path)
+            return await open_in_thread(self.dirside.open_read, path)
         except OSError as exc:
             self.errors.record(path, "read", exc)
             full = self.dirside.path(path)
@@ -267,7 +267,7 @@ class Residency:
         n = min(len(ks) * cs, i.backed - start)
         buf = bytearray(len(ks) * cs)
         try:
-            got = await trio.to_thread.run_sync(pread_full, fd, memoryview(buf)[:n], start)
+            got = await in_thread(pread_full, fd, memoryview(buf)[:n], start)
         except OSError as exc:
             self.errors.record(self.store.path(ino) or b"?", "read", exc)
             raise FsError(errno.EIO, f"cannot read inode {ino} from the backing directory: "

@@ -33,6 +33,9 @@ from memfs.meta.store import ROOT_INO
 log = logging.getLogger(__name__)
 
 TICKET_TTL = 600.0
+#: inodes looked at between two checkpoints of a whole-tree walk (a walk of a
+#: million-file tree must not hold up every FUSE request and client call)
+WALK_STEP = 4096
 
 
 @dataclass(eq=False)
@@ -79,37 +82,44 @@ class Tickets:
         except FsError as exc:
             raise FsError(exc.errno, f"{p}: {os.strerror(exc.errno)}") from None
 
-    def _walk(self, roots: Iterable[int]) -> Iterable[int]:
+    async def _walk(self, roots: Iterable[int]) -> list[int]:
+        """Every inode under *roots* (they included), letting other tasks run every
+        WALK_STEP inodes; some may be gone by the time the list is returned."""
         inodes = self.store.inodes
         stack = list(roots)
+        out: list[int] = []
         while stack:
             ino = stack.pop()
             i = inodes.get(ino)
             if i is None:
                 continue
-            yield ino
+            out.append(ino)
             if i.children:
                 stack.extend(i.children.values())
+            if len(out) % WALK_STEP == 0:
+                await trio.lowlevel.checkpoint()
+        return out
 
-    def flush(self, roots: list[int]) -> int:
+    async def flush(self, roots: list[int]) -> int:
         """Write back everything dirty under *roots* now."""
         dirty = self.tracker.dirty
         if roots == [ROOT_INO]:
             inos = set(dirty)
         else:
-            inos = {ino for ino in self._walk(roots) if ino in dirty}
+            inos = {ino for ino in await self._walk(roots) if ino in dirty}
         self.writeback.force(inos)
         self.mirror.retry_now()
         t = Ticket(True, inos, len(inos), sum(len(dirty[x].chunks) for x in inos) * self.tracker.chunk_size,
                    self.clock(), ns_target=self.mirror.queued)
         return self._add(t)
 
-    def stage_in(self, roots: list[int]) -> int:
+    async def stage_in(self, roots: list[int]) -> int:
         """Fetch every file under *roots* into the pool, in the background."""
         inodes = self.store.inodes
-        named = {ino for ino in self._walk(roots) if inodes[ino].chunks is not None}
+        found = await self._walk(roots)
+        named = {ino for ino in found if (i := inodes.get(ino)) is not None and i.chunks is not None}
         inos = {ino for ino in named
-                if inodes[ino].backed and self.store.missing(ino, 0, inodes[ino].backed)}
+                if (i := inodes[ino]).backed and self.store.missing(ino, 0, i.backed)}
         t = Ticket(False, inos, len(inos), sum(self.residency.missing_bytes(x) for x in inos),
                    self.clock(), keep=named)
         for ino in named:
@@ -154,11 +164,17 @@ class Tickets:
             errors=tuple(self.errors.entries(paths)),
         )
 
-    def staging(self) -> tuple[int, int]:
+    async def staging(self) -> tuple[int, int]:
         """(files, bytes) stage-in requests still wait for."""
         stage = [t for t in self._tickets.values() if not t.flush]
-        return (sum(len(t.inos) for t in stage),
-                sum(self.residency.missing_bytes(x) for t in stage for x in t.inos))
+        files = nbytes = 0
+        for t in stage:
+            for ino in list(t.inos):
+                files += 1
+                nbytes += self.residency.missing_bytes(ino)
+                if files % WALK_STEP == 0:
+                    await trio.lowlevel.checkpoint()
+        return files, nbytes
 
     async def stager(self) -> None:
         """Fetch the files of stage-in requests, whole, one at a time."""

@@ -21,7 +21,15 @@ from collections.abc import Callable
 import trio
 
 from memfs.backing import faults
-from memfs.backing.dirside import BackingDir, close_soon, close_written, unlink_quiet, write_step
+from memfs.backing.dirside import (
+    BackingDir,
+    close_soon,
+    close_written,
+    in_thread,
+    open_in_thread,
+    unlink_quiet,
+    write_step,
+)
 from memfs.backing.mirror import NamespaceMirror
 from memfs.backing.ops import ErrorLog, NsKind, NsOp, Retry
 from memfs.backing.residency import STEP, Residency
@@ -206,10 +214,10 @@ class WriteBack:
                 if paths:
                     try:
                         try:
-                            await trio.to_thread.run_sync(self.dirside.publish, tmp, paths, None)
+                            await in_thread(self.dirside.publish, tmp, paths, None)
                         except FileNotFoundError:
                             dirs = self._parent_dirs(ino)
-                            await trio.to_thread.run_sync(self.dirside.publish, tmp, paths, dirs)
+                            await in_thread(self.dirside.publish, tmp, paths, dirs)
                     except OSError as exc:
                         self.errors.record(paths[0], "write back", exc)
                         raise Retry() from None
@@ -218,7 +226,7 @@ class WriteBack:
                         faults.kill_at("kill-mid-publish")
         finally:
             if not published:
-                await trio.to_thread.run_sync(unlink_quiet, tmp)
+                await in_thread(unlink_quiet, tmp)
         if not published:  # it lost its last name meanwhile: nothing to write
             tracker.clean(ino, v)
             return
@@ -255,7 +263,7 @@ class WriteBack:
                 if version(ino) != v:
                     return None
                 try:
-                    await trio.to_thread.run_sync(
+                    await in_thread(
                         self.dirside.write_whole, tmp, view, size, mode, uid, gid, times
                     )
                 except OSError as exc:
@@ -263,7 +271,7 @@ class WriteBack:
                     raise Retry() from None
                 return tmp
         try:
-            fd = await trio.to_thread.run_sync(self.dirside.create_tmp, tmp)
+            fd = await open_in_thread(self.dirside.create_tmp, tmp)
         except OSError as exc:
             self.errors.record(self._where(ino), "write back", exc)
             raise Retry() from None
@@ -294,13 +302,13 @@ class WriteBack:
                 if version(ino) != v:
                     return None
                 try:
-                    await trio.to_thread.run_sync(write_step, fd, view, off, src, old)
+                    await in_thread(write_step, fd, view, off, src, old)
                 except OSError as exc:
                     self.errors.record(self._where(ino), "write back", exc)
                     raise Retry() from None
                 off += n
             try:
-                await trio.to_thread.run_sync(
+                await in_thread(
                     self.dirside.finish_copy, fd, size, mode, uid, gid, times
                 )
             except OSError as exc:
@@ -320,7 +328,7 @@ class WriteBack:
             if src >= 0:
                 close_soon(src)
             if not ok:
-                await trio.to_thread.run_sync(unlink_quiet, tmp)
+                await in_thread(unlink_quiet, tmp)
 
     def _parent_dirs(self, ino: int) -> list[NsOp]:
         """mkdir operations for every directory above *ino*'s names, outermost first

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -59,20 +59,36 @@ class Cluster:
     servers: dict[str, subprocess.Popen[bytes]]
     argv: dict[str, list[str]]
     tmp: Path
+    #: extra environment of each server's latest start (merged over os.environ)
+    env: dict[str, dict[str, str]] = field(default_factory=dict)
+    #: the log file of each server's latest start
+    logs: dict[str, Path] = field(default_factory=dict)
 
     def kill(self, host: str) -> None:
+        """SIGKILL *host*'s server (nothing if it has exited already) and reap it."""
         proc = self.servers[host]
         proc.kill()
         proc.wait()
 
-    def restart(self, host: str) -> None:
-        """Start *host*'s server again with the same arguments (same port)."""
+    def restart(self, host: str, env: dict[str, str] | None = None, wait: bool = True) -> None:
+        """SIGKILL *host*'s server and start it again with the same arguments (same port).
+
+        *env*: its extra environment this time (None: the same as last time; ``{}``:
+        none).  *wait*: wait for its ready line (a server expected to die soon after
+        starting, e.g. under a ``MEMFS_TEST_FAULT``, may not live to print it).  Each
+        start logs to its own file, ``HOST.restartN.log``."""
         self.kill(host)
         assert self.servers[host].stdout is not None
         self.servers[host].stdout.close()  # type: ignore[union-attr]
-        ready = "mds listening" if host == "mds" else "memd listening"
-        self.servers[host] = start(self.net, host, self.argv[host], ready,
-                                   self.tmp / f"{host}.restarted.log")
+        if env is not None:
+            self.env[host] = env
+        ready = ("mds listening" if host == "mds" else "memd listening") if wait else None
+        n = 1
+        while (log := self.tmp / f"{host}.restart{n}.log").exists():
+            n += 1
+        self.servers[host] = start(self.net, host, self.argv[host], ready, log,
+                                   env=self.env.get(host))
+        self.logs[host] = log
 
 
 def wait_line(proc: subprocess.Popen[bytes], prefix: str, timeout: float = 30) -> None:
@@ -93,13 +109,20 @@ def wait_line(proc: subprocess.Popen[bytes], prefix: str, timeout: float = 30) -
 
 
 def start(
-    net: TestNet, host: str, argv: list[str], ready: str, log: Path
+    net: TestNet, host: str, argv: list[str], ready: str | None, log: Path,
+    env: dict[str, str] | None = None,
 ) -> subprocess.Popen[bytes]:
-    """A server on *host*; its log (stderr) goes to a file, so no pipe can fill up."""
+    """A server on *host*; its log (stderr) goes to a file, so no pipe can fill up.
+
+    *env* is merged over this process's environment (``nsenter`` passes it on);
+    *ready* None: return at once, without waiting for the server's ready line."""
     with open(log, "wb") as err:
         proc = subprocess.Popen(
             net.cmd(host, [*MEMFS, *argv]), stdout=subprocess.PIPE, stderr=err, bufsize=0,
+            env={**os.environ, **env} if env else None,
         )
+    if ready is None:
+        return proc
     try:
         wait_line(proc, ready)
     except BaseException:
@@ -119,8 +142,12 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
 @contextlib.contextmanager
 def make_cluster(
     tmp_path: Path, mds_args: list[str], memd_args: tuple[str, ...] = (),
-    c1_args: tuple[str, ...] = (),
+    c1_args: tuple[str, ...] = (), mds_env: dict[str, str] | None = None,
+    volume_size: str = "128M",
 ) -> Iterator[Cluster]:
+    """The five hosts, the servers started and both clients mounted; all of it torn
+    down afterwards, whatever happened.  *mds_env*: extra environment of the mds
+    (e.g. ``MEMFS_TEST_FAULT``); *volume_size*: of each of the 4 volumes."""
     secret = tmp_path / "secret"
     secret.write_bytes(os.urandom(24).hex().encode())
     secret.chmod(0o600)
@@ -132,7 +159,7 @@ def make_cluster(
             for host in ("mem1", "mem2"):
                 argv[host] = [
                     "memd", "--listen", f"{net.addr[host]}:{PORT_MEMD}", "--volumes", "2",
-                    "--volume-size", "128M", "--secret-file", str(secret), *memd_args,
+                    "--volume-size", volume_size, "--secret-file", str(secret), *memd_args,
                 ]
                 servers[host] = start(net, host, argv[host], "memd listening",
                                       tmp_path / f"{host}.log")
@@ -144,7 +171,8 @@ def make_cluster(
                 "mds", "--listen", f"{net.addr['mds']}:{PORT_MDS}", "--pool", spec,
                 "--secret-file", str(secret), *mds_args,
             ]
-            servers["mds"] = start(net, "mds", argv["mds"], "mds listening", tmp_path / "mds.log")
+            servers["mds"] = start(net, "mds", argv["mds"], "mds listening", tmp_path / "mds.log",
+                                   env=mds_env)
             mds = f"{net.addr['mds']}:{PORT_MDS}"
             for host in ("c1", "c2"):
                 path = tmp_path / host
@@ -160,7 +188,9 @@ def make_cluster(
                                      timeout=60)
                 assert res.returncode == 0, res.stderr
                 mnt[host] = path
-            yield Cluster(net, secret, mnt, servers, argv, tmp_path)
+            yield Cluster(net, secret, mnt, servers, argv, tmp_path,
+                          env={"mds": mds_env} if mds_env else {},
+                          logs={h: tmp_path / f"{h}.log" for h in servers})
         finally:
             for path in mnt.values():
                 pid = int(pid_file(str(path)).read_text()) if pid_file(str(path)).exists() else None

@@ -930,3 +930,29 @@ def test_hard_links_into_a_vanished_directory(memfs_mount: MountFn, tmp_path: Pa
     assert (backing / "d" / "f").read_bytes() == b"linked, changed"
     assert os.path.samefile(backing / "d" / "f", backing / "g")
     assert tmp_leftovers(backing) == []
+
+
+def test_shutdown_with_a_hung_backing_directory(memfs_mount: MountFn) -> None:
+    """DIR stops answering (its servers are gone: here a FUSE filesystem whose daemon
+    is stopped).  Unmounting waits for write-back as ever; a second signal gives up,
+    and then the daemon exits at once, however many of its threads are stuck in DIR."""
+    lus = memfs_mount("--size", "64M")  # the "parallel filesystem"
+    (lus.path / "job").mkdir()
+    m = mount_backed(memfs_mount, lus.path / "job", "--flush-delay", "0.1")
+    m.expect_errors = True  # "exiting without writing back ...": asked to
+    write_file(m.path / "before", b"written back\n")
+    flush_wait(m)
+    assert (lus.path / "job" / "before").read_bytes() == b"written back\n"
+    os.kill(lus.pid, signal.SIGSTOP)
+    try:
+        for n in range(4):
+            write_file(m.path / f"stuck{n}", os.urandom(3 << 20))  # copies hang in DIR
+        time.sleep(1.0)
+        os.kill(m.pid, signal.SIGTERM)  # drains: cannot finish
+        time.sleep(1.0)
+        assert not wait_gone(m.pid, 0.5), "exited without writing back, unasked"
+        os.kill(m.pid, signal.SIGTERM)  # gives up
+        assert wait_gone(m.pid, 20), "the daemon hung on the stopped backing directory"
+        assert "exiting without writing back" in daemon_log(m)
+    finally:
+        os.kill(lus.pid, signal.SIGCONT)

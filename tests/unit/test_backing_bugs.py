@@ -12,6 +12,7 @@ and another daemon's temporary directory was judged by hostname and pid.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import stat
@@ -48,7 +49,7 @@ async def running(backing: Path) -> AsyncIterator[tuple[BackedMeta, DataEngine]]
         await nursery.start(b.run)
         yield b, DataEngine(b, transport)
         nursery.cancel_scope.cancel()
-    await b.close()
+    await b.close(math.inf)
 
 
 def fail_once(obj: Any, name: str) -> list[int]:
@@ -73,10 +74,10 @@ async def until(what: Callable[[], bool], seconds: float = 10.0) -> None:
             await trio.sleep(0.02)
 
 
-def internal_errors(b: BackedMeta, caplog: pytest.LogCaptureFixture) -> list[str]:
+async def internal_errors(b: BackedMeta, caplog: pytest.LogCaptureFixture) -> list[str]:
     """What status reports as internal errors; each was also logged as an ERROR."""
     logged = [r.getMessage() for r in caplog.get_records("call") if r.levelno == logging.ERROR]
-    found = [e.path for e in b.status().errors if e.path.startswith("(internal)")]
+    found = [e.path for e in (await b.status()).errors if e.path.startswith("(internal)")]
     for what in found:
         assert any(m.startswith(what.removeprefix("(internal) ")) for m in logged), logged
     return found
@@ -96,7 +97,7 @@ async def test_namespace_mirror_survives_a_bug(
         b.mirror.retry_now()  # as `memfs flush` does: no need to wait for the back-off
         await until(lambda: (tmp_path / "dir" / "d").is_dir())
         assert calls[0] >= 2
-        assert internal_errors(b, caplog) == ["(internal) namespace mirror"]
+        assert (await internal_errors(b, caplog)) == ["(internal) namespace mirror"]
 
 
 async def test_scheduler_survives_a_bug(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -110,7 +111,7 @@ async def test_scheduler_survives_a_bug(tmp_path: Path, caplog: pytest.LogCaptur
         await until(lambda: (tmp_path / "dir" / "f").stat().st_size == 100 * K)
         assert (tmp_path / "dir" / "f").read_bytes() == b"x" * 100 * K
         assert calls[0] >= 2
-        assert "(internal) write-back scheduler" in internal_errors(b, caplog)
+        assert "(internal) write-back scheduler" in (await internal_errors(b, caplog))
 
 
 async def test_stager_survives_a_bug(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

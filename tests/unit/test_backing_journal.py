@@ -180,7 +180,7 @@ async def test_recovered_write_back_finishes_the_job(tmp_path: Path, seeded: Pat
             ino = m2.store.resolve(path.encode()).ino
             assert bytes(await m2.data.read(ino, 0, len(payload) + 1)) == payload
         assert not (seeded / "in" / "f0").exists() and not (seeded / "out" / "r2").exists()
-        st = m2.backed.status()
+        st = await m2.backed.status()
         assert (st.dirty_files, st.namespace_ops, st.errors) == (0, 0, ())
     # and again: nothing left to do, nothing lost
     async with mds(jdir, seeded, transport) as m3:

@@ -9,6 +9,7 @@ milliseconds.  The mount-level behaviour is tested in tests/mount/.
 from __future__ import annotations
 
 import errno
+import math
 import stat
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -23,7 +24,7 @@ from memfs.backing.meta import BackedMeta
 from memfs.backing.mirror import NamespaceMirror
 from memfs.backing.ops import ErrorLog, NsKind, NsOp
 from memfs.backing.status import BackingError, BackingStatus, TicketProgress
-from memfs.backing.tickets import TICKET_TTL
+from memfs.backing.tickets import TICKET_TTL, WALK_STEP
 from memfs.backing.tracker import ChangeTracker
 from memfs.config import FlushConfig, PoolConfig
 from memfs.data import DataEngine
@@ -197,7 +198,7 @@ async def backed(tmp_path: Path, **cfg: object) -> AsyncIterator[tuple[BackedMet
         await nursery.start(b.run)
         yield b, DataEngine(b, transport)
         nursery.cancel_scope.cancel()
-    await b.close()
+    await b.close(math.inf)
 
 
 def record_starts(b: BackedMeta) -> list[float]:
@@ -275,9 +276,8 @@ async def test_failed_copy_backs_off_and_is_shown(
         b.dirside.publish = failing  # type: ignore[method-assign,assignment]
         a = await b.mknod(ROOT, b"f", REG, 0, 0)
         await data.write(a.ino, 0, b"z" * 10)
-        while not b.status().errors or b.status().errors[0].count < 2:  # noqa: ASYNC110
+        while not (st := await b.status()).errors or st.errors[0].count < 2:  # noqa: ASYNC110
             await trio.sleep(0.001)
-        st = b.status()
         assert st.dirty_files == 1
         assert [(e.path, e.error, e.count) for e in st.errors] == [
             ("f", "write back: No space left on device", 2)]
@@ -287,7 +287,7 @@ async def test_failed_copy_backs_off_and_is_shown(
         gaps = [b2 - a2 for a2, b2 in zip(starts, starts[1:], strict=False)]
         assert len(starts) == 4 and all(g >= want for g, want in zip(gaps, (1, 2, 4), strict=True)), gaps
         assert (tmp_path / "dir" / "f").read_bytes() == b"z" * 10
-        assert not b.status().errors
+        assert not (await b.status()).errors
 
 
 async def test_eviction_least_recently_used_first_and_staged_spared(tmp_path: Path) -> None:
@@ -299,7 +299,7 @@ async def test_eviction_least_recently_used_first_and_staged_spared(tmp_path: Pa
         ino = {n: b.store.resolve(n.encode()).ino for n in ("old", "mid", "new")}
         for n in ("old", "mid", "new"):  # fetched in this order: LRU order
             assert await data.read(ino[n], 0, 3) == n.encode()[:3]
-        tid = b.tickets.stage_in([ino["old"]])  # staged: spared while others can go
+        tid = await b.tickets.stage_in([ino["old"]])  # staged: spared while others can go
         b.residency.touch(ino["mid"])
         assert await b.residency.evict(1)
         chunks = {n: len(b.store.inodes[i].chunks or ()) for n, i in ino.items()}
@@ -356,3 +356,29 @@ def test_progress_json_keys_are_those_the_cli_reads() -> None:
     assert TicketProgress.from_json(j) == p
 
 
+
+
+async def test_whole_tree_walks_let_other_tasks_run(tmp_path: Path) -> None:
+    """``memfs status`` and flush/stage-in tickets walk every inode of a tree: on a
+    big tree they must let FUSE requests and client calls in between."""
+    async with backed(tmp_path, delay=3600.0, workers=1) as (b, _):
+        d = await b.mknod(ROOT, b"d", DIR, 0, 0)
+        for n in range(3 * WALK_STEP):
+            await b.mknod(d.ino, b"f%d" % n, REG, 0, 0)
+        ran = 0
+
+        async def other() -> None:
+            nonlocal ran
+            while True:
+                ran += 1
+                await trio.lowlevel.checkpoint()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(other)
+            await trio.lowlevel.checkpoint()
+            for call in (b.status(), b.control("flush", {"paths": ["d"]}),
+                         b.control("stage_in", {"paths": ["d"]})):
+                before = ran
+                await call
+                assert ran > before
+            nursery.cancel_scope.cancel()
