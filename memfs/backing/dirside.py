@@ -320,12 +320,18 @@ class BackingDir:
                  "s": os.path.join(swap_dir, b"swap")}
         src, dst = EXCHANGE_PLANS[op.plan][op.step]
         self.check_root()
+        if "s" in (src, dst) and not os.path.isdir(swap_dir):
+            for d in (self.tmp_top, swap_dir):  # someone emptied DIR/.memfs-tmp
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(d, 0o700)
         try:
             os.rename(names[src], names[dst])
         except FileNotFoundError:
-            if os.path.lexists(names[dst]):
-                return  # done before the crash
-            raise
+            # Done before a crash (the rename is recorded only after), or the file
+            # was removed from DIR behind our back: either way nothing to move,
+            # and the plan goes on (never left half done, a copy parked in swap).
+            if os.path.lexists(names[src]):
+                raise
 
     def _set_attrs(self, path: bytes, op: NsOp, *, times: bool) -> None:
         if stat.S_ISLNK(op.mode):
@@ -342,35 +348,78 @@ class BackingDir:
 
 # -- file descriptors and whole reads/writes (worker threads) ------------------------------
 
-async def in_thread(
-    fn: Callable[..., T], *args: Any, on_late: Callable[[T], None] | None = None
-) -> T:
-    """``fn(*args)`` in a worker thread, for a syscall on DIR.  Cancelled, the caller
-    stops waiting at once (a hung parallel filesystem must not hold up shutdown, nor
-    a client's call past its deadline); the call itself runs to its end in the
-    thread, and *on_late* (in a worker thread) gets a result no one will use: a
-    descriptor to close."""
-    lock = threading.Lock()
-    state: dict[str, Any] = {"abandoned": False, "done": False}
+#: worker threads for syscalls on DIR at once: a hung DIR ties up at most these, in
+#: a limiter of their own (the journal's fdatasync keeps trio's default one)
+DIR_THREADS = 32
+_DIR_LIMITER: trio.lowlevel.RunVar[trio.CapacityLimiter] = trio.lowlevel.RunVar("memfs_dir_threads")
 
-    def run() -> T:
-        result = fn(*args)
+
+def dir_limiter() -> trio.CapacityLimiter:
+    try:
+        return _DIR_LIMITER.get()
+    except LookupError:
+        limiter = trio.CapacityLimiter(DIR_THREADS)
+        _DIR_LIMITER.set(limiter)
+        return limiter
+
+
+async def in_thread(
+    fn: Callable[..., T], *args: Any, on_late: Callable[[T], None] | None = None,
+    on_skipped: Callable[[], None] | None = None,
+    after: Callable[[bool], None] | None = None,
+) -> T:
+    """``fn(*args)`` in a worker thread, for a syscall on DIR.
+
+    Cancelled, the caller stops waiting at once (a hung parallel filesystem must
+    not hold up shutdown, nor a client's call past its deadline), and exactly one
+    of these follows: *fn* never runs (cancelled before its thread began) and
+    *on_skipped* is called; or *fn* runs to its end in its thread, then
+    *on_late* (in a worker thread) gets a result no one will use (a descriptor
+    to close) and *after* (on the trio thread) learns whether it succeeded.
+    """
+    lock = threading.Lock()
+    st: dict[str, Any] = {"abandoned": False, "started": False, "done": False, "ok": False,
+                          "result": None}
+    token = trio.lowlevel.current_trio_token()
+
+    def run() -> Any:
         with lock:
-            late = state["abandoned"]
-            state["done"], state["result"] = True, result
-        if late and on_late is not None:
-            on_late(result)
-        return result
+            if st["abandoned"]:
+                return None  # given up before it began: it never runs
+            st["started"] = True
+        ok = False
+        result: T | None = None
+        try:
+            result = fn(*args)
+            ok = True
+            return result
+        finally:
+            with lock:
+                late = st["abandoned"]
+                st["done"], st["ok"], st["result"] = True, ok, result
+            if late:
+                if ok and on_late is not None:
+                    on_late(result)  # type: ignore[arg-type]
+                if after is not None:
+                    with contextlib.suppress(trio.RunFinishedError):
+                        token.run_sync_soon(after, ok)
 
     try:
-        return await trio.to_thread.run_sync(run, abandon_on_cancel=True)
+        out: T = await trio.to_thread.run_sync(run, abandon_on_cancel=True, limiter=dir_limiter())
+        return out
     except trio.Cancelled:
         with lock:
-            state["abandoned"] = True
-            done = state["done"]
-        if done and on_late is not None:  # finished, but its result was dropped
-            result = state["result"]
-            trio.lowlevel.start_thread_soon(lambda: on_late(result), _log_close_error)
+            st["abandoned"] = True
+            started, done, ok, result = st["started"], st["done"], st["ok"], st["result"]
+        if not started:
+            if on_skipped is not None:
+                on_skipped()
+        elif done:  # it finished, but its result was dropped
+            if ok and on_late is not None:
+                late_fn = on_late
+                trio.lowlevel.start_thread_soon(lambda: late_fn(result), _log_close_error)
+            if after is not None:
+                after(ok)
         raise
 
 
@@ -382,8 +431,8 @@ async def open_in_thread(fn: Callable[..., int], *args: Any) -> int:
 async def close_written(fd: int) -> None:
     """Close a file we wrote, in a worker thread (closing it on a parallel filesystem
     may flush and report a write error: raised as OSError).  Cancelled, it is still
-    closed, once, by that thread."""
-    await in_thread(os.close, fd)
+    closed, once: by that thread, or in the background if the thread never began."""
+    await in_thread(os.close, fd, on_skipped=lambda: close_soon(fd))
 
 
 def close_soon(fd: int) -> None:

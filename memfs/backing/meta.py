@@ -275,6 +275,7 @@ class BackedMeta(Meta):
     async def setxattr(self, ino: int, name: bytes, value: bytes) -> None:
         await self.store.setxattr(ino, name, value)
         if name == EXCLUDE_XATTR:
+            self.tracker.unpin()  # set to something other than "off": no longer excluded
             self.tracker.wake()  # dirty files below may now be pinned
 
     async def listxattr(self, ino: int) -> list[bytes]:

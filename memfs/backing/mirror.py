@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import collections
 import errno
+import functools
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import trio
 
@@ -34,6 +36,7 @@ from memfs.backing.ops import (
 )
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 MAX_BACKOFF = 30.0
 #: errors of a namespace operation that mean DIR already differs from what we expected
@@ -61,6 +64,8 @@ class NamespaceMirror:
         #: with a journal: where EXCHANGE parks a copy (outside any daemon's own
         #: temporary directory, which a restart removes)
         self.swap_dir = b""
+        #: set while a DIR call made under the lock, whose caller gave up, still runs
+        self._inflight: trio.Event | None = None
         self._wake = trio.Event()
         self._retry = trio.Event()  # `memfs flush`, unmount: retry now
 
@@ -85,10 +90,47 @@ class NamespaceMirror:
                     return True
         return False
 
+    async def dir_call(
+        self, fn: Callable[..., T], *args: Any, applied: Callable[[], None] | None = None,
+    ) -> T:
+        """A change to DIR made holding :attr:`lock`.  If its caller is cancelled while
+        it runs (a client's call past its deadline, shutdown), the lock goes free but
+        the syscall does not stop: the next holder first waits for it to end
+        (:meth:`settle`), and *applied* runs if it succeeded, so it is not made twice."""
+        done = trio.Event()
+
+        def after(ok: bool) -> None:
+            if ok and applied is not None:
+                applied()
+            done.set()
+
+        try:
+            return await in_thread(fn, *args, after=after, on_skipped=done.set)
+        except trio.Cancelled:
+            self._inflight = done
+            raise
+
+    async def settle(self) -> None:
+        """Wait until a DIR call whose caller gave up holding the lock has ended."""
+        if self._inflight is not None:
+            await self._inflight.wait()
+            self._inflight = None
+
+    def _done(self, op: NsOp) -> None:
+        """*op* is in DIR (or moot): off the queue, recorded as applied."""
+        if self.ops and self.ops[0] is op:
+            self.ops.popleft()
+            self.applied += 1
+            self.recorder.note(NS_DONE, [])
+            self.errors.clear(op.path)
+
     async def apply_all(self) -> None:
         """Apply every queued operation, in order (hold :attr:`lock`).  Raises
         :class:`Retry` when DIR fails (the operation stays at the head)."""
-        while self.ops:
+        while True:
+            await self.settle()
+            if not self.ops:
+                return
             op = self.ops[0]
             if op.keep and self.keep is not None:
                 await self.keep(op)
@@ -99,31 +141,30 @@ class NamespaceMirror:
                 if op.kind is NsKind.EXCHANGE and self.recorder.journaled:
                     await self._exchange_in_steps(op)
                 else:
-                    await in_thread(self.dirside.apply, op)
+                    await self.dir_call(self.dirside.apply, op, applied=functools.partial(self._done, op))
             except OSError as exc:
-                if exc.errno in SKIP_ERRNOS:
-                    log.debug("%s %r: %s (skipped)", op.kind.value, op.path, exc.strerror)
-                else:
+                if exc.errno not in SKIP_ERRNOS:
                     self.errors.record(op.path, op.kind.value, exc)
                     raise Retry() from None
-            else:
-                self.errors.clear(op.path)
+                log.debug("%s %r: %s (skipped)", op.kind.value, op.path, exc.strerror)
             faults.kill_at(f"kill-after-ns:{op.kind.value}")
-            self.ops.popleft()
-            self.applied += 1
-            self.recorder.note(NS_DONE, [])
+            self._done(op)
 
     async def _exchange_in_steps(self, op: NsOp) -> None:
         """RENAME_EXCHANGE as single renames, each recorded before the next: replayed
         after a crash, it goes on from where it was instead of swapping back."""
         if not op.plan:
-            op.plan = await in_thread(self.dirside.exchange_plan, op)
+            op.plan = await self.dir_call(self.dirside.exchange_plan, op)
             self.recorder.note(NS_STEP, [op.plan, 0])
             await self.recorder.durable()
-        while op.step < len(EXCHANGE_PLANS[op.plan]):
-            await in_thread(self.dirside.exchange_step, op, self.swap_dir)
+
+        def stepped() -> None:
             op.step += 1
             self.recorder.note(NS_STEP, [op.plan, op.step])
+
+        while op.step < len(EXCHANGE_PLANS[op.plan]):
+            await self.dir_call(self.dirside.exchange_step, op, self.swap_dir, applied=stepped)
+            stepped()
             await self.recorder.durable()
 
     async def run(self) -> None:

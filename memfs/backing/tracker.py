@@ -218,8 +218,10 @@ class ChangeTracker:
         i = self.store.inodes.get(ino)
         if i is None:
             return
-        if ino in self.dirty:
-            self.mark(ino)  # the copy carries the attributes: just a new version
+        if ino in self.dirty or ino in self.pinned:
+            # The copy carries the attributes: just a new version.  (A pinned file
+            # too: replay finds it dirty, not pinned, and must queue the same.)
+            self.mark(ino)
             return
         path = self.store.path(ino)
         if path is not None and not self.excluded(ino):

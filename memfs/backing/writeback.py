@@ -204,20 +204,26 @@ class WriteBack:
         published = False
         try:
             async with self.mirror.lock:
-                await self.mirror.apply_all()
-                # Nothing reaches DIR before the changes it shows are durable (a crash
-                # must not leave DIR ahead of the journal).
-                await self.mirror.recorder.durable()
+                # Every namespace change first, and nothing reaches DIR before the
+                # changes it shows are durable (a crash must not leave DIR ahead of
+                # the journal); changes queued while we waited are applied too, so
+                # the copy lands at the path the file has now.  No await between
+                # the last check and reading that path.
+                while True:
+                    await self.mirror.apply_all()
+                    await self.mirror.recorder.durable()
+                    if not self.mirror.ops:
+                        break
                 if tracker.version(ino) != v:
                     return
                 paths = self.store.paths(ino)
                 if paths:
                     try:
                         try:
-                            await in_thread(self.dirside.publish, tmp, paths, None)
+                            await self.mirror.dir_call(self.dirside.publish, tmp, paths, None)
                         except FileNotFoundError:
                             dirs = self._parent_dirs(ino)
-                            await in_thread(self.dirside.publish, tmp, paths, dirs)
+                            await self.mirror.dir_call(self.dirside.publish, tmp, paths, dirs)
                     except OSError as exc:
                         self.errors.record(paths[0], "write back", exc)
                         raise Retry() from None
@@ -322,6 +328,11 @@ class WriteBack:
                 raise Retry() from None
             ok = True
             return tmp
+        except trio.Cancelled:
+            # Shutdown given up: a thread we stopped waiting for may still use these
+            # descriptors; closing them could let their numbers name another file.
+            fd = src = -1
+            raise
         finally:
             if fd >= 0:
                 close_soon(fd)

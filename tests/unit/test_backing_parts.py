@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import math
 import stat
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -382,3 +383,86 @@ async def test_whole_tree_walks_let_other_tasks_run(tmp_path: Path) -> None:
                 await call
                 assert ran > before
             nursery.cancel_scope.cancel()
+
+
+class GateRecorder:
+    """A journal whose records become durable only when the test says so."""
+
+    journaled = False
+
+    def __init__(self) -> None:
+        self.open = trio.Event()
+        self.waiting = trio.Event()
+
+    def note(self, kind: str, args: list[object]) -> None:
+        pass
+
+    async def durable(self) -> None:
+        if not self.open.is_set():
+            self.waiting.set()
+            await self.open.wait()
+
+
+async def test_copy_lands_at_the_path_the_file_has_after_the_durable_wait(tmp_path: Path) -> None:
+    """A rename queued while a worker waits for the journal (holding the namespace
+    lock) is applied before the copy is published: DIR must not get the new version
+    at the new name and then the old version renamed over it."""
+    async with backed(tmp_path, delay=3600.0, workers=1) as (b, data):
+        a = await b.mknod(ROOT, b"a", REG, 0, 0)
+        await data.write(a.ino, 0, b"old")
+        ticket = (await b.control("flush", {}))["ticket"]
+        with trio.fail_after(30):
+            while not b.tickets.progress(ticket).done:  # noqa: ASYNC110
+                await trio.sleep(0.01)
+        assert (tmp_path / "dir" / "a").read_bytes() == b"old"
+        gate = GateRecorder()
+        b.mirror.recorder = gate
+        await data.write(a.ino, 0, b"new")
+        ticket = (await b.control("flush", {}))["ticket"]
+        with trio.fail_after(30):
+            await gate.waiting.wait()  # the worker holds the lock, copy made
+        await b.rename(ROOT, b"a", ROOT, b"b")
+        gate.open.set()
+        with trio.fail_after(30):
+            while not b.tickets.progress(ticket).done:  # noqa: ASYNC110
+                await trio.sleep(0.01)
+        assert not (tmp_path / "dir" / "a").exists()
+        assert (tmp_path / "dir" / "b").read_bytes() == b"new"
+
+
+async def test_a_dir_call_given_up_under_the_lock_is_not_made_twice(tmp_path: Path) -> None:
+    """A client's call that applies the queue gives up (its deadline) while a
+    RENAME_EXCHANGE runs in DIR: the next holder of the lock waits for that rename
+    to end and does not apply it again (which would swap the files back)."""
+    backing = tmp_path / "dir"
+    backing.mkdir()
+    (backing / "x").write_bytes(b"X")
+    (backing / "y").write_bytes(b"Y")
+    async with backed(tmp_path, delay=3600.0, workers=1) as (b, _):
+        await b.rename(ROOT, b"x", ROOT, b"y", 2)  # RENAME_EXCHANGE
+        release = threading.Event()
+        calls = []
+        real = b.dirside.apply
+
+        def slow_apply(op: NsOp) -> None:
+            calls.append(op.kind)
+            release.wait(30)
+            real(op)
+
+        b.dirside.apply = slow_apply  # type: ignore[method-assign]
+        with trio.move_on_after(0.2):  # a client's call past its deadline
+            async with b.mirror.lock:
+                await b.mirror.apply_all()
+        assert calls == [NsKind.EXCHANGE] and len(b.mirror.ops) == 1
+
+        async def next_holder() -> None:
+            async with b.mirror.lock:
+                await b.mirror.apply_all()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(next_holder)
+            await trio.sleep(0.2)
+            assert calls == [NsKind.EXCHANGE]  # waits: does not apply it again
+            release.set()
+        assert calls == [NsKind.EXCHANGE] and not b.mirror.ops
+        assert (backing / "x").read_bytes() == b"Y" and (backing / "y").read_bytes() == b"X"
