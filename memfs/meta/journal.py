@@ -587,20 +587,10 @@ class Journal:
         """Write a snapshot of the state now (and start a new journal after it), for
         what no record describes: the backing directory's tree, entered at the first
         start.  Only before the committer runs (:meth:`run`)."""
-        if self.store is None or self.pool is None or self._running:
+        if self._running:
             raise RuntimeError("snapshot_now() goes between open() and run()")
-        seq = self.seq
-        state = dump_state(self.store, seq, self.pool, self.fsid, self._extension_state())
-        await self._flush()  # the old journal gets exactly the records up to seq
-        old = self._fd
-        try:
-            self._fd = await trio.to_thread.run_sync(self._new_journal, seq)
-            os.close(old)
-            await trio.to_thread.run_sync(write_snapshot, self.dir, seq, state, self.fsync)
-            await trio.to_thread.run_sync(self._remove_before, seq)
-        except OSError as exc:
-            raise self._failed(exc) from None
-        self._since_snapshot = self._bytes_since_snapshot = 0
+        seq, state = await self._cut()
+        await self._snapshot(seq, state)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The committer: write and fdatasync what was appended; snapshot now and then."""
@@ -642,11 +632,18 @@ class Journal:
 
     async def _rotate(self, nursery: trio.Nursery) -> None:
         """Start a new journal at the current seq and snapshot the state there."""
+        seq, state = await self._cut()
+        self._snapshotting = True
+        nursery.start_soon(self._snapshot, seq, state)
+
+    async def _cut(self) -> tuple[int, dict[str, Any]]:
+        """The state at the last record, and a new journal for the records after it
+        (the old one gets exactly the records up to there)."""
         assert self.store is not None and self.pool is not None
         seq = self.seq
         # no await since reading self.seq
         state = dump_state(self.store, seq, self.pool, self.fsid, self._extension_state())
-        await self._flush()  # the old journal gets exactly the records up to seq
+        await self._flush()
         old = self._fd
         try:
             self._fd = await trio.to_thread.run_sync(self._new_journal, seq)
@@ -654,8 +651,7 @@ class Journal:
             raise self._failed(exc) from None
         os.close(old)
         self._since_snapshot = self._bytes_since_snapshot = 0
-        self._snapshotting = True
-        nursery.start_soon(self._snapshot, seq, state)
+        return seq, state
 
     def _failed(self, exc: OSError) -> JournalError:
         """Nothing more can be promised durable: the server must stop."""

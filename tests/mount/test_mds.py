@@ -17,6 +17,7 @@ reaped when its test ends, whatever happened.  What must hold:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import random
@@ -250,16 +251,15 @@ def test_only_metadata_methods_can_be_called(start_mds: Callable[..., Mds]) -> N
     assert "Traceback" not in mds.log_text()
 
 
-def test_volume_sizes_come_from_the_memory_servers(
-    start_mds: Callable[..., Mds], tmp_path: Path
-) -> None:
-    """Without --volume-size, the mds asks the memory servers (their INFO)."""
+@contextlib.contextmanager
+def memory_server(tmp_path: Path, volume_size: str) -> Iterator[int]:
+    """A real ``memfs memd`` with 2 volumes on loopback; yields its port."""
     secret = tmp_path / "secret"
     secret.write_bytes(SECRET)
     secret.chmod(0o600)
     memd = subprocess.Popen(
-        [*MEMFS, "memd", "--listen", "127.0.0.1:0", "--volumes", "2", "--volume-size", "8M",
-         "--secret-file", str(secret)],
+        [*MEMFS, "memd", "--listen", "127.0.0.1:0", "--volumes", "2", "--volume-size",
+         volume_size, "--secret-file", str(secret)],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )
     try:
@@ -268,17 +268,25 @@ def test_volume_sizes_come_from_the_memory_servers(
         line = memd.stdout.readline() if ready else ""
         m = re.match(r"memd listening on 127\.0\.0\.1:(\d+)", line)
         assert m, line
-        pool = f"tcp://127.0.0.1:{m[1]}/1+tcp://127.0.0.1:{m[1]}/0"
-        mds = start_mds(pool=pool, volume_size=None)
-        with authed(mds.port) as sock:
-            kind, desc = call(sock, ["describe"])
-        assert kind in OK_KINDS
-        assert (desc["volumes"], desc["n_volumes"], desc["volume_size"]) == (pool.split("+"), 2, 8 * M)
+        yield int(m[1])
     finally:
         memd.kill()
         memd.wait(timeout=10)
         if memd.stdout is not None:
             memd.stdout.close()
+
+
+def test_volume_sizes_come_from_the_memory_servers(
+    start_mds: Callable[..., Mds], tmp_path: Path
+) -> None:
+    """Without --volume-size, the mds asks the memory servers (their INFO)."""
+    with memory_server(tmp_path, "8M") as port:
+        pool = f"tcp://127.0.0.1:{port}/1+tcp://127.0.0.1:{port}/0"
+        mds = start_mds(pool=pool, volume_size=None)
+        with authed(mds.port) as sock:
+            kind, desc = call(sock, ["describe"])
+        assert kind in OK_KINDS
+        assert (desc["volumes"], desc["n_volumes"], desc["volume_size"]) == (pool.split("+"), 2, 8 * M)
 
 
 def test_backing_tree_is_whole_before_the_mds_serves(
@@ -292,21 +300,8 @@ def test_backing_tree_is_whole_before_the_mds_serves(
     names = [f"f{i:05d}" for i in range(3000)]
     for n in names:
         (backing / n).write_bytes(b"x")
-    secret = tmp_path / "secret"
-    secret.write_bytes(SECRET)
-    secret.chmod(0o600)
-    memd = subprocess.Popen(
-        [*MEMFS, "memd", "--listen", "127.0.0.1:0", "--volumes", "2", "--volume-size", "16M",
-         "--secret-file", str(secret)],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )
-    try:
-        assert memd.stdout is not None
-        ready, _, _ = select.select([memd.stdout], [], [], READY_TIMEOUT)
-        line = memd.stdout.readline() if ready else ""
-        m = re.match(r"memd listening on 127\.0\.0\.1:(\d+)", line)
-        assert m, line
-        pool = f"tcp://127.0.0.1:{m[1]}/0+tcp://127.0.0.1:{m[1]}/1"
+    with memory_server(tmp_path, "16M") as port:
+        pool = f"tcp://127.0.0.1:{port}/0+tcp://127.0.0.1:{port}/1"
         mds = start_mds("--backing", str(backing), pool=pool, volume_size=None)
         with authed(mds.port) as sock:  # the very first calls after "listening"
             kind, entries = call(sock, ["readdir", ROOT])
@@ -316,11 +311,6 @@ def test_backing_tree_is_whole_before_the_mds_serves(
                               req_id=8)
         assert sorted(n.decode() for n in inos if n not in (b".", b"..")) == names
         assert kind in (Kind.OK, Kind.OK_CACHE), (kind, plan)  # no write lease
-    finally:
-        memd.kill()
-        memd.wait(timeout=10)
-        if memd.stdout is not None:
-            memd.stdout.close()
 
 
 def _attack(rng: random.Random) -> bytes:
