@@ -33,6 +33,25 @@ from memfs.errors import ControlError, UsageError
 READY_TIMEOUT = 120.0
 
 
+#: seconds the kernel may cache attributes and names (present and absent) when it is
+#: the only way in: an embedded pool without a backing directory
+SOLE_KERNEL_TIMEOUT = 86400.0
+
+
+def default_attr_timeout(args: argparse.Namespace) -> float:
+    """How long the kernel may cache attributes and names, unless --attr-timeout says.
+
+    Cluster: 0 (the metadata server's leases decide).  Embedded, every change goes
+    through this kernel, which updates or drops what it caches itself (a write's
+    size and times, a read's atime, the names it creates and removes): a day.
+    With --backing the daemon changes what a stat shows on its own (eviction and
+    fetches change a file's blocks): 1 s, as before.
+    """
+    if args.mds:
+        return 0.0
+    return 1.0 if args.backing is not None else SOLE_KERNEL_TIMEOUT
+
+
 def run(args: argparse.Namespace) -> int:
     from memfs import mount, wire  # pyfuse3 is only needed here
 
@@ -47,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     if flush is not None:
         check_overlap(flush.backing, mountpoint)
     if args.attr_timeout is None:
-        args.attr_timeout = 0.0 if args.mds else 1.0
+        args.attr_timeout = default_attr_timeout(args)
     if not 0 <= args.attr_timeout < float("inf"):  # also refuses nan
         raise UsageError(f"bad --attr-timeout {args.attr_timeout}: expected seconds, 0 or more")
     if args.secret_file and not args.mds:

@@ -58,9 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="FUSE mount options, comma separated; writeback_cache enables "
                         "the kernel writeback cache")
     m.add_argument("--attr-timeout", type=float, default=None,
-                   help="seconds the kernel may cache attributes and names (default 1); "
-                        "with --mds the metadata server's leases decide instead (only if it "
-                        "runs with --lease-term 0 does this apply, default 0 there)")
+                   help="seconds the kernel may cache attributes and names (default: a "
+                        "day for an embedded pool, where every change goes through this "
+                        "kernel; 1 with --backing); with --mds the metadata server's leases "
+                        "decide instead (only if it runs with --lease-term 0 does this "
+                        "apply, default 0 there)")
     m.add_argument("--mds", metavar="HOST:PORT",
                    help="cluster mode: use this metadata server (and its memory servers) "
                         "instead of an embedded pool; --size/--volumes/--stripe-size/"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import os
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -116,3 +117,34 @@ def test_init_connection(sole_writer: bool) -> None:
     assert conn.want & pyfuse3.FUSE_CAP_ASYNC_READ
     assert (conn.max_background, conn.congestion_threshold) == (32, 24)
     assert ops.negotiated == {"want": conn.want, "max_background": 32}
+
+
+@pytest.mark.parametrize("extra", [[], ["--attr-timeout", "1"]], ids=["default", "1s"])
+def test_embedded_kernel_keeps_names_and_attributes(
+    memfs_mount: Callable[..., Mounted], extra: list[str]
+) -> None:
+    """Embedded without --backing, the kernel is the only way in: by default it keeps
+    names (present and absent) and attributes, and a stat a while later asks the
+    daemon nothing.  With a 1 s timeout (the old default) it asks again."""
+    from tests.mount.test_metrics import free_port, http_get, samples
+
+    port = free_port()
+    m = memfs_mount("--size", "16M", "--metrics", f"127.0.0.1:{port}", *extra)
+    (m / "f").write_bytes(b"x" * 1000)
+    os.stat(m / "f")  # after its own write the kernel asks once, whatever the timeout
+    assert not (m / "absent").exists()
+    time.sleep(1.5)
+
+    def asked() -> float:
+        got = samples(http_get(f"http://127.0.0.1:{port}/metrics"))
+        return sum(got.get(("memfs_requests_total", (("op", op),)), 0.0)
+                   for op in ("lookup", "getattr"))
+
+    before = asked()
+    assert os.stat(m / "f").st_size == 1000
+    assert not (m / "absent").exists()
+    after = asked()
+    if extra:
+        assert after > before  # expired: looked up again
+    else:
+        assert after == before, "the kernel asked the daemon again"
