@@ -622,7 +622,8 @@ class MetaServer:
             if m.name == "open":
                 result: Any = await self._open(session, args[0])
             elif m.name == "create":
-                result = await self.store.create(*args)
+                # Through the burst buffer if there is one: it reserves a name.
+                result = await self.meta.create(*args)
                 session.opens[result.ino] = session.opens.get(result.ino, 0) + 1
                 if self.journal is not None:
                     self.journal.append(self._t, "mknod", [*value[1:6], 0, None])

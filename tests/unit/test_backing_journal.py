@@ -28,6 +28,7 @@ from memfs.backing.ops import EXCHANGE_PLANS, NsKind
 from memfs.backing.recovery import BackingJournal
 from memfs.config import FlushConfig, PoolConfig
 from memfs.data import DataEngine
+from memfs.errors import FsError
 from memfs.meta import Meta, SetAttr
 from memfs.meta.journal import Journal, JournalError, dump_state
 from memfs.meta.remote import open_remote_meta
@@ -271,3 +272,15 @@ async def test_replay_of_a_pinned_file_queues_what_the_live_mds_queued(
         live = m.bj.dump()
     async with mds(jdir, seeded, transport) as m2:  # replays without a JournalError
         assert m2.bj.dump() == live
+
+
+async def test_clients_cannot_create_the_reserved_name(tmp_path: Path, seeded: Path) -> None:
+    """``.memfs-tmp`` at the root holds the mds's temporary copies in DIR: refused
+    to clients, by create as by mknod."""
+    transport = LocalTransport(POOL.volumes, POOL.size // POOL.volumes)
+    async with mds(tmp_path / "journal", seeded, transport) as m:
+        for call in (m.meta.create(ROOT, b".memfs-tmp", REG, 0, 0),
+                     m.meta.mknod(ROOT, b".memfs-tmp", DIR, 0, 0)):
+            with pytest.raises(FsError) as refused:
+                await call
+            assert refused.value.errno == errno.EPERM
