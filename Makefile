@@ -49,8 +49,11 @@ lint: install
 # then cluster mode (memd + mds + client on loopback) vs embedded, then the mds under load.
 bench: bench-fs bench-tcp bench-bb bench-cluster bench-mds bench-journal
 
+# memfs vs tmpfs vs bindfs (Debian's, a compiled FUSE filesystem); draws docs/bench-fs.png
 bench-fs: install
-	$(VENV)/bin/python bench/fsbench.py $(BENCH_ARGS)
+	@command -v bindfs >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bindfs >/dev/null)
+	@$(VENV)/bin/python -c "import matplotlib" 2>/dev/null || $(VENV)/bin/pip install -q matplotlib
+	$(VENV)/bin/python bench/fsbench.py --chart docs/bench-fs.png $(BENCH_ARGS)
 
 bench-tcp: install
 	$(VENV)/bin/python bench/tcpbench.py $(TCP_BENCH_ARGS)

@@ -1,12 +1,14 @@
-"""memfs vs tmpfs, measured in the same run.
+"""memfs vs tmpfs (and bindfs, a compiled FUSE filesystem, over a tmpfs), in the same run.
 
 Data: fio (POSIX psync engine, 2 jobs, one file per job) for sequential 1 MiB
 write (fsync at end) and read, and random 16 KiB write and read.  Metadata:
 create, stat and remove 20,000 empty files in one directory (one process) and
 split over 2 directories (two processes in parallel).
 
-Runs alternate memfs and tmpfs and the table shows medians, because this kind
-of machine is noisy.  Needs root (mounting tmpfs and memfs) and fio.
+Runs alternate the filesystems and the table shows medians, because this kind
+of machine is noisy.  Needs root (mounting tmpfs and memfs) and fio; bindfs
+(Debian's) is measured when installed (``make bench-fs`` installs it), and
+``--chart PNG`` draws the ratios to tmpfs (matplotlib).
 
     python bench/fsbench.py [--rounds 3] [--size 512M] [--memfs-opt=-o --memfs-opt=writeback_cache]
 """
@@ -57,6 +59,20 @@ def mounted_memfs(path: Path, size: str, extra: list[str]) -> Iterator[Path]:
         yield path
     finally:
         subprocess.run([*memfs, "umount", str(path)], check=False)
+
+
+@contextmanager
+def mounted_bindfs(path: Path, size: str) -> Iterator[Path]:
+    """bindfs (C, libfuse, multi-threaded) mirroring a tmpfs: a compiled FUSE
+    filesystem doing the same round trips through the kernel as memfs."""
+    src = path.with_name(path.name + "-src")
+    with mounted_tmpfs(src, size):
+        path.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["bindfs", "--no-allow-other", str(src), str(path)], check=True)
+        try:
+            yield path
+        finally:
+            subprocess.run(["fusermount3", "-u", "-z", str(path)], check=False)
 
 
 def fio(directory: Path, rw: str, bs: str, size: str, runtime: int) -> float:
@@ -112,14 +128,47 @@ def metadata(root: Path, files: int, dirs: int) -> dict[str, float]:
     return out
 
 
-def median_runs(rounds: int, fn: Callable[[str], dict[str, float]]) -> dict[str, dict[str, float]]:
-    samples: dict[str, dict[str, list[float]]] = {"memfs": {}, "tmpfs": {}}
+def median_runs(
+    rounds: int, filesystems: list[str], fn: Callable[[str], dict[str, float]]
+) -> dict[str, dict[str, float]]:
+    """Medians per filesystem of *rounds* rounds, each round in another order."""
+    samples: dict[str, dict[str, list[float]]] = {fs: {} for fs in filesystems}
     for r in range(rounds):
-        order = ("memfs", "tmpfs") if r % 2 == 0 else ("tmpfs", "memfs")
-        for fs in order:
+        k = r % len(filesystems)
+        for fs in filesystems[k:] + filesystems[:k]:
             for key, value in fn(fs).items():
                 samples[fs].setdefault(key, []).append(value)
     return {fs: {k: statistics.median(v) for k, v in d.items()} for fs, d in samples.items()}
+
+
+def chart(results: dict[str, dict[str, dict[str, float]]], path: str, title: str) -> None:
+    """Bars of each filesystem's speed relative to tmpfs, per case (log scale)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = [(section, key) for section in ("data", "meta") if section in results
+             for key in results[section]["memfs"]]
+    others = [fs for fs in ("memfs", "bindfs") if all(fs in results[s] for s, _ in cases)]
+    fig, ax = plt.subplots(figsize=(11, 4.8))
+    width = 0.8 / len(others)
+    for n, fs in enumerate(others):
+        ratios = [results[s][fs][k] / results[s]["tmpfs"][k] for s, k in cases]
+        bars = ax.bar([i + n * width for i in range(len(cases))], ratios, width, label=fs)
+        ax.bar_label(bars, labels=[f"{r:.2f}" for r in ratios], fontsize=7, rotation=90,
+                     padding=2)
+    ax.set_xticks([i + width * (len(others) - 1) / 2 for i in range(len(cases))],
+                  [k for _, k in cases], rotation=30, ha="right", fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylim(top=3)
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_ylabel("speed / tmpfs (log)")
+    ax.set_title(title, fontsize=10)
+    ax.legend()
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
 
 
 def main() -> int:
@@ -133,6 +182,8 @@ def main() -> int:
     ap.add_argument("--json", help="also write results here")
     ap.add_argument("--skip-data", action="store_true")
     ap.add_argument("--skip-meta", action="store_true")
+    ap.add_argument("--no-bindfs", action="store_true", help="leave bindfs out")
+    ap.add_argument("--chart", metavar="PNG", help="draw the ratios to tmpfs here")
     args = ap.parse_args()
     if os.geteuid() != 0 or shutil.which("fio") is None:
         print("bench needs root and fio (apt-get install fio)", file=sys.stderr)
@@ -141,9 +192,15 @@ def main() -> int:
     base = Path(tempfile.mkdtemp(prefix="memfs-bench-"))
     results: dict[str, dict[str, dict[str, float]]] = {}
 
+    filesystems = ["memfs", "tmpfs"]
+    if not args.no_bindfs and shutil.which("bindfs"):
+        filesystems.append("bindfs")
+
     def mount(fs: str) -> object:
         if fs == "memfs":
             return mounted_memfs(base / "memfs", args.pool, args.memfs_opt)
+        if fs == "bindfs":
+            return mounted_bindfs(base / "bindfs", args.pool)
         return mounted_tmpfs(base / "tmpfs", args.pool)
 
     try:
@@ -159,7 +216,7 @@ def main() -> int:
                                 f.unlink()
                     return out
 
-            results["data"] = median_runs(args.rounds, data_round)
+            results["data"] = median_runs(args.rounds, filesystems, data_round)
         if not args.skip_meta:
             def meta_round(fs: str) -> dict[str, float]:
                 with mount(fs) as root:  # type: ignore[attr-defined]
@@ -169,18 +226,24 @@ def main() -> int:
                             out[f"{phase} ({dirs} dir{'s' if dirs > 1 else ''})"] = v
                     return out
 
-            results["meta"] = median_runs(args.rounds, meta_round)
+            results["meta"] = median_runs(args.rounds, filesystems, meta_round)
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
     goals = {name: goal for name, _, _, goal in FIO_CASES}
-    print(f"\nmemfs vs tmpfs, medians of {args.rounds} alternating rounds, {JOBS} jobs"
-          f"{' memfs ' + ' '.join(args.memfs_opt) if args.memfs_opt else ''}")
+    title = (f"{' vs '.join(filesystems)}, medians of {args.rounds} alternating rounds, {JOBS} jobs"
+             f"{' memfs ' + ' '.join(args.memfs_opt) if args.memfs_opt else ''}")
+    print(f"\n{title}")
+    bindfs = "bindfs" in filesystems
     for section, unit in (("data", "MiB/s"), ("meta", "files/s")):
         if section not in results:
             continue
-        print(f"\n| {section} | memfs {unit} | tmpfs {unit} | ratio | goal |")
-        print("|---|---:|---:|---:|---|")
+        head = f"| {section} | memfs {unit} | tmpfs {unit} | memfs/tmpfs | goal |"
+        rule = "|---|---:|---:|---:|---|"
+        if bindfs:
+            head += f" bindfs {unit} | bindfs/tmpfs | memfs/bindfs |"
+            rule += "---:|---:|---:|"
+        print(f"\n{head}\n{rule}")
         mem, tmp = results[section]["memfs"], results[section]["tmpfs"]
         for key in mem:
             ratio = mem[key] / tmp[key] if tmp[key] else float("nan")
@@ -191,7 +254,14 @@ def main() -> int:
                 verdict = f">= 5000/s {'ok' if mem[key] >= 5000 else 'MISSED'}"
             else:
                 verdict = ""
-            print(f"| {key} | {mem[key]:.0f} | {tmp[key]:.0f} | {ratio:.2f} | {verdict} |")
+            row = f"| {key} | {mem[key]:.0f} | {tmp[key]:.0f} | {ratio:.2f} | {verdict} |"
+            if bindfs:
+                b = results[section]["bindfs"][key]
+                row += f" {b:.0f} | {b / tmp[key]:.2f} | {mem[key] / b:.2f} |"
+            print(row)
+    if args.chart:
+        chart(results, args.chart, title)
+        print(f"\nchart: {args.chart}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(results, indent=2))
