@@ -359,17 +359,13 @@ async def apply_record(
     seq, t, method, *raw = rec
     clock.t = t
     try:
-        if method in BACKING_RECORDS:
+        if method.startswith("_") and method not in (DESTROY, CLEAN):  # the burst buffer's
             if extension is None:
                 raise JournalError(f"record {seq} ({method}) was written by an mds with "
                                    "--backing: start it with the same --backing")
-            store.replay_backing(method, [codec.check_int(x, "argument") for x in raw])
-            return
-        if method.startswith("_") and method not in (DESTROY, CLEAN):
-            if extension is None:
-                raise JournalError(f"record {seq} ({method}) was written by an mds with "
-                                   "--backing: start it with the same --backing")
-            if not extension.replay(method, raw):
+            if method in BACKING_RECORDS:
+                store.replay_backing(method, [codec.check_int(x, "argument") for x in raw])
+            elif not extension.replay(method, raw):
                 raise JournalError(f"record {seq}: unknown record {method!r}")
             return
         if method == DESTROY:
