@@ -12,6 +12,13 @@ answered in order.  A request is ``{"op": str, "args": {...}}``; the reply is
 connection is closed.  A connection idle for :data:`IDLE_TIMEOUT` is closed.
 Nothing a client does stops the daemon or logs more than a warning.
 
+Requests named ``array.*`` belong to a direct-access session of
+:mod:`memfs.array` (one per connection, made on the first such request by the
+*sessions* factory; see :mod:`memfs.array.service`).  Their replies may carry
+file descriptors (``SCM_RIGHTS``); while a session has a transfer open, its next
+request must come within the session's ``hold_timeout`` or the connection ends;
+when the connection ends, however it ends, the session is closed.
+
 Who may use it: root, the daemon's own user, and the owner of the mount's root
 directory (a Slurm prolog mounts as root and gives the mount to the job's
 user), checked with ``SO_PEERCRED`` at each connection before anything else.
@@ -24,6 +31,7 @@ them, so other users cannot crowd out the owner.
 
 from __future__ import annotations
 
+import array
 import errno
 import json
 import logging
@@ -32,12 +40,14 @@ import socket
 import stat
 import struct
 import time
+from collections.abc import Callable
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
 from memfs.errors import ControlError, FsError, UsageError
+from memfs.host import Peer
 from memfs.meta import Meta
 
 log = logging.getLogger(__name__)
@@ -75,8 +85,31 @@ ROOT_INO = 1
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
+#: most descriptors a reply carries (a pool's volumes)
+MAX_FDS = 64
+
+
 class _BadRequest(Exception):
     """The request cannot be understood: reply EINVAL and close the connection."""
+
+
+class ControlSession(Protocol):
+    """Per-connection state for ``array.*`` requests (:class:`memfs.array.service.ArraySession`)."""
+
+    @property
+    def holding(self) -> bool: ...
+
+    @property
+    def hold_timeout(self) -> float: ...
+
+    async def call(self, op: str, args: dict[str, Any]) -> tuple[dict[str, Any], list[int]]: ...
+
+    def expire(self) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+SessionFactory = Callable[[Peer], ControlSession]
 
 
 # -- server ------------------------------------------------------------------------------
@@ -86,6 +119,7 @@ async def serve_control(
     path: str,
     meta: Meta,
     *,
+    sessions: SessionFactory | None = None,
     idle_timeout: float = IDLE_TIMEOUT,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -109,7 +143,7 @@ async def serve_control(
         os.chmod(path, 0o666)
         sock.listen(16)
         listener = trio.SocketListener(sock)
-        server = _Server(meta, idle_timeout)
+        server = _Server(meta, idle_timeout, sessions)
         async with trio.open_nursery() as nursery:
             task_status.started()
             log.debug("control socket %s ready", path)
@@ -141,9 +175,10 @@ def _remove_ours(path: str, ident: tuple[int, int]) -> None:
 
 
 class _Server:
-    def __init__(self, meta: Meta, idle_timeout: float) -> None:
+    def __init__(self, meta: Meta, idle_timeout: float, sessions: SessionFactory | None) -> None:
         self.meta = meta
         self.idle_timeout = idle_timeout
+        self.sessions = sessions
         self.connections = 0
         self.refusals = 0
         self.refused_logged: dict[int, float] = {}
@@ -161,14 +196,14 @@ class _Server:
     async def serve_connection(self, stream: trio.SocketStream) -> None:
         try:
             async with stream:
-                uid = _peer_uid(stream.socket)
-                owner = await self._allowed(uid)
+                peer = _peer(stream.socket)
+                owner = await self._allowed(peer.uid)
                 if owner is not None:
-                    await self._refuse_peer(stream, uid, owner)
+                    await self._refuse_peer(stream, peer.uid, owner)
                     return
                 self.connections += 1
                 try:
-                    await self._converse(stream)
+                    await self._converse(stream, peer)
                 finally:
                     self.connections -= 1
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
@@ -204,24 +239,63 @@ class _Server:
         finally:
             self.refusals -= 1
 
-    async def _converse(self, stream: trio.SocketStream) -> None:
+    async def _converse(self, stream: trio.SocketStream, peer: Peer) -> None:
         if self.connections > MAX_CONNECTIONS:
             log.warning("control socket: more than %d connections, refusing one", MAX_CONNECTIONS)
             await self._refuse(stream, errno.EBUSY, "too many control connections")
             return
         buf = bytearray()
-        while True:
-            try:
-                line = await self._read_line(stream, buf)
-                if line is None:
+        session: ControlSession | None = None
+        try:
+            while True:
+                holding = session is not None and session.holding
+                try:
+                    line = await self._read_line(
+                        stream, buf, session.hold_timeout if session is not None and holding
+                        else self.idle_timeout)
+                    if line is None:
+                        if session is not None and holding:
+                            session.expire()
+                        return
+                    op, args = _parse_request(line)
+                except _BadRequest as exc:
+                    log.warning("control socket: %s; closing the connection", exc)
+                    await self._refuse(stream, errno.EINVAL, str(exc))
                     return
-                op, args = _parse_request(line)
-            except _BadRequest as exc:
-                log.warning("control socket: %s; closing the connection", exc)
-                await self._refuse(stream, errno.EINVAL, str(exc))
-                return
-            if not await self._send(stream, await self._call(op, args)):
-                return
+                if not op.startswith("array."):
+                    if not await self._send(stream, await self._call(op, args)):
+                        return
+                    continue
+                fds: list[int] = []
+                if self.sessions is None:
+                    reply = _error(errno.ENOTSUP, "this daemon serves no direct array "
+                                                  "access")
+                else:
+                    if session is None:
+                        session = self.sessions(peer)
+                    reply, fds = await self._session_call(session, op, args)
+                if not await self._send(stream, reply, fds=fds):
+                    return
+        finally:
+            if session is not None:
+                await session.aclose()
+
+    async def _session_call(
+        self, session: ControlSession, op: str, args: dict[str, Any]
+    ) -> tuple[bytes, list[int]]:
+        try:
+            with trio.fail_after(CALL_TIMEOUT):
+                result, fds = await session.call(op, args)
+            return _encode({"ok": result}), fds
+        except FsError as exc:
+            return _error(exc.errno, exc.args[1]), []
+        except trio.TooSlowError:
+            log.warning("control %s: no answer within %.0f s", op, CALL_TIMEOUT)
+            return _error(errno.ETIMEDOUT, f"{op}: no answer within {CALL_TIMEOUT:.0f} s"), []
+        except Exception as exc:
+            log.exception("control %s failed", op)
+            return _error(errno.EIO, f"{op} failed in the daemon ({type(exc).__name__}: "
+                                     f"{exc}); see its log"), []
 
     async def _refuse(self, stream: trio.SocketStream, err: int, message: str, *,
                       patience: float = SEND_TIMEOUT, **extra: Any) -> None:
@@ -234,9 +308,11 @@ class _Server:
             while dropped < LINGER_BYTES and (data := await stream.receive_some(65536)):
                 dropped += len(data)
 
-    async def _read_line(self, stream: trio.SocketStream, buf: bytearray) -> bytes | None:
-        """The next request line, without its newline; None at EOF or when idle too long."""
-        with trio.move_on_after(self.idle_timeout):
+    async def _read_line(
+        self, stream: trio.SocketStream, buf: bytearray, wait: float
+    ) -> bytes | None:
+        """The next request line, without its newline; None at EOF or after *wait* seconds."""
+        with trio.move_on_after(wait):
             while True:
                 end = buf.find(b"\n")
                 if end > MAX_LINE or (end < 0 and len(buf) > MAX_LINE):
@@ -251,7 +327,7 @@ class _Server:
                         raise _BadRequest("request not terminated by a newline")
                     return None
                 buf += data
-        log.debug("control connection idle for %.0f s, closing it", self.idle_timeout)
+        log.debug("control connection idle for %.0f s, closing it", wait)
         return None
 
     async def _call(self, op: str, args: dict[str, Any]) -> bytes:
@@ -270,20 +346,26 @@ class _Server:
                                      "see its log")
 
     async def _send(self, stream: trio.SocketStream, data: bytes,
-                    patience: float = SEND_TIMEOUT) -> bool:
-        """Send one reply; False (connection to be closed) if the client will not take it
-        within *patience* seconds."""
+                    patience: float = SEND_TIMEOUT, fds: list[int] | None = None) -> bool:
+        """Send one reply (with *fds* attached to its first byte); False (connection to
+        be closed) if the client will not take it within *patience* seconds."""
         with trio.move_on_after(patience):
-            await stream.send_all(data)
+            if fds:
+                sent = await stream.socket.sendmsg(
+                    [data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+                data = data[sent:]
+            if data:
+                await stream.send_all(data)
             return True
         if patience >= SEND_TIMEOUT:
             log.warning("control socket: client took no reply for %.0f s, closing", patience)
         return False
 
 
-def _peer_uid(sock: trio.socket.SocketType) -> int:
+def _peer(sock: trio.socket.SocketType) -> Peer:
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
-    return int(_PEERCRED.unpack(creds)[1])
+    pid, uid, gid = _PEERCRED.unpack(creds)
+    return Peer(pid, uid, gid)
 
 
 def _parse_request(line: bytes) -> tuple[str, dict[str, Any]]:
@@ -363,9 +445,17 @@ class ControlClient:
             self._sock.close()
             self._sock = None
 
+    @property
+    def connected(self) -> bool:
+        """False once closed, or after an error that ended the connection."""
+        return self._sock is not None
+
     def call(self, op: str, args: dict[str, Any] | None = None,
-             timeout: float | None = None) -> dict[str, Any]:
-        """Send one request and return the ``ok`` result; raises :class:`ControlError`."""
+             timeout: float | None = None, *, fds: list[int] | None = None) -> dict[str, Any]:
+        """Send one request and return the ``ok`` result; raises :class:`ControlError`.
+
+        Descriptors that come with the reply are appended to *fds* if given (and
+        closed if not)."""
         if self._sock is None:
             self.connect()
         assert self._sock is not None
@@ -374,7 +464,7 @@ class ControlClient:
         try:
             self._sock.settimeout(max(deadline - time.monotonic(), 0.001))
             self._sock.sendall(line)
-            reply = self._read_line(deadline)
+            reply = self._read_line(deadline, fds)
         except TimeoutError:
             self.close()  # a late reply must not be taken for the next request's
             raise ControlError(errno.ETIMEDOUT,
@@ -405,7 +495,7 @@ class ControlClient:
         self.close()
         raise ControlError(errno.EPROTO, f"the daemon of {self.name} sent a malformed reply")
 
-    def _read_line(self, deadline: float) -> bytes:
+    def _read_line(self, deadline: float, fds: list[int] | None = None) -> bytes:
         assert self._sock is not None
         while (end := self._buf.find(b"\n")) < 0:
             if len(self._buf) > MAX_REPLY:
@@ -414,7 +504,12 @@ class ControlClient:
             if left <= 0:
                 raise TimeoutError
             self._sock.settimeout(left)
-            data = self._sock.recv(1 << 16)
+            data, got, _, _ = socket.recv_fds(self._sock, 1 << 16, MAX_FDS, socket.MSG_CMSG_CLOEXEC)
+            if fds is not None:
+                fds.extend(got)
+            else:
+                for fd in got:
+                    os.close(fd)
             if not data:
                 raise ConnectionResetError(errno.ECONNRESET, "the daemon closed the connection")
             self._buf += data

@@ -138,6 +138,24 @@ class Operations(pyfuse3.Operations):
         except Exception as exc:  # not mounted (any more): nothing is cached
             log.debug("kernel cache invalidation failed: %s", exc)
 
+    async def invalidate_entry(self, parent: int, name: bytes) -> None:
+        """Drop the kernel's cached entry *name* of *parent*, present or absent (this
+        daemon changed it without the kernel: :mod:`memfs.array` publishing a file).
+
+        In a thread: the kernel takes the directory's lock, which a request this
+        daemon is serving may hold."""
+
+        def work() -> None:
+            try:
+                pyfuse3.invalidate_entry(parent, name)
+            except OSError:  # not cached: nothing to drop
+                pass
+
+        try:
+            await trio.to_thread.run_sync(work, abandon_on_cancel=True)
+        except Exception as exc:  # not mounted (any more): nothing is cached
+            log.debug("kernel entry invalidation failed: %s", exc)
+
     def forget_names(self) -> None:
         """Make the kernel treat every name it cached (present or absent) as stale, so
         its next use asks this daemon again.  Lock-free, so safe to call while this
@@ -334,7 +352,15 @@ class Operations(pyfuse3.Operations):
 
     @_errno_boundary
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
-        a = await self.meta.open(inode)
+        try:
+            a = await self.meta.open(inode)
+        except FsError as exc:
+            if exc.errno != errno.ENOENT:
+                raise
+            # The kernel found a name that has since been renamed over or unlinked
+            # without it (memfs.array publishing a file, another node): ESTALE makes
+            # it look the path up again (LOOKUP_REVAL) and open what is there now.
+            raise FsError(errno.ESTALE) from None
         if stat.S_ISDIR(a.mode):
             await self.meta.release(inode)
             raise FsError(errno.EISDIR)

@@ -1,4 +1,5 @@
-"""Talking to the host: systemd readiness notification, available memory, malloc.
+"""Talking to the host: systemd readiness notification, available memory, malloc,
+who a local peer is.
 
 Shared by the daemons (``memfs mount``, ``memfs memd``) without pulling in
 pyfuse3 or trio.
@@ -11,8 +12,18 @@ import ctypes.util
 import logging
 import os
 import socket
+from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """The process at the other end of a Unix socket (``SO_PEERCRED``)."""
+
+    pid: int
+    uid: int
+    gid: int
 
 
 def sd_notify(message: str) -> None:

@@ -9,11 +9,12 @@ runs, so a daemon that fails never leaves a dead mount behind.
 from __future__ import annotations
 
 import faulthandler
+import functools
 import logging
 import os
 import signal
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -22,6 +23,7 @@ import trio
 import trio.lowlevel
 
 from memfs import fs
+from memfs.array.service import ArrayService, PoolAccess
 from memfs.backing.meta import BackedMeta
 from memfs.config import FlushConfig, PoolConfig, parse_pool_spec
 from memfs.data import DataEngine
@@ -34,7 +36,7 @@ from memfs.meta.store import MetaStore
 from memfs.scrub import Scrubber
 from memfs.transport import Transport
 from memfs.transport.local import LocalTransport
-from memfs.transport.pool import open_pool_transport
+from memfs.transport.pool import open_pool_transport, pool_scheme
 
 if TYPE_CHECKING:
     from memfs.metrics import Metrics
@@ -100,8 +102,20 @@ def check_memory(pool: PoolConfig) -> None:
         )
 
 
+@dataclass
+class Backend:
+    """What one mount stores through."""
+
+    meta: Meta
+    transport: Transport
+    #: how a local process reaches the same pool itself (memfs.array)
+    access: PoolAccess
+    #: held around such a process's transfers, if freed chunks are zeroed here
+    scrub_hold: Callable[[], AbstractContextManager[object]] | None = None
+
+
 @asynccontextmanager
-async def open_backend(opts: MountOptions) -> AsyncIterator[tuple[Meta, Transport]]:
+async def open_backend(opts: MountOptions) -> AsyncIterator[Backend]:
     """The metadata service and transport this mount uses, closed on exit.
 
     Embedded: both live in this process.  Cluster (``opts.mds``): the metadata
@@ -117,18 +131,19 @@ async def open_backend(opts: MountOptions) -> AsyncIterator[tuple[Meta, Transpor
         # The root directory belongs to whoever mounts (root: 0/0, as before), so a
         # user's own mount is theirs to chmod and chown, like a tmpfs they mounted.
         store = MetaStore(opts.pool, root_uid=os.getuid(), root_gid=os.getgid())
+        access = PoolAccess("local", fds=tuple(transport.volume_fds()),
+                            sizes=tuple(v.size for v in transport.volumes))
+        scrubber = Scrubber(store, transport)
         async with trio.open_nursery() as nursery:
-            await nursery.start(Scrubber(store, transport).run)
-            yield store, transport
+            await nursery.start(scrubber.run)
+            yield Backend(store, transport, access, scrubber.hold)
             nursery.cancel_scope.cancel()
     finally:
         await transport.aclose()
 
 
 @asynccontextmanager
-async def _open_remote(
-    opts: MountOptions, host: str, port: int
-) -> AsyncIterator[tuple[Meta, Transport]]:
+async def _open_remote(opts: MountOptions, host: str, port: int) -> AsyncIterator[Backend]:
     where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
         async with open_remote_meta(host, port, opts.secret) as meta:
@@ -136,9 +151,11 @@ async def _open_remote(
             if not desc.volumes:
                 raise UsageError(f"the metadata server at {where} has no pool of memory servers")
             volumes = parse_pool_spec("+".join(desc.volumes))
+            access = PoolAccess(pool_scheme(volumes), volumes=tuple(desc.volumes),
+                                secret=opts.secret, incarnations=dict(desc.incarnations))
             async with open_pool_transport(volumes, opts.secret, incarnations=desc.incarnations) as transport:
                 log.info("pool of %d volumes from the metadata server at %s", len(volumes), where)
-                yield meta, transport
+                yield Backend(meta, transport, access)
     except FsError as exc:
         msg = exc.args[1]
         raise UsageError(msg if where in msg else f"cannot mount from {where}: {msg}") from None
@@ -189,7 +206,8 @@ def run(opts: MountOptions, ready: Callable[[], None] | None = None) -> int:
 
 
 async def _main(opts: MountOptions, ready: Callable[[], None] | None) -> None:
-    async with open_backend(opts) as (meta, transport), trio.open_nursery() as background:
+    async with open_backend(opts) as backend, trio.open_nursery() as background:
+        meta, transport = backend.meta, backend.transport
         backed: BackedMeta | None = None
         if opts.flush is not None:
             assert isinstance(meta, MetaStore), "cluster mounts write back in the mds"
@@ -203,13 +221,15 @@ async def _main(opts: MountOptions, ready: Callable[[], None] | None) -> None:
             # Writers may wait for write-back (the dirty cap) and reads for the backing
             # directory: other requests must not queue behind them.
             opts.max_tasks = max(opts.max_tasks, 16)
+        arrays = ArrayService(meta, backend.access, scrub_hold=backend.scrub_hold)
         if opts.control_path is not None:
             from memfs.control import serve_control
 
-            await background.start(serve_control, opts.control_path, meta)
+            await background.start(
+                functools.partial(serve_control, opts.control_path, meta, sessions=arrays.session))
         metrics = _start_metrics(opts, meta, transport, backed, background)
         try:
-            await _serve(opts, meta, transport, ready)
+            await _serve(opts, meta, transport, ready, arrays)
         finally:
             if metrics is not None:
                 fs.OBSERVER = None
@@ -262,7 +282,8 @@ def _start_metrics(
 
 
 async def _serve(
-    opts: MountOptions, meta: Meta, transport: Transport, ready: Callable[[], None] | None
+    opts: MountOptions, meta: Meta, transport: Transport, ready: Callable[[], None] | None,
+    arrays: ArrayService,
 ) -> None:
     ops = Operations(
         meta,
@@ -276,6 +297,7 @@ async def _serve(
         entry_timeout=opts.attr_timeout,
         negative_timeout=opts.attr_timeout,
     )
+    arrays.kernel = ops
     try:
         pyfuse3.init(ops, opts.mountpoint, fuse_options(opts))
     except RuntimeError as exc:  # libfuse printed its reason on stderr already

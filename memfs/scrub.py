@@ -6,12 +6,19 @@ write disjoint parts of one chunk), freed chunks go to a dirty list in the
 metadata store; this task zeroes them through the transport and hands them
 back clean.  It runs next to the store: in the mount daemon for the embedded
 pool, in ``memfs mds`` for a cluster.
+
+Processes that move bytes to and from volume memory themselves
+(:mod:`memfs.array`) take a :meth:`Scrubber.hold` around each transfer: while
+one is held no freed chunk is zeroed or handed out again, so a transfer that
+raced a truncate or unlink lands in memory that no other file owns yet.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import trio
 
@@ -36,8 +43,31 @@ class Scrubber:
         self._wake = trio.Event()
         #: volumes the last round could not zero, with the reason (logged once)
         self._failing: dict[int, str] = {}
+        #: transfers in progress outside this process (see :meth:`hold`)
+        self._holds = 0
+        self._unheld = trio.Event()
         store.reclaimer = self.drain
         store.on_dirty = self.poke
+
+    @contextmanager
+    def hold(self) -> Iterator[None]:
+        """No freed chunk is zeroed or made allocatable again while this is held.
+
+        Held by the mount daemon for a local process's direct transfer (at most
+        one piece of :data:`memfs.array.service.PIECE` bytes, and never longer than
+        the session's hold timeout), so rounds are delayed, not starved."""
+        self._holds += 1
+        try:
+            yield
+        finally:
+            self._holds -= 1
+            if not self._holds:
+                self._unheld.set()
+
+    async def _wait_unheld(self) -> None:
+        while self._holds:
+            self._unheld = trio.Event()
+            await self._unheld.wait()
 
     def poke(self) -> None:
         """Something was freed: start a round soon."""
@@ -58,7 +88,11 @@ class Scrubber:
         async with self._lock:
             failed: dict[int, str] = {} if retry else dict(self._failing)
             skipped = set(failed)
-            while batch := self.store.take_dirty(BATCH, skip=failed):
+            while True:
+                await self._wait_unheld()
+                batch = self.store.take_dirty(BATCH, skip=failed)
+                if not batch:
+                    break
                 try:
                     if self.store.wait_durable is not None:
                         # The records that freed these chunks first (see MetaStore).

@@ -1,15 +1,21 @@
-"""The ``local`` transport: volumes are anonymous memory in this process.
+"""The ``local`` transport: volumes are shared memory of this process.
 
-This is the embedded default.  Each volume is one ``mmap`` populated at start
-(``MAP_POPULATE``), the analogue of memory registered with an HCA once: no page
-faults or allocation on the I/O path.  Copies are single memcpys through
-``memoryview`` slices.
+This is the embedded default.  Each volume is a memfd mapped once and populated
+at start (``MAP_POPULATE``), the analogue of memory registered with an HCA
+once: no page faults or allocation on the I/O path.  Copies are single memcpys
+through ``memoryview`` slices.
+
+A memfd rather than private anonymous memory so that the mount daemon can hand
+a volume to an authorised local process (:mod:`memfs.array`, over the control
+socket with ``SCM_RIGHTS``), which then moves array bytes to and from it with
+one ``preadv``/``pwritev``: no mapping to build, no copy through the daemon.
 """
 
 from __future__ import annotations
 
 import logging
 import mmap
+import os
 
 from memfs.errors import TransportError
 from memfs.transport import Buffer, Transport, VolumeInfo
@@ -23,12 +29,16 @@ class LocalTransport(Transport):
     concurrent = False  # memcpy in this thread: nothing to overlap
 
     def __init__(self, n_volumes: int, volume_size: int) -> None:
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        self._fds: list[int] = []
         self._maps: list[mmap.mmap] = []
         self._views: list[memoryview] = []
         try:
-            for _ in range(n_volumes):
-                m = mmap.mmap(-1, volume_size, flags=flags)
+            for i in range(n_volumes):
+                fd = os.memfd_create(f"memfs-volume-{i}", os.MFD_CLOEXEC)
+                self._fds.append(fd)
+                os.ftruncate(fd, volume_size)
+                m = mmap.mmap(fd, volume_size, flags=flags)
                 self._maps.append(m)
                 self._views.append(memoryview(m))
         except OSError as exc:
@@ -59,6 +69,13 @@ class LocalTransport(Transport):
         if not self._views:
             raise TransportError("local volumes are closed")
         return self._views[volume]
+
+    def volume_fds(self) -> list[int]:
+        """The memfd of each volume, in pool order (owned by this transport: callers
+        pass them on, never close them)."""
+        if not self._views:
+            raise TransportError("local volumes are closed")
+        return list(self._fds)
 
     def register(self, size: int) -> memoryview:
         return memoryview(bytearray(size))
@@ -99,5 +116,8 @@ class LocalTransport(Transport):
                 m.close()
             except BufferError:  # a reply still holds a view; the OS frees it at exit
                 log.debug("volume still referenced at close")
+        for fd in self._fds:
+            os.close(fd)  # the memory goes with the last mapping or descriptor elsewhere
         self._views.clear()
         self._maps.clear()
+        self._fds.clear()

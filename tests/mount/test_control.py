@@ -60,6 +60,7 @@ from memfs.cli.mounts import MountEntry
 from memfs.cli.progress import progress_text
 from memfs.control import ControlClient, serve_control
 from memfs.errors import ControlError, FsError, UsageError
+from memfs.host import Peer
 from memfs.meta import Meta
 
 NOBODY = 65534
@@ -535,9 +536,9 @@ async def test_refused_peers_cannot_crowd_out_the_owner(
     one log line, and each refused connection is closed within about two seconds."""
     expect_warnings(caplog)
     stranger = [True]
-    real_peer_uid = control._peer_uid
-    monkeypatch.setattr(control, "_peer_uid",
-                        lambda sock: 4321 if stranger[0] else real_peer_uid(sock))
+    real_peer = control._peer
+    monkeypatch.setattr(control, "_peer",
+                        lambda sock: Peer(1, 4321, 4321) if stranger[0] else real_peer(sock))
     async with trio.open_nursery() as nursery:
         await nursery.start(serve_control, sock_path, as_meta(FakeMeta({"echo": echo})))
         flood = []

@@ -1,0 +1,446 @@
+"""The mount daemon's side of :mod:`memfs.array`: direct-access sessions.
+
+A local process that may read every file of the mount (see :func:`may_access`)
+opens a session on the daemon's control socket (one connection), learns how to
+reach the pool itself (``array.hello``: the volumes' memfds, passed with
+``SCM_RIGHTS``, or in cluster mode the memory servers and the mount's secret),
+and then asks this daemon only for names and placement: it moves the bytes
+between its arrays and volume memory itself, once.
+
+Requests (``args`` of the control protocol; all but ``hello`` name a handle ``h``):
+
+``array.hello``
+    ``{"direct": true, "pool": {...}, "piece": n}`` (plus descriptors), or
+    ``{"direct": false, "why": ...}``: then the caller uses ordinary file I/O.
+``array.open {path, write}``
+    an existing regular file; ``{"h", "ino", "size"}``.  Counted as an open
+    handle, so an unlink leaves its data in place until ``close``.
+``array.create {path, size, mode}``
+    a new file of *size* bytes, all of it allocated now (ENOSPC here, all or
+    nothing), under a temporary name beside *path*; ``commit`` renames it over
+    *path* (readers see the old file or the new one, never a mix).
+``array.map {h, offset, length, write}``
+    where ``[offset, offset+length)`` lives: ``{"extents": [[off, len, vol,
+    voff], ...]}`` (``vol`` -1: a hole).  Opens a *transfer*: until ``done``,
+    nothing those extents name is freed and reused (the scrubber is held; in
+    cluster mode a recall waits, as for this daemon's own transfers).  At most
+    :data:`PIECE` bytes; one transfer at a time per session.
+``array.done {h, publish}``
+    the transfer ended.  A write is made visible: mtime (and, for the burst
+    buffer, write-back) now, and with *publish* the kernel's cached pages and
+    attributes of the file are dropped so readers through the mount see it at
+    once.  A read answers ``{"stale": true}`` if the chunk map changed under it
+    (cluster mode): the caller reads that piece again.
+``array.commit {h}`` / ``array.close {h}``
+    publish a created file under its name / let go of a handle (an uncommitted
+    file is removed).
+
+Everything a session holds (transfers, handles, temporary files) is released
+when its connection ends, however it ends; a transfer that takes longer than
+:data:`HOLD_TIMEOUT` ends the connection (see :mod:`memfs.control`).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import secrets
+import stat
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import trio
+
+from memfs.errors import FsError, SpaceBusy
+from memfs.host import Peer
+from memfs.meta import NAME_MAX, Attr, Extent, Meta
+
+log = logging.getLogger(__name__)
+
+#: the most bytes one transfer covers: short enough that it ends well within the
+#: time a recall waits for this daemon's transfers (1.5 s) at any link speed
+#: worth having, long enough that asking costs nothing next to moving the bytes
+PIECE = 64 << 20
+#: a transfer that has not ended after this long ends its session (the client is
+#: hung or stopped; nothing may stay held for it)
+HOLD_TIMEOUT = 10.0
+#: cleaning up a session that ended never takes longer than this
+CLOSE_TIMEOUT = 10.0
+#: what a temporary file's name carries (``.NAME.memfs-array-XXXXXXXX``)
+TEMP_TAG = b".memfs-array-"
+_ROOT = 1
+
+
+@dataclass(frozen=True)
+class PoolAccess:
+    """How a local process reaches this mount's pool memory itself."""
+
+    #: ``local``: volumes are this daemon's memfds; ``tcp``/``verbs``: memory servers
+    kind: str
+    #: local: each volume's memfd (owned by the transport) and size
+    fds: tuple[int, ...] = ()
+    sizes: tuple[int, ...] = ()
+    #: cluster: the pool spec's volume URLs, in pool order, and what reaching them needs
+    volumes: tuple[str, ...] = ()
+    secret: bytes = b""
+    incarnations: dict[str, int] = field(default_factory=dict)
+
+    def describe(self) -> dict[str, Any]:
+        if self.kind == "local":
+            return {"kind": "local", "sizes": list(self.sizes)}
+        return {"kind": self.kind, "volumes": list(self.volumes), "secret": self.secret.hex(),
+                "incarnations": self.incarnations}
+
+
+class KernelCache(Protocol):
+    """The FUSE layer's hold on the kernel's caches of this mount."""
+
+    async def invalidate(self, inodes: list[int]) -> None: ...
+
+    async def invalidate_entry(self, parent: int, name: bytes) -> None: ...
+
+
+def may_access(peer: Peer, access: PoolAccess) -> str | None:
+    """None if *peer* may reach the pool directly, else why not.
+
+    Pool memory holds every file's bytes.  The control socket serves root, the
+    daemon's user and the owner of the mount's root, all of whom can read every
+    file of an embedded pool.  A cluster pool holds the files of every node, and
+    its secret opens all of it: only root and the daemon's user (who started it
+    with that secret) get it.
+    """
+    if access.kind == "local" or peer.uid in (0, os.geteuid()):
+        return None
+    return (f"uid {peer.uid} is not root or the user of this mount's daemon, who alone "
+            "may hold the cluster's secret")
+
+
+@dataclass(slots=True)
+class _Handle:
+    ino: int
+    parent: int
+    name: bytes
+    size: int
+    writable: bool
+    #: a created file's temporary name, until commit
+    temp: bytes | None = None
+
+
+@dataclass(slots=True)
+class _Transfer:
+    handle: int
+    offset: int
+    length: int
+    write: bool
+    gen: int
+    hold: ExitStack
+
+
+class ArrayService:
+    """Serves the sessions of one mount (see the module docstring)."""
+
+    def __init__(
+        self, meta: Meta, access: PoolAccess, *,
+        scrub_hold: Callable[[], AbstractContextManager[object]] | None = None,
+    ) -> None:
+        self.meta = meta
+        self.access = access
+        self.scrub_hold = scrub_hold
+        #: set by the mount once the FUSE layer exists
+        self.kernel: KernelCache | None = None
+        self.hold_timeout = HOLD_TIMEOUT
+
+    def session(self, peer: Peer) -> ArraySession:
+        return ArraySession(self, peer)
+
+
+class ArraySession:
+    """One control connection's direct-access state."""
+
+    def __init__(self, service: ArrayService, peer: Peer) -> None:
+        self.service = service
+        self.meta = service.meta
+        self.peer = peer
+        self._handles: dict[int, _Handle] = {}
+        self._next = 1
+        self._transfer: _Transfer | None = None
+
+    @property
+    def holding(self) -> bool:
+        """A transfer is open: the client must end it within ``hold_timeout``."""
+        return self._transfer is not None
+
+    @property
+    def hold_timeout(self) -> float:
+        return self.service.hold_timeout
+
+    async def call(self, op: str, args: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        """Answer *op*; FsError (with a message naming the file) on failure."""
+        if op == "array.hello":
+            return self._hello()
+        handler = _OPS.get(op)
+        if handler is None:
+            raise FsError(errno.EINVAL, f"unknown request {op!r}")
+        return await handler(self, args), []
+
+    # -- requests ----------------------------------------------------------------------
+
+    def _hello(self) -> tuple[dict[str, Any], list[int]]:
+        access = self.service.access
+        why = may_access(self.peer, access)
+        if why is not None:
+            return {"direct": False, "why": why}, []
+        return ({"direct": True, "pool": access.describe(), "piece": PIECE,
+                 "chunk": self.meta.chunk_size}, list(access.fds))
+
+    async def _open(self, args: dict[str, Any]) -> dict[str, Any]:
+        path = _str(args, "path")
+        write = bool(args.get("write", False))
+        parent, name = await self._resolve_parent(path)
+        a = await self.meta.lookup(parent, name) if name else await self.meta.getattr(parent)
+        if stat.S_ISDIR(a.mode):
+            raise FsError(errno.EISDIR, f"{path} is a directory")
+        if not stat.S_ISREG(a.mode):
+            raise FsError(errno.EINVAL, f"{path} is not a regular file")
+        a = await self.meta.open(a.ino)
+        return self._new_handle(_Handle(a.ino, parent, name, a.size, write), a)
+
+    async def _create(self, args: dict[str, Any]) -> dict[str, Any]:
+        path = _str(args, "path")
+        size = _int(args, "size")
+        mode = _int(args, "mode") & 0o7777
+        parent, name = await self._resolve_parent(path)
+        if not name:
+            raise FsError(errno.EISDIR, f"{path} is a directory")
+        try:
+            old = await self.meta.lookup(parent, name)
+        except FsError as exc:
+            if exc.errno != errno.ENOENT:
+                raise
+        else:
+            if stat.S_ISDIR(old.mode):
+                raise FsError(errno.EISDIR, f"{path} is a directory")
+            mode = old.mode & 0o7777  # replacing keeps the permissions, like numpy.save
+        temp = _temp_name(name)
+        a = await self.meta.create(parent, temp, stat.S_IFREG | mode, self.peer.uid, self.peer.gid)
+        h = _Handle(a.ino, parent, name, size, True, temp)
+        try:
+            for off in range(0, size, PIECE):
+                await self._map_write(a.ino, off, min(PIECE, size - off))
+        except BaseException:
+            with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT):
+                await self._drop(h)
+            raise
+        return self._new_handle(h, await self.meta.getattr(a.ino))
+
+    async def _map(self, args: dict[str, Any]) -> dict[str, Any]:
+        hid, h = self._handle(args)
+        offset, length = _int(args, "offset"), _int(args, "length")
+        write = bool(args.get("write", False))
+        if self._transfer is not None:
+            raise FsError(errno.EBUSY, "a transfer is already open in this session")
+        if length > PIECE:
+            raise FsError(errno.EINVAL, f"a transfer covers at most {PIECE} bytes")
+        if write and not h.writable:
+            raise FsError(errno.EBADF, "opened read-only")
+        if write and offset + length > h.size:
+            raise FsError(errno.EINVAL, f"a write past the end of the array file "
+                                        f"({offset}+{length} > {h.size})")
+        meta = self.meta
+        for _ in range(100):
+            gen = meta.generation(h.ino)
+            if write:
+                extents = (await self._map_write(h.ino, offset, length)) if length else []
+            else:
+                extents = await meta.map_read(h.ino, offset, length)
+            hold = ExitStack()
+            if self.service.scrub_hold is not None:
+                hold.enter_context(self.service.scrub_hold())
+            hold.enter_context(meta.io(h.ino))
+            if meta.generation(h.ino) != gen:
+                hold.close()  # recalled while we asked: the map may name freed chunks
+                continue
+            self._transfer = _Transfer(hid, offset, length, write, gen, hold)
+            return {"extents": [[e.offset, e.length, e.volume, e.voffset] for e in extents]}
+        raise FsError(errno.EIO, "the file's chunk map keeps changing")
+
+    async def _done(self, args: dict[str, Any]) -> dict[str, Any]:
+        _, h = self._handle(args)
+        t = self._transfer
+        if t is None:
+            raise FsError(errno.EINVAL, "no transfer is open")
+        self._transfer = None
+        t.hold.close()
+        if not t.write:
+            return {"stale": self.meta.generation(h.ino) != t.gen}
+        # Written: the write's other effects now (mtime; for the burst buffer the file
+        # is dirty again, so a write-back that copied it mid-transfer is redone).  Only
+        # within the size: a truncate meanwhile wins, as if it came after.
+        size = (await self.meta.getattr(h.ino)).size
+        n = min(t.length, size - t.offset)
+        if n > 0:
+            await self._map_write(h.ino, t.offset, n)
+        if args.get("publish"):
+            await self._publish(h)
+        return {"stale": False}
+
+    async def _commit(self, args: dict[str, Any]) -> dict[str, Any]:
+        _, h = self._handle(args)
+        if h.temp is None:
+            raise FsError(errno.EINVAL, "not a created file, or committed already")
+        kernel = self.service.kernel
+        # The kernel may hold the name (the old file, or its absence) for a day.  The
+        # old file stays open until the kernel has let go of the name, so that a reader
+        # who found it there opens it (the old array: whole) rather than nothing.
+        old = await self._open_existing(h.parent, h.name)
+        try:
+            await self.meta.rename(h.parent, h.temp, h.parent, h.name)
+            h.temp = None
+            if kernel is not None:
+                await kernel.invalidate_entry(h.parent, h.name)
+                await kernel.invalidate([h.parent])
+        finally:
+            if old is not None:
+                await self.meta.release(old)
+        await self._publish(h)
+        return {}
+
+    async def _open_existing(self, parent: int, name: bytes) -> int | None:
+        try:
+            a = await self.meta.lookup(parent, name)
+            if not stat.S_ISREG(a.mode):
+                return None
+            await self.meta.open(a.ino)
+        except FsError as exc:
+            if exc.errno == errno.ENOENT:
+                return None
+            raise
+        return a.ino
+
+    async def _close(self, args: dict[str, Any]) -> dict[str, Any]:
+        hid, h = self._handle(args)
+        if self._transfer is not None and self._transfer.handle == hid:
+            self._end_transfer()
+        del self._handles[hid]
+        await self._drop(h)
+        return {}
+
+    # -- helpers -----------------------------------------------------------------------
+
+    def _new_handle(self, h: _Handle, a: Attr) -> dict[str, Any]:
+        hid = self._next
+        self._next += 1
+        self._handles[hid] = h
+        return {"h": hid, "ino": h.ino, "size": a.size}
+
+    def _handle(self, args: dict[str, Any]) -> tuple[int, _Handle]:
+        hid = _int(args, "h")
+        h = self._handles.get(hid)
+        if h is None:
+            raise FsError(errno.EBADF, f"no array handle {hid}")
+        return hid, h
+
+    async def _resolve_parent(self, path: str) -> tuple[int, bytes]:
+        """The directory *path* (relative to the mount root) is in, and its last name
+        (empty for the root itself)."""
+        parts = [p for p in os.fsencode(path).split(b"/") if p]
+        if any(p in (b".", b"..") for p in parts):
+            raise FsError(errno.EINVAL, f"{path}: not a canonical path")
+        ino = _ROOT
+        for p in parts[:-1]:
+            a = await self.meta.lookup(ino, p)
+            if not stat.S_ISDIR(a.mode):
+                raise FsError(errno.ENOTDIR, f"{path}: {os.fsdecode(p)} is not a directory")
+            ino = a.ino
+        return ino, parts[-1] if parts else b""
+
+    async def _map_write(self, ino: int, offset: int, length: int) -> list[Extent]:
+        try:
+            return (await self.meta.map_write(ino, offset, length)).extents
+        except SpaceBusy:  # only freed, not yet zeroed space is left: wait once
+            await self.meta.reclaim()
+            try:
+                return (await self.meta.map_write(ino, offset, length)).extents
+            except SpaceBusy:
+                raise FsError(errno.ENOSPC) from None
+
+    async def _publish(self, h: _Handle) -> None:
+        """Size and mtime exact where others ask (cluster), the kernel's copies gone."""
+        await self.meta.sync(h.ino)
+        kernel = self.service.kernel
+        if kernel is not None:
+            await kernel.invalidate([h.ino])
+
+    async def _drop(self, h: _Handle) -> None:
+        """Let go of *h*: its open count, and an uncommitted file."""
+        try:
+            await self.meta.release(h.ino)
+        finally:
+            if h.temp is not None:
+                temp, h.temp = h.temp, None
+                try:
+                    await self.meta.unlink(h.parent, temp)
+                except FsError as exc:
+                    if exc.errno != errno.ENOENT:  # renamed or removed by someone: theirs now
+                        raise
+
+    def _end_transfer(self) -> None:
+        if self._transfer is not None:
+            self._transfer.hold.close()
+            self._transfer = None
+
+    async def aclose(self) -> None:
+        """The connection ended: release everything (shielded, bounded)."""
+        self._end_transfer()
+        handles, self._handles = list(self._handles.values()), {}
+        with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT) as scope:
+            for h in handles:
+                try:
+                    await self._drop(h)
+                except FsError as exc:
+                    log.warning("array session of pid %d: cannot release inode %d: %s",
+                                self.peer.pid, h.ino, exc)
+        if scope.cancelled_caught:
+            log.warning("array session of pid %d: gave up releasing its files after %.0f s",
+                        self.peer.pid, CLOSE_TIMEOUT)
+
+    def expire(self) -> None:
+        """The client did not end its transfer in time: let go of it now."""
+        t = self._transfer
+        if t is not None:
+            log.warning("array transfer of pid %d (%d bytes at %d) not ended within %.0f s: "
+                        "session closed", self.peer.pid, t.length, t.offset, self.hold_timeout)
+        self._end_transfer()
+
+
+_OPS = {
+    "array.open": ArraySession._open,
+    "array.create": ArraySession._create,
+    "array.map": ArraySession._map,
+    "array.done": ArraySession._done,
+    "array.commit": ArraySession._commit,
+    "array.close": ArraySession._close,
+}
+
+
+def _temp_name(name: bytes) -> bytes:
+    tag = TEMP_TAG + secrets.token_hex(4).encode()
+    keep = NAME_MAX - len(tag) - 1
+    return b"." + name[:keep] + tag
+
+
+def _str(args: dict[str, Any], key: str) -> str:
+    v = args.get(key)
+    if not isinstance(v, str):
+        raise FsError(errno.EINVAL, f"{key!r} must be a string")
+    return v
+
+
+def _int(args: dict[str, Any], key: str) -> int:
+    v = args.get(key)
+    if type(v) is not int or v < 0:
+        raise FsError(errno.EINVAL, f"{key!r} must be a non-negative integer")
+    return v
