@@ -114,7 +114,7 @@ def memd_servers(volume_size: int) -> Iterator[list[int]]:
         for _ in range(N_SERVERS):
             p = subprocess.Popen(
                 [sys.executable, "-m", "memfs", "memd", "--listen", "127.0.0.1:0",
-                 "--volumes", str(VOLUMES_PER_SERVER), "--size", str(volume_size)],
+                 "--volumes", str(VOLUMES_PER_SERVER), "--volume-size", str(volume_size)],
                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
             )
             procs.append(p)

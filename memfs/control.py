@@ -15,9 +15,8 @@ Nothing a client does stops the daemon or logs more than a warning.
 Requests named ``array.*`` belong to a direct-access session of
 :mod:`memfs.array` (one per connection, made on the first such request by the
 *sessions* factory; see :mod:`memfs.array.service`).  Their replies may carry
-file descriptors (``SCM_RIGHTS``); while a session has a transfer open, its next
-request must come within the session's ``hold_timeout`` or the connection ends;
-when the connection ends, however it ends, the session is closed.
+file descriptors (``SCM_RIGHTS``); when the connection ends, however it ends,
+the session is closed.
 
 Who may use it: root, the daemon's own user, and the owner of the mount's root
 directory (a Slurm prolog mounts as root and gives the mount to the job's
@@ -85,8 +84,8 @@ ROOT_INO = 1
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
-#: most descriptors a reply carries (a pool's volumes)
-MAX_FDS = 64
+#: most descriptors a reply carries (the kernel's SCM_MAX_FD)
+MAX_FDS = 253
 
 
 class _BadRequest(Exception):
@@ -96,15 +95,7 @@ class _BadRequest(Exception):
 class ControlSession(Protocol):
     """Per-connection state for ``array.*`` requests (:class:`memfs.array.service.ArraySession`)."""
 
-    @property
-    def holding(self) -> bool: ...
-
-    @property
-    def hold_timeout(self) -> float: ...
-
     async def call(self, op: str, args: dict[str, Any]) -> tuple[dict[str, Any], list[int]]: ...
-
-    def expire(self) -> None: ...
 
     async def aclose(self) -> None: ...
 
@@ -248,14 +239,9 @@ class _Server:
         session: ControlSession | None = None
         try:
             while True:
-                holding = session is not None and session.holding
                 try:
-                    line = await self._read_line(
-                        stream, buf, session.hold_timeout if session is not None and holding
-                        else self.idle_timeout)
+                    line = await self._read_line(stream, buf, self.idle_timeout)
                     if line is None:
-                        if session is not None and holding:
-                            session.expire()
                         return
                     op, args = _parse_request(line)
                 except _BadRequest as exc:
@@ -504,12 +490,16 @@ class ControlClient:
             if left <= 0:
                 raise TimeoutError
             self._sock.settimeout(left)
-            data, got, _, _ = socket.recv_fds(self._sock, 1 << 16, MAX_FDS, socket.MSG_CMSG_CLOEXEC)
+            data, got, flags, _ = socket.recv_fds(self._sock, 1 << 16, MAX_FDS,
+                                                  socket.MSG_CMSG_CLOEXEC)
             if fds is not None:
                 fds.extend(got)
             else:
                 for fd in got:
                     os.close(fd)
+            if flags & socket.MSG_CTRUNC:
+                raise ControlError(errno.EPROTO, f"the daemon of {self.name} sent more "
+                                                 "descriptors than one message holds")
             if not data:
                 raise ConnectionResetError(errno.ECONNRESET, "the daemon closed the connection")
             self._buf += data

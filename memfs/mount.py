@@ -222,6 +222,7 @@ async def _main(opts: MountOptions, ready: Callable[[], None] | None) -> None:
             # directory: other requests must not queue behind them.
             opts.max_tasks = max(opts.max_tasks, 16)
         arrays = ArrayService(meta, backend.access, scrub_hold=backend.scrub_hold)
+        await background.start(arrays.run)
         if opts.control_path is not None:
             from memfs.control import serve_control
 

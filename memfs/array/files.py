@@ -63,8 +63,8 @@ class DirectSession:
 
     @classmethod
     def connect(cls, mnt: str) -> DirectSession | None:
-        """A session, or None if this process may not (or cannot) reach the pool itself:
-        then it uses the mount."""
+        """A session with the daemon of *mnt*, or None if this process may not (or cannot)
+        reach the pool itself: then it uses the mount."""
         from memfs.cli.client import connect
 
         try:
@@ -72,6 +72,12 @@ class DirectSession:
         except UsageError as exc:  # no daemon socket we can reach
             log.debug("%s: no direct access: %s", mnt, exc)
             return None
+        return cls.over(client, mnt)
+
+    @classmethod
+    def over(cls, client: Any, mnt: str) -> DirectSession | None:
+        """A session on *client* (a connected :class:`memfs.control.ControlClient`), or
+        None (the client is closed) if there is no direct access."""
         fds: list[int] = []
         try:
             reply = client.call("array.hello", {}, fds=fds)
@@ -90,9 +96,10 @@ class DirectSession:
             if isinstance(exc, UsageError):
                 log.debug("%s: no direct access: %s", mnt, exc)
         except ControlError as exc:
-            if exc.errno not in (errno.ENOTSUP, errno.EOPNOTSUPP, errno.EINVAL):
+            # EBUSY: the daemon's connections are all taken (the mount still works)
+            if exc.errno not in (errno.ENOTSUP, errno.EOPNOTSUPP, errno.EINVAL, errno.EBUSY):
                 raise _os_error(exc, mnt) from None
-            log.debug("%s: daemon without direct access: %s", mnt, exc.message)
+            log.debug("%s: no direct access: %s", mnt, exc.message)
         except Exception as exc:  # noqa: BLE001 - e.g. a verbs pool and no RDMA device here
             log.info("%s: cannot reach the pool directly (%s); using the mount", mnt, exc)
         for fd in fds:
@@ -293,7 +300,8 @@ def create_file(path: str, size: int) -> ArrayTarget:
         return DirectFile(session, path, int(r["h"]), size)
     real = os.path.realpath(path)
     directory, name = os.path.split(real)
-    temp = os.path.join(directory, f".{name[:200]}.memfs-array-{secrets.token_hex(4)}")
+    short = os.fsdecode(os.fsencode(name)[:200])  # a name is at most 255 bytes
+    temp = os.path.join(directory, f".{short}.memfs-array-{secrets.token_hex(4)}")
     keep: int | None = None
     try:
         keep = os.stat(real).st_mode & 0o7777

@@ -14,10 +14,15 @@ and copies each extent straight between the view and volume memory:
   transport the mount uses (tcp: READ replies are received straight into the
   view, WRITE data is sent straight from it), in a trio loop on a thread of
   its own so that the API stays blocking.
+
+A move that fails, or is interrupted (``KeyboardInterrupt``), returns only once
+none of its copies is still running: the caller then tells the daemon the
+transfer is over, after which that memory may belong to another file.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import logging
 import os
@@ -35,10 +40,14 @@ log = logging.getLogger(__name__)
 
 #: an extent is split into pieces of at most this for the copy threads
 SPLIT = 8 << 20
+#: and into requests of at most this for memory servers (the tcp transport's largest)
+REMOTE_SPLIT = 16 << 20
 #: copy threads of a local mover
 THREADS = max(1, min(8, os.cpu_count() or 1))
 #: transfers a remote mover keeps in flight
 REMOTE_CONCURRENCY = 16
+#: an interrupted remote move has ended within this (every request has a 10 s deadline)
+STOP_TIMEOUT = 60.0
 
 Extent = Sequence[int]  # [file offset, length, volume, volume offset]
 
@@ -48,11 +57,21 @@ def _zero(view: memoryview) -> None:
         np.frombuffer(view, dtype=np.uint8)[:] = 0
 
 
-def _split(extents: Sequence[Extent]) -> list[tuple[int, int, int, int]]:
+def _settle(wait: Callable[[], object]) -> None:
+    """Run *wait* to its end, through any number of KeyboardInterrupts."""
+    while True:
+        try:
+            wait()
+            return
+        except KeyboardInterrupt:
+            continue
+
+
+def _split(extents: Sequence[Extent], most: int) -> list[tuple[int, int, int, int]]:
     out = []
     for off, n, vol, voff in extents:
-        for k in range(0, n, SPLIT):
-            m = min(SPLIT, n - k)
+        for k in range(0, n, most):
+            m = min(most, n - k)
             out.append((off + k, m, vol, voff + k if vol >= 0 else 0))
     return out
 
@@ -78,7 +97,7 @@ class LocalMover:
         self._run(extents, base, view, write=True)
 
     def _run(self, extents: Sequence[Extent], base: int, view: memoryview, *, write: bool) -> None:
-        jobs = _split(extents)
+        jobs = _split(extents, SPLIT)
         for _, n, vol, voff in jobs:
             if vol >= 0:
                 self._check(vol, voff, n)
@@ -107,8 +126,15 @@ class LocalMover:
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="memfs-array")
-        for f in [self._pool.submit(one, j) for j in jobs]:
-            f.result()
+        futures = [self._pool.submit(one, j) for j in jobs]
+        try:
+            for f in futures:
+                f.result()
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            _settle(lambda: concurrent.futures.wait(futures))
+            raise
 
     def close(self) -> None:
         if self._pool is not None:
@@ -170,10 +196,32 @@ class RemoteMover:
         return trio.from_thread.run(fn, *args, trio_token=self._token)
 
     def read(self, extents: Sequence[Extent], base: int, view: memoryview) -> None:
-        self._call(self._move, extents, base, view, False)
+        self._run(extents, base, view, False)
 
     def write(self, extents: Sequence[Extent], base: int, view: memoryview) -> None:
-        self._call(self._move, extents, base, view, True)
+        self._run(extents, base, view, True)
+
+    def _run(self, extents: Sequence[Extent], base: int, view: memoryview, write: bool) -> None:
+        ended = threading.Event()
+        scope = trio.CancelScope()
+
+        async def move() -> None:
+            try:
+                with scope:
+                    await self._move(extents, base, view, write)
+            finally:
+                ended.set()
+
+        try:
+            self._call(move)
+        except BaseException:
+            if self._token is not None:  # interrupted here, or failed there: stop it, wait
+                try:
+                    trio.from_thread.run_sync(scope.cancel, trio_token=self._token)
+                except trio.RunFinishedError:
+                    pass
+                _settle(lambda: ended.wait(STOP_TIMEOUT))
+            raise
 
     async def _move(self, extents: Sequence[Extent], base: int, view: memoryview, write: bool) -> None:
         t = self._transport
@@ -193,7 +241,7 @@ class RemoteMover:
 
         try:
             async with trio.open_nursery() as nursery:
-                for off, n, vol, voff in _split(extents):
+                for off, n, vol, voff in _split(extents, REMOTE_SPLIT):
                     nursery.start_soon(one, off, n, vol, voff)
         except BaseExceptionGroup as group:
             first: BaseException = group

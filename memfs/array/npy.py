@@ -130,7 +130,7 @@ def byte_view(arr: np.ndarray) -> memoryview:
     flat = arr.ravel(order="K")  # a view: contiguous either way
     if not np.may_share_memory(flat, arr):
         raise ValueError("array memory is not contiguous")
-    return memoryview(flat.view(np.uint8))  # type: ignore[arg-type]
+    return memoryview(np.asarray(flat).view(np.uint8)).cast("B")  # type: ignore[arg-type]
 
 
 def empty_for(h: Header) -> np.ndarray:

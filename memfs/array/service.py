@@ -35,9 +35,14 @@ Requests (``args`` of the control protocol; all but ``hello`` name a handle ``h`
     publish a created file under its name / let go of a handle (an uncommitted
     file is removed).
 
-Everything a session holds (transfers, handles, temporary files) is released
-when its connection ends, however it ends; a transfer that takes longer than
-:data:`HOLD_TIMEOUT` ends the connection (see :mod:`memfs.control`).
+Everything a session holds (handles, temporary files) is released when its
+connection ends, however it ends, with one exception that safety demands: the
+daemon cannot take back the descriptors it handed out, so a transfer the client
+never ended (it died, or closed the connection, mid-copy) stays held until the
+client *process* has exited (watched with a pidfd); only then can no more of its
+bytes land in the memory that transfer named.  A transfer open longer than
+:data:`HOLD_WARNING` is logged.  While a transfer is open the session answers
+nothing but ``done`` and ``close``.
 """
 
 from __future__ import annotations
@@ -47,30 +52,39 @@ import logging
 import os
 import secrets
 import stat
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import trio
 
+from memfs.config import format_size
 from memfs.errors import FsError, SpaceBusy
 from memfs.host import Peer
+from memfs.layout import LAYOUT_XATTR
 from memfs.meta import NAME_MAX, Attr, Extent, Meta
 
 log = logging.getLogger(__name__)
 
-#: the most bytes one transfer covers: short enough that it ends well within the
-#: time a recall waits for this daemon's transfers (1.5 s) at any link speed
-#: worth having, long enough that asking costs nothing next to moving the bytes
+#: the most bytes one transfer covers, embedded: long enough that asking costs
+#: nothing next to moving the bytes (about 10 ms of copying)
 PIECE = 64 << 20
-#: a transfer that has not ended after this long ends its session (the client is
-#: hung or stopped; nothing may stay held for it)
-HOLD_TIMEOUT = 10.0
+#: cluster: a transfer must end well within the time a recall waits for this
+#: daemon's transfers (1.5 s) before the metadata server may free the chunks it
+#: names; 16 MiB takes 0.15 s even at 100 MB/s
+REMOTE_PIECE = 16 << 20
+#: a transfer still open after this long is logged (it stays held: see above)
+HOLD_WARNING = 10.0
+#: most descriptors one message carries (the kernel's SCM_MAX_FD)
+MAX_FDS = 253
 #: cleaning up a session that ended never takes longer than this
 CLOSE_TIMEOUT = 10.0
 #: what a temporary file's name carries (``.NAME.memfs-array-XXXXXXXX``)
 TEMP_TAG = b".memfs-array-"
+#: stripe units of array files: from 1 MiB up to this, at least 4 per volume (see
+#: :func:`array_layout`)
+MAX_STRIPE = 64 << 20
 _ROOT = 1
 
 
@@ -137,6 +151,10 @@ class _Transfer:
     write: bool
     gen: int
     hold: ExitStack
+    #: the extents handed out (a write checks them again if the map changed meanwhile)
+    extents: list[list[int]]
+    #: cancels the warning about a long transfer
+    watch: trio.CancelScope = field(default_factory=trio.CancelScope)
 
 
 class ArrayService:
@@ -151,10 +169,49 @@ class ArrayService:
         self.scrub_hold = scrub_hold
         #: set by the mount once the FUSE layer exists
         self.kernel: KernelCache | None = None
-        self.hold_timeout = HOLD_TIMEOUT
+        self._nursery: trio.Nursery | None = None
+        #: transfers whose connection ended first, held until their process exits
+        self.orphans = 0
 
     def session(self, peer: Peer) -> ArraySession:
         return ArraySession(self, peer)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Where orphaned transfers wait for their process (until cancelled)."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            await trio.sleep_forever()
+
+    def spawn(self, fn: Callable[[_Transfer], Awaitable[None]], t: _Transfer,
+              scope: trio.CancelScope) -> None:
+        """Run ``fn(t)`` in the background under *scope* (nothing if not running)."""
+        if self._nursery is None:
+            return
+
+        async def scoped() -> None:
+            with scope:
+                await fn(t)
+
+        self._nursery.start_soon(scoped)
+
+    def adopt(self, pid: int, hold: ExitStack, handles: list[_Handle], session: ArraySession) -> None:
+        """Keep *hold* (and *handles*, whose memory it names) until process *pid* exits."""
+        if self._nursery is None:  # not running (unit tests): the process is ours
+            hold.close()
+            return
+        self.orphans += 1
+        self._nursery.start_soon(self._outlive, pid, hold, handles, session)
+
+    async def _outlive(self, pid: int, hold: ExitStack, handles: list[_Handle],
+                       session: ArraySession) -> None:
+        try:
+            await wait_exit(pid)
+        finally:
+            hold.close()
+            self.orphans -= 1
+            log.info("array client pid %d has exited: its transfer is released", pid)
+            await session.drop_all(handles)
 
 
 class ArraySession:
@@ -168,17 +225,10 @@ class ArraySession:
         self._next = 1
         self._transfer: _Transfer | None = None
 
-    @property
-    def holding(self) -> bool:
-        """A transfer is open: the client must end it within ``hold_timeout``."""
-        return self._transfer is not None
-
-    @property
-    def hold_timeout(self) -> float:
-        return self.service.hold_timeout
-
     async def call(self, op: str, args: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         """Answer *op*; FsError (with a message naming the file) on failure."""
+        if self._transfer is not None and op not in ("array.done", "array.close"):
+            raise FsError(errno.EBUSY, "a transfer is open: end it first (array.done)")
         if op == "array.hello":
             return self._hello()
         handler = _OPS.get(op)
@@ -191,9 +241,12 @@ class ArraySession:
     def _hello(self) -> tuple[dict[str, Any], list[int]]:
         access = self.service.access
         why = may_access(self.peer, access)
+        if why is None and len(access.fds) > MAX_FDS:
+            why = f"the pool has {len(access.fds)} volumes; one message passes at most {MAX_FDS}"
         if why is not None:
             return {"direct": False, "why": why}, []
-        return ({"direct": True, "pool": access.describe(), "piece": PIECE,
+        piece = PIECE if access.kind == "local" else REMOTE_PIECE
+        return ({"direct": True, "pool": access.describe(), "piece": piece,
                  "chunk": self.meta.chunk_size}, list(access.fds))
 
     async def _open(self, args: dict[str, Any]) -> dict[str, Any]:
@@ -223,11 +276,14 @@ class ArraySession:
         else:
             if stat.S_ISDIR(old.mode):
                 raise FsError(errno.EISDIR, f"{path} is a directory")
-            mode = old.mode & 0o7777  # replacing keeps the permissions, like numpy.save
+            mode = old.mode & 0o777  # replacing keeps the permissions (not set-id bits)
         temp = _temp_name(name)
         a = await self.meta.create(parent, temp, stat.S_IFREG | mode, self.peer.uid, self.peer.gid)
         h = _Handle(a.ino, parent, name, size, True, temp)
         try:
+            layout = array_layout(size, self.meta.n_volumes, self.meta.chunk_size)
+            if layout is not None and not await self._has_layout(parent):
+                await self.meta.setxattr(a.ino, LAYOUT_XATTR, layout)
             for off in range(0, size, PIECE):
                 await self._map_write(a.ino, off, min(PIECE, size - off))
         except BaseException:
@@ -240,8 +296,6 @@ class ArraySession:
         hid, h = self._handle(args)
         offset, length = _int(args, "offset"), _int(args, "length")
         write = bool(args.get("write", False))
-        if self._transfer is not None:
-            raise FsError(errno.EBUSY, "a transfer is already open in this session")
         if length > PIECE:
             raise FsError(errno.EINVAL, f"a transfer covers at most {PIECE} bytes")
         if write and not h.writable:
@@ -256,26 +310,39 @@ class ArraySession:
                 extents = (await self._map_write(h.ino, offset, length)) if length else []
             else:
                 extents = await meta.map_read(h.ino, offset, length)
-            hold = ExitStack()
-            if self.service.scrub_hold is not None:
-                hold.enter_context(self.service.scrub_hold())
-            hold.enter_context(meta.io(h.ino))
-            if meta.generation(h.ino) != gen:
-                hold.close()  # recalled while we asked: the map may name freed chunks
-                continue
-            self._transfer = _Transfer(hid, offset, length, write, gen, hold)
-            return {"extents": [[e.offset, e.length, e.volume, e.voffset] for e in extents]}
+            # No await from here until the hold is taken: in embedded mode nothing
+            # can free these chunks in between (the generation never moves there).
+            with ExitStack() as hold:
+                if self.service.scrub_hold is not None:
+                    hold.enter_context(self.service.scrub_hold())
+                hold.enter_context(meta.io(h.ino))
+                if meta.generation(h.ino) != gen:
+                    continue  # recalled while we asked: the map may name freed chunks
+                out = [[e.offset, e.length, e.volume, e.voffset] for e in extents]
+                t = _Transfer(hid, offset, length, write, gen, hold.pop_all(), out)
+                self._transfer = t
+                self.service.spawn(self._warn_if_long, t, t.watch)
+                return {"extents": out}
         raise FsError(errno.EIO, "the file's chunk map keeps changing")
 
     async def _done(self, args: dict[str, Any]) -> dict[str, Any]:
-        _, h = self._handle(args)
+        hid, h = self._handle(args)
         t = self._transfer
-        if t is None:
-            raise FsError(errno.EINVAL, "no transfer is open")
+        if t is None or t.handle != hid:
+            raise FsError(errno.EINVAL, "no transfer is open on this handle")
         self._transfer = None
+        t.watch.cancel()
         t.hold.close()
+        moved = self.meta.generation(h.ino) != t.gen
         if not t.write:
-            return {"stale": self.meta.generation(h.ino) != t.gen}
+            return {"stale": moved}
+        if moved:
+            # Recalled meanwhile (cluster): if the range is not where we wrote it any
+            # more, the file was truncated or its chunks freed under the write.
+            now = await self.meta.map_read(h.ino, t.offset, t.length)
+            if [[e.offset, e.length, e.volume, e.voffset] for e in now] != t.extents:
+                raise FsError(errno.EIO, "the file changed under the write (truncated, or "
+                                         "its chunks moved): write it again")
         # Written: the write's other effects now (mtime; for the burst buffer the file
         # is dirty again, so a write-back that copied it mid-transfer is redone).  Only
         # within the size: a truncate meanwhile wins, as if it came after.
@@ -298,15 +365,27 @@ class ArraySession:
         old = await self._open_existing(h.parent, h.name)
         try:
             await self.meta.rename(h.parent, h.temp, h.parent, h.name)
-            h.temp = None
+            temp, h.temp = h.temp, None
             if kernel is not None:
                 await kernel.invalidate_entry(h.parent, h.name)
+                await kernel.invalidate_entry(h.parent, temp)
                 await kernel.invalidate([h.parent])
         finally:
             if old is not None:
-                await self.meta.release(old)
+                with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT):
+                    await self.meta.release(old)
         await self._publish(h)
         return {}
+
+    async def _has_layout(self, directory: int) -> bool:
+        """The directory asks for a layout (``user.memfs.layout``): its files follow it."""
+        try:
+            await self.meta.getxattr(directory, LAYOUT_XATTR)
+        except FsError as exc:
+            if exc.errno in (errno.ENODATA, errno.ENOTSUP):
+                return False
+            raise
+        return True
 
     async def _open_existing(self, parent: int, name: bytes) -> int | None:
         try:
@@ -322,8 +401,11 @@ class ArraySession:
 
     async def _close(self, args: dict[str, Any]) -> dict[str, Any]:
         hid, h = self._handle(args)
-        if self._transfer is not None and self._transfer.handle == hid:
-            self._end_transfer()
+        t = self._transfer
+        if t is not None and t.handle == hid:
+            # Closed mid-transfer: whatever the client still copies must not land in
+            # reused memory; it says done first when it can (see the module docstring).
+            raise FsError(errno.EBUSY, "a transfer is open on this handle: end it first")
         del self._handles[hid]
         await self._drop(h)
         return {}
@@ -387,33 +469,38 @@ class ArraySession:
                     if exc.errno != errno.ENOENT:  # renamed or removed by someone: theirs now
                         raise
 
-    def _end_transfer(self) -> None:
-        if self._transfer is not None:
-            self._transfer.hold.close()
-            self._transfer = None
-
     async def aclose(self) -> None:
-        """The connection ended: release everything (shielded, bounded)."""
-        self._end_transfer()
+        """The connection ended: release everything (shielded, bounded); an open
+        transfer and the files it names only once the client process has exited."""
         handles, self._handles = list(self._handles.values()), {}
+        t, self._transfer = self._transfer, None
+        if t is not None:
+            t.watch.cancel()
+            log.warning("array client pid %d left with a transfer open (%d bytes at %d): "
+                        "freed memory is not reused until it exits", self.peer.pid,
+                        t.length, t.offset)
+            self.service.adopt(self.peer.pid, t.hold, handles, self)
+            if self.service._nursery is not None:
+                return
+        await self.drop_all(handles)
+
+    async def drop_all(self, handles: list[_Handle]) -> None:
         with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT) as scope:
             for h in handles:
                 try:
                     await self._drop(h)
-                except FsError as exc:
+                except Exception as exc:  # noqa: BLE001 - the others are still released
                     log.warning("array session of pid %d: cannot release inode %d: %s",
                                 self.peer.pid, h.ino, exc)
         if scope.cancelled_caught:
             log.warning("array session of pid %d: gave up releasing its files after %.0f s",
                         self.peer.pid, CLOSE_TIMEOUT)
 
-    def expire(self) -> None:
-        """The client did not end its transfer in time: let go of it now."""
-        t = self._transfer
-        if t is not None:
-            log.warning("array transfer of pid %d (%d bytes at %d) not ended within %.0f s: "
-                        "session closed", self.peer.pid, t.length, t.offset, self.hold_timeout)
-        self._end_transfer()
+    async def _warn_if_long(self, t: _Transfer) -> None:
+        await trio.sleep(HOLD_WARNING)
+        if self._transfer is t:
+            log.warning("array client pid %d has had a transfer open for %.0f s; freed memory "
+                        "is not reused until it ends", self.peer.pid, HOLD_WARNING)
 
 
 _OPS = {
@@ -424,6 +511,33 @@ _OPS = {
     "array.commit": ArraySession._commit,
     "array.close": ArraySession._close,
 }
+
+
+def array_layout(size: int, n_volumes: int, chunk_size: int) -> bytes | None:
+    """The layout of a new array file of *size* bytes: striped over every volume in
+    units as large as leave at least 4 per volume (up to :data:`MAX_STRIPE`).  Large
+    units mean few, large transfers: each one a single ``preadv`` or memory-server
+    request, whose fixed cost (a request frame, a task, a wakeup) then stays small
+    next to the copy.  None: the pool's default is as good (small arrays)."""
+    stripe = 1 << 20
+    while stripe < MAX_STRIPE and stripe * 2 * 4 * n_volumes <= size:
+        stripe *= 2
+    stripe = max(stripe, chunk_size)
+    if stripe <= 1 << 20:
+        return None
+    return f"stripe_count=-1 stripe_size={format_size(stripe)}".encode()
+
+
+async def wait_exit(pid: int) -> None:
+    """Until process *pid* has exited (at once if it has already)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        await trio.lowlevel.wait_readable(fd)
+    finally:
+        os.close(fd)
 
 
 def _temp_name(name: bytes) -> bytes:

@@ -13,6 +13,7 @@ and backpressure as slower ``map_read``/``map_write`` replies.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -173,6 +174,9 @@ class BackedMeta(Meta):
         return len(resident)
 
     # -- Meta: the data path ------------------------------------------------------------
+
+    def io(self, ino: int) -> contextlib.AbstractContextManager[object]:
+        return self.residency.using(ino)
 
     async def map_read(self, ino: int, offset: int, length: int) -> list[Extent]:
         for _ in range(8):

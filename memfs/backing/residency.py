@@ -13,12 +13,13 @@ Writers that would take dirty data past the cap wait for write-back.
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import itertools
 import logging
 import os
 import stat
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TypeVar
 
 import trio
@@ -61,9 +62,23 @@ class Residency:
         self.lru: collections.OrderedDict[int, None] = collections.OrderedDict()
         #: files named by live stage-in tickets (-> how many): evicted only as a last resort
         self.kept: collections.Counter[int] = collections.Counter()
+        #: files whose chunks a transfer uses right now (memfs.array's run outside this
+        #: process, across awaits): never evicted under it
+        self.busy: collections.Counter[int] = collections.Counter()
         self._fetching: dict[tuple[int, int], trio.Event] = {}
         self.fetched_bytes = 0
         self.evicted_bytes = 0
+
+    @contextlib.contextmanager
+    def using(self, ino: int) -> Iterator[None]:
+        """*ino*'s chunks are in use by a transfer: not evicted until it ends."""
+        self.busy[ino] += 1
+        try:
+            yield
+        finally:
+            self.busy[ino] -= 1
+            if self.busy[ino] <= 0:
+                del self.busy[ino]
 
     def touch(self, ino: int) -> None:
         lru = self.lru
@@ -133,6 +148,7 @@ class Residency:
                 self.lru.pop(ino, None)
                 return False
             return not (ino == protect or ino in tracker.dirty or ino in tracker.pinned
+                        or ino in self.busy
                         or i.nlink <= 0 or not stat.S_ISREG(i.mode)
                         or (spare_staged and ino in self.kept) or tracker.excluded(ino))
 

@@ -13,6 +13,7 @@ one ``preadv``/``pwritev``: no mapping to build, no copy through the daemon.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
@@ -35,9 +36,11 @@ class LocalTransport(Transport):
         self._views: list[memoryview] = []
         try:
             for i in range(n_volumes):
-                fd = os.memfd_create(f"memfs-volume-{i}", os.MFD_CLOEXEC)
+                fd = os.memfd_create(f"memfs-volume-{i}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
                 self._fds.append(fd)
                 os.ftruncate(fd, volume_size)
+                # A process it is handed to cannot resize it under our mapping (SIGBUS).
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
                 m = mmap.mmap(fd, volume_size, flags=flags)
                 self._maps.append(m)
                 self._views.append(memoryview(m))

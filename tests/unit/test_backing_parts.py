@@ -311,6 +311,24 @@ async def test_eviction_least_recently_used_first_and_staged_spared(tmp_path: Pa
         assert not b.store.missing(ino["old"], 0, M)  # staged whole
 
 
+async def test_files_in_use_by_a_transfer_are_not_evicted(tmp_path: Path) -> None:
+    """meta.io() (held by memfs.array across a whole transfer, outside this process)
+    keeps a file's chunks from being evicted under it."""
+    backing = tmp_path / "dir"
+    backing.mkdir()
+    for name in ("a", "b"):
+        (backing / name).write_bytes(name.encode() * M)
+    async with backed(tmp_path, delay=0.0, workers=1) as (b, data):
+        ino = {n: b.store.resolve(n.encode()).ino for n in ("a", "b")}
+        for n in ("a", "b"):
+            assert await data.read(ino[n], 0, 1) == n.encode()
+        with b.io(ino["a"]):
+            assert await b.residency.evict(1 << 20)  # everything it may: only b
+            assert b.store.inodes[ino["a"]].chunks and not b.store.inodes[ino["b"]].chunks
+        assert await b.residency.evict(1 << 20)
+        assert not b.store.inodes[ino["a"]].chunks
+
+
 async def test_dirty_cap_holds_writers_until_write_back(tmp_path: Path) -> None:
     """(Real clock: the write-back that makes room runs in worker threads, and an
     autojump clock would jump past any deadline while they work.)"""

@@ -1,0 +1,432 @@
+"""memfs.array without a mount: the .npy codec, the API over ordinary files (the
+path a process without pool access takes), and the daemon's session service over
+a real control socket with an embedded store, scrubber and memfd volumes."""
+
+from __future__ import annotations
+
+import errno
+import functools
+import io
+import os
+import stat
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import TypeVar
+
+import numpy as np
+import pytest
+import trio
+
+import memfs.array as ma
+from memfs.array import npy
+from memfs.array.files import DirectFile, DirectSession
+from memfs.array.service import (
+    MAX_STRIPE,
+    TEMP_TAG,
+    ArrayService,
+    PoolAccess,
+    array_layout,
+    may_access,
+    wait_exit,
+)
+from memfs.config import PoolConfig
+from memfs.control import ControlClient, serve_control
+from memfs.errors import FsError
+from memfs.host import Peer
+from memfs.layout import LAYOUT_XATTR
+from memfs.meta.store import MetaStore
+from memfs.scrub import Scrubber
+from memfs.transport.local import LocalTransport
+
+T = TypeVar("T")
+POOL = PoolConfig(size=32 << 20, volumes=4, chunk_size=64 << 10, stripe_size=1 << 20)
+
+
+def npy_bytes(arr: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, arr)
+    return buf.getvalue()
+
+
+ARRAYS = [
+    np.arange(12.0).reshape(3, 4),
+    np.asfortranarray(np.arange(12, dtype="i2").reshape(3, 4)),
+    np.array(3.5),
+    np.zeros((0, 7)),
+    np.array([1], dtype="u1"),
+    np.arange(5, dtype=">c8"),
+    np.zeros(4, dtype=[("a", "<i4"), ("b", "S3"), ("c", "<f8", (2,))]),
+    np.array(["x", "yz"], dtype="U3"),
+]
+
+
+@pytest.mark.parametrize("arr", ARRAYS, ids=lambda a: f"{a.dtype}{a.shape}")
+def test_header_and_bytes_are_numpys(arr: np.ndarray) -> None:
+    a, data = npy.data_view(arr)
+    header = npy.encode_header(a.shape, a.dtype, npy.is_fortran(a))
+    assert header + bytes(data) == npy_bytes(arr)
+    h = npy.decode_header(header)
+    assert (h.shape, h.dtype, h.data_offset, h.nbytes) == (arr.shape, arr.dtype, len(header),
+                                                           arr.nbytes)
+
+
+def test_long_headers_use_format_2() -> None:
+    wide = np.dtype([(f"field_{i:05d}", "<f8") for i in range(4000)])
+    header = npy.encode_header((2,), wide, False)
+    assert header[6] == 2 and len(header) > 65536 and len(header) % 64 == 0
+    assert npy.decode_header(header).dtype == wide
+    with pytest.warns(UserWarning, match="format 2.0"):  # numpy says so when it does it
+        theirs = npy_bytes(np.zeros(2, dtype=wide))
+    assert header == theirs[: len(header)]
+
+
+def test_bad_headers_and_object_arrays() -> None:
+    with pytest.raises(ValueError, match="magic"):
+        npy.header_length(b"PK\x03\x04 not npy!")
+    with pytest.raises(ValueError, match="version 9"):
+        npy.header_length(b"\x93NUMPY\x09\x00\x10\x00")
+    with pytest.raises(ValueError, match="truncated"):
+        npy.decode_header(npy.encode_header((3,), np.dtype("f8"), False)[:50])
+    with pytest.raises(ValueError, match="pickled"):
+        npy.data_view(np.array([{}, []], dtype=object))
+
+
+def test_array_layout_uses_large_stripes_for_large_arrays() -> None:
+    chunk = 64 << 10
+    assert array_layout(10 << 20, 4, chunk) is None  # small: the pool default
+    assert array_layout(1 << 30, 4, chunk) == b"stripe_count=-1 stripe_size=64M"
+    assert array_layout(256 << 20, 4, chunk) == b"stripe_count=-1 stripe_size=16M"
+    assert array_layout(1 << 40, 1, chunk) == f"stripe_count=-1 stripe_size={MAX_STRIPE >> 20}M".encode()
+    assert array_layout(64 << 20, 1, 4 << 20) == b"stripe_count=-1 stripe_size=16M"
+
+
+def test_cluster_pools_are_for_root_and_the_daemons_user_only() -> None:
+    local = PoolAccess("local", fds=(3,), sizes=(1,))
+    remote = PoolAccess("tcp", volumes=("tcp://h:1/0",), secret=b"s")
+    me, other = os.geteuid(), 54321
+    assert may_access(Peer(1, other, other), local) is None  # the control socket decided
+    assert may_access(Peer(1, 0, 0), remote) is None
+    assert may_access(Peer(1, me, me), remote) is None
+    assert "secret" in str(may_access(Peer(1, other, other), remote))
+
+
+# -- the API over ordinary files (what a process without pool access uses) -----------------
+
+
+def test_api_over_a_plain_directory(tmp_path: Path) -> None:
+    for i, arr in enumerate(ARRAYS):
+        p = tmp_path / f"a{i}.npy"
+        ma.save(p, arr)
+        assert p.read_bytes() == npy_bytes(arr)
+        back = ma.load(p)
+        assert back.dtype == arr.dtype and np.array_equal(back, arr)
+        with ma.open(p) as af:
+            assert not af.direct and af.shape == arr.shape
+    masked = np.ma.masked_array([1.0, 2.0, 3.0], mask=[False, True, False])  # a subclass: its data
+    ma.save(tmp_path / "m.npy", masked)
+    assert np.array_equal(np.load(tmp_path / "m.npy"), [1.0, 2.0, 3.0])
+    assert not [n for n in os.listdir(tmp_path) if "memfs-array" in n]
+
+
+def test_replacing_keeps_permissions_and_never_leaves_temp_files(tmp_path: Path) -> None:
+    p = tmp_path / "keep.npy"
+    ma.save(p, np.ones(3))
+    p.chmod(0o640)
+    ma.save(p, np.zeros(5))
+    assert stat.S_IMODE(p.stat().st_mode) == 0o640 and np.array_equal(np.load(p), np.zeros(5))
+    with pytest.raises(ValueError, match="pickled"):
+        ma.save(p, np.array([None, 1], dtype=object))
+    assert sorted(os.listdir(tmp_path)) == ["keep.npy"]
+    assert np.array_equal(np.load(p), np.zeros(5))
+
+
+def test_slabs_and_indexing(tmp_path: Path) -> None:
+    p = tmp_path / "s.npy"
+    with ma.open(p, "w", shape=(10, 3), dtype="i4") as af:
+        af[2:4] = [[1, 2, 3], [4, 5, 6]]
+        af[np.int64(5)] = 7
+        af[-1] = [8, 9, 10]
+        af.write(6, np.full((2, 3), 11))
+        assert len(af) == 10 and af[np.int64(5)].tolist() == [7, 7, 7]
+        assert af[2:4].tolist() == [[1, 2, 3], [4, 5, 6]] and af[-1].tolist() == [8, 9, 10]
+        out = np.empty((2, 3), dtype="i4")
+        assert af.read(6, 8, out=out) is out and (out == 11).all()
+        with pytest.raises(IndexError, match="step"):
+            af[::2]
+        with pytest.raises(IndexError):
+            af[10]
+        with pytest.raises(IndexError, match="first axis"):
+            af[1, 2]
+    expect = np.zeros((10, 3), dtype="i4")
+    expect[2:4] = [[1, 2, 3], [4, 5, 6]]
+    expect[5], expect[-1], expect[6:8] = 7, [8, 9, 10], 11
+    assert np.array_equal(np.load(p), expect) and np.array_equal(ma.load(p), expect)
+    with ma.open(p) as af, pytest.raises(OSError) as info:
+        af[0] = 1
+    assert info.value.errno == errno.EBADF
+    with pytest.raises(ValueError, match="shape= and dtype="):
+        ma.open(p, "w")
+    with pytest.raises(ValueError, match="takes shape"):
+        ma.open(p, "r", shape=(3,))
+
+
+def test_fortran_files_are_read_whole(tmp_path: Path) -> None:
+    p = tmp_path / "f.npy"
+    a = np.asfortranarray(np.arange(12.0).reshape(3, 4))
+    np.save(p, a)
+    with ma.open(p) as af:
+        assert af.fortran_order and np.array_equal(af[...], a) and af[...].flags.f_contiguous
+        with pytest.raises(ValueError, match="Fortran"):
+            af[0:2]
+    with pytest.raises(ValueError, match="Fortran order"):
+        ma.load(p, out=np.empty((3, 4)))
+    assert np.array_equal(ma.load(p, out=np.empty((3, 4), order="F")), a)
+
+
+def test_zero_d_and_truncated_files(tmp_path: Path) -> None:
+    p = tmp_path / "z.npy"
+    ma.save(p, np.array(2.5))
+    with ma.open(p, "r+") as af:
+        assert af[()] == 2.5
+        af[...] = 4.0
+    assert np.load(p) == 4.0
+    q = tmp_path / "t.npy"
+    q.write_bytes(npy_bytes(np.arange(100.0))[:-8])
+    with pytest.raises(ValueError, match="header says"):
+        ma.load(q)
+    (tmp_path / "n.npy").write_bytes(b"not an array at all")
+    with pytest.raises(ValueError, match="magic"):
+        ma.load(tmp_path / "n.npy")
+
+
+# -- the daemon's side, over a real control socket ---------------------------------------
+
+
+class Daemon:
+    def __init__(self, store: MetaStore, service: ArrayService, scrubber: Scrubber,
+                 sock: str) -> None:
+        self.store = store
+        self.service = service
+        self.scrubber = scrubber
+        self.sock = sock
+
+    def session(self) -> DirectSession:
+        s = DirectSession.over(ControlClient(self.sock, "test"), "test")
+        assert s is not None
+        return s
+
+    def names(self) -> list[bytes]:
+        return sorted(self.store.inodes[1].children or {})
+
+
+@asynccontextmanager
+async def daemon(tmp_path: Path, pool: PoolConfig = POOL) -> AsyncIterator[Daemon]:
+    transport = LocalTransport(pool.volumes, pool.volume_size)
+    store = MetaStore(pool)
+    scrubber = Scrubber(store, transport)
+    access = PoolAccess("local", fds=tuple(transport.volume_fds()),
+                        sizes=tuple(v.size for v in transport.volumes))
+    service = ArrayService(store, access, scrub_hold=scrubber.hold)
+    sock = str(tmp_path / "ctl.sock")
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(scrubber.run)
+            await nursery.start(service.run)
+            await nursery.start(lambda task_status: serve_control(
+                sock, store, sessions=service.session, task_status=task_status))
+            yield Daemon(store, service, scrubber, sock)
+            nursery.cancel_scope.cancel()
+    finally:
+        await transport.aclose()
+
+
+async def blocking(fn: Callable[[], T]) -> T:
+    return await trio.to_thread.run_sync(fn)
+
+
+async def test_direct_round_trip_and_holes(tmp_path: Path) -> None:
+    async with daemon(tmp_path) as d:
+        data = np.arange(1 << 18, dtype="f8")  # 2 MiB over 4 volumes in 1 MiB stripes
+
+        def work() -> None:
+            s = d.session()
+            r = s.call("x", "array.create", path="a.npy", size=data.nbytes, mode=0o644)
+            f = DirectFile(s, "x", r["h"], data.nbytes)
+            f.write(0, npy.byte_view(data))
+            f.commit()
+            f.close()
+            s = d.session()
+            r = s.call("x", "array.open", path="a.npy", write=False)
+            f = DirectFile(s, "x", r["h"], r["size"])
+            back = np.empty_like(data)
+            f.read(0, npy.byte_view(back))
+            f.close()
+            assert np.array_equal(back, data)
+
+        await blocking(work)
+        assert d.names() == [b"a.npy"]
+        ino = d.store.inodes[1].children[b"a.npy"]  # type: ignore[index]
+        assert d.store.inodes[ino].opens == 0 and d.store.inodes[ino].size == data.nbytes
+
+        def hole() -> None:  # a sparse file reads zeros where nothing was written
+            s = d.session()
+            r = s.call("x", "array.open", path="a.npy", write=False)
+            out = bytearray(b"\xff" * 16)
+            f = DirectFile(s, "x", r["h"], r["size"])
+            f.read(0, memoryview(out))
+            f.close()
+            assert bytes(out) == bytes(data.view(np.uint8)[:16])
+
+        await blocking(hole)
+
+
+async def test_a_transfer_blocks_other_requests_and_scrubbing(tmp_path: Path) -> None:
+    async with daemon(tmp_path) as d:
+        s = await blocking(d.session)
+        r = await blocking(lambda: s.call("x", "array.create", path="b", size=4 << 20, mode=0o600))
+        await blocking(lambda: s.call("x", "array.commit", h=r["h"]))
+        await blocking(lambda: s.call("x", "array.map", h=r["h"], offset=0, length=1 << 20,
+                                      write=True))
+        for op, args in (("array.open", {"path": "b"}), ("array.close", {"h": r["h"]})):
+            with pytest.raises(OSError) as info:
+                await blocking(functools.partial(s.call, "x", op, **args))
+            assert info.value.errno == errno.EBUSY
+        # Chunks freed meanwhile are not zeroed (and so not handed out again) ...
+        await d.store.truncate(r["ino"], 0)
+        assert d.store.dirty_chunks == 64
+        with trio.move_on_after(0.5):
+            await d.scrubber.drain()
+        assert d.store.dirty_chunks == 64
+        # ... until the transfer ends.
+        await blocking(lambda: s.call("x", "array.done", h=r["h"]))
+        with trio.fail_after(5):
+            await d.scrubber.drain()
+        assert d.store.dirty_chunks == 0
+        await blocking(s.close)
+
+
+async def test_a_session_that_ends_leaves_nothing(tmp_path: Path) -> None:
+    async with daemon(tmp_path) as d:
+        free = d.store.space()
+
+        def leave() -> None:
+            s = d.session()
+            s.call("x", "array.create", path="gone.npy", size=3 << 20, mode=0o600)
+            s.client.close()  # the process "dies": no commit, no close
+
+        await blocking(leave)
+        with trio.fail_after(5):
+            while d.names() or d.store.space() != free:
+                await trio.sleep(0.01)
+                await d.scrubber.drain()
+        assert not [n for n in d.names() if TEMP_TAG in n]
+
+
+async def test_enospc_at_create_leaves_no_file(tmp_path: Path) -> None:
+    async with daemon(tmp_path) as d:
+        free = d.store.space()
+        s = await blocking(d.session)
+        with pytest.raises(OSError) as info:
+            await blocking(lambda: s.call("/mnt/x.npy", "array.create", path="x.npy",
+                                          size=64 << 20, mode=0o600))
+        assert info.value.errno == errno.ENOSPC and info.value.filename == "/mnt/x.npy"
+        await blocking(s.close)
+        with trio.fail_after(5):
+            await d.scrubber.drain()
+        assert d.names() == [] and d.store.space() == free
+
+
+async def test_large_arrays_get_large_stripes_unless_the_directory_says(tmp_path: Path) -> None:
+    pool = PoolConfig(size=256 << 20, volumes=4, chunk_size=64 << 10, stripe_size=1 << 20)
+    async with daemon(tmp_path, pool) as d:
+        sub = await d.store.mknod(1, b"d", stat.S_IFDIR | 0o755, 0, 0)
+        await d.store.setxattr(sub.ino, LAYOUT_XATTR, b"stripe_size=2M")
+        s = await blocking(d.session)
+        for path in ("big", "d/big"):
+            r = await blocking(functools.partial(s.call, "x", "array.create", path=path,
+                                                 size=128 << 20, mode=0o600))
+            layout = await d.store.getxattr(r["ino"], LAYOUT_XATTR)
+            want = b"stripe_size=8M" if path == "big" else b"stripe_size=2M"
+            assert want in layout, layout
+            await blocking(functools.partial(s.call, "x", "array.close", h=r["h"]))
+        await blocking(s.close)
+
+
+async def test_an_orphaned_transfer_is_held_until_its_process_exits(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.expected_warnings = True  # type: ignore[attr-defined]
+    async with daemon(tmp_path) as d:
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # noqa: ASYNC220
+        try:
+            session = d.service.session(Peer(child.pid, 0, 0))
+            r, _ = await session.call("array.create", {"path": "o", "size": 1 << 20, "mode": 0o600})
+            await session.call("array.map", {"h": r["h"], "offset": 0, "length": 1 << 20,
+                                             "write": True})
+            await session.aclose()  # the connection ended mid-transfer
+            assert d.service.orphans == 1 and d.scrubber._holds == 1
+            assert [n for n in d.names() if TEMP_TAG in n], "kept while the process lives"
+            await trio.sleep(0.2)
+            assert d.service.orphans == 1
+            assert "left with a transfer open" in caplog.text
+            child.kill()
+            with trio.fail_after(5):
+                while d.service.orphans:  # noqa: ASYNC110 - polled: no event to wait on
+                    await trio.sleep(0.01)
+            assert d.scrubber._holds == 0 and d.names() == []
+        finally:
+            child.kill()
+            child.wait()
+
+
+async def test_wait_exit_of_a_process_that_is_gone() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])  # noqa: ASYNC220
+    child.wait()
+    with trio.fail_after(1):
+        await wait_exit(child.pid)
+
+
+async def test_bad_requests_are_errors_not_crashes(tmp_path: Path) -> None:
+    async with daemon(tmp_path) as d:
+        session = d.service.session(Peer(os.getpid(), 0, 0))
+        for op, args, err in (
+            ("array.nope", {}, errno.EINVAL),
+            ("array.open", {"path": 5}, errno.EINVAL),
+            ("array.open", {"path": "../x"}, errno.EINVAL),
+            ("array.open", {"path": "missing"}, errno.ENOENT),
+            ("array.open", {"path": ""}, errno.EISDIR),
+            ("array.create", {"path": "x", "size": -1, "mode": 0}, errno.EINVAL),
+            ("array.map", {"h": 99, "offset": 0, "length": 1}, errno.EBADF),
+            ("array.done", {"h": 99}, errno.EBADF),
+        ):
+            with pytest.raises(FsError) as info:
+                await session.call(op, args)
+            assert info.value.errno == err, (op, args)
+        r, _ = await session.call("array.create", {"path": "x", "size": 10, "mode": 0o600})
+        with pytest.raises(FsError) as info:
+            await session.call("array.map", {"h": r["h"], "offset": 8, "length": 4, "write": True})
+        assert info.value.errno == errno.EINVAL  # past the end of a fixed-size array file
+        await session.call("array.close", {"h": r["h"]})
+        await session.aclose()
+        assert d.names() == []
+
+
+def fds_of(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+async def test_descriptors_are_not_leaked(tmp_path: Path) -> None:
+    async with daemon(tmp_path) as d:
+        before = fds_of(os.getpid())
+
+        def many() -> None:
+            for _ in range(20):
+                s = d.session()
+                s.close()
+
+        await blocking(many)
+        assert fds_of(os.getpid()) == before
+
