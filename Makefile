@@ -5,7 +5,7 @@ MNT    ?= /mnt/memfs
 SIZE   ?= 4G
 MEMFS   = $(VENV)/bin/memfs
 
-.PHONY: install mount umount test lint bench bench-fs bench-tcp bench-bb bench-cluster bench-mds bench-journal clean
+.PHONY: install mount umount test lint bench bench-fs bench-tcp bench-bb bench-cluster bench-mds bench-journal bench-array clean
 
 install: $(VENV)/.installed
 
@@ -46,8 +46,9 @@ lint: install
 
 # memfs vs tmpfs (fio, metadata), then the tcp data path vs raw loopback sockets, then the
 # burst buffer: writing into memfs --backing DIR vs into DIR (a disk directory) directly,
-# then cluster mode (memd + mds + client on loopback) vs embedded, then the mds under load.
-bench: bench-fs bench-tcp bench-bb bench-cluster bench-mds bench-journal
+# then cluster mode (memd + mds + client on loopback) vs embedded, then the mds under load,
+# then memfs.array (direct numpy save/load) vs numpy and h5py.
+bench: bench-fs bench-tcp bench-bb bench-cluster bench-mds bench-journal bench-array
 
 # memfs vs tmpfs vs bindfs (Debian's, a compiled FUSE filesystem); draws docs/bench-fs.png
 bench-fs: install
@@ -74,6 +75,12 @@ bench-mds: install
 # creates from 4 clients on an mds with --journal vs without (group commit; goal 0.7)
 bench-journal: install
 	$(VENV)/bin/python bench/mdsbench.py --mode create --journal-compare $(JOURNAL_BENCH_ARGS)
+
+# memfs.array vs numpy through the mount, numpy and h5py on tmpfs, and (cluster) raw
+# loopback TCP; ARRAY_BENCH_ARGS="--size 256M --rounds 5 --only embedded" varies it.
+bench-array: install
+	@$(VENV)/bin/python -c "import h5py" 2>/dev/null || $(VENV)/bin/pip install -q h5py
+	$(VENV)/bin/python bench/arraybench.py $(ARRAY_BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -442,23 +442,33 @@ class ControlClient:
 
         Descriptors that come with the reply are appended to *fds* if given (and
         closed if not)."""
+        self.send(op, args, timeout)
+        return self.receive(timeout, fds=fds)
+
+    def send(self, op: str, args: dict[str, Any] | None = None,
+             timeout: float | None = None) -> None:
+        """Send a request without waiting for its reply: :meth:`receive` takes the
+        replies in the order of the requests (several may be under way)."""
         if self._sock is None:
             self.connect()
         assert self._sock is not None
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         line = json.dumps({"op": op, "args": args or {}}, separators=(",", ":")).encode() + b"\n"
         try:
-            self._sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            self._sock.settimeout(self.timeout if timeout is None else timeout)
             self._sock.sendall(line)
-            reply = self._read_line(deadline, fds)
-        except TimeoutError:
-            self.close()  # a late reply must not be taken for the next request's
-            raise ControlError(errno.ETIMEDOUT,
-                               f"no answer from the daemon of {self.name} in time") from None
         except OSError as exc:
-            self.close()
-            raise ControlError(errno.EIO, f"lost the connection to the daemon of {self.name}: "
-                                          f"{exc.strerror or exc}") from None
+            raise self._lost(exc) from None
+
+    def receive(self, timeout: float | None = None, *,
+                fds: list[int] | None = None) -> dict[str, Any]:
+        """The reply to the oldest request sent and not yet answered (see :meth:`call`)."""
+        if self._sock is None:
+            raise ControlError(errno.EIO, f"lost the connection to the daemon of {self.name}")
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        try:
+            reply = self._read_line(deadline, fds)
+        except OSError as exc:
+            raise self._lost(exc) from None
         except ControlError:
             self.close()
             raise
@@ -480,6 +490,15 @@ class ControlClient:
             raise ControlError(value["errno"], str(value.get("error") or os.strerror(value["errno"])))
         self.close()
         raise ControlError(errno.EPROTO, f"the daemon of {self.name} sent a malformed reply")
+
+    def _lost(self, exc: OSError) -> ControlError:
+        """The connection is unusable after *exc* (a late reply must not be taken for
+        the next request's): closed, and the error to raise."""
+        self.close()
+        if isinstance(exc, TimeoutError):
+            return ControlError(errno.ETIMEDOUT, f"no answer from the daemon of {self.name} in time")
+        return ControlError(errno.EIO, f"lost the connection to the daemon of {self.name}: "
+                                       f"{exc.strerror or exc}")
 
     def _read_line(self, deadline: float, fds: list[int] | None = None) -> bytes:
         assert self._sock is not None

@@ -26,7 +26,8 @@ def save(path: PathLike, arr: npt.ArrayLike) -> None:
     p = os.fspath(path)
     a, data = npy.data_view(np.asarray(arr))  # subclasses (matrix, masked) as plain arrays
     header = npy.encode_header(a.shape, a.dtype, npy.is_fortran(a))
-    f = create_file(p, len(header) + len(data))
+    # Space is allocated piece by piece as the data goes in (a failure removes the file)
+    f = create_file(p, len(header) + len(data), allocate=False)
     try:
         f.write(0, memoryview(header), publish=False)
         f.write(len(header), data)
@@ -84,7 +85,7 @@ class ArrayFile:
                 raise ValueError("mode 'w' needs shape= and dtype=")
             shp = (shape,) if isinstance(shape, int) else tuple(int(x) for x in shape)
             h = npy.decode_header(npy.encode_header(shp, np.dtype(dtype), False))
-            f = create_file(path, h.file_size)
+            f = create_file(path, h.file_size, allocate=True)
             try:
                 f.write(0, memoryview(npy.encode_header(h.shape, h.dtype, False)), publish=False)
                 f.commit()

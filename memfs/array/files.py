@@ -18,13 +18,15 @@ one, never a mix, and a failure leaves no partial file behind.
 
 from __future__ import annotations
 
+import collections
 import errno
 import logging
 import os
 import secrets
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
-from memfs.array.movers import LocalMover, RemoteMover
+from memfs.array.movers import LocalMover, Mover, RemoteMover, TcpMover, populate, settle
 from memfs.errors import ControlError, UsageError
 
 log = logging.getLogger(__name__)
@@ -56,10 +58,11 @@ def _os_error(exc: ControlError, path: str) -> OSError:
 class DirectSession:
     """A direct-access session with the daemon of one mount (one control connection)."""
 
-    def __init__(self, client: Any, mover: LocalMover | RemoteMover, piece: int) -> None:
+    def __init__(self, client: Any, mover: Mover, piece: int) -> None:
         self.client = client
         self.mover = mover
         self.piece = piece
+        self._helper: ThreadPoolExecutor | None = None
 
     @classmethod
     def connect(cls, mnt: str) -> DirectSession | None:
@@ -85,10 +88,12 @@ class DirectSession:
                 log.debug("%s: no direct access: %s", mnt, reply.get("why"))
                 raise _NoDirect
             pool = reply["pool"]
-            mover: LocalMover | RemoteMover
+            mover: Mover
             if pool.get("kind") == "local":
                 mover = LocalMover(fds, [int(x) for x in pool["sizes"]])
                 fds = []
+            elif pool.get("kind") == "tcp":
+                mover = TcpMover(pool)
             else:
                 mover = RemoteMover(pool)
             return cls(client, mover, int(reply["piece"]))
@@ -109,57 +114,168 @@ class DirectSession:
 
     def call(self, where: str, op: str, /, **args: Any) -> dict[str, Any]:
         """*op*'s answer; an error is an OSError naming *where* (the user's path)."""
-        if not self.client.connected:
-            # A new connection would be a new session, without this one's handles.
-            raise OSError(errno.ENOTCONN, f"lost the daemon of {self.client.name} "
-                                          "(unmounted?)", where)
+        self.check(where)
         try:
             result: dict[str, Any] = self.client.call(op, args)
         except ControlError as exc:
             raise _os_error(exc, where) from None
         return result
 
+    def check(self, where: str) -> None:
+        """ENOTCONN once the connection is gone: a new one would be a new session,
+        without this one's handles."""
+        if not self.client.connected:
+            raise OSError(errno.ENOTCONN, f"lost the daemon of {self.client.name} "
+                                          "(unmounted?)", where)
+
     def transfer(self, path: str, h: int, offset: int, view: memoryview, *,
                  write: bool, publish: bool = False) -> None:
         """Move *view* to (*write*) or from ``[offset, offset+len(view))`` of handle *h*."""
+        ahead = None
+        if not write and self.mover.populate_ahead and len(view) >= self.piece:
+            if self._helper is None:
+                self._helper = ThreadPoolExecutor(1, thread_name_prefix="memfs-populate")
+            ahead = self._helper.submit(populate, view)
+        try:
+            self._transfer(path, h, offset, view, write=write, publish=publish)
+        finally:
+            if ahead is not None:
+                settle(ahead.result)
+
+    def _transfer(self, path: str, h: int, offset: int, view: memoryview, *,
+                  write: bool, publish: bool) -> None:
+        """Piece by piece; the daemon is asked where piece *i+1* lives while piece *i*
+        moves (two transfers open at most), and told piece *i* is done meanwhile."""
         total = len(view)
-        pos = 0
-        while pos < total:
-            n = min(self.piece, total - pos)
-            last = pos + n >= total
-            for _ in range(_MAX_TRIES):
-                m = self.call(path, "array.map", h=h, offset=offset + pos, length=n, write=write)
-                extents = m["extents"]
-                try:
-                    covered = sum(e[1] for e in extents)
-                    if covered < n:
-                        raise OSError(errno.EIO, f"the file ends at {offset + pos + covered}, "
-                                      f"before the array does (truncated?)", path)
-                    part = view[pos : pos + n]
-                    if write:
-                        self.mover.write(extents, offset + pos, part)
-                    else:
-                        self.mover.read(extents, offset + pos, part)
-                except BaseException:
-                    try:
-                        self.call(path, "array.done", h=h)
-                    except OSError:
-                        pass
-                    raise
-                d = self.call(path, "array.done", h=h, publish=publish and last)
-                if not d.get("stale"):
-                    break
-            else:
-                raise OSError(errno.EIO, "its chunk map keeps changing", path)
-            pos += n
+        pieces = [(pos, min(self.piece, total - pos)) for pos in range(0, total, self.piece)]
+        if not pieces:
+            return
+        p = _Pipeline(self, path, h, write)
+        try:
+            p.ask(offset, pieces[0][1])
+            for i, (pos, n) in enumerate(pieces):
+                tid, extents = p.answer_map(offset + pos, n)
+                if i:
+                    p.answer_done(offset + pieces[i - 1][0], view[slice(*_span(pieces[i - 1]))])
+                if i + 1 < len(pieces):
+                    p.ask(offset + pieces[i + 1][0], pieces[i + 1][1])
+                p.move(extents, offset + pos, view[pos : pos + n])
+                p.done(tid, publish=publish and i + 1 == len(pieces))
+            p.answer_done(offset + pieces[-1][0], view[slice(*_span(pieces[-1]))])
+        except BaseException:
+            p.abandon()
+            raise
 
     def close(self) -> None:
+        if self._helper is not None:
+            self._helper.shutdown()
         self.mover.close()
         self.client.close()
 
 
 class _NoDirect(Exception):
     pass
+
+
+def _span(piece: tuple[int, int]) -> tuple[int, int]:
+    return piece[0], piece[0] + piece[1]
+
+
+class _Pipeline:
+    """The requests of one transfer loop and their replies, which come in the order
+    the requests went (see :meth:`DirectSession._transfer`)."""
+
+    def __init__(self, session: DirectSession, path: str, h: int, write: bool) -> None:
+        self.s = session
+        self.path = path
+        self.h = h
+        self.write = write
+        #: requests sent and not answered yet, oldest first: "map" or "done"
+        self.waiting: collections.deque[str] = collections.deque()
+        #: transfers opened and not told done
+        self.open: set[int] = set()
+
+    def _send(self, kind: str, **args: Any) -> None:
+        self.s.check(self.path)
+        try:
+            self.s.client.send(f"array.{kind}", {"h": self.h, **args})
+        except ControlError as exc:
+            raise _os_error(exc, self.path) from None
+        self.waiting.append(kind)
+
+    def _receive(self) -> dict[str, Any]:
+        kind = self.waiting.popleft()
+        try:
+            reply: dict[str, Any] = self.s.client.receive()
+        except ControlError as exc:
+            raise _os_error(exc, self.path) from None
+        if kind == "map":
+            self.open.add(int(reply["t"]))
+        return reply
+
+    def ask(self, offset: int, length: int) -> None:
+        self._send("map", offset=offset, length=length, write=self.write)
+
+    def answer_map(self, offset: int, length: int) -> tuple[int, list[list[int]]]:
+        """The reply to the oldest map: (transfer id, extents).  Space still being
+        zeroed (EAGAIN: the daemon would wait for our own open transfer) is asked for
+        again once that transfer is done."""
+        try:
+            r = self._receive()
+        except OSError as exc:
+            if exc.errno != errno.EAGAIN or not self.open:
+                raise
+            self.answer_done(None, None)
+            self.ask(offset, length)
+            r = self._receive()
+        extents: list[list[int]] = r["extents"]
+        covered = sum(e[1] for e in extents)
+        if covered < length:
+            raise OSError(errno.EIO, f"the file ends at {offset + covered}, before the array "
+                          "does (truncated?)", self.path)
+        return int(r["t"]), extents
+
+    def move(self, extents: list[list[int]], base: int, part: memoryview) -> None:
+        if self.write:
+            self.s.mover.write(extents, base, part)
+        else:
+            self.s.mover.read(extents, base, part)
+
+    def done(self, tid: int, *, publish: bool = False) -> None:
+        self.open.discard(tid)
+        self._send("done", t=tid, publish=publish)
+
+    def answer_done(self, offset: int | None, part: memoryview | None) -> None:
+        """The reply to the oldest done; a read whose chunk map moved under it (cluster)
+        is read again (*offset*, *part*: that piece), at once and alone."""
+        while self.waiting and self.waiting[0] == "done":
+            if not self._receive().get("stale") or part is None or offset is None:
+                return
+            for _ in range(_MAX_TRIES):
+                self.ask(offset, len(part))
+                tid, extents = self.answer_map(offset, len(part))
+                self.move(extents, offset, part)
+                self.done(tid)
+                if not self._receive().get("stale"):
+                    return
+            raise OSError(errno.EIO, "its chunk map keeps changing", self.path)
+
+    def abandon(self) -> None:
+        """After a failure (the copies have stopped): end every transfer this loop
+        opened, so the daemon holds nothing for it.  A lost connection needs nothing
+        (the daemon releases the transfers when this process exits)."""
+        try:
+            while self.waiting or self.open:
+                if self.waiting:
+                    try:
+                        self._receive()
+                    except OSError as exc:
+                        if exc.errno in (errno.EIO, errno.ETIMEDOUT, errno.ENOTCONN):
+                            return
+                for tid in list(self.open):
+                    self.done(tid)
+        except OSError:
+            pass
 
 
 class DirectFile:
@@ -285,15 +401,18 @@ def open_file(path: str, *, write: bool) -> ArrayTarget:
         raise
 
 
-def create_file(path: str, size: int) -> ArrayTarget:
-    """A new file of *size* bytes (space allocated now where the pool is direct), under a
-    temporary name until ``commit``.  Replacing a file keeps its permissions."""
+def create_file(path: str, size: int, *, allocate: bool) -> ArrayTarget:
+    """A new file of *size* bytes under a temporary name until ``commit``; *allocate*:
+    all its space now where the pool is direct (else as it is written: ENOSPC then
+    comes from a write, and the caller closes the file, which removes it).
+    Replacing a file keeps its permissions."""
     mode = 0o666 & ~umask()
     found = _session(path)
     if found is not None:
         session, rel = found
         try:
-            r = session.call(path, "array.create", path=rel, size=size, mode=mode)
+            r = session.call(path, "array.create", path=rel, size=size, mode=mode,
+                             allocate=allocate)
         except BaseException:
             session.close()
             raise

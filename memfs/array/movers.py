@@ -10,10 +10,13 @@ and copies each extent straight between the view and volume memory:
   between.  The copies run on a few threads (the GIL is released in the
   syscall): a fresh destination array is faulted in while it is filled, which
   is what bounds one thread.
-* :class:`RemoteMover` (cluster pools): the memory servers, over the same
-  transport the mount uses (tcp: READ replies are received straight into the
-  view, WRITE data is sent straight from it), in a trio loop on a thread of
-  its own so that the API stays blocking.
+* :class:`TcpMover` (cluster pools of ``tcp://`` volumes): the memory servers,
+  with blocking bulk transfers, a thread per connection
+  (:mod:`memfs.transport.bulk`): READ replies are received straight into the
+  view, WRITE data is sent straight from it;
+* :class:`RemoteMover` (other cluster pools: ``verbs://``): the transport the
+  mount uses, in a trio loop on a thread of its own so that the API stays
+  blocking.
 
 A move that fails, or is interrupted (``KeyboardInterrupt``), returns only once
 none of its copies is still running: the caller then tells the daemon the
@@ -23,13 +26,14 @@ transfer is over, after which that memory may belong to another file.
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import errno
 import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import trio
@@ -52,12 +56,45 @@ STOP_TIMEOUT = 60.0
 Extent = Sequence[int]  # [file offset, length, volume, volume offset]
 
 
+class Mover(Protocol):
+    """Copies between a view of a file range and the volumes its extents name."""
+
+    populate_ahead: bool
+
+    def read(self, extents: Sequence[Extent], base: int, view: memoryview) -> None: ...
+
+    def write(self, extents: Sequence[Extent], base: int, view: memoryview) -> None: ...
+
+    def close(self) -> None: ...
+
+
 def _zero(view: memoryview) -> None:
     if len(view):
         np.frombuffer(view, dtype=np.uint8)[:] = 0
 
 
-def _settle(wait: Callable[[], object]) -> None:
+_MADV_POPULATE_WRITE = 23  # Linux 5.14
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+_libc: ctypes.CDLL | None = None
+
+
+def populate(view: memoryview) -> None:
+    """Fault in the pages of *view* (writable), without writing them: what a copy into
+    fresh memory otherwise does one page fault at a time in the copying thread.  Best
+    effort (older kernels: nothing)."""
+    global _libc
+    if len(view) < 2 * _PAGE:
+        return
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    addr = np.frombuffer(view, dtype=np.uint8).ctypes.data
+    start = -(-addr // _PAGE) * _PAGE
+    end = (addr + len(view)) // _PAGE * _PAGE
+    # ctypes lets go of the GIL for the call: the copying threads go on meanwhile
+    _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_POPULATE_WRITE)
+
+
+def settle(wait: Callable[[], object]) -> None:
     """Run *wait* to its end, through any number of KeyboardInterrupts."""
     while True:
         try:
@@ -78,6 +115,10 @@ def _split(extents: Sequence[Extent], most: int) -> list[tuple[int, int, int, in
 
 class LocalMover:
     """Copies to and from an embedded pool's volumes (see the module docstring)."""
+
+    #: whether a read into fresh memory goes faster with its pages faulted in by another
+    #: thread meanwhile (measured: no, the copy threads fault them in parallel already)
+    populate_ahead = False
 
     def __init__(self, fds: list[int], sizes: list[int]) -> None:
         if len(fds) != len(sizes):
@@ -133,7 +174,7 @@ class LocalMover:
         except BaseException:
             for f in futures:
                 f.cancel()
-            _settle(lambda: concurrent.futures.wait(futures))
+            settle(lambda: concurrent.futures.wait(futures))
             raise
 
     def close(self) -> None:
@@ -145,12 +186,54 @@ class LocalMover:
         self.fds = []
 
 
+class TcpMover:
+    """Copies to and from a tcp pool's memory servers with blocking bulk transfers
+    (:class:`memfs.transport.bulk.BulkTcp`: a thread per connection, each byte
+    received straight into the array or sent straight from it)."""
+
+    #: measured: with several receiving threads, faulting pages in on one more only
+    #: takes a CPU from them
+    populate_ahead = False
+
+    def __init__(self, pool: dict[str, Any]) -> None:
+        from memfs.config import parse_pool_spec
+        from memfs.transport.bulk import BulkTcp
+
+        self._bulk = BulkTcp(
+            parse_pool_spec("+".join(str(v) for v in pool["volumes"])),
+            bytes.fromhex(pool["secret"]),
+            incarnations={str(k): int(v) for k, v in dict(pool.get("incarnations", {})).items()})
+
+    def read(self, extents: Sequence[Extent], base: int, view: memoryview) -> None:
+        self._run(extents, base, view, write=False)
+
+    def write(self, extents: Sequence[Extent], base: int, view: memoryview) -> None:
+        self._run(extents, base, view, write=True)
+
+    def _run(self, extents: Sequence[Extent], base: int, view: memoryview, *, write: bool) -> None:
+        jobs = []
+        for off, n, vol, voff in extents:
+            part = view[off - base : off - base + n]
+            if vol >= 0:
+                jobs.append((vol, voff, part))
+            elif not write:
+                _zero(part)
+        self._bulk.move(jobs, write=write)
+
+    def close(self) -> None:
+        self._bulk.close()
+
+
 class RemoteMover:
     """Copies to and from a cluster pool's memory servers (see the module docstring).
 
     Opening connects to every memory server of the pool (with the mount's secret),
     so a pool this process cannot reach fails here, before any file is touched.
     """
+
+    #: the receiving runs on one thread: faulting fresh pages in on another helps
+    #: (1 GiB into a new array, loopback: 1.25 -> 1.56 GiB/s, medians of 5)
+    populate_ahead = True
 
     def __init__(self, pool: dict[str, Any]) -> None:
         from memfs.config import parse_pool_spec
@@ -220,7 +303,7 @@ class RemoteMover:
                     trio.from_thread.run_sync(scope.cancel, trio_token=self._token)
                 except trio.RunFinishedError:
                     pass
-                _settle(lambda: ended.wait(STOP_TIMEOUT))
+                settle(lambda: ended.wait(STOP_TIMEOUT))
             raise
 
     async def _move(self, extents: Sequence[Extent], base: int, view: memoryview, write: bool) -> None:

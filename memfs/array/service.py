@@ -15,22 +15,28 @@ Requests (``args`` of the control protocol; all but ``hello`` name a handle ``h`
 ``array.open {path, write}``
     an existing regular file; ``{"h", "ino", "size"}``.  Counted as an open
     handle, so an unlink leaves its data in place until ``close``.
-``array.create {path, size, mode}``
-    a new file of *size* bytes, all of it allocated now (ENOSPC here, all or
-    nothing), under a temporary name beside *path*; ``commit`` renames it over
-    *path* (readers see the old file or the new one, never a mix).
+``array.create {path, size, mode, allocate}``
+    a new file of *size* bytes under a temporary name beside *path*; with
+    *allocate* all of it is allocated now (ENOSPC here, all or nothing), else
+    as it is mapped for writing.  ``commit`` renames it over *path* (readers see
+    the old file or the new one, never a mix).
 ``array.map {h, offset, length, write}``
-    where ``[offset, offset+length)`` lives: ``{"extents": [[off, len, vol,
-    voff], ...]}`` (``vol`` -1: a hole).  Opens a *transfer*: until ``done``,
-    nothing those extents name is freed and reused (the scrubber is held; in
-    cluster mode a recall waits, as for this daemon's own transfers).  At most
-    :data:`PIECE` bytes; one transfer at a time per session.
-``array.done {h, publish}``
-    the transfer ended.  A write is made visible: mtime (and, for the burst
-    buffer, write-back) now, and with *publish* the kernel's cached pages and
-    attributes of the file are dropped so readers through the mount see it at
-    once.  A read answers ``{"stale": true}`` if the chunk map changed under it
-    (cluster mode): the caller reads that piece again.
+    where ``[offset, offset+length)`` lives: ``{"t": id, "extents": [[off, len,
+    vol, voff], ...]}`` (``vol`` -1: a hole).  Opens transfer *id*: until its
+    ``done``, nothing those extents name is freed and reused (the scrubber is
+    held; in cluster mode a recall waits, as for this daemon's own transfers).
+    At most :data:`PIECE` bytes; at most :data:`MAX_TRANSFERS` open per session,
+    so that a client can ask where its next piece lives while it moves this one.
+    EAGAIN if the space it needs is still being zeroed while another transfer of
+    the session is open (waiting would wait for that transfer): end it, ask again.
+``array.done {h, t, publish}``
+    transfer *t* ended.  A read answers ``{"stale": true}`` if the chunk map
+    changed under it (cluster mode): the caller reads that piece again.  A
+    write's range is remembered; with *publish* (the last piece of a slab) the
+    written ranges become visible: mtime now (and, for the burst buffer, the file
+    is dirty again), size and mtime exact on the metadata server, the kernel's
+    cached pages and attributes of the file dropped, so readers through the mount
+    see it at once.  ``commit`` does the same for a created file.
 ``array.commit {h}`` / ``array.close {h}``
     publish a created file under its name / let go of a handle (an uncommitted
     file is removed).
@@ -42,7 +48,7 @@ never ended (it died, or closed the connection, mid-copy) stays held until the
 client *process* has exited (watched with a pidfd); only then can no more of its
 bytes land in the memory that transfer named.  A transfer open longer than
 :data:`HOLD_WARNING` is logged.  While a transfer is open the session answers
-nothing but ``done`` and ``close``.
+nothing but ``map``, ``done`` and ``close``.
 """
 
 from __future__ import annotations
@@ -72,19 +78,22 @@ log = logging.getLogger(__name__)
 PIECE = 64 << 20
 #: cluster: a transfer must end well within the time a recall waits for this
 #: daemon's transfers (1.5 s) before the metadata server may free the chunks it
-#: names; 16 MiB takes 0.15 s even at 100 MB/s
+#: names: at most this much per volume (each volume's share moves in parallel with
+#: the others'; 16 MiB takes 0.15 s even at 100 MB/s)
 REMOTE_PIECE = 16 << 20
 #: a transfer still open after this long is logged (it stays held: see above)
 HOLD_WARNING = 10.0
 #: most descriptors one message carries (the kernel's SCM_MAX_FD)
 MAX_FDS = 253
+#: transfers one session may have open at once (a client pipelines two pieces)
+MAX_TRANSFERS = 2
 #: cleaning up a session that ended never takes longer than this
 CLOSE_TIMEOUT = 10.0
 #: what a temporary file's name carries (``.NAME.memfs-array-XXXXXXXX``)
 TEMP_TAG = b".memfs-array-"
 #: stripe units of array files: from 1 MiB up to this, at least 4 per volume (see
-#: :func:`array_layout`)
-MAX_STRIPE = 64 << 20
+#: :func:`array_layout`); a cluster piece then spans every volume
+MAX_STRIPE = REMOTE_PIECE
 _ROOT = 1
 
 
@@ -141,6 +150,8 @@ class _Handle:
     writable: bool
     #: a created file's temporary name, until commit
     temp: bytes | None = None
+    #: written since the last publish: (start, end) of the range
+    written: tuple[int, int] | None = None
 
 
 @dataclass(slots=True)
@@ -223,11 +234,12 @@ class ArraySession:
         self.peer = peer
         self._handles: dict[int, _Handle] = {}
         self._next = 1
-        self._transfer: _Transfer | None = None
+        self._transfers: dict[int, _Transfer] = {}
+        self._next_transfer = 1
 
     async def call(self, op: str, args: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         """Answer *op*; FsError (with a message naming the file) on failure."""
-        if self._transfer is not None and op not in ("array.done", "array.close"):
+        if self._transfers and op not in ("array.map", "array.done", "array.close"):
             raise FsError(errno.EBUSY, "a transfer is open: end it first (array.done)")
         if op == "array.hello":
             return self._hello()
@@ -245,7 +257,7 @@ class ArraySession:
             why = f"the pool has {len(access.fds)} volumes; one message passes at most {MAX_FDS}"
         if why is not None:
             return {"direct": False, "why": why}, []
-        piece = PIECE if access.kind == "local" else REMOTE_PIECE
+        piece = PIECE if access.kind == "local" else min(PIECE, REMOTE_PIECE * self.meta.n_volumes)
         return ({"direct": True, "pool": access.describe(), "piece": piece,
                  "chunk": self.meta.chunk_size}, list(access.fds))
 
@@ -284,8 +296,9 @@ class ArraySession:
             layout = array_layout(size, self.meta.n_volumes, self.meta.chunk_size)
             if layout is not None and not await self._has_layout(parent):
                 await self.meta.setxattr(a.ino, LAYOUT_XATTR, layout)
-            for off in range(0, size, PIECE):
-                await self._map_write(a.ino, off, min(PIECE, size - off))
+            if args.get("allocate", True):
+                for off in range(0, size, PIECE):
+                    await self._map_write(a.ino, off, min(PIECE, size - off))
         except BaseException:
             with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT):
                 await self._drop(h)
@@ -298,6 +311,8 @@ class ArraySession:
         write = bool(args.get("write", False))
         if length > PIECE:
             raise FsError(errno.EINVAL, f"a transfer covers at most {PIECE} bytes")
+        if len(self._transfers) >= MAX_TRANSFERS:
+            raise FsError(errno.EBUSY, f"{MAX_TRANSFERS} transfers are open: end one first")
         if write and not h.writable:
             raise FsError(errno.EBADF, "opened read-only")
         if write and offset + length > h.size:
@@ -307,7 +322,8 @@ class ArraySession:
         for _ in range(100):
             gen = meta.generation(h.ino)
             if write:
-                extents = (await self._map_write(h.ino, offset, length)) if length else []
+                extents = (await self._map_write(h.ino, offset, length, wait=not self._transfers)
+                           if length else [])
             else:
                 extents = await meta.map_read(h.ino, offset, length)
             # No await from here until the hold is taken: in embedded mode nothing
@@ -320,17 +336,19 @@ class ArraySession:
                     continue  # recalled while we asked: the map may name freed chunks
                 out = [[e.offset, e.length, e.volume, e.voffset] for e in extents]
                 t = _Transfer(hid, offset, length, write, gen, hold.pop_all(), out)
-                self._transfer = t
+                tid = self._next_transfer
+                self._next_transfer += 1
+                self._transfers[tid] = t
                 self.service.spawn(self._warn_if_long, t, t.watch)
-                return {"extents": out}
+                return {"t": tid, "extents": out}
         raise FsError(errno.EIO, "the file's chunk map keeps changing")
 
     async def _done(self, args: dict[str, Any]) -> dict[str, Any]:
         hid, h = self._handle(args)
-        t = self._transfer
+        t = self._transfers.get(_int(args, "t"))
         if t is None or t.handle != hid:
-            raise FsError(errno.EINVAL, "no transfer is open on this handle")
-        self._transfer = None
+            raise FsError(errno.EINVAL, "no such transfer open on this handle")
+        del self._transfers[_int(args, "t")]
         t.watch.cancel()
         t.hold.close()
         moved = self.meta.generation(h.ino) != t.gen
@@ -343,14 +361,10 @@ class ArraySession:
             if [[e.offset, e.length, e.volume, e.voffset] for e in now] != t.extents:
                 raise FsError(errno.EIO, "the file changed under the write (truncated, or "
                                          "its chunks moved): write it again")
-        # Written: the write's other effects now (mtime; for the burst buffer the file
-        # is dirty again, so a write-back that copied it mid-transfer is redone).  Only
-        # within the size: a truncate meanwhile wins, as if it came after.
-        size = (await self.meta.getattr(h.ino)).size
-        n = min(t.length, size - t.offset)
-        if n > 0:
-            await self._map_write(h.ino, t.offset, n)
-        if args.get("publish"):
+        end = t.offset + t.length
+        h.written = (t.offset, end) if h.written is None else (
+            min(h.written[0], t.offset), max(h.written[1], end))
+        if args.get("publish") and h.temp is None:
             await self._publish(h)
         return {"stale": False}
 
@@ -401,8 +415,7 @@ class ArraySession:
 
     async def _close(self, args: dict[str, Any]) -> dict[str, Any]:
         hid, h = self._handle(args)
-        t = self._transfer
-        if t is not None and t.handle == hid:
+        if any(t.handle == hid for t in self._transfers.values()):
             # Closed mid-transfer: whatever the client still copies must not land in
             # reused memory; it says done first when it can (see the module docstring).
             raise FsError(errno.EBUSY, "a transfer is open on this handle: end it first")
@@ -439,10 +452,14 @@ class ArraySession:
             ino = a.ino
         return ino, parts[-1] if parts else b""
 
-    async def _map_write(self, ino: int, offset: int, length: int) -> list[Extent]:
+    async def _map_write(self, ino: int, offset: int, length: int, *,
+                         wait: bool = True) -> list[Extent]:
         try:
             return (await self.meta.map_write(ino, offset, length)).extents
         except SpaceBusy:  # only freed, not yet zeroed space is left: wait once
+            if not wait:  # the scrubber waits for our own open transfer
+                raise FsError(errno.EAGAIN, "freed space is still being zeroed: end the "
+                                            "open transfer and ask again") from None
             await self.meta.reclaim()
             try:
                 return (await self.meta.map_write(ino, offset, length)).extents
@@ -450,7 +467,17 @@ class ArraySession:
                 raise FsError(errno.ENOSPC) from None
 
     async def _publish(self, h: _Handle) -> None:
-        """Size and mtime exact where others ask (cluster), the kernel's copies gone."""
+        """What was written becomes visible: the write's other effects now (mtime; for
+        the burst buffer the file is dirty again, so a write-back that copied it
+        mid-transfer is redone; only within the size: a truncate meanwhile wins, as if
+        it came after), size and mtime exact where others ask (cluster), the kernel's
+        copies gone."""
+        if h.written is not None:
+            start, end = h.written
+            h.written = None
+            size = (await self.meta.getattr(h.ino)).size
+            if min(end, size) > start:
+                await self._map_write(h.ino, start, min(end, size) - start)
         await self.meta.sync(h.ino)
         kernel = self.service.kernel
         if kernel is not None:
@@ -473,13 +500,16 @@ class ArraySession:
         """The connection ended: release everything (shielded, bounded); an open
         transfer and the files it names only once the client process has exited."""
         handles, self._handles = list(self._handles.values()), {}
-        t, self._transfer = self._transfer, None
-        if t is not None:
-            t.watch.cancel()
-            log.warning("array client pid %d left with a transfer open (%d bytes at %d): "
-                        "freed memory is not reused until it exits", self.peer.pid,
-                        t.length, t.offset)
-            self.service.adopt(self.peer.pid, t.hold, handles, self)
+        transfers, self._transfers = list(self._transfers.values()), {}
+        if transfers:
+            hold = ExitStack()
+            for t in transfers:
+                t.watch.cancel()
+                hold.push(t.hold)
+            log.warning("array client pid %d left with %d transfer(s) open (%d bytes): freed "
+                        "memory is not reused until it exits", self.peer.pid, len(transfers),
+                        sum(t.length for t in transfers))
+            self.service.adopt(self.peer.pid, hold, handles, self)
             if self.service._nursery is not None:
                 return
         await self.drop_all(handles)
@@ -498,7 +528,7 @@ class ArraySession:
 
     async def _warn_if_long(self, t: _Transfer) -> None:
         await trio.sleep(HOLD_WARNING)
-        if self._transfer is t:
+        if t in self._transfers.values():
             log.warning("array client pid %d has had a transfer open for %.0f s; freed memory "
                         "is not reused until it ends", self.peer.pid, HOLD_WARNING)
 

@@ -86,8 +86,21 @@ _REPLY_WORK = 64 << 10
 _IDLE_CHECK = 0.001
 
 
-def _name(host: str, port: int) -> str:
+def server_name(host: str, port: int) -> str:
+    """``host:port`` (``[v6]:port``): how servers are named in messages and incarnations."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def check_info(info: object) -> tuple[int, list[int]]:
+    """(incarnation, volume sizes) from a decoded INFO reply (WireError if malformed)."""
+    if not (
+        isinstance(info, dict)
+        and isinstance(info.get("incarnation"), int)
+        and isinstance(info.get("volumes"), list)
+        and all(isinstance(s, int) and s > 0 for s in info["volumes"])
+    ):
+        raise wire.WireError(f"malformed INFO reply {info!r:.200}")
+    return info["incarnation"], info["volumes"]
 
 
 async def memd_handshake(sock: socket.socket, secret: bytes, role: str) -> tuple[int, list[int]]:
@@ -112,15 +125,7 @@ async def memd_handshake(sock: socket.socket, secret: bytes, role: str) -> tuple
     h, payload = await recv_frame(sock, _INFO_MAX)
     if h.kind is not Kind.OK or h.req_id != _INFO_ID:
         raise wire.WireError(f"unexpected {h.kind.name} reply to INFO")
-    info = wire.decode(payload)
-    if not (
-        isinstance(info, dict)
-        and isinstance(info.get("incarnation"), int)
-        and isinstance(info.get("volumes"), list)
-        and all(isinstance(s, int) and s > 0 for s in info["volumes"])
-    ):
-        raise wire.WireError(f"malformed INFO reply {info!r:.200}")
-    return info["incarnation"], info["volumes"]
+    return check_info(wire.decode(payload))
 
 
 class _Pending:
@@ -421,7 +426,7 @@ class _Server:
 
     def __init__(self, host: str, port: int, n_conns: int) -> None:
         self.host, self.port = host, port
-        self.name = _name(host, port)
+        self.name = server_name(host, port)
         self.slots: list[_Conn | None] = [None] * n_conns
         self.connecting = [trio.Lock() for _ in range(n_conns)]
         self.incarnation: int | None = None

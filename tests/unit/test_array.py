@@ -97,8 +97,8 @@ def test_bad_headers_and_object_arrays() -> None:
 def test_array_layout_uses_large_stripes_for_large_arrays() -> None:
     chunk = 64 << 10
     assert array_layout(10 << 20, 4, chunk) is None  # small: the pool default
-    assert array_layout(1 << 30, 4, chunk) == b"stripe_count=-1 stripe_size=64M"
-    assert array_layout(256 << 20, 4, chunk) == b"stripe_count=-1 stripe_size=16M"
+    assert array_layout(1 << 30, 4, chunk) == b"stripe_count=-1 stripe_size=16M"
+    assert array_layout(128 << 20, 4, chunk) == b"stripe_count=-1 stripe_size=8M"
     assert array_layout(1 << 40, 1, chunk) == f"stripe_count=-1 stripe_size={MAX_STRIPE >> 20}M".encode()
     assert array_layout(64 << 20, 1, 4 << 20) == b"stripe_count=-1 stripe_size=16M"
 
@@ -253,12 +253,15 @@ async def test_direct_round_trip_and_holes(tmp_path: Path) -> None:
 
         def work() -> None:
             s = d.session()
-            r = s.call("x", "array.create", path="a.npy", size=data.nbytes, mode=0o644)
+            s.piece = 256 << 10  # many pieces: the pipelined loop, two transfers open
+            r = s.call("x", "array.create", path="a.npy", size=data.nbytes, mode=0o644,
+                       allocate=False)
             f = DirectFile(s, "x", r["h"], data.nbytes)
             f.write(0, npy.byte_view(data))
             f.commit()
             f.close()
             s = d.session()
+            s.piece = 192 << 10  # not a divisor of the size: a short last piece
             r = s.call("x", "array.open", path="a.npy", write=False)
             f = DirectFile(s, "x", r["h"], r["size"])
             back = np.empty_like(data)
@@ -288,9 +291,12 @@ async def test_a_transfer_blocks_other_requests_and_scrubbing(tmp_path: Path) ->
         s = await blocking(d.session)
         r = await blocking(lambda: s.call("x", "array.create", path="b", size=4 << 20, mode=0o600))
         await blocking(lambda: s.call("x", "array.commit", h=r["h"]))
-        await blocking(lambda: s.call("x", "array.map", h=r["h"], offset=0, length=1 << 20,
-                                      write=True))
-        for op, args in (("array.open", {"path": "b"}), ("array.close", {"h": r["h"]})):
+        m = await blocking(lambda: s.call("x", "array.map", h=r["h"], offset=0, length=1 << 20,
+                                          write=True))
+        m2 = await blocking(lambda: s.call("x", "array.map", h=r["h"], offset=1 << 20,
+                                           length=1 << 20, write=True))  # pipelined: two
+        for op, args in (("array.open", {"path": "b"}), ("array.close", {"h": r["h"]}),
+                         ("array.map", {"h": r["h"], "offset": 0, "length": 1})):
             with pytest.raises(OSError) as info:
                 await blocking(functools.partial(s.call, "x", op, **args))
             assert info.value.errno == errno.EBUSY
@@ -300,8 +306,9 @@ async def test_a_transfer_blocks_other_requests_and_scrubbing(tmp_path: Path) ->
         with trio.move_on_after(0.5):
             await d.scrubber.drain()
         assert d.store.dirty_chunks == 64
-        # ... until the transfer ends.
-        await blocking(lambda: s.call("x", "array.done", h=r["h"]))
+        # ... until the transfers end.
+        for t in (m["t"], m2["t"]):
+            await blocking(functools.partial(s.call, "x", "array.done", h=r["h"], t=t))
         with trio.fail_after(5):
             await d.scrubber.drain()
         assert d.store.dirty_chunks == 0
@@ -371,7 +378,7 @@ async def test_an_orphaned_transfer_is_held_until_its_process_exits(
             assert [n for n in d.names() if TEMP_TAG in n], "kept while the process lives"
             await trio.sleep(0.2)
             assert d.service.orphans == 1
-            assert "left with a transfer open" in caplog.text
+            assert "left with 1 transfer(s) open" in caplog.text
             child.kill()
             with trio.fail_after(5):
                 while d.service.orphans:  # noqa: ASYNC110 - polled: no event to wait on
