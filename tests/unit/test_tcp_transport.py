@@ -319,3 +319,55 @@ async def test_idle_connection_closed_by_the_server_is_replaced() -> None:
             await t.write(0, 0, b"x")
             await trio.sleep(0.05)
         assert connections == 3
+
+
+# -- blocking bulk transfers (memfs.array's cluster path) ---------------------------------
+
+
+async def test_bulk_transfers_round_trip_and_agree_with_the_transport() -> None:
+    """BulkTcp writes what the trio transport reads and back, over two connections,
+    pieces larger than one request, and ranges it refuses."""
+    from memfs.transport.bulk import BulkTcp
+
+    async with memory_server(2, SIZE) as port:
+        vols = [VolumeAddr("tcp", "127.0.0.1", port, v) for v in (0, 1)]
+        data = bytes(range(256)) * (SIZE // 256)
+        bulk = await trio.to_thread.run_sync(partial(BulkTcp, vols, SECRET))
+        try:
+            src = memoryview(data)
+            half = SIZE // 2
+            jobs = [(0, 0, src[:half]), (1, 0, src[half:]), (0, half, src[half:])]
+            await trio.to_thread.run_sync(partial(bulk.move, jobs, write=True))
+            async with open_tcp_transport(vols, SECRET) as t:
+                assert bytes(await t.read(1, 0, SIZE - half)) == data[half:]
+                assert bytes(await t.read(0, half, SIZE - half)) == data[half:]
+                await t.write(1, 5, b"hello")
+            back = bytearray(SIZE)
+            view = memoryview(back)
+            await trio.to_thread.run_sync(partial(bulk.move, [(1, 0, view[:16]), (0, 0, view[16:])],
+                                                  write=False))
+            assert bytes(back[:16]) == data[half:half + 5] + b"hello" + data[half + 10:half + 16]
+            assert bytes(back[16:]) == data[: SIZE - 16]
+            with pytest.raises(TransportError, match="outside volume"):
+                await trio.to_thread.run_sync(partial(bulk.move, [(0, SIZE - 1, view[:2])],
+                                                      write=False))
+            with pytest.raises(TransportError, match="no volume 7"):
+                await trio.to_thread.run_sync(partial(bulk.move, [(7, 0, view[:2])], write=True))
+        finally:
+            await trio.to_thread.run_sync(bulk.close)
+
+
+async def test_bulk_refuses_a_restarted_server_and_a_wrong_secret(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from memfs.transport.bulk import BulkTcp
+
+    caplog.expected_warnings = True  # type: ignore[attr-defined]  # memd: auth failed
+
+    async with memory_server(1, SIZE) as port:
+        vols = [VolumeAddr("tcp", "127.0.0.1", port, 0)]
+        with pytest.raises(TransportError, match="restarted; its data is lost"):
+            await trio.to_thread.run_sync(partial(
+                BulkTcp, vols, SECRET, incarnations={f"127.0.0.1:{port}": -1}))
+        with pytest.raises(TransportError, match="wrong secret"):
+            await trio.to_thread.run_sync(partial(BulkTcp, vols, b"not the secret"))
