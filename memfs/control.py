@@ -9,7 +9,9 @@ Protocol: newline-delimited JSON, any number of requests per connection,
 answered in order.  A request is ``{"op": str, "args": {...}}``; the reply is
 ``{"ok": result}`` or ``{"error": message, "errno": n}``.  A line longer than
 :data:`MAX_LINE`, or one that is not such an object, is answered EINVAL and the
-connection is closed.  A connection idle for :data:`IDLE_TIMEOUT` is closed.
+connection is closed.  A connection idle for :data:`IDLE_TIMEOUT` is closed
+(not one whose array session holds files: a program may compute for hours
+between slab writes).
 Nothing a client does stops the daemon or logs more than a warning.
 
 Requests named ``array.*`` belong to a direct-access session of
@@ -34,6 +36,7 @@ import array
 import errno
 import json
 import logging
+import math
 import os
 import socket
 import stat
@@ -94,6 +97,10 @@ class _BadRequest(Exception):
 
 class ControlSession(Protocol):
     """Per-connection state for ``array.*`` requests (:class:`memfs.array.service.ArraySession`)."""
+
+    @property
+    def busy(self) -> bool:
+        """Holds files or transfers: the connection is not closed for being idle."""
 
     async def call(self, op: str, args: dict[str, Any]) -> tuple[dict[str, Any], list[int]]: ...
 
@@ -240,7 +247,9 @@ class _Server:
         try:
             while True:
                 try:
-                    line = await self._read_line(stream, buf, self.idle_timeout)
+                    busy = session is not None and session.busy
+                    line = await self._read_line(stream, buf,
+                                                 math.inf if busy else self.idle_timeout)
                     if line is None:
                         return
                     op, args = _parse_request(line)

@@ -13,7 +13,7 @@ import functools
 import logging
 import os
 import signal
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -112,6 +112,8 @@ class Backend:
     access: PoolAccess
     #: held around such a process's transfers, if freed chunks are zeroed here
     scrub_hold: Callable[[], AbstractContextManager[object]] | None = None
+    #: waited for before taking such a hold (a scrubber round that waits goes first)
+    scrub_turn: Callable[[], Awaitable[None]] | None = None
 
 
 @asynccontextmanager
@@ -136,7 +138,7 @@ async def open_backend(opts: MountOptions) -> AsyncIterator[Backend]:
         scrubber = Scrubber(store, transport)
         async with trio.open_nursery() as nursery:
             await nursery.start(scrubber.run)
-            yield Backend(store, transport, access, scrubber.hold)
+            yield Backend(store, transport, access, scrubber.hold, scrubber.wait_turn)
             nursery.cancel_scope.cancel()
     finally:
         await transport.aclose()
@@ -221,7 +223,8 @@ async def _main(opts: MountOptions, ready: Callable[[], None] | None) -> None:
             # Writers may wait for write-back (the dirty cap) and reads for the backing
             # directory: other requests must not queue behind them.
             opts.max_tasks = max(opts.max_tasks, 16)
-        arrays = ArrayService(meta, backend.access, scrub_hold=backend.scrub_hold)
+        arrays = ArrayService(meta, backend.access, scrub_hold=backend.scrub_hold,
+                              scrub_turn=backend.scrub_turn)
         await background.start(arrays.run)
         if opts.control_path is not None:
             from memfs.control import serve_control

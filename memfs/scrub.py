@@ -10,7 +10,9 @@ pool, in ``memfs mds`` for a cluster.
 Processes that move bytes to and from volume memory themselves
 (:mod:`memfs.array`) take a :meth:`Scrubber.hold` around each transfer: while
 one is held no freed chunk is zeroed or handed out again, so a transfer that
-raced a truncate or unlink lands in memory that no other file owns yet.
+raced a truncate or unlink lands in memory that no other file owns yet.  A round
+that had to wait for holds to end makes new transfers wait (:meth:`wait_turn`)
+until it is over: transfers one after the other cannot starve it.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ RETRY_DELAY = 1.0
 #: a volume whose server does not zero a batch within this is skipped for the round:
 #: well below the clients' 10 s call timeout, which a write waiting in reclaim() shares
 ZERO_TIMEOUT = 3.0
+#: how long a round waits for direct transfers (memfs.array) to let it run; then it
+#: ends (a writer waiting for space gets ENOSPC) and a background round retries
+HOLD_PATIENCE = 3.0
 
 
 class Scrubber:
@@ -46,6 +51,9 @@ class Scrubber:
         #: transfers in progress outside this process (see :meth:`hold`)
         self._holds = 0
         self._unheld = trio.Event()
+        #: a round waits for holds to end: new ones wait for the round (see wait_turn)
+        self._wanting = False
+        self._turn = trio.Event()
         store.reclaimer = self.drain
         store.on_dirty = self.poke
 
@@ -53,9 +61,9 @@ class Scrubber:
     def hold(self) -> Iterator[None]:
         """No freed chunk is zeroed or made allocatable again while this is held.
 
-        Held by the mount daemon for a local process's direct transfer (at most
-        one piece of :data:`memfs.array.service.PIECE` bytes, and never longer than
-        the session's hold timeout), so rounds are delayed, not starved."""
+        Held by the mount daemon for a local process's direct transfer (one piece
+        of at most :data:`memfs.array.service.PIECE` bytes, until the process says
+        it is done or has exited); taken after :meth:`wait_turn`."""
         self._holds += 1
         try:
             yield
@@ -64,7 +72,15 @@ class Scrubber:
             if not self._holds:
                 self._unheld.set()
 
+    async def wait_turn(self) -> None:
+        """Until no round is waiting for holds to end (call before taking a new one)."""
+        while self._wanting:
+            await self._turn.wait()
+
     async def _wait_unheld(self) -> None:
+        if not self._holds:
+            return
+        self._wanting = True
         while self._holds:
             self._unheld = trio.Event()
             await self._unheld.wait()
@@ -86,37 +102,52 @@ class Scrubber:
         """One round.  Volumes whose memory server fails are skipped for the rest of
         it: one dead server must not keep the others' freed space from being reused."""
         async with self._lock:
-            failed: dict[int, str] = {} if retry else dict(self._failing)
-            skipped = set(failed)
-            while True:
+            try:
+                await self._round(retry=retry)
+            finally:
+                if self._wanting:  # transfers held back for this round go on
+                    self._wanting = False
+                    turn, self._turn = self._turn, trio.Event()
+                    turn.set()
+
+    async def _round(self, *, retry: bool) -> None:
+        failed: dict[int, str] = {} if retry else dict(self._failing)
+        skipped = set(failed)
+        while True:
+            # Transfers are waited for only so long, under the lock a writer waiting
+            # for space (reclaim) needs too: a stopped process may hold one for good;
+            # that writer gets ENOSPC, not a hang, and background rounds try again.
+            with trio.move_on_after(HOLD_PATIENCE) as waited:
                 await self._wait_unheld()
-                batch = self.store.take_dirty(BATCH, skip=failed)
-                if not batch:
-                    break
-                try:
-                    if self.store.wait_durable is not None:
-                        # The records that freed these chunks first (see MetaStore).
-                        await self.store.wait_durable()
-                    bad = await self._zero(batch)
-                except BaseException:
-                    # Cancelled (a waiting call gave up, its connection dropped):
-                    # the batch stays dirty, or it would be lost to every round
-                    # after (neither dirty nor allocatable).  Zeroed again later.
-                    self.store.return_dirty(batch)
-                    raise
-                if bad:
-                    self.store.return_dirty([c for c in batch if c[0] in bad])
-                    batch = [c for c in batch if c[0] not in bad]
-                    failed.update(bad)
-                self.store.put_clean(batch)
-                await trio.lowlevel.checkpoint()  # let FUSE requests in between rounds
-            for vol, msg in failed.items():
-                if vol not in skipped and self._failing.get(vol) != msg:  # once, not every retry
-                    log.warning("cannot zero freed chunks of volume %d yet: %s", vol, msg)
-            for vol in set(self._failing) - set(failed):
-                if not self.store.allocators[vol].dirty:
-                    log.info("freed chunks of volume %d are being zeroed again", vol)
-            self._failing = failed
+            if waited.cancelled_caught:
+                break
+            batch = self.store.take_dirty(BATCH, skip=failed)
+            if not batch:
+                break
+            try:
+                if self.store.wait_durable is not None:
+                    # The records that freed these chunks first (see MetaStore).
+                    await self.store.wait_durable()
+                bad = await self._zero(batch)
+            except BaseException:
+                # Cancelled (a waiting call gave up, its connection dropped):
+                # the batch stays dirty, or it would be lost to every round
+                # after (neither dirty nor allocatable).  Zeroed again later.
+                self.store.return_dirty(batch)
+                raise
+            if bad:
+                self.store.return_dirty([c for c in batch if c[0] in bad])
+                batch = [c for c in batch if c[0] not in bad]
+                failed.update(bad)
+            self.store.put_clean(batch)
+            await trio.lowlevel.checkpoint()  # let FUSE requests in between rounds
+        for vol, msg in failed.items():
+            if vol not in skipped and self._failing.get(vol) != msg:  # once, not every retry
+                log.warning("cannot zero freed chunks of volume %d yet: %s", vol, msg)
+        for vol in set(self._failing) - set(failed):
+            if not self.store.allocators[vol].dirty:
+                log.info("freed chunks of volume %d are being zeroed again", vol)
+        self._failing = failed
 
     async def _zero(self, batch: list[tuple[int, int]]) -> dict[int, str]:
         """Zero *batch*; returns the volumes that failed, with the reason."""

@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 from memfs.array.movers import LocalMover, Mover, RemoteMover, TcpMover, populate, settle
-from memfs.errors import ControlError, UsageError
+from memfs.errors import ControlError, FsError, UsageError
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +58,12 @@ def _os_error(exc: ControlError, path: str) -> OSError:
 class DirectSession:
     """A direct-access session with the daemon of one mount (one control connection)."""
 
-    def __init__(self, client: Any, mover: Mover, piece: int) -> None:
+    def __init__(self, client: Any, mover: Mover, piece: int, depth: int = 1) -> None:
         self.client = client
         self.mover = mover
         self.piece = piece
+        #: transfers the daemon lets this session have open at once (2: pipelined)
+        self.depth = depth
         self._helper: ThreadPoolExecutor | None = None
 
     @classmethod
@@ -96,7 +98,7 @@ class DirectSession:
                 mover = TcpMover(pool)
             else:
                 mover = RemoteMover(pool)
-            return cls(client, mover, int(reply["piece"]))
+            return cls(client, mover, int(reply["piece"]), int(reply.get("transfers", 1)))
         except (_NoDirect, UsageError) as exc:  # refused for who we are
             if isinstance(exc, UsageError):
                 log.debug("%s: no direct access: %s", mnt, exc)
@@ -144,24 +146,32 @@ class DirectSession:
 
     def _transfer(self, path: str, h: int, offset: int, view: memoryview, *,
                   write: bool, publish: bool) -> None:
-        """Piece by piece; the daemon is asked where piece *i+1* lives while piece *i*
-        moves (two transfers open at most), and told piece *i* is done meanwhile."""
+        """Piece by piece.  Pipelined (cluster: the daemon's map is a metadata-server
+        call): where piece *i+1* lives is asked while piece *i* moves, and piece *i*
+        is told done meanwhile; embedded, one piece after the other (asking costs
+        nothing there, and the scrubber gets its turn between pieces)."""
         total = len(view)
         pieces = [(pos, min(self.piece, total - pos)) for pos in range(0, total, self.piece)]
         if not pieces:
             return
+        pipelined = self.depth > 1
         p = _Pipeline(self, path, h, write)
         try:
             p.ask(offset, pieces[0][1])
             for i, (pos, n) in enumerate(pieces):
                 tid, extents = p.answer_map(offset + pos, n)
-                if i:
+                if i and pipelined:
                     p.answer_done(offset + pieces[i - 1][0], view[slice(*_span(pieces[i - 1]))])
-                if i + 1 < len(pieces):
+                if pipelined and i + 1 < len(pieces):
                     p.ask(offset + pieces[i + 1][0], pieces[i + 1][1])
                 p.move(extents, offset + pos, view[pos : pos + n])
                 p.done(tid, publish=publish and i + 1 == len(pieces))
-            p.answer_done(offset + pieces[-1][0], view[slice(*_span(pieces[-1]))])
+                if not pipelined:
+                    p.answer_done(offset + pos, view[pos : pos + n])
+                    if i + 1 < len(pieces):
+                        p.ask(offset + pieces[i + 1][0], pieces[i + 1][1])
+            if pipelined:
+                p.answer_done(offset + pieces[-1][0], view[slice(*_span(pieces[-1]))])
         except BaseException:
             p.abandon()
             raise
@@ -201,14 +211,26 @@ class _Pipeline:
             self.s.client.send(f"array.{kind}", {"h": self.h, **args})
         except ControlError as exc:
             raise _os_error(exc, self.path) from None
+        except BaseException:
+            # Interrupted mid-request: the stream may hold half of it.  The daemon
+            # releases what the session holds once this process has exited.
+            self.s.client.close()
+            raise
         self.waiting.append(kind)
 
     def _receive(self) -> dict[str, Any]:
-        kind = self.waiting.popleft()
+        kind = self.waiting[0]
         try:
             reply: dict[str, Any] = self.s.client.receive()
         except ControlError as exc:
+            self.waiting.popleft()
             raise _os_error(exc, self.path) from None
+        except BaseException:
+            # Interrupted before the reply was read: it would be taken for the next
+            # request's.  Give up the connection instead (see _send).
+            self.s.client.close()
+            raise
+        self.waiting.popleft()
         if kind == "map":
             self.open.add(int(reply["t"]))
         return reply
@@ -217,29 +239,31 @@ class _Pipeline:
         self._send("map", offset=offset, length=length, write=self.write)
 
     def answer_map(self, offset: int, length: int) -> tuple[int, list[list[int]]]:
-        """The reply to the oldest map: (transfer id, extents).  Space still being
-        zeroed (EAGAIN: the daemon would wait for our own open transfer) is asked for
-        again once that transfer is done."""
-        try:
-            r = self._receive()
-        except OSError as exc:
-            if exc.errno != errno.EAGAIN or not self.open:
-                raise
-            self.answer_done(None, None)
-            self.ask(offset, length)
-            r = self._receive()
+        """The reply to the oldest map: (transfer id, extents), which must cover
+        ``[offset, offset+length)`` exactly (a read stops short at EOF: an error)."""
+        r = self._receive()
         extents: list[list[int]] = r["extents"]
-        covered = sum(e[1] for e in extents)
-        if covered < length:
-            raise OSError(errno.EIO, f"the file ends at {offset + covered}, before the array "
-                          "does (truncated?)", self.path)
+        pos = offset
+        for e in extents:
+            if e[0] != pos or e[1] <= 0:
+                raise OSError(errno.EPROTO, f"the daemon mapped {e[0]}+{e[1]} where "
+                              f"{pos} was next", self.path)
+            pos += e[1]
+        if pos > offset + length:
+            raise OSError(errno.EPROTO, "the daemon mapped past the piece", self.path)
+        if pos < offset + length:
+            raise OSError(errno.EIO, f"the file ends at {pos}, before the array does "
+                          "(truncated?)", self.path)
         return int(r["t"]), extents
 
     def move(self, extents: list[list[int]], base: int, part: memoryview) -> None:
-        if self.write:
-            self.s.mover.write(extents, base, part)
-        else:
-            self.s.mover.read(extents, base, part)
+        try:
+            if self.write:
+                self.s.mover.write(extents, base, part)
+            else:
+                self.s.mover.read(extents, base, part)
+        except FsError as exc:  # a memory server died, a descriptor failed: EIO
+            raise OSError(exc.errno, exc.args[1], self.path) from None
 
     def done(self, tid: int, *, publish: bool = False) -> None:
         self.open.discard(tid)
@@ -264,18 +288,14 @@ class _Pipeline:
         """After a failure (the copies have stopped): end every transfer this loop
         opened, so the daemon holds nothing for it.  A lost connection needs nothing
         (the daemon releases the transfers when this process exits)."""
-        try:
-            while self.waiting or self.open:
+        while (self.waiting or self.open) and self.s.client.connected:
+            try:
                 if self.waiting:
-                    try:
-                        self._receive()
-                    except OSError as exc:
-                        if exc.errno in (errno.EIO, errno.ETIMEDOUT, errno.ENOTCONN):
-                            return
+                    self._receive()
                 for tid in list(self.open):
                     self.done(tid)
-        except OSError:
-            pass
+            except OSError:
+                continue  # an error reply: the next one, or the connection is gone
 
 
 class DirectFile:

@@ -25,18 +25,20 @@ Requests (``args`` of the control protocol; all but ``hello`` name a handle ``h`
     vol, voff], ...]}`` (``vol`` -1: a hole).  Opens transfer *id*: until its
     ``done``, nothing those extents name is freed and reused (the scrubber is
     held; in cluster mode a recall waits, as for this daemon's own transfers).
-    At most :data:`PIECE` bytes; at most :data:`MAX_TRANSFERS` open per session,
-    so that a client can ask where its next piece lives while it moves this one.
-    EAGAIN if the space it needs is still being zeroed while another transfer of
-    the session is open (waiting would wait for that transfer): end it, ask again.
+    At most :data:`PIECE` bytes.  Open at once per session: one for an embedded
+    pool, :data:`MAX_TRANSFERS` in cluster mode (``hello`` says which), where a
+    client asks where its next piece lives while it moves this one (a map is a
+    metadata-server call there).  Embedded, a map waits its turn behind a
+    scrubber round that is waiting for transfers to end (see :mod:`memfs.scrub`).
 ``array.done {h, t, publish}``
     transfer *t* ended.  A read answers ``{"stale": true}`` if the chunk map
-    changed under it (cluster mode): the caller reads that piece again.  A
-    write's range is remembered; with *publish* (the last piece of a slab) the
-    written ranges become visible: mtime now (and, for the burst buffer, the file
-    is dirty again), size and mtime exact on the metadata server, the kernel's
-    cached pages and attributes of the file dropped, so readers through the mount
-    see it at once.  ``commit`` does the same for a created file.
+    changed under it (cluster mode): the caller reads that piece again.  A write
+    takes effect before what the transfer holds is let go: mtime, and for the
+    burst buffer the file is dirty again (so neither a write-back that copied it
+    mid-transfer nor an eviction loses the bytes).  With *publish* (the last piece
+    of a slab) size and mtime are made exact on the metadata server and the
+    kernel's cached pages and attributes of the file are dropped, so readers
+    through the mount see it at once.  ``commit`` does the same for a created file.
 ``array.commit {h}`` / ``array.close {h}``
     publish a created file under its name / let go of a handle (an uncommitted
     file is removed).
@@ -78,14 +80,14 @@ log = logging.getLogger(__name__)
 PIECE = 64 << 20
 #: cluster: a transfer must end well within the time a recall waits for this
 #: daemon's transfers (1.5 s) before the metadata server may free the chunks it
-#: names: at most this much per volume (each volume's share moves in parallel with
-#: the others'; 16 MiB takes 0.15 s even at 100 MB/s)
+#: names: at most this much per memory server (each server's share moves over its
+#: own link, in parallel with the others'; 16 MiB takes 0.15 s even at 100 MB/s)
 REMOTE_PIECE = 16 << 20
 #: a transfer still open after this long is logged (it stays held: see above)
 HOLD_WARNING = 10.0
 #: most descriptors one message carries (the kernel's SCM_MAX_FD)
 MAX_FDS = 253
-#: transfers one session may have open at once (a client pipelines two pieces)
+#: transfers one cluster session may have open at once (a client pipelines two pieces)
 MAX_TRANSFERS = 2
 #: cleaning up a session that ended never takes longer than this
 CLOSE_TIMEOUT = 10.0
@@ -110,6 +112,11 @@ class PoolAccess:
     volumes: tuple[str, ...] = ()
     secret: bytes = b""
     incarnations: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def servers(self) -> int:
+        """Memory servers behind the volumes (each has its own link)."""
+        return len({v.rsplit("/", 1)[0] for v in self.volumes})
 
     def describe(self) -> dict[str, Any]:
         if self.kind == "local":
@@ -150,8 +157,6 @@ class _Handle:
     writable: bool
     #: a created file's temporary name, until commit
     temp: bytes | None = None
-    #: written since the last publish: (start, end) of the range
-    written: tuple[int, int] | None = None
 
 
 @dataclass(slots=True)
@@ -174,10 +179,13 @@ class ArrayService:
     def __init__(
         self, meta: Meta, access: PoolAccess, *,
         scrub_hold: Callable[[], AbstractContextManager[object]] | None = None,
+        scrub_turn: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.meta = meta
         self.access = access
         self.scrub_hold = scrub_hold
+        #: waits while a scrubber round waits for transfers to end (so it gets its turn)
+        self.scrub_turn = scrub_turn
         #: set by the mount once the FUSE layer exists
         self.kernel: KernelCache | None = None
         self._nursery: trio.Nursery | None = None
@@ -236,6 +244,14 @@ class ArraySession:
         self._next = 1
         self._transfers: dict[int, _Transfer] = {}
         self._next_transfer = 1
+        #: transfers open at once (see ``array.map``)
+        self.depth = 1 if service.access.kind == "local" else MAX_TRANSFERS
+
+    @property
+    def busy(self) -> bool:
+        """Files open or transfers under way: the connection is not idle, however long
+        the client computes between calls."""
+        return bool(self._handles or self._transfers)
 
     async def call(self, op: str, args: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         """Answer *op*; FsError (with a message naming the file) on failure."""
@@ -257,9 +273,9 @@ class ArraySession:
             why = f"the pool has {len(access.fds)} volumes; one message passes at most {MAX_FDS}"
         if why is not None:
             return {"direct": False, "why": why}, []
-        piece = PIECE if access.kind == "local" else min(PIECE, REMOTE_PIECE * self.meta.n_volumes)
+        piece = PIECE if access.kind == "local" else min(PIECE, REMOTE_PIECE * access.servers)
         return ({"direct": True, "pool": access.describe(), "piece": piece,
-                 "chunk": self.meta.chunk_size}, list(access.fds))
+                 "transfers": self.depth, "chunk": self.meta.chunk_size}, list(access.fds))
 
     async def _open(self, args: dict[str, Any]) -> dict[str, Any]:
         path = _str(args, "path")
@@ -311,8 +327,8 @@ class ArraySession:
         write = bool(args.get("write", False))
         if length > PIECE:
             raise FsError(errno.EINVAL, f"a transfer covers at most {PIECE} bytes")
-        if len(self._transfers) >= MAX_TRANSFERS:
-            raise FsError(errno.EBUSY, f"{MAX_TRANSFERS} transfers are open: end one first")
+        if len(self._transfers) >= self.depth:
+            raise FsError(errno.EBUSY, f"{self.depth} transfer(s) open: end one first")
         if write and not h.writable:
             raise FsError(errno.EBADF, "opened read-only")
         if write and offset + length > h.size:
@@ -320,10 +336,11 @@ class ArraySession:
                                         f"({offset}+{length} > {h.size})")
         meta = self.meta
         for _ in range(100):
+            if self.service.scrub_turn is not None:
+                await self.service.scrub_turn()
             gen = meta.generation(h.ino)
             if write:
-                extents = (await self._map_write(h.ino, offset, length, wait=not self._transfers)
-                           if length else [])
+                extents = (await self._map_write(h.ino, offset, length)) if length else []
             else:
                 extents = await meta.map_read(h.ino, offset, length)
             # No await from here until the hold is taken: in embedded mode nothing
@@ -350,20 +367,25 @@ class ArraySession:
             raise FsError(errno.EINVAL, "no such transfer open on this handle")
         del self._transfers[_int(args, "t")]
         t.watch.cancel()
-        t.hold.close()
-        moved = self.meta.generation(h.ino) != t.gen
-        if not t.write:
-            return {"stale": moved}
-        if moved:
-            # Recalled meanwhile (cluster): if the range is not where we wrote it any
-            # more, the file was truncated or its chunks freed under the write.
-            now = await self.meta.map_read(h.ino, t.offset, t.length)
-            if [[e.offset, e.length, e.volume, e.voffset] for e in now] != t.extents:
-                raise FsError(errno.EIO, "the file changed under the write (truncated, or "
-                                         "its chunks moved): write it again")
-        end = t.offset + t.length
-        h.written = (t.offset, end) if h.written is None else (
-            min(h.written[0], t.offset), max(h.written[1], end))
+        with t.hold:  # let go of at the end, whatever happens
+            moved = self.meta.generation(h.ino) != t.gen
+            if not t.write:
+                return {"stale": moved}
+            if moved:
+                # Recalled meanwhile (cluster): if the range is not where we wrote it any
+                # more, the file was truncated or its chunks freed under the write.
+                now = await self.meta.map_read(h.ino, t.offset, t.length)
+                if [[e.offset, e.length, e.volume, e.voffset] for e in now] != t.extents:
+                    raise FsError(errno.EIO, "the file changed under the write (truncated, "
+                                             "or its chunks moved): write it again")
+            # The write's other effects, before the hold goes: mtime, and for the burst
+            # buffer the file is dirty again (a write-back that copied it mid-transfer
+            # is redone; a clean file could be evicted).  Only within the size: a
+            # truncate meanwhile wins, as if it came after.
+            size = (await self.meta.getattr(h.ino)).size
+            n = min(t.length, size - t.offset)
+            if n > 0:
+                await self._map_write(h.ino, t.offset, n)
         if args.get("publish") and h.temp is None:
             await self._publish(h)
         return {"stale": False}
@@ -452,14 +474,10 @@ class ArraySession:
             ino = a.ino
         return ino, parts[-1] if parts else b""
 
-    async def _map_write(self, ino: int, offset: int, length: int, *,
-                         wait: bool = True) -> list[Extent]:
+    async def _map_write(self, ino: int, offset: int, length: int) -> list[Extent]:
         try:
             return (await self.meta.map_write(ino, offset, length)).extents
         except SpaceBusy:  # only freed, not yet zeroed space is left: wait once
-            if not wait:  # the scrubber waits for our own open transfer
-                raise FsError(errno.EAGAIN, "freed space is still being zeroed: end the "
-                                            "open transfer and ask again") from None
             await self.meta.reclaim()
             try:
                 return (await self.meta.map_write(ino, offset, length)).extents
@@ -467,17 +485,7 @@ class ArraySession:
                 raise FsError(errno.ENOSPC) from None
 
     async def _publish(self, h: _Handle) -> None:
-        """What was written becomes visible: the write's other effects now (mtime; for
-        the burst buffer the file is dirty again, so a write-back that copied it
-        mid-transfer is redone; only within the size: a truncate meanwhile wins, as if
-        it came after), size and mtime exact where others ask (cluster), the kernel's
-        copies gone."""
-        if h.written is not None:
-            start, end = h.written
-            h.written = None
-            size = (await self.meta.getattr(h.ino)).size
-            if min(end, size) > start:
-                await self._map_write(h.ino, start, min(end, size) - start)
+        """Size and mtime exact where others ask (cluster), the kernel's copies gone."""
         await self.meta.sync(h.ino)
         kernel = self.service.kernel
         if kernel is not None:

@@ -3,8 +3,8 @@
 For a process that moves large arrays to and from the pool (:mod:`memfs.array`)
 rather than serving many small requests: each connection's thread sends all of
 its requests, then receives the replies in order (a server answers the requests
-of one connection in order), straight into the caller's memory
-(``recv_into`` with ``MSG_WAITALL``) or straight from it (``sendall``).  That
+of one connection in order), straight into the caller's memory (``recv_into``
+until the reply is in) or straight from it (``sendall``).  That
 is the raw socket loop plus a 12-byte header per request: measured on loopback
 about half again what the trio transport reaches for the same transfers, whose
 event loop costs more per byte here than the copies do.
@@ -155,9 +155,15 @@ class BulkTcp:
                 turn[key] = (slot + 1) % len(s.socks)
                 queues.setdefault((s, slot), []).append((remote, voff + k, part))
         stop = threading.Event()
-        futures = [self._pool.submit(self._run, s, slot, q, write, stop)
-                   for (s, slot), q in queues.items()]
-        _wait_all(futures, stop)
+        futures: list[Future[None]] = []
+        try:
+            for (s, slot), q in queues.items():
+                futures.append(self._pool.submit(self._run, s, slot, q, write, stop))
+        except BaseException:
+            stop.set()
+            raise
+        finally:  # also when interrupted here: what was submitted is waited for
+            _wait_all(futures, stop)
 
     def _run(self, s: _Server, slot: int, q: list[tuple[int, int, memoryview]], write: bool,
              stop: threading.Event) -> None:
@@ -204,7 +210,7 @@ class BulkTcp:
         if dest is not None:
             got = 0
             while got < len(dest):
-                k = sock.recv_into(dest[got:], len(dest) - got, socket.MSG_WAITALL)
+                k = sock.recv_into(dest[got:], len(dest) - got)
                 if not k:
                     raise EOFError("connection closed inside a reply")
                 got += k

@@ -14,7 +14,7 @@ import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import pytest
@@ -23,6 +23,7 @@ import trio
 import memfs.array as ma
 from memfs.array import npy
 from memfs.array.files import DirectFile, DirectSession
+from memfs.array.movers import LocalMover
 from memfs.array.service import (
     MAX_STRIPE,
     TEMP_TAG,
@@ -34,7 +35,7 @@ from memfs.array.service import (
 )
 from memfs.config import PoolConfig
 from memfs.control import ControlClient, serve_control
-from memfs.errors import FsError
+from memfs.errors import FsError, TransportError
 from memfs.host import Peer
 from memfs.layout import LAYOUT_XATTR
 from memfs.meta.store import MetaStore
@@ -205,6 +206,59 @@ def test_zero_d_and_truncated_files(tmp_path: Path) -> None:
 # -- the daemon's side, over a real control socket ---------------------------------------
 
 
+async def test_a_waiting_scrubber_round_goes_before_new_transfers(tmp_path: Path) -> None:
+    async with daemon(tmp_path) as d:
+        a = d.service.session(Peer(os.getpid(), 0, 0))
+        b = d.service.session(Peer(os.getpid(), 0, 0))
+        ra, _ = await a.call("array.create", {"path": "a", "size": 2 << 20, "mode": 0o600})
+        rb, _ = await b.call("array.create", {"path": "b", "size": 1 << 20, "mode": 0o600})
+        ma_, _ = await a.call("array.map", {"h": ra["h"], "offset": 0, "length": 1 << 20,
+                                           "write": True})
+        await d.store.truncate(ra["ino"], 1 << 20)  # 16 chunks freed under the transfer
+        order: list[str] = []
+
+        async def scrub() -> None:
+            await d.scrubber.drain()
+            order.append("scrubbed")
+
+        async def map_b() -> None:
+            mb, _ = await b.call("array.map", {"h": rb["h"], "offset": 0, "length": 1 << 20,
+                                               "write": True})
+            order.append(f"mapped with {d.store.dirty_chunks} dirty")
+            await b.call("array.done", {"h": rb["h"], "t": mb["t"]})
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(scrub)
+            await trio.sleep(0.05)  # the round waits for a's transfer ...
+            nursery.start_soon(map_b)
+            await trio.sleep(0.05)
+            assert order == []  # ... and b waits for the round
+            await a.call("array.done", {"h": ra["h"], "t": ma_["t"]})
+        assert "mapped with 0 dirty" in order and d.store.dirty_chunks == 0
+        await a.aclose()
+        await b.aclose()
+
+
+async def test_an_idle_session_with_open_files_is_not_closed(tmp_path: Path) -> None:
+    async with daemon(tmp_path) as d:
+        sock = str(tmp_path / "idle.sock")
+        async with trio.open_nursery() as nursery:
+            await nursery.start(lambda task_status: serve_control(
+                sock, d.store, sessions=d.service.session, idle_timeout=0.2,
+                task_status=task_status))
+            s = await blocking(lambda: DirectSession.over(ControlClient(sock, "t"), "t"))
+            assert s is not None
+            r = await blocking(lambda: s.call("x", "array.create", path="i", size=10, mode=0o600))
+            await trio.sleep(0.5)  # longer than the idle timeout, a file open
+            await blocking(functools.partial(s.call, "x", "array.close", h=r["h"]))
+            await trio.sleep(0.5)  # nothing open: idle, closed
+            with pytest.raises(OSError) as info:
+                await blocking(functools.partial(s.call, "x", "array.open", path="i"))
+            assert info.value.errno in (errno.EIO, errno.ENOTCONN, errno.ENOENT)
+            await blocking(s.close)
+            nursery.cancel_scope.cancel()
+
+
 class Daemon:
     def __init__(self, store: MetaStore, service: ArrayService, scrubber: Scrubber,
                  sock: str) -> None:
@@ -213,23 +267,41 @@ class Daemon:
         self.scrubber = scrubber
         self.sock = sock
 
+    fds: list[int]
+    sizes: list[int]
+
     def session(self) -> DirectSession:
         s = DirectSession.over(ControlClient(self.sock, "test"), "test")
         assert s is not None
         return s
+
+    def pipelined(self, piece: int, mover: Any = None) -> DirectSession:
+        """A session as a cluster client's (two transfers open), copying locally."""
+        local = LocalMover([os.dup(fd) for fd in self.fds], self.sizes)
+        client = ControlClient(self.sock, "test")
+        client.connect()
+        return DirectSession(client, mover or local, piece, depth=2)
 
     def names(self) -> list[bytes]:
         return sorted(self.store.inodes[1].children or {})
 
 
 @asynccontextmanager
-async def daemon(tmp_path: Path, pool: PoolConfig = POOL) -> AsyncIterator[Daemon]:
+async def daemon(tmp_path: Path, pool: PoolConfig = POOL, *,
+                 cluster: bool = False) -> AsyncIterator[Daemon]:
+    """An embedded store and its sessions; *cluster*: sessions as a cluster client's
+    daemon serves them (pipelined, no scrubber here), memory still local to test with."""
     transport = LocalTransport(pool.volumes, pool.volume_size)
     store = MetaStore(pool)
     scrubber = Scrubber(store, transport)
-    access = PoolAccess("local", fds=tuple(transport.volume_fds()),
-                        sizes=tuple(v.size for v in transport.volumes))
-    service = ArrayService(store, access, scrub_hold=scrubber.hold)
+    if cluster:
+        access = PoolAccess("tcp", volumes=("tcp://127.0.0.1:9/0", "tcp://127.0.0.1:9/1"))
+        service = ArrayService(store, access)
+    else:
+        access = PoolAccess("local", fds=tuple(transport.volume_fds()),
+                            sizes=tuple(v.size for v in transport.volumes))
+        service = ArrayService(store, access, scrub_hold=scrubber.hold,
+                               scrub_turn=scrubber.wait_turn)
     sock = str(tmp_path / "ctl.sock")
     try:
         async with trio.open_nursery() as nursery:
@@ -237,7 +309,10 @@ async def daemon(tmp_path: Path, pool: PoolConfig = POOL) -> AsyncIterator[Daemo
             await nursery.start(service.run)
             await nursery.start(lambda task_status: serve_control(
                 sock, store, sessions=service.session, task_status=task_status))
-            yield Daemon(store, service, scrubber, sock)
+            d = Daemon(store, service, scrubber, sock)
+            d.fds = list(transport.volume_fds())
+            d.sizes = [v.size for v in transport.volumes]
+            yield d
             nursery.cancel_scope.cancel()
     finally:
         await transport.aclose()
@@ -286,6 +361,112 @@ async def test_direct_round_trip_and_holes(tmp_path: Path) -> None:
         await blocking(hole)
 
 
+async def test_pipelined_transfers(tmp_path: Path) -> None:
+    """Two transfers open: many pieces, a short last one, both ways, intact."""
+    async with daemon(tmp_path, cluster=True) as d:
+        data = np.arange(3 << 17, dtype="f8")  # 3 MiB
+
+        def work() -> None:
+            s = d.pipelined(320 << 10)
+            r = s.call("x", "array.create", path="p", size=data.nbytes, mode=0o600,
+                       allocate=False)
+            f = DirectFile(s, "x", r["h"], data.nbytes)
+            f.write(0, npy.byte_view(data))
+            f.commit()
+            back = np.zeros_like(data)
+            f.read(0, npy.byte_view(back))
+            f.close()
+            assert np.array_equal(back, data)
+
+        await blocking(work)
+        assert d.service.orphans == 0
+
+
+class FailingMover:
+    """A local mover that fails on its *n*-th copy (as a dead memory server would)."""
+
+    populate_ahead = False
+
+    def __init__(self, inner: LocalMover, n: int) -> None:
+        self.inner, self.n = inner, n
+
+    def _count(self) -> None:
+        self.n -= 1
+        if self.n == 0:
+            raise TransportError("memory server 127.0.0.1:9 went away")
+
+    def read(self, *args: Any) -> None:
+        self._count()
+        self.inner.read(*args)
+
+    def write(self, *args: Any) -> None:
+        self._count()
+        self.inner.write(*args)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+@pytest.mark.parametrize("cluster", [False, True], ids=["embedded", "pipelined"])
+async def test_a_failed_copy_leaves_no_transfer_open(tmp_path: Path, cluster: bool) -> None:
+    async with daemon(tmp_path, cluster=cluster) as d:
+        data = np.ones(1 << 18)  # 2 MiB in 256 KiB pieces: fails on the third
+
+        def work() -> None:
+            s = d.pipelined(256 << 10) if cluster else d.session()
+            s.piece = 256 << 10
+            local = LocalMover([os.dup(fd) for fd in d.fds], d.sizes)
+            s.mover.close()
+            s.mover = FailingMover(local, 3)
+            r = s.call("x", "array.create", path="f", size=data.nbytes, mode=0o600,
+                       allocate=False)
+            f = DirectFile(s, "/mnt/f", r["h"], data.nbytes)
+            with pytest.raises(OSError) as info:
+                f.write(0, npy.byte_view(data))
+            assert info.value.errno == errno.EIO and info.value.filename == "/mnt/f"
+            f.close()  # would be EBUSY with a transfer open (and is logged, not raised)
+
+        await blocking(work)
+        with trio.fail_after(5):
+            await d.scrubber.drain()
+        assert d.service.orphans == 0 and d.scrubber._holds == 0 and d.names() == []
+
+
+async def test_a_stale_read_is_read_again(tmp_path: Path) -> None:
+    """A chunk map recalled during a read (cluster): that piece is read again."""
+    async with daemon(tmp_path, cluster=True) as d:
+        data = np.arange(1 << 17, dtype="f8")  # 1 MiB
+        moves = [0]
+        gen = [0]
+
+        def bump() -> int:
+            return gen[0]
+
+        d.store.generation = lambda ino: bump()  # type: ignore[method-assign]
+
+        class Recalling(FailingMover):
+            def read(self, *args: Any) -> None:
+                moves[0] += 1
+                if moves[0] == 2:
+                    gen[0] += 1  # recalled while the second piece moves
+                self.inner.read(*args)
+
+        def work() -> None:
+            s = d.pipelined(256 << 10)
+            r = s.call("x", "array.create", path="s", size=data.nbytes, mode=0o600)
+            f = DirectFile(s, "x", r["h"], data.nbytes)
+            f.write(0, npy.byte_view(data))
+            f.commit()
+            s.mover = Recalling(s.mover, 0)  # type: ignore[arg-type]
+            back = np.zeros_like(data)
+            f.read(0, npy.byte_view(back))
+            f.close()
+            assert np.array_equal(back, data)
+
+        await blocking(work)
+        assert moves[0] == 5  # 4 pieces, one of them twice
+
+
 async def test_a_transfer_blocks_other_requests_and_scrubbing(tmp_path: Path) -> None:
     async with daemon(tmp_path) as d:
         s = await blocking(d.session)
@@ -293,10 +474,8 @@ async def test_a_transfer_blocks_other_requests_and_scrubbing(tmp_path: Path) ->
         await blocking(lambda: s.call("x", "array.commit", h=r["h"]))
         m = await blocking(lambda: s.call("x", "array.map", h=r["h"], offset=0, length=1 << 20,
                                           write=True))
-        m2 = await blocking(lambda: s.call("x", "array.map", h=r["h"], offset=1 << 20,
-                                           length=1 << 20, write=True))  # pipelined: two
         for op, args in (("array.open", {"path": "b"}), ("array.close", {"h": r["h"]}),
-                         ("array.map", {"h": r["h"], "offset": 0, "length": 1})):
+                         ("array.map", {"h": r["h"], "offset": 0, "length": 1})):  # one at a time
             with pytest.raises(OSError) as info:
                 await blocking(functools.partial(s.call, "x", op, **args))
             assert info.value.errno == errno.EBUSY
@@ -306,9 +485,8 @@ async def test_a_transfer_blocks_other_requests_and_scrubbing(tmp_path: Path) ->
         with trio.move_on_after(0.5):
             await d.scrubber.drain()
         assert d.store.dirty_chunks == 64
-        # ... until the transfers end.
-        for t in (m["t"], m2["t"]):
-            await blocking(functools.partial(s.call, "x", "array.done", h=r["h"], t=t))
+        # ... until the transfer ends.
+        await blocking(functools.partial(s.call, "x", "array.done", h=r["h"], t=m["t"]))
         with trio.fail_after(5):
             await d.scrubber.drain()
         assert d.store.dirty_chunks == 0
