@@ -269,11 +269,11 @@ class _Pipeline:
         self.open.discard(tid)
         self._send("done", t=tid, publish=publish)
 
-    def answer_done(self, offset: int | None, part: memoryview | None) -> None:
+    def answer_done(self, offset: int, part: memoryview) -> None:
         """The reply to the oldest done; a read whose chunk map moved under it (cluster)
         is read again (*offset*, *part*: that piece), at once and alone."""
         while self.waiting and self.waiting[0] == "done":
-            if not self._receive().get("stale") or part is None or offset is None:
+            if not self._receive().get("stale"):
                 return
             for _ in range(_MAX_TRIES):
                 self.ask(offset, len(part))
