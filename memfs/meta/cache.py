@@ -72,6 +72,10 @@ class ClientCache:
         #: size and mtime of files written under a write lease that the server does not
         #: know yet; kept across lease losses until sent (they are the application's data)
         self.dirty: dict[int, tuple[int, int]] = {}
+        #: sizes and mtimes sent in the answer to a recall that may not have arrived
+        #: (the server evicts a client it did not hear from): kept until a reply after
+        #: it shows it did, and sent with the next registration otherwise
+        self.answered: dict[int, tuple[int, int]] = {}
         self._gens: dict[int, int] = {}
         self._epoch = 0
         self._pins: dict[int, int] = {}

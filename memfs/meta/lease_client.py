@@ -43,6 +43,10 @@ class RecallChannel(Protocol):
 
     def send_recalled(self, rid: int, payload: bytes) -> None: ...
 
+    async def delivered(self) -> bool:
+        """True once the server has read everything sent before (a reply came after)."""
+        ...
+
 
 class LeaseKeeper:
     """See the module docstring.  ``tasks`` (a nursery) must be set before recalls come."""
@@ -77,6 +81,7 @@ class LeaseKeeper:
                 took = cache.take_write(ino)
                 if took is not None:
                     settles.append([ino, *took])
+                    cache.answered[ino] = took
                 elif a is not None:
                     settles.append([ino, a.size, a.mtime_ns])
             cache.drop(ino)  # names of a directory: its whole entry cache goes
@@ -84,9 +89,11 @@ class LeaseKeeper:
         if names_changed:
             self._forget_kernel_names()
         assert self.tasks is not None
-        self.tasks.start_soon(self._finish_recall, conn, rid, inos, wire.encode(settles))
+        self.tasks.start_soon(self._finish_recall, conn, rid, inos, settles)
 
-    async def _finish_recall(self, conn: RecallChannel, rid: int, inos: list[int], settles: bytes) -> None:
+    async def _finish_recall(
+        self, conn: RecallChannel, rid: int, inos: list[int], settles: list[list[int]],
+    ) -> None:
         """Let transfers that use the old chunk maps end, drop the kernel's caches, answer.
 
         Answered within ``answer_within`` even if the kernel is slow to let go (a
@@ -99,7 +106,13 @@ class LeaseKeeper:
             if invalidate is not None:
                 self.cache.kernel_inodes.difference_update(inos)
                 await invalidate(inos)
-        conn.send_recalled(rid, settles)
+        conn.send_recalled(rid, wire.encode(settles))
+        if settles and await conn.delivered():
+            # The server has our sizes (had it evicted us first, the connection would
+            # have ended, and the next registration sends them again).
+            for ino, size, mtime in settles:
+                if self.cache.answered.get(ino) == (size, mtime):
+                    del self.cache.answered[ino]
 
     def lost(self, why: str) -> None:
         """Stop trusting every cache, the kernel's too (connection lost, lease expired)."""
@@ -115,6 +128,13 @@ class LeaseKeeper:
         self._forget_kernel_names()
         invalidate = self.kernel.invalidator
         if inos and invalidate is not None and self.tasks is not None:
+            self.tasks.start_soon(self._invalidate_all, invalidate, inos)
+
+    def drop_kernel(self, inos: list[int]) -> None:
+        """The kernel's pages and attributes of *inos* go (their bytes here may be
+        ones the server no longer has)."""
+        invalidate = self.kernel.invalidator
+        if invalidate is not None and self.tasks is not None:
             self.tasks.start_soon(self._invalidate_all, invalidate, inos)
 
     def _forget_kernel_names(self) -> None:

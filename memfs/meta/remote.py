@@ -226,6 +226,14 @@ class _Connection:
             if self.fs.pending():
                 self._wake.set()
 
+    async def delivered(self) -> bool:
+        """A ping's reply: the server has read every frame sent before it (in order)."""
+        if self.dead:
+            return False
+        _, p = self.request(_PING)
+        await p.event.wait()  # bounded by the watchdog, like every call
+        return not p.lost
+
     def kill(self, reason: str) -> None:
         if not self.dead and not self._scope.cancel_called:
             self.reason = reason
@@ -334,6 +342,9 @@ class RemoteMeta(Meta):
         self.session = os.urandom(16)
         #: inode -> open handles this client holds (re-registered on every connection)
         self.opens: dict[int, int] = {}
+        #: open inodes whose writes were lost (the server refused our size): their
+        #: writes and fsyncs fail with EIO until the last handle here closes
+        self.write_errors: set[int] = set()
         self._opens_version = 0
         self._conn: _Connection | None = None
         self._ready = trio.Event()
@@ -415,7 +426,7 @@ class RemoteMeta(Meta):
             fs = FrameSocket(await connect(self.host, self.port), MAX_REPLY)
             try:
                 await self._handshake(fs)
-                lost, desc = await self._register(fs)
+                lost, failed, desc = await self._register(fs)
             except BaseException:
                 fs.close()
                 raise
@@ -444,7 +455,20 @@ class RemoteMeta(Meta):
             log.warning("open inode %d is gone from the metadata server: its handles are lost", ino)
             if self.opens.pop(ino, None):
                 self._opens_version += 1
+        for ino in failed:
+            # Our write lease was taken without our word (we were evicted, or came
+            # back after the restarted server's --grace): what we wrote since our last
+            # report may be gone.  Like a local disk's write-back error, the file's
+            # writers hear it (EIO) from write and fsync until its last handle here
+            # closes; its pages and attributes here are dropped.
+            log.error("writes to inode %d since its size was last reported are lost: "
+                      "the metadata server took our write lease without our answer", ino)
+            if self.opens.get(ino):
+                self.write_errors.add(ino)
+        if failed:
+            self.leases.drop_kernel(failed)
         self.cache.dirty.clear()  # told with the registration
+        self.cache.answered.clear()
         return _Connection(fs, self.timeout, self.cache, self.leases.on_recall)
 
     async def _handshake(self, fs: FrameSocket) -> None:
@@ -476,13 +500,16 @@ class RemoteMeta(Meta):
         except WireError as exc:
             raise AuthRefused(f"{self.address}: {exc}") from None
 
-    async def _register(self, fs: FrameSocket) -> tuple[list[int], PoolDescription]:
-        """Name our session with our open handles; ask for the pool description."""
+    async def _register(self, fs: FrameSocket) -> tuple[list[int], list[int], PoolDescription]:
+        """Name our session with our open handles and the sizes we wrote; ask for the
+        pool description.  Returns the inodes gone, those whose sizes were refused, and
+        the description."""
         while True:
             version = self._opens_version
             claimed = [[ino, n] for ino, n in self.opens.items() if n > 0]
             # Sizes written under write leases that the server has not heard yet.
-            settles = [[ino, size, mtime] for ino, (size, mtime) in self.cache.dirty.items()]
+            told = {**self.cache.answered, **self.cache.dirty}
+            settles = [[ino, size, mtime] for ino, (size, mtime) in told.items()]
             await fs.send(
                 wire.frame(Kind.CALL, 1, wire.encode(["session", self.session, claimed, settles]))
                 + wire.frame(Kind.CALL, 2, wire.encode(["describe"]))
@@ -500,11 +527,15 @@ class RemoteMeta(Meta):
                     err, msg = wire.decode_error(payload)
                     raise FsError(err, f"metadata server refused registration: {msg}")
                 values.append(wire.decode(payload))
-            lost = [codec.check_int(x, "lost inode") for x in codec.check_list(values[0], "lost")]
+            gone, refused = codec.check_list(values[0], "registration"), []
+            if len(gone) == 2 and all(type(x) is list for x in gone):
+                gone, refused = gone
+            lost = [codec.check_int(x, "lost inode") for x in codec.check_list(gone, "lost")]
+            failed = [codec.check_int(x, "failed inode") for x in codec.check_list(refused, "failed")]
             desc = PoolDescription.from_wire(values[1])
             # A release that could not reach the server changed our counts meanwhile.
             if version == self._opens_version:
-                return lost, desc
+                return lost, failed, desc
 
     async def aclose(self) -> None:
         self._closed = True
@@ -610,9 +641,21 @@ class RemoteMeta(Meta):
     def generation(self, ino: int) -> int:
         return self.cache.generation(ino)
 
+    def _check_write_error(self, ino: int) -> None:
+        if ino in self.write_errors:
+            raise FsError(errno.EIO, f"writes to inode {ino} were lost: this client was evicted "
+                                     "by the metadata server (or came back after its --grace)")
+
     async def sync(self, ino: int) -> None:
+        self._check_write_error(ino)
         if ino in self.cache.dirty:
             await self.leases.settle(ino, trim=False)
+        elif ino in self.cache.answered:
+            # Our size went in the answer to a recall: once a reply comes after it, the
+            # server has it, or a registration since has told it again.
+            await self._roundtrip("ping", _PING, retry=True)
+            self.cache.answered.pop(ino, None)
+        self._check_write_error(ino)  # a reconnection on the way may have refused it
 
     # -- Meta ------------------------------------------------------------------------------------
 
@@ -795,6 +838,7 @@ class RemoteMeta(Meta):
                 self.opens[ino] = n
             else:
                 del self.opens[ino]
+                self.write_errors.discard(ino)
             self._opens_version += 1
 
         a = self.cache.attrs.get(ino)
@@ -882,6 +926,7 @@ class RemoteMeta(Meta):
             return extents
 
     async def map_write(self, ino: int, offset: int, length: int) -> WritePlan:
+        self._check_write_error(ino)
         cache = self.cache
         end = offset + length
         if cache.term and self.opens.get(ino):  # write leases end at close: only with a handle

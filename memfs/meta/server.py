@@ -15,7 +15,8 @@ Protocol (frames from :mod:`memfs.wire`):
   atomic, because store methods never await.
 * Control calls: ``["describe"]`` (pool volume URLs in order, volume size, chunk
   and stripe size: what a client needs to build its data path),
-  ``["session", id, [[ino, count], ...]]`` and ``["ping"]``.
+  ``["session", id, [[ino, count], ...], [[ino, size, mtime], ...]]`` (answered
+  with the inodes gone and those whose sizes were refused) and ``["ping"]``.
 
 Open counts belong to client *sessions*, not connections: a client names its
 session (a random id) on every connection and states the handles it holds; the
@@ -221,6 +222,11 @@ class MetaServer:
             store.on_backing = self._backing_changed
             store.wait_durable = self._wait_durable
         self._sessions: dict[bytes, _Session] = {}
+        #: after a restart, until --grace has passed: sessions of the previous run may
+        #: come back and report what they wrote (their write leases died with it)
+        self._recovering = False
+        #: sessions that registered since this server started (not "of the previous run")
+        self._registered: set[bytes] = set()
         self._nursery: trio.Nursery | None = None
         #: lease_term 0: clients cache nothing (every call goes to the server)
         self.leases = LeaseTable(term=lease_term, recall_timeout=recall_timeout, settle=self._settle)
@@ -288,8 +294,9 @@ class MetaServer:
                 if self.journal is not None:
                     await nursery.start(self.journal.run)
                 await self._hold_orphans()
-                if self.journal is not None and self.store.preallocated():
-                    nursery.start_soon(self._trim_after_grace)
+                if self.journal is not None:
+                    self._recovering = True
+                    nursery.start_soon(self._end_recovery)
                 self.port = listeners[0].getsockname()[1]
                 for sock in listeners:
                     nursery.start_soon(self._accept, sock)
@@ -335,13 +342,17 @@ class MetaServer:
         for ino in orphans:
             await self._release_ino(ino)
 
-    async def _trim_after_grace(self) -> None:
-        """After a restart: preallocation that no client reclaimed is freed.
+    async def _end_recovery(self) -> None:
+        """After a restart, once --grace has passed: preallocation that no client
+        reclaimed is freed, and a writer of the previous run that comes back later
+        hears that what it wrote since its last report is lost.
 
         Writers that held write leases report their sizes when they reconnect
         (``session``); until then, chunks past EOF may hold their data.
         """
         await trio.sleep(self.session_grace)
+        self._recovering = False
+        self._registered.clear()
         self._t = self._real_now()
         n = 0
         for ino in self.store.preallocated():
@@ -859,14 +870,15 @@ class MetaServer:
     async def _claim_session(
         self, conn: _Conn, sid: bytes, claimed: dict[int, int],
         settles: list[tuple[int, int, int]] | None = None,
-    ) -> list[int]:
+    ) -> list[list[int]]:
         """Attach *conn* to session *sid* and make its open counts exactly *claimed*.
 
         The client starts from empty caches on every connection, so whatever the
         session held is forgotten; *settles* are the sizes and mtimes of the files it
         was writing under write leases (kept unless its leases were taken from it:
         after a server restart nobody holds any, and they are what it wrote).
-        Returns the inodes that no longer exist (the client drops those handles).
+        Returns the inodes that no longer exist (the client drops those handles) and
+        those whose reported writes were refused (the client fails their writers).
         """
         old = conn.session
         if old.sid != sid:
@@ -883,13 +895,28 @@ class MetaServer:
             conn.session = s
         s = conn.session
         self._t = self._real_now()
+        # A report counts if the session still holds the write lease (it was cut off
+        # for less than its term), or if it comes back within --grace of a restart
+        # from the previous run (nobody holds leases then; its chunks are kept until
+        # the grace ends).  Otherwise its lease ended, and if that was without its
+        # word, the chunks it wrote past the end of file known then were freed: if its
+        # size is beyond what is known now, the client must tell its writers (EIO),
+        # never report a size over chunks that are gone.  (A size no larger than the
+        # known one is an answer to a recall that did arrive, or covers bytes that
+        # were kept.)
+        previous_run = self._recovering and sid not in self._registered
+        self._registered.add(sid)
+        failed = []
         for ino, size, mtime in settles or ():
-            if s.evicted or self.leases.writers.get(ino, s) is not s:
-                log.warning("%s: size %d of inode %d not applied: the client lost its write "
-                            "lease (evicted)", conn.peer, size, ino)
-                continue
-            if self.store.settle_now(ino, size, mtime, False) and self.journal is not None:
-                self.journal.append(self._t, "settle", [ino, size, mtime, 0])
+            if not s.evicted and (self.leases.writers.get(ino) is s or (
+                    previous_run and ino not in self.leases.writers)):
+                if self.store.settle_now(ino, size, mtime, False) and self.journal is not None:
+                    self.journal.append(self._t, "settle", [ino, size, mtime, 0])
+            elif (i := self.store.inodes.get(ino)) is not None and size > i.size:
+                log.warning("%s: size %d of inode %d (%d known) not applied: the client lost "
+                            "its write lease (evicted, or back after --grace); its writes "
+                            "since its last report are lost", conn.peer, size, ino, i.size)
+                failed.append(ino)
         self.leases.forget(s)
         s.evicted = False
         lost = []
@@ -911,7 +938,7 @@ class MetaServer:
         self._journal_destroys()
         if claimed:
             log.info("%s: session re-registered %d open inodes (%d gone)", conn.peer, len(claimed), len(lost))
-        return sorted(lost)
+        return [sorted(lost), failed]
 
     async def _open(self, s: _Session, ino: int) -> Any:
         attr = await self.store.open(ino)
