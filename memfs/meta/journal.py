@@ -177,6 +177,7 @@ def dump_state(
         ],
         "inodes": inodes,
         "reserved": sorted([vol, voff] for vol, voff in store.reserved),
+        "unsaid": sorted(store.unsaid),
         "backing": extension,
     }
 
@@ -222,6 +223,7 @@ def load_state(state: Any, pool: PoolConfig) -> MetaStore:
             i.backed = backed
             store.inodes[ino] = i
         store.reserved = {(vol, voff) for vol, voff in state.get("reserved", ())}
+        store.unsaid = {int(ino) for ino in state.get("unsaid", ())}
         store.rebuild_names()
         return store
     except (KeyError, TypeError, ValueError, AssertionError) as exc:

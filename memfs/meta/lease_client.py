@@ -58,6 +58,8 @@ class LeaseKeeper:
         #: the FUSE layer's kernel-cache invalidation, if any (looked up when needed)
         self.kernel = kernel
         self.tasks: trio.Nursery | None = None
+        #: ino -> set once the recall answer that carried its size is known delivered
+        self.answering: dict[int, trio.Event] = {}
         #: a recall is answered within this (below the server's --recall-timeout)
         self.answer_within = RECALL_ANSWER
         self.dirty_wake = trio.Event()
@@ -72,8 +74,10 @@ class LeaseKeeper:
         items = items_from_wire(wire.decode(payload))
         cache = self.cache
         settles: list[list[int]] = []
+        told: list[tuple[int, tuple[int, int]]] = []
         inos: list[int] = []
         names_changed = False
+        done = trio.Event()
         for ino, names, revoke in items:
             names_changed = names_changed or bool(names)
             if revoke:
@@ -81,7 +85,10 @@ class LeaseKeeper:
                 took = cache.take_write(ino)
                 if took is not None:
                     settles.append([ino, *took])
+                    # Ours until the server is known to have it (see _finish_recall).
                     cache.answered[ino] = took
+                    self.answering[ino] = done
+                    told.append((ino, took))
                 elif a is not None:
                     settles.append([ino, a.size, a.mtime_ns])
             cache.drop(ino)  # names of a directory: its whole entry cache goes
@@ -89,10 +96,11 @@ class LeaseKeeper:
         if names_changed:
             self._forget_kernel_names()
         assert self.tasks is not None
-        self.tasks.start_soon(self._finish_recall, conn, rid, inos, settles)
+        self.tasks.start_soon(self._finish_recall, conn, rid, inos, settles, told, done)
 
     async def _finish_recall(
         self, conn: RecallChannel, rid: int, inos: list[int], settles: list[list[int]],
+        told: list[tuple[int, tuple[int, int]]], done: trio.Event,
     ) -> None:
         """Let transfers that use the old chunk maps end, drop the kernel's caches, answer.
 
@@ -107,12 +115,28 @@ class LeaseKeeper:
                 self.cache.kernel_inodes.difference_update(inos)
                 await invalidate(inos)
         conn.send_recalled(rid, wire.encode(settles))
-        if settles and await conn.delivered():
-            # The server has our sizes (had it evicted us first, the connection would
-            # have ended, and the next registration sends them again).
-            for ino, size, mtime in settles:
-                if self.cache.answered.get(ino) == (size, mtime):
-                    del self.cache.answered[ino]
+        if not told:
+            return
+        try:
+            if await conn.delivered():
+                # The server applied our sizes as it read the answer, before the ping
+                # (had it evicted us first, the connection would have ended, and the
+                # next registration sends them again).
+                for ino, took in told:
+                    if self.cache.answered.get(ino) == took:
+                        del self.cache.answered[ino]
+        finally:
+            for ino, _ in told:
+                if self.answering.get(ino) is done:
+                    del self.answering[ino]
+            done.set()
+
+    async def answer_known(self, ino: int) -> None:
+        """Until our answer to a recall that carried *ino*'s size is known delivered
+        (or its connection is gone, and the next registration carries it)."""
+        ev = self.answering.get(ino)
+        if ev is not None:
+            await ev.wait()
 
     def lost(self, why: str) -> None:
         """Stop trusting every cache, the kernel's too (connection lost, lease expired)."""

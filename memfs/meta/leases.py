@@ -124,12 +124,15 @@ class Holder(Protocol):
     def evict(self, reason: str) -> None:
         """Close the session's connection (it did not answer a recall)."""
 
+    def lost_write(self, ino: int) -> None:
+        """Its write lease on *ino* ended without its word (what it wrote past the end
+        of file known then is freed: its later report of a size must fail)."""
+
 
 @dataclass(eq=False)
 class _Waiting:
     holder: Holder
     done: trio.Event = field(default_factory=trio.Event)
-    settles: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 class LeaseTable:
@@ -267,12 +270,7 @@ class LeaseTable:
                 with trio.move_on_after(self.recall_timeout):
                     await w.done.wait()
                     answered = True
-            if answered:
-                for ino, size, mtime in w.settles:
-                    if self.writers.get(ino) is h:
-                        del self.writers[ino]
-                        if self.settle is not None:
-                            self.settle(ino, size, mtime)
+            if answered:  # its sizes were applied as the answer was read
                 for ino, _names, revoke in payload:
                     if revoke and self.writers.get(ino) is h:  # revoked, nothing settled
                         del self.writers[ino]
@@ -297,7 +295,13 @@ class LeaseTable:
         if w is None or w.holder is not holder:
             log.debug("late or unknown recall acknowledgement %d", rid)
             return
-        w.settles = settles
+        # Applied now, before any later frame of the holder is read: a reply to one
+        # of those tells it that its sizes are in (and durable once that reply goes).
+        for ino, size, mtime in settles:
+            if self.writers.get(ino) is holder:
+                del self.writers[ino]
+                if self.settle is not None:
+                    self.settle(ino, size, mtime)
         w.done.set()
 
     def forget(self, holder: Holder) -> None:
@@ -317,10 +321,12 @@ class LeaseTable:
                     del self.holders[ino]
             if self.writers.get(ino) is holder:
                 del self.writers[ino]
+                holder.lost_write(ino)
                 if self.settle is not None:
                     self.settle(ino, None, 0)
         for ino in [i for i, w in self.writers.items() if w is holder]:
             del self.writers[ino]
+            holder.lost_write(ino)
             if self.settle is not None:
                 self.settle(ino, None, 0)
 

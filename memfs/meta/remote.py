@@ -504,12 +504,14 @@ class RemoteMeta(Meta):
         """Name our session with our open handles and the sizes we wrote; ask for the
         pool description.  Returns the inodes gone, those whose sizes were refused, and
         the description."""
+        # Sizes written under write leases that the server has not heard yet (once:
+        # stated again, a size would no longer be the session's first word).
+        told = {**self.cache.answered, **self.cache.dirty}
+        settles = [[ino, size, mtime] for ino, (size, mtime) in told.items()]
+        failed: list[int] = []
         while True:
             version = self._opens_version
             claimed = [[ino, n] for ino, n in self.opens.items() if n > 0]
-            # Sizes written under write leases that the server has not heard yet.
-            told = {**self.cache.answered, **self.cache.dirty}
-            settles = [[ino, size, mtime] for ino, (size, mtime) in told.items()]
             await fs.send(
                 wire.frame(Kind.CALL, 1, wire.encode(["session", self.session, claimed, settles]))
                 + wire.frame(Kind.CALL, 2, wire.encode(["describe"]))
@@ -531,7 +533,8 @@ class RemoteMeta(Meta):
             if len(gone) == 2 and all(type(x) is list for x in gone):
                 gone, refused = gone
             lost = [codec.check_int(x, "lost inode") for x in codec.check_list(gone, "lost")]
-            failed = [codec.check_int(x, "failed inode") for x in codec.check_list(refused, "failed")]
+            failed += [codec.check_int(x, "failed inode") for x in codec.check_list(refused, "failed")]
+            settles = []
             desc = PoolDescription.from_wire(values[1])
             # A release that could not reach the server changed our counts meanwhile.
             if version == self._opens_version:
@@ -648,14 +651,16 @@ class RemoteMeta(Meta):
 
     async def sync(self, ino: int) -> None:
         self._check_write_error(ino)
-        if ino in self.cache.dirty:
+        cache = self.cache
+        if ino in cache.dirty:
             await self.leases.settle(ino, trim=False)
-        elif ino in self.cache.answered:
-            # Our size went in the answer to a recall: once a reply comes after it, the
-            # server has it, or a registration since has told it again.
+        await self.leases.answer_known(ino)  # our size went in the answer to a recall
+        if ino in cache.dirty or ino in cache.answered:
+            # Not known to have arrived: the connection went.  The next registration
+            # carries it; once a call goes through, the server has heard it (or said
+            # that it was lost: write_errors).
             await self._roundtrip("ping", _PING, retry=True)
-            self.cache.answered.pop(ino, None)
-        self._check_write_error(ino)  # a reconnection on the way may have refused it
+        self._check_write_error(ino)
 
     # -- Meta ------------------------------------------------------------------------------------
 
@@ -709,6 +714,7 @@ class RemoteMeta(Meta):
         cache = self.cache
         # Our chunk map past the new size is void, and so is any size we did not send.
         cache.dirty.pop(ino, None)
+        cache.answered.pop(ino, None)
         cache.drop(ino)
         return await self._call("truncate", ino, size)
 

@@ -88,6 +88,10 @@ _LEASED = frozenset({
 })
 
 
+#: calls that may allocate or free a file's chunks (args[0] is the file)
+_CHUNK_CHANGES = frozenset({"map_write", "allocate_ahead", "truncate", "setattr", "settle"})
+
+
 @dataclass(eq=False)
 class _Session:
     """A client: its open handles and (memfs.meta.leases.Holder) what it caches."""
@@ -97,8 +101,14 @@ class _Session:
     conn: _Conn | None = None
     generation: int = 0
     last_heard: float = 0.0
-    #: its leases were taken from it without its answer: its later size reports are void
+    #: its leases were taken from it without its answer (a recall it did not answer)
     evicted: bool = False
+    #: files whose write lease it lost without its word: a larger size it reports for
+    #: one of them covers freed space (its writers must hear of the loss)
+    unsaid: set[int] = field(default_factory=set)
+
+    def lost_write(self, ino: int) -> None:
+        self.unsaid.add(ino)
 
     def send_recall(self, rid: int, payload: list[Any]) -> bool:
         conn = self.conn
@@ -227,6 +237,9 @@ class MetaServer:
         self._recovering = False
         #: sessions that registered since this server started (not "of the previous run")
         self._registered: set[bytes] = set()
+        #: files whose chunks someone changed since the restart (while recovering): a
+        #: writer of the previous run may no longer have its space past EOF there
+        self._changed_since_restart: set[int] = set()
         self._nursery: trio.Nursery | None = None
         #: lease_term 0: clients cache nothing (every call goes to the server)
         self.leases = LeaseTable(term=lease_term, recall_timeout=recall_timeout, settle=self._settle)
@@ -353,6 +366,7 @@ class MetaServer:
         await trio.sleep(self.session_grace)
         self._recovering = False
         self._registered.clear()
+        self._changed_since_restart.clear()
         self._t = self._real_now()
         n = 0
         for ino in self.store.preallocated():
@@ -448,6 +462,7 @@ class MetaServer:
                         h, payload = got
                         conn.session.last_heard = trio.current_time()
                         if h.kind is Kind.RECALLED:
+                            self._t = self._real_now()
                             leases.recalled(conn.session, h.req_id, settles_from_wire(wire.decode(payload)))
                             continue
                         if h.kind is not Kind.CALL:
@@ -627,6 +642,8 @@ class MetaServer:
                 await self.leases.recall(session, items)
                 first = False
         self._t = self._real_now()
+        if self._recovering and m.name in _CHUNK_CHANGES:
+            self._changed_since_restart.add(args[0])
         atime = self._atime(args[0]) if m.name == "map_read" and self.journal else None
         journaled = m.mutates
         try:
@@ -881,6 +898,7 @@ class MetaServer:
         those whose reported writes were refused (the client fails their writers).
         """
         old = conn.session
+        fresh = sid not in self._sessions  # not known to this run (or given up)
         if old.sid != sid:
             if old.opens:
                 raise FsError(errno.EINVAL, "session must be named before opening files")
@@ -895,30 +913,39 @@ class MetaServer:
             conn.session = s
         s = conn.session
         self._t = self._real_now()
-        # A report counts if the session still holds the write lease (it was cut off
-        # for less than its term), or if it comes back within --grace of a restart
-        # from the previous run (nobody holds leases then; its chunks are kept until
-        # the grace ends).  Otherwise its lease ended, and if that was without its
-        # word, the chunks it wrote past the end of file known then were freed: if its
-        # size is beyond what is known now, the client must tell its writers (EIO),
-        # never report a size over chunks that are gone.  (A size no larger than the
-        # known one is an answer to a recall that did arrive, or covers bytes that
-        # were kept.)
-        previous_run = self._recovering and sid not in self._registered
-        self._registered.add(sid)
+        # A size counts if the session still holds the write lease (cut off for less
+        # than its term: its chunks are all there), or if it is a session of the
+        # previous run back within --grace of a restart (nobody holds leases then, and
+        # chunks past EOF are kept until the grace ends) whose lease did not end
+        # without its word before the restart (``store.unsaid``), on a file whose
+        # chunks nobody changed since.  A larger size than
+        # the one known where the lease did end without its word (eviction, a cut
+        # longer than the term, the grace over) covers freed space: the client must
+        # tell its writers (EIO), never report it.  Anything else is stale (an answer
+        # to a recall that did arrive) and ignored.
+        previous_run = self._recovering and fresh and sid not in self._registered
+        if self._recovering:
+            self._registered.add(sid)
         failed = []
         for ino, size, mtime in settles or ():
-            if not s.evicted and (self.leases.writers.get(ino) is s or (
-                    previous_run and ino not in self.leases.writers)):
+            w = self.leases.writers.get(ino)
+            if w is s or (previous_run and w is None and ino not in self.store.unsaid
+                          and ino not in self._changed_since_restart):
                 if self.store.settle_now(ino, size, mtime, False) and self.journal is not None:
                     self.journal.append(self._t, "settle", [ino, size, mtime, 0])
-            elif (i := self.store.inodes.get(ino)) is not None and size > i.size:
+                continue
+            i = self.store.inodes.get(ino)
+            if i is None or size <= i.size:
+                continue
+            if ino in s.unsaid or (fresh and self.journal is not None) or previous_run:
                 log.warning("%s: size %d of inode %d (%d known) not applied: the client lost "
-                            "its write lease (evicted, or back after --grace); its writes "
-                            "since its last report are lost", conn.peer, size, ino, i.size)
+                            "its write lease without its word (evicted, cut off, or back after "
+                            "--grace); its writes since its last report are lost",
+                            conn.peer, size, ino, i.size)
                 failed.append(ino)
         self.leases.forget(s)
         s.evicted = False
+        s.unsaid.clear()
         lost = []
         for ino in set(claimed) | set(s.opens):
             want, have = claimed.get(ino, 0), s.opens.get(ino, 0)

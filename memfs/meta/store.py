@@ -232,6 +232,11 @@ class MetaStore(Meta):
         #: chunks reserved for a fetch from the backing directory, not yet installed:
         #: owned by no file (a journal snapshot keeps them; recovery frees them)
         self.reserved: set[tuple[int, int]] = set()
+        #: files whose last write lease ended without the writer's size and freed space
+        #: past EOF, and that nobody has written or settled since: a writer of the
+        #: previous run that reports a larger size after a restart wrote into that
+        #: freed space (memfs.meta.server refuses it)
+        self.unsaid: set[int] = set()
         #: called with each change the burst buffer makes outside metadata calls
         #: (``_reserve``, ``_install``, ``_unreserve``, ``_evict``: the journal records them)
         self.on_backing: Callable[[str, list[Any]], None] | None = None
@@ -312,6 +317,7 @@ class MetaStore(Meta):
     def _destroy(self, inode: Inode) -> None:
         self._free_chunks(inode)
         del self.inodes[inode.ino]
+        self.unsaid.discard(inode.ino)
         if self.on_destroy is not None:
             self.on_destroy(inode.ino)
         if self.watcher is not None:
@@ -874,6 +880,9 @@ class MetaStore(Meta):
         if i is None or i.chunks is None:
             return False
         changed = False
+        if size >= 0 and ino in self.unsaid:
+            self.unsaid.discard(ino)
+            changed = True
         if size > i.size:
             # Only ever grows: a writer never shrinks a file without truncate.
             i.size = size
@@ -887,6 +896,8 @@ class MetaStore(Meta):
             if max(i.chunks) >= keep:
                 self._free_chunks(i, keep_below=keep)
                 changed = True
+                if size < 0:  # the writer's size unknown: what it wrote there is gone
+                    self.unsaid.add(ino)
         return changed
 
     def preallocated(self) -> list[int]:
@@ -900,6 +911,7 @@ class MetaStore(Meta):
     def _allocate(self, i: Inode, missing: list[int]) -> None:
         """Allocate all of *missing* or nothing (ENOSPC)."""
         assert i.chunks is not None
+        self.unsaid.discard(i.ino)
         for k, _, voffset in self._take_chunks(i, missing):
             i.chunks[k] = voffset
 

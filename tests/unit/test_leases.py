@@ -12,13 +12,14 @@ import stat
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 import trio
 
 from memfs.config import PoolConfig
 from memfs.errors import FsError
-from memfs.meta import SetAttr
+from memfs.meta import SetAttr, lease_client
 from memfs.meta.leases import Item, LeaseTable
 from memfs.meta.remote import RemoteMeta, open_remote_meta
 from memfs.meta.server import MetaServer
@@ -235,6 +236,69 @@ async def test_unresponsive_client_is_evicted_within_the_bound(caplog: pytest.Lo
             assert (await b.getattr(f.ino)).mode & 0o777 == 0o600
 
 
+async def test_a_writer_cut_off_briefly_keeps_its_size(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its connection drops while it holds the write lease with a size the server has
+    not heard: the re-registration carries it, and it is applied (no EIO)."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]  # the reconnection
+    monkeypatch.setattr(lease_client, "SETTLE_DELAY", 100.0)  # only the registration tells
+    async with cluster(1) as (server, (a,), _):
+        f = await a.create(ROOT, b"f", F, 0, 0)
+        await a.map_write(f.ino, 0, 4096)
+        await a.map_write(f.ino, 4096, 8192)  # within the space ahead: only ours
+        assert a.cache.dirty[f.ino][0] == 12288
+        assert a._conn is not None
+        a._conn.kill("test: cut")
+        with trio.fail_after(10):
+            await a.sync(f.ino)
+        assert server.store.inodes[f.ino].size == 12288
+        assert not a.write_errors
+        await a.release(f.ino)
+
+
+async def test_an_evicted_writer_is_told_its_writes_are_lost(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The writer does not answer the recall another client's stat sends: evicted, its
+    space ahead freed.  Its re-registration's size is refused, and its write and fsync
+    of that file fail with EIO until its last handle closes; the known size stands."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]  # eviction, refusal
+    monkeypatch.setattr(lease_client, "SETTLE_DELAY", 100.0)  # as if stopped: no report
+    async with cluster(2, term=1.0, recall_timeout=0.5) as (server, (a, b), _):
+        f = await a.create(ROOT, b"f", F, 0, 0)
+        await a.map_write(f.ino, 0, 4096)
+        await a.sync(f.ino)
+        await a.map_write(f.ino, 4096, 8192)  # not reported yet
+        assert a._conn is not None
+        a._conn.on_recall = lambda *args: None  # hung: never answers, nor comes back
+        back, connect = trio.Event(), a._connect
+
+        async def later(first: bool) -> Any:
+            await back.wait()
+            return await connect(first)
+
+        a._connect = later  # type: ignore[method-assign]
+        with trio.fail_after(10):
+            assert (await b.getattr(f.ino)).size == 4096
+        assert server.leases.evictions == 1
+        back.set()
+        with trio.fail_after(10), pytest.raises(FsError) as exc:
+            await a.sync(f.ino)  # waits for the reconnection that hears of the loss
+        assert exc.value.errno == errno.EIO
+        assert f.ino in a.write_errors
+        with pytest.raises(FsError):
+            await a.map_write(f.ino, 12288, 10)
+        assert server.store.inodes[f.ino].size == 4096
+        await a.release(f.ino)
+        assert not a.write_errors  # a new open starts clean
+        await a.open(f.ino)
+        await a.map_write(f.ino, 4096, 10)
+        await a.sync(f.ino)
+        assert server.store.inodes[f.ino].size == 4106
+        await a.release(f.ino)
+
+
 async def test_client_that_closes_releases_at_once() -> None:
     async with trio.open_nursery() as nursery:
         server = MetaServer(metadata_only(POOL), SECRET, lease_term=30, recall_timeout=20)
@@ -268,6 +332,7 @@ class _Fake:
         self.last_heard = 0.0
         self.evicted = False
         self.got: list[list[object]] = []
+        self.lost: list[int] = []
 
     def send_recall(self, rid: int, payload: list[object]) -> bool:
         self.got.append(payload)
@@ -277,6 +342,9 @@ class _Fake:
 
     def evict(self, reason: str) -> None:
         self.evicted = True
+
+    def lost_write(self, ino: int) -> None:
+        self.lost.append(ino)
 
 
 async def test_lease_table_bounds_with_a_virtual_clock(
