@@ -8,7 +8,8 @@ diverged by one chunk, two files would share memory.  So replay must be exact.
 What is recorded: every call that changes metadata, with its arguments in wire
 form (:mod:`memfs.meta.codec`) and the one timestamp the store used for it (the
 server gives the store a clock that is frozen per call), plus every destruction
-of an inode (``_destroy``) and atime moves by ``map_read``.  Open counts are not
+of an inode (``_destroy``), a write lease that ended without its writer's
+size (``_lost_write``: MetaStore.unsaid) and atime moves by ``map_read``.  Open counts are not
 recorded: they belong to client sessions, which re-register them after a
 restart.  That is also why destructions are explicit: whether ``unlink`` frees
 a file at once depends on open counts, so replay never destroys implicitly
@@ -79,6 +80,7 @@ SNAPSHOT_FORMAT = 5  # 5: chunks reserved by fetches, the extension's state;
 #: last-in-first-out allocation, then switch: see :meth:`Journal.open`)
 DESTROY = "_destroy"
 CLEAN = "_clean"  # chunks the scrubber zeroed: dirty -> allocatable
+LOST_WRITE = "_lost_write"  # [ino, session id, 1|0]: MetaStore.lost_write
 
 #: the Inode fields a snapshot keeps, in order; ``opens`` is deliberately absent
 INODE_FIELDS = (
@@ -177,7 +179,7 @@ def dump_state(
         ],
         "inodes": inodes,
         "reserved": sorted([vol, voff] for vol, voff in store.reserved),
-        "unsaid": sorted(store.unsaid),
+        "unsaid": [[ino, sorted(sids)] for ino, sids in sorted(store.unsaid.items())],
         "backing": extension,
     }
 
@@ -223,7 +225,7 @@ def load_state(state: Any, pool: PoolConfig) -> MetaStore:
             i.backed = backed
             store.inodes[ino] = i
         store.reserved = {(vol, voff) for vol, voff in state.get("reserved", ())}
-        store.unsaid = {int(ino) for ino in state.get("unsaid", ())}
+        store.unsaid = {int(ino): {bytes(x) for x in sids} for ino, sids in state.get("unsaid", ())}
         store.rebuild_names()
         return store
     except (KeyError, TypeError, ValueError, AssertionError) as exc:
@@ -361,7 +363,7 @@ async def apply_record(
     seq, t, method, *raw = rec
     clock.t = t
     try:
-        if method.startswith("_") and method not in (DESTROY, CLEAN):  # the burst buffer's
+        if method.startswith("_") and method not in (DESTROY, CLEAN, LOST_WRITE):  # the burst buffer's
             if extension is None:
                 raise JournalError(f"record {seq} ({method}) was written by an mds with "
                                    "--backing: start it with the same --backing")
@@ -373,6 +375,11 @@ async def apply_record(
         if method == DESTROY:
             (ino,) = raw
             store.destroy(codec.check_int(ino, "inode"))
+            return
+        if method == LOST_WRITE:
+            ino, sid, lost = raw
+            store.lost_write(codec.check_int(ino, "inode"), codec.check_bytes(sid, "session"),
+                             bool(codec.check_int(lost, "flag")))
             return
         if method == CLEAN:
             flat = [codec.check_int(x, "chunk") for x in raw]

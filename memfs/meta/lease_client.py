@@ -9,6 +9,7 @@ nothing here may wait in :meth:`LeaseKeeper.on_recall`).
 
 from __future__ import annotations
 
+import errno
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
@@ -36,6 +37,9 @@ class KernelHooks(Protocol):
 
     invalidator: Invalidator | None
     names_invalidator: Callable[[], None] | None
+
+    def write_lost(self, inos: list[int]) -> None:
+        """The server refused our sizes of *inos*: their writers must hear EIO."""
 
 
 class RecallChannel(Protocol):
@@ -212,6 +216,11 @@ class LeaseKeeper:
         try:
             await self.call("settle", ino, d[0], d[1], int(trim))
         except FsError as exc:
+            if exc.errno == errno.ESTALE:  # our lease ended without us: lost
+                if cache.dirty.get(ino) == d:
+                    del cache.dirty[ino]
+                self.kernel.write_lost([ino])
+                return
             # Kept (it is the application's data): sent again, or with the next registration.
             log.debug("settle of inode %d failed: %s", ino, exc)
             return

@@ -116,6 +116,9 @@ class Holder(Protocol):
 
     #: server time (trio clock) the session's last frame arrived
     last_heard: float
+    #: times it has (re-)registered: an eviction's forget is for the registration
+    #: that did not answer, not for a later one
+    registrations: int
 
     def send_recall(self, rid: int, payload: list[Any]) -> bool:
         """Queue a RECALL frame behind the session's earlier replies; False if it has
@@ -123,10 +126,6 @@ class Holder(Protocol):
 
     def evict(self, reason: str) -> None:
         """Close the session's connection (it did not answer a recall)."""
-
-    def lost_write(self, ino: int) -> None:
-        """Its write lease on *ino* ended without its word (what it wrote past the end
-        of file known then is freed: its later report of a size must fail)."""
 
 
 @dataclass(eq=False)
@@ -141,12 +140,16 @@ class LeaseTable:
     def __init__(
         self, *, term: float = LEASE_TERM, recall_timeout: float = RECALL_TIMEOUT,
         settle: Callable[[int, int | None, int], None] | None = None,
+        lost: Callable[[Holder, int], None] | None = None,
     ) -> None:
         self.term = term
         self.recall_timeout = recall_timeout
         #: apply a revoked write lease's last size and mtime (None: unknown) and free
         #: its unused preallocation: ``settle(ino, size, mtime_ns)``
         self.settle = settle
+        #: a write lease of a holder ended without its word: ``lost(holder, ino)``
+        #: (called before ``settle(ino, None, 0)`` frees what it took ahead)
+        self.lost = lost
         #: ino -> holder -> touched (fetched state since its last recall)
         self.holders: dict[int, dict[Holder, bool]] = {}
         self.writers: dict[int, Holder] = {}
@@ -283,9 +286,11 @@ class LeaseTable:
             log.warning("a client did not answer a recall within %.1f s: evicting it "
                         "(its caches expire %.1f s after it was last heard from)",
                         self.recall_timeout, self.term)
+            registrations = h.registrations
             h.evict("did not answer a recall")
             await trio.sleep_until(h.last_heard + self.term)
-            self.forget(h)
+            if h.registrations == registrations:  # else its registration forgot it all
+                self.forget(h)
         finally:
             del self._waiting[rid]
 
@@ -304,12 +309,15 @@ class LeaseTable:
                     self.settle(ino, size, mtime)
         w.done.set()
 
-    def forget(self, holder: Holder) -> None:
+    def forget(self, holder: Holder, *, said: bool = False) -> None:
         """Drop everything *holder* holds (it reconnected afresh, or was evicted, or is gone).
 
         Its write leases end without a size from it: their unused preallocation is
-        freed.  Recalls waiting for its answer end now: it holds nothing any more.
+        freed, and (unless *said*: it has just reported every size it had) ``lost``
+        hears of each.  Recalls waiting for its answer end now: it holds nothing any
+        more.
         """
+        lost = None if said else self.lost
         for w in self._waiting.values():
             if w.holder is holder:
                 w.done.set()
@@ -321,12 +329,14 @@ class LeaseTable:
                     del self.holders[ino]
             if self.writers.get(ino) is holder:
                 del self.writers[ino]
-                holder.lost_write(ino)
+                if lost is not None:
+                    lost(holder, ino)
                 if self.settle is not None:
                     self.settle(ino, None, 0)
         for ino in [i for i, w in self.writers.items() if w is holder]:
             del self.writers[ino]
-            holder.lost_write(ino)
+            if lost is not None:
+                lost(holder, ino)
             if self.settle is not None:
                 self.settle(ino, None, 0)
 

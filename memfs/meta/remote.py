@@ -455,18 +455,7 @@ class RemoteMeta(Meta):
             log.warning("open inode %d is gone from the metadata server: its handles are lost", ino)
             if self.opens.pop(ino, None):
                 self._opens_version += 1
-        for ino in failed:
-            # Our write lease was taken without our word (we were evicted, or came
-            # back after the restarted server's --grace): what we wrote since our last
-            # report may be gone.  Like a local disk's write-back error, the file's
-            # writers hear it (EIO) from write and fsync until its last handle here
-            # closes; its pages and attributes here are dropped.
-            log.error("writes to inode %d since its size was last reported are lost: "
-                      "the metadata server took our write lease without our answer", ino)
-            if self.opens.get(ino):
-                self.write_errors.add(ino)
-        if failed:
-            self.leases.drop_kernel(failed)
+        self.write_lost(failed)
         self.cache.dirty.clear()  # told with the registration
         self.cache.answered.clear()
         return _Connection(fs, self.timeout, self.cache, self.leases.on_recall)
@@ -643,6 +632,21 @@ class RemoteMeta(Meta):
 
     def generation(self, ino: int) -> int:
         return self.cache.generation(ino)
+
+    def write_lost(self, inos: list[int]) -> None:
+        """Our write lease on *inos* was taken without our word (we were evicted, or
+        came back after the restarted server's --grace): what we wrote since our last
+        report is gone.  Like a local disk's write-back error, the file's writers hear
+        it (EIO) from write and fsync until its last handle here closes; its pages and
+        attributes here are dropped."""
+        for ino in inos:
+            log.error("writes to inode %d since its size was last reported are lost: "
+                      "the metadata server took our write lease without our answer", ino)
+            if self.opens.get(ino):
+                self.write_errors.add(ino)
+            self.cache.drop(ino)
+        if inos:
+            self.leases.drop_kernel(inos)
 
     def _check_write_error(self, ino: int) -> None:
         if ino in self.write_errors:

@@ -50,7 +50,7 @@ from memfs.config import VolumeAddr
 from memfs.errors import FsError, UsageError
 from memfs.meta import Meta, codec
 from memfs.meta.conn import MAX_REPLY, ROLE, FrameSocket
-from memfs.meta.journal import Journal
+from memfs.meta.journal import LOST_WRITE, Journal
 from memfs.meta.leases import LEASE_TERM, RECALL_TIMEOUT, Item, LeaseTable, settles_from_wire
 from memfs.meta.store import MetaStore
 from memfs.wire import Kind, WireError
@@ -88,8 +88,9 @@ _LEASED = frozenset({
 })
 
 
-#: calls that may allocate or free a file's chunks (args[0] is the file)
-_CHUNK_CHANGES = frozenset({"map_write", "allocate_ahead", "truncate", "setattr", "settle"})
+#: calls that may allocate or free a file's chunks (args[0] is the file; sizes go by
+#: truncate, never setattr)
+_CHUNK_CHANGES = frozenset({"map_write", "allocate_ahead", "truncate", "settle"})
 
 
 @dataclass(eq=False)
@@ -101,14 +102,8 @@ class _Session:
     conn: _Conn | None = None
     generation: int = 0
     last_heard: float = 0.0
-    #: its leases were taken from it without its answer (a recall it did not answer)
-    evicted: bool = False
-    #: files whose write lease it lost without its word: a larger size it reports for
-    #: one of them covers freed space (its writers must hear of the loss)
-    unsaid: set[int] = field(default_factory=set)
-
-    def lost_write(self, ino: int) -> None:
-        self.unsaid.add(ino)
+    #: times it has (re-)registered (memfs.meta.leases.Holder)
+    registrations: int = 0
 
     def send_recall(self, rid: int, payload: list[Any]) -> bool:
         conn = self.conn
@@ -119,7 +114,6 @@ class _Session:
         return True
 
     def evict(self, reason: str) -> None:
-        self.evicted = True
         conn = self.conn
         if conn is not None and conn.scope is not None:
             log.warning("%s: evicting the client: %s", conn.peer, reason)
@@ -242,7 +236,8 @@ class MetaServer:
         self._changed_since_restart: set[int] = set()
         self._nursery: trio.Nursery | None = None
         #: lease_term 0: clients cache nothing (every call goes to the server)
-        self.leases = LeaseTable(term=lease_term, recall_timeout=recall_timeout, settle=self._settle)
+        self.leases = LeaseTable(term=lease_term, recall_timeout=recall_timeout,
+                                 settle=self._settle, lost=self._lost_write)
         #: request counters and latencies (``memfs mds --metrics``); None: not kept
         self.metrics: Metrics | None = None
 
@@ -274,6 +269,11 @@ class MetaServer:
         if self.store.settle_now(ino, size_, mtime_ns, True) and self.journal is not None:
             self.journal.append(self._t, "settle", [ino, size_, mtime_ns, 1])
         self._journal_destroys()
+
+    def _lost_write(self, holder: Any, ino: int) -> None:
+        """*holder*'s write lease on *ino* ended without its word (MetaStore.unsaid)."""
+        if self.store.lost_write(ino, holder.sid, True) and self.journal is not None:
+            self.journal.append(self._t, LOST_WRITE, [ino, holder.sid, 1])
 
     def _cleaned(self, chunks: list[tuple[int, int]]) -> None:
         assert self.journal is not None
@@ -666,6 +666,11 @@ class MetaServer:
                     await self.store.settle_write(*args)
                     if args[3]:
                         self.leases.release_write(session, args[0])
+                elif (i := self.store.inodes.get(args[0])) is not None and args[1] > i.size:
+                    # Not stale: larger than anything known.  Its lease ended without
+                    # its word (it was evicted, and is back before it knew).
+                    raise FsError(errno.ESTALE, f"size {args[1]} of inode {args[0]} refused: "
+                                                "the write lease ended without this client")
                 result = None
             elif m.name in ("unlink", "rmdir", "rename"):
                 named = [self._child(args[0], args[1])]
@@ -914,38 +919,46 @@ class MetaServer:
         s = conn.session
         self._t = self._real_now()
         # A size counts if the session still holds the write lease (cut off for less
-        # than its term: its chunks are all there), or if it is a session of the
-        # previous run back within --grace of a restart (nobody holds leases then, and
-        # chunks past EOF are kept until the grace ends) whose lease did not end
-        # without its word before the restart (``store.unsaid``), on a file whose
-        # chunks nobody changed since.  A larger size than
-        # the one known where the lease did end without its word (eviction, a cut
-        # longer than the term, the grace over) covers freed space: the client must
-        # tell its writers (EIO), never report it.  Anything else is stale (an answer
-        # to a recall that did arrive) and ignored.
+        # than its term, or evicted and back before its lease ran out: its chunks are
+        # all there), or if it is a session of the previous run back within --grace of
+        # a restart (nobody holds leases then, and chunks past EOF are kept until the
+        # grace ends) on a file nobody changed since, whose lease did not end without
+        # its word before the restart (``store.unsaid``).  Where its lease did end
+        # without its word (``store.unsaid``; eviction, a cut longer than the term, a
+        # connection it closed itself), or it comes back after the grace, the chunks
+        # past the end of file known then were freed: a larger size covers freed
+        # space, and the client must tell its writers (EIO), never report it.  A size
+        # no larger than the known one is stale (an answer that did arrive): ignored.
+        s.registrations += 1
         previous_run = self._recovering and fresh and sid not in self._registered
         if self._recovering:
             self._registered.add(sid)
+        lost_here = {ino for ino, sids in self.store.unsaid.items() if sid in sids}
         failed = []
         for ino, size, mtime in settles or ():
             w = self.leases.writers.get(ino)
-            if w is s or (previous_run and w is None and ino not in self.store.unsaid
+            if w is s or (previous_run and w is None and ino not in lost_here
                           and ino not in self._changed_since_restart):
-                if self.store.settle_now(ino, size, mtime, False) and self.journal is not None:
-                    self.journal.append(self._t, "settle", [ino, size, mtime, 0])
+                if w is s:
+                    # Its lease ends here with its word: what it took ahead goes now.
+                    self.leases.release_write(s, ino)
+                if self.store.settle_now(ino, size, mtime, True) and self.journal is not None:
+                    self.journal.append(self._t, "settle", [ino, size, mtime, 1])
                 continue
             i = self.store.inodes.get(ino)
             if i is None or size <= i.size:
                 continue
-            if ino in s.unsaid or (fresh and self.journal is not None) or previous_run:
+            if ino in lost_here or fresh or previous_run:
                 log.warning("%s: size %d of inode %d (%d known) not applied: the client lost "
                             "its write lease without its word (evicted, cut off, or back after "
                             "--grace); its writes since its last report are lost",
                             conn.peer, size, ino, i.size)
                 failed.append(ino)
-        self.leases.forget(s)
-        s.evicted = False
-        s.unsaid.clear()
+        # Everything it wrote before is now applied or refused.
+        for ino in lost_here:
+            if self.store.lost_write(ino, sid, False) and self.journal is not None:
+                self.journal.append(self._t, LOST_WRITE, [ino, sid, 0])
+        self.leases.forget(s, said=True)  # it has just said every size it had
         lost = []
         for ino in set(claimed) | set(s.opens):
             want, have = claimed.get(ino, 0), s.opens.get(ino, 0)

@@ -232,11 +232,11 @@ class MetaStore(Meta):
         #: chunks reserved for a fetch from the backing directory, not yet installed:
         #: owned by no file (a journal snapshot keeps them; recovery frees them)
         self.reserved: set[tuple[int, int]] = set()
-        #: files whose last write lease ended without the writer's size and freed space
-        #: past EOF, and that nobody has written or settled since: a writer of the
-        #: previous run that reports a larger size after a restart wrote into that
-        #: freed space (memfs.meta.server refuses it)
-        self.unsaid: set[int] = set()
+        #: file -> sessions whose write lease on it ended without their word (their
+        #: space past EOF freed): such a session's larger size, reported after an mds
+        #: restart, covers freed space (memfs.meta.server refuses it).  Journaled
+        #: (``LOST_WRITE`` records), so it survives restarts.
+        self.unsaid: dict[int, set[bytes]] = {}
         #: called with each change the burst buffer makes outside metadata calls
         #: (``_reserve``, ``_install``, ``_unreserve``, ``_evict``: the journal records them)
         self.on_backing: Callable[[str, list[Any]], None] | None = None
@@ -317,7 +317,7 @@ class MetaStore(Meta):
     def _destroy(self, inode: Inode) -> None:
         self._free_chunks(inode)
         del self.inodes[inode.ino]
-        self.unsaid.discard(inode.ino)
+        self.unsaid.pop(inode.ino, None)
         if self.on_destroy is not None:
             self.on_destroy(inode.ino)
         if self.watcher is not None:
@@ -880,9 +880,6 @@ class MetaStore(Meta):
         if i is None or i.chunks is None:
             return False
         changed = False
-        if size >= 0 and ino in self.unsaid:
-            self.unsaid.discard(ino)
-            changed = True
         if size > i.size:
             # Only ever grows: a writer never shrinks a file without truncate.
             i.size = size
@@ -896,9 +893,26 @@ class MetaStore(Meta):
             if max(i.chunks) >= keep:
                 self._free_chunks(i, keep_below=keep)
                 changed = True
-                if size < 0:  # the writer's size unknown: what it wrote there is gone
-                    self.unsaid.add(ino)
         return changed
+
+    def lost_write(self, ino: int, sid: bytes, lost: bool) -> bool:
+        """Mark (or, *lost* False, clear) session *sid*'s write lease on *ino* as ended
+        without its word; True if anything changed."""
+        if lost:
+            if ino not in self.inodes:
+                return False
+            sids = self.unsaid.setdefault(ino, set())
+            if sid in sids:
+                return False
+            sids.add(sid)
+            return True
+        have = self.unsaid.get(ino)
+        if have is None or sid not in have:
+            return False
+        have.discard(sid)
+        if not have:
+            del self.unsaid[ino]
+        return True
 
     def preallocated(self) -> list[int]:
         """Regular files holding chunks wholly past their EOF (unused preallocation)."""
@@ -911,7 +925,6 @@ class MetaStore(Meta):
     def _allocate(self, i: Inode, missing: list[int]) -> None:
         """Allocate all of *missing* or nothing (ENOSPC)."""
         assert i.chunks is not None
-        self.unsaid.discard(i.ino)
         for k, _, voffset in self._take_chunks(i, missing):
             i.chunks[k] = voffset
 

@@ -62,6 +62,17 @@ async def served(
         journal.close()
 
 
+async def leave(server: MetaServer, meta: Meta) -> None:
+    """The client goes first: write leases it holds end as it leaves (journaled, with
+    the mark that it did not say its sizes), so the state after is the final one."""
+    await meta.aclose()  # type: ignore[attr-defined]
+    for _ in range(500):  # the server notices the close
+        if all(s.conn is None for s in server._sessions.values()):
+            return
+        await trio.sleep(0.01)
+    raise AssertionError("the server did not notice the client leave")
+
+
 async def recovered(directory: Path, pool: PoolConfig = POOL) -> MetaStore:
     journal = Journal(directory)
     try:
@@ -162,10 +173,12 @@ async def test_snapshot_round_trip() -> None:
 async def test_replay_rebuilds_the_exact_state(tmp_path: Path) -> None:
     async with served(tmp_path) as (server, meta):
         held = await workload(meta, seed=1, steps=1500)
+        await leave(server, meta)
         before = state(server.store)
     after = await recovered(tmp_path)
     assert state(after) == before
     assert held, "the workload should leave some files open"
+    assert before["unsaid"], "the client left with write leases: marked in the journal"
     # The same next step on both gives the same answer (allocation included).
     f = await after.mknod(ROOT, b"next", stat.S_IFREG | 0o644, 0, 0)
     assert f.ino == before["next_ino"]
@@ -175,12 +188,14 @@ async def test_replay_across_snapshots(tmp_path: Path) -> None:
     """Rotations every 100 records; two restarts; still exact, and old files pruned."""
     async with served(tmp_path, snapshot_every=100) as (server, meta):
         await workload(meta, seed=2, steps=700)
+        await leave(server, meta)
         await trio.sleep(0.2)  # let the last background snapshot land
         first = state(server.store)
     assert state(await recovered(tmp_path)) == first
     async with served(tmp_path, snapshot_every=100) as (server, meta):
         assert state(server.store) == first
         await workload(meta, seed=3, steps=500)
+        await leave(server, meta)
         second = state(server.store)
     assert state(await recovered(tmp_path)) == second
     assert kinds(tmp_path) == ["journal", "lock", "snapshot"], "older files are removed"
@@ -206,8 +221,10 @@ async def test_torn_tail_is_dropped_with_a_warning(
 ) -> None:
     async with served(tmp_path) as (server, meta):
         await workload(meta, seed=4, steps=200)
+        await leave(server, meta)
         good = state(server.store)
-        await meta.mknod(ROOT, b"last", stat.S_IFREG | 0o644, 0, 0)
+        async with open_remote_meta("127.0.0.1", server.port, SECRET) as other:
+            await other.mknod(ROOT, b"last", stat.S_IFREG | 0o644, 0, 0)
     rewrite(only(tmp_path, "journal"), lambda data: data[:-5])  # the last record, cut short
     caplog.expected_warnings = True  # type: ignore[attr-defined]
     with caplog.at_level(logging.WARNING, "memfs.meta.journal"):
@@ -286,12 +303,14 @@ async def test_scrubbed_chunks_replay_exactly(tmp_path: Path) -> None:
     the server died) stay dirty and are zeroed again, never handed out as they are."""
     async with served(tmp_path) as (server, meta):
         await workload(meta, seed=7, steps=600)  # frees plenty of chunks
+        await leave(server, meta)
         store = server.store
         assert store.dirty_chunks > 10
         store.put_clean(store.take_dirty(7))  # what the scrubber does, in part
         out_with_scrubber = store.take_dirty(3)  # and a batch in flight at the "crash"
         before = state(store)
-        await meta.getattr(ROOT)  # the reply waits until the CLEAN record is durable
+        async with open_remote_meta("127.0.0.1", server.port, SECRET) as other:
+            await other.getattr(ROOT)  # the reply waits until the CLEAN record is durable
     after = await recovered(tmp_path)
     assert state(after) == before
     # The in-flight batch came back dirty, not clean.
@@ -327,6 +346,7 @@ async def test_old_journal_replays_last_in_first_out(tmp_path: Path) -> None:
         await workload(meta, seed=11, steps=400)
         server.store.recycle_unzeroed()
         await workload(meta, seed=12, steps=400)  # allocates from the freed lists
+        await leave(server, meta)
         before = state(server.store)
     after = await recovered(tmp_path)
     got = state(after)

@@ -299,6 +299,46 @@ async def test_an_evicted_writer_is_told_its_writes_are_lost(
         await a.release(f.ino)
 
 
+async def test_an_eviction_does_not_end_leases_taken_after_it(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Evicted, the writer reconnects before its old lease has run out: its size is
+    applied (its chunks are still there), and the write lease it then takes on another
+    file survives the eviction's end (which forgets the old registration only)."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]  # the eviction
+    monkeypatch.setattr(lease_client, "SETTLE_DELAY", 100.0)  # sizes only when asked
+    async with cluster(2, term=1.5, recall_timeout=0.3) as (server, (a, b), _):
+        f = await a.create(ROOT, b"f", F, 0, 0)
+        await a.map_write(f.ino, 0, 4096)
+        old = a._conn
+        assert old is not None
+        old.on_recall = lambda *args: None  # this connection never answers
+        done = trio.Event()
+
+        async def stat_f() -> None:
+            assert (await b.getattr(f.ino)).size == 4096  # a's size, from its registration
+            done.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stat_f)
+            with trio.fail_after(5):  # evicted, and connected again
+                while a._conn is None or a._conn is old or a._conn.dead:  # noqa: ASYNC110
+                    await trio.sleep(0.01)
+            assert server.leases.evictions == 1 and not done.is_set()
+            g = await a.create(ROOT, b"g", F, 0, 0)  # a new connection, a new lease
+            await a.map_write(g.ino, 0, 4096)
+            await a.map_write(g.ino, 4096, 4096)  # within its space ahead
+            with trio.fail_after(5):
+                await done.wait()
+        s = server._sessions[a.session]
+        assert server.leases.is_writer(s, g.ino), "the eviction's end took the new lease"
+        await a.sync(g.ino)
+        assert server.store.inodes[g.ino].size == 8192
+        assert not a.write_errors
+        await a.release(g.ino)
+        await a.release(f.ino)
+
+
 async def test_client_that_closes_releases_at_once() -> None:
     async with trio.open_nursery() as nursery:
         server = MetaServer(metadata_only(POOL), SECRET, lease_term=30, recall_timeout=20)
@@ -332,7 +372,7 @@ class _Fake:
         self.last_heard = 0.0
         self.evicted = False
         self.got: list[list[object]] = []
-        self.lost: list[int] = []
+        self.registrations = 0
 
     def send_recall(self, rid: int, payload: list[object]) -> bool:
         self.got.append(payload)
@@ -342,9 +382,6 @@ class _Fake:
 
     def evict(self, reason: str) -> None:
         self.evicted = True
-
-    def lost_write(self, ino: int) -> None:
-        self.lost.append(ino)
 
 
 async def test_lease_table_bounds_with_a_virtual_clock(
