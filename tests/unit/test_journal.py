@@ -65,7 +65,7 @@ async def served(
 async def leave(server: MetaServer, meta: Meta) -> None:
     """The client goes first: write leases it holds end as it leaves (journaled, with
     the mark that it did not say its sizes), so the state after is the final one."""
-    await meta.aclose()  # type: ignore[attr-defined]
+    await meta.aclose()
     for _ in range(500):  # the server notices the close
         if all(s.conn is None for s in server._sessions.values()):
             return
