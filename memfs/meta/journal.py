@@ -9,7 +9,9 @@ What is recorded: every call that changes metadata, with its arguments in wire
 form (:mod:`memfs.meta.codec`) and the one timestamp the store used for it (the
 server gives the store a clock that is frozen per call), plus every destruction
 of an inode (``_destroy``), a write lease that ended without its writer's
-size (``_lost_write``: MetaStore.unsaid) and atime moves by ``map_read``.  Open counts are not
+size (``_lost_write``: MetaStore.unsaid), which client sessions belong to which
+run (``_run``, ``_registered``, ``_grace_end``, ``_gone``) and atime moves by
+``map_read``.  Open counts are not
 recorded: they belong to client sessions, which re-register them after a
 restart.  That is also why destructions are explicit: whether ``unlink`` frees
 a file at once depends on open counts, so replay never destroys implicitly
@@ -81,6 +83,11 @@ SNAPSHOT_FORMAT = 5  # 5: chunks reserved by fetches, the extension's state;
 DESTROY = "_destroy"
 CLEAN = "_clean"  # chunks the scrubber zeroed: dirty -> allocatable
 LOST_WRITE = "_lost_write"  # [ino, session id, 1|0]: MetaStore.lost_write
+#: client sessions across runs (MetaStore.eligible, this_run): a server started, a
+#: session registered for the first time in this run [sid], the grace ended, a
+#: session expired [sid]
+NEW_RUN, REGISTERED, GRACE_ENDED, SESSION_GONE = "_run", "_registered", "_grace_end", "_gone"
+SESSION_RECORDS = (LOST_WRITE, NEW_RUN, REGISTERED, GRACE_ENDED, SESSION_GONE)
 
 #: the Inode fields a snapshot keeps, in order; ``opens`` is deliberately absent
 INODE_FIELDS = (
@@ -180,6 +187,7 @@ def dump_state(
         "inodes": inodes,
         "reserved": sorted([vol, voff] for vol, voff in store.reserved),
         "unsaid": [[ino, sorted(sids)] for ino, sids in sorted(store.unsaid.items())],
+        "sessions": [sorted(store.eligible), sorted(store.this_run)],
         "backing": extension,
     }
 
@@ -226,6 +234,8 @@ def load_state(state: Any, pool: PoolConfig) -> MetaStore:
             store.inodes[ino] = i
         store.reserved = {(vol, voff) for vol, voff in state.get("reserved", ())}
         store.unsaid = {int(ino): {bytes(x) for x in sids} for ino, sids in state.get("unsaid", ())}
+        eligible, this_run = state.get("sessions", ((), ()))
+        store.eligible, store.this_run = {bytes(x) for x in eligible}, {bytes(x) for x in this_run}
         store.rebuild_names()
         return store
     except (KeyError, TypeError, ValueError, AssertionError) as exc:
@@ -363,7 +373,7 @@ async def apply_record(
     seq, t, method, *raw = rec
     clock.t = t
     try:
-        if method.startswith("_") and method not in (DESTROY, CLEAN, LOST_WRITE):  # the burst buffer's
+        if method.startswith("_") and method not in (DESTROY, CLEAN, *SESSION_RECORDS):  # the burst buffer's
             if extension is None:
                 raise JournalError(f"record {seq} ({method}) was written by an mds with "
                                    "--backing: start it with the same --backing")
@@ -380,6 +390,20 @@ async def apply_record(
             ino, sid, lost = raw
             store.lost_write(codec.check_int(ino, "inode"), codec.check_bytes(sid, "session"),
                              bool(codec.check_int(lost, "flag")))
+            return
+        if method == NEW_RUN:
+            store.new_run()
+            return
+        if method == GRACE_ENDED:
+            store.grace_ended()
+            return
+        if method in (REGISTERED, SESSION_GONE):
+            (sid,) = raw
+            sid = codec.check_bytes(sid, "session")
+            if method == REGISTERED:
+                store.registered(sid)
+            else:
+                store.session_gone(sid)
             return
         if method == CLEAN:
             flat = [codec.check_int(x, "chunk") for x in raw]

@@ -50,9 +50,9 @@ from memfs.config import VolumeAddr
 from memfs.errors import FsError, UsageError
 from memfs.meta import Meta, codec
 from memfs.meta.conn import MAX_REPLY, ROLE, FrameSocket
-from memfs.meta.journal import LOST_WRITE, Journal
+from memfs.meta.journal import GRACE_ENDED, LOST_WRITE, NEW_RUN, REGISTERED, SESSION_GONE, Journal
 from memfs.meta.leases import LEASE_TERM, RECALL_TIMEOUT, Item, LeaseTable, settles_from_wire
-from memfs.meta.store import MetaStore
+from memfs.meta.store import ANY_EARLIER, MetaStore
 from memfs.wire import Kind, WireError
 
 if TYPE_CHECKING:
@@ -229,11 +229,6 @@ class MetaServer:
         #: after a restart, until --grace has passed: sessions of the previous run may
         #: come back and report what they wrote (their write leases died with it)
         self._recovering = False
-        #: sessions that registered since this server started (not "of the previous run")
-        self._registered: set[bytes] = set()
-        #: files whose chunks someone changed since the restart (while recovering): a
-        #: writer of the previous run may no longer have its space past EOF there
-        self._changed_since_restart: set[int] = set()
         self._nursery: trio.Nursery | None = None
         #: lease_term 0: clients cache nothing (every call goes to the server)
         self.leases = LeaseTable(term=lease_term, recall_timeout=recall_timeout,
@@ -272,8 +267,15 @@ class MetaServer:
 
     def _lost_write(self, holder: Any, ino: int) -> None:
         """*holder*'s write lease on *ino* ended without its word (MetaStore.unsaid)."""
-        if self.store.lost_write(ino, holder.sid, True) and self.journal is not None:
-            self.journal.append(self._t, LOST_WRITE, [ino, holder.sid, 1])
+        self._lost_write_of(ino, holder.sid)
+
+    def _lost_write_of(self, ino: int, sid: bytes, lost: bool = True) -> None:
+        if self.store.lost_write(ino, sid, lost) and self.journal is not None:
+            self.journal.append(self._t, LOST_WRITE, [ino, sid, int(lost)])
+
+    def _journal_session(self, kind: str, *args: Any) -> None:
+        if self.journal is not None:
+            self.journal.append(self._real_now(), kind, list(args))
 
     def _cleaned(self, chunks: list[tuple[int, int]]) -> None:
         assert self.journal is not None
@@ -308,6 +310,9 @@ class MetaServer:
                     await nursery.start(self.journal.run)
                 await self._hold_orphans()
                 if self.journal is not None:
+                    # Sessions of the runs before may come back and report (MetaStore.eligible).
+                    self.store.new_run()
+                    self._journal_session(NEW_RUN)
                     self._recovering = True
                     nursery.start_soon(self._end_recovery)
                 self.port = listeners[0].getsockname()[1]
@@ -365,8 +370,8 @@ class MetaServer:
         """
         await trio.sleep(self.session_grace)
         self._recovering = False
-        self._registered.clear()
-        self._changed_since_restart.clear()
+        self.store.grace_ended()
+        self._journal_session(GRACE_ENDED)
         self._t = self._real_now()
         n = 0
         for ino in self.store.preallocated():
@@ -642,8 +647,9 @@ class MetaServer:
                 await self.leases.recall(session, items)
                 first = False
         self._t = self._real_now()
-        if self._recovering and m.name in _CHUNK_CHANGES:
-            self._changed_since_restart.add(args[0])
+        if self._recovering and m.name in _CHUNK_CHANGES and self.store.eligible:
+            # A writer of an earlier run may no longer have its space past EOF here.
+            self._lost_write_of(args[0], ANY_EARLIER)
         atime = self._atime(args[0]) if m.name == "map_read" and self.journal else None
         journaled = m.mutates
         try:
@@ -666,9 +672,10 @@ class MetaServer:
                     await self.store.settle_write(*args)
                     if args[3]:
                         self.leases.release_write(session, args[0])
-                elif (i := self.store.inodes.get(args[0])) is not None and args[1] > i.size:
-                    # Not stale: larger than anything known.  Its lease ended without
-                    # its word (it was evicted, and is back before it knew).
+                elif (session.sid in self.store.unsaid.get(args[0], ())
+                      and (i := self.store.inodes.get(args[0])) is not None and args[1] > i.size):
+                    # Its lease ended without its word and this is larger than anything
+                    # known: lost (it has not registered since, so it does not know).
                     raise FsError(errno.ESTALE, f"size {args[1]} of inode {args[0]} refused: "
                                                 "the write lease ended without this client")
                 result = None
@@ -903,7 +910,6 @@ class MetaServer:
         those whose reported writes were refused (the client fails their writers).
         """
         old = conn.session
-        fresh = sid not in self._sessions  # not known to this run (or given up)
         if old.sid != sid:
             if old.opens:
                 raise FsError(errno.EINVAL, "session must be named before opening files")
@@ -920,25 +926,30 @@ class MetaServer:
         self._t = self._real_now()
         # A size counts if the session still holds the write lease (cut off for less
         # than its term, or evicted and back before its lease ran out: its chunks are
-        # all there), or if it is a session of the previous run back within --grace of
+        # all there), or if it is a session of an earlier run back within --grace of
         # a restart (nobody holds leases then, and chunks past EOF are kept until the
-        # grace ends) on a file nobody changed since, whose lease did not end without
-        # its word before the restart (``store.unsaid``).  Where its lease did end
-        # without its word (``store.unsaid``; eviction, a cut longer than the term, a
-        # connection it closed itself), or it comes back after the grace, the chunks
-        # past the end of file known then were freed: a larger size covers freed
-        # space, and the client must tell its writers (EIO), never report it.  A size
-        # no larger than the known one is stale (an answer that did arrive): ignored.
+        # grace ends) on a file that is not marked for it (``store.unsaid``: its lease
+        # ended without its word before the restart) nor for every earlier session
+        # (``ANY_EARLIER``: the file's chunks changed during this grace).  Where the
+        # file is marked for it, or it is a stranger to this run (back after the
+        # grace, or after its session expired), the chunks past the end of file known
+        # then were freed: a larger size covers freed space, and the client must tell
+        # its writers (EIO), never report it.  A size no larger than the known one is
+        # stale (an answer that did arrive): ignored.
         s.registrations += 1
-        previous_run = self._recovering and fresh and sid not in self._registered
-        if self._recovering:
-            self._registered.add(sid)
-        lost_here = {ino for ino, sids in self.store.unsaid.items() if sid in sids}
+        # The session's first registration in this run: of an earlier run (eligible
+        # within --grace of the restart), or a stranger (back too late).
+        first = self.store.registered(sid)
+        if first:
+            self._journal_session(REGISTERED, sid)
+        previous_run = self._recovering and first and sid in self.store.eligible
+        marks = self.store.unsaid
+        lost_here = {ino for ino, sids in marks.items() if sid in sids}
         failed = []
         for ino, size, mtime in settles or ():
             w = self.leases.writers.get(ino)
             if w is s or (previous_run and w is None and ino not in lost_here
-                          and ino not in self._changed_since_restart):
+                          and ANY_EARLIER not in marks.get(ino, ())):
                 if w is s:
                     # Its lease ends here with its word: what it took ahead goes now.
                     self.leases.release_write(s, ino)
@@ -948,16 +959,18 @@ class MetaServer:
             i = self.store.inodes.get(ino)
             if i is None or size <= i.size:
                 continue
-            if ino in lost_here or fresh or previous_run:
+            if ino in lost_here or first:
                 log.warning("%s: size %d of inode %d (%d known) not applied: the client lost "
                             "its write lease without its word (evicted, cut off, or back after "
                             "--grace); its writes since its last report are lost",
                             conn.peer, size, ino, i.size)
                 failed.append(ino)
-        # Everything it wrote before is now applied or refused.
-        for ino in lost_here:
-            if self.store.lost_write(ino, sid, False) and self.journal is not None:
-                self.journal.append(self._t, LOST_WRITE, [ino, sid, 0])
+        # Refusals stay marked until a registration no longer reports them (this answer
+        # may be lost, and the same sizes come again); the rest are settled now.
+        for ino in failed:
+            self._lost_write_of(ino, sid)
+        for ino in lost_here.difference(failed):
+            self._lost_write_of(ino, sid, False)
         self.leases.forget(s, said=True)  # it has just said every size it had
         lost = []
         for ino in set(claimed) | set(s.opens):
@@ -1019,7 +1032,7 @@ class MetaServer:
             self._journal_destroys()
         elif self.leases.holds(s) or any(w is s for w in self.leases.writers.values()):
             # Cut off: its caches stay trusted (by it) until its lease runs out.
-            self._nursery.start_soon(self._forget_later, s)
+            self._nursery.start_soon(self._forget_later, s, s.registrations)
         if not s.opens:
             self._sessions.pop(s.sid, None)
             return
@@ -1029,9 +1042,9 @@ class MetaServer:
         assert self._nursery is not None
         self._nursery.start_soon(self._expire, s, s.generation)
 
-    async def _forget_later(self, s: _Session) -> None:
+    async def _forget_later(self, s: _Session, registrations: int) -> None:
         await trio.sleep_until(s.last_heard + self.leases.term)
-        if s.conn is None:
+        if s.conn is None and s.registrations == registrations:  # else: back since
             self._t = self._real_now()
             self.leases.forget(s)
             self._journal_destroys()
@@ -1046,3 +1059,6 @@ class MetaServer:
             for _ in range(n):
                 await self._release_ino(ino)
         s.opens.clear()
+        # Back later, it is a stranger to this run: its sizes are refused.
+        self.store.session_gone(s.sid)
+        self._journal_session(SESSION_GONE, s.sid)

@@ -126,6 +126,11 @@ class Watcher(Protocol):
     def destroyed(self, ino: int) -> None: ...
 
 
+#: an :attr:`MetaStore.unsaid` mark for every session of an earlier run (the file's
+#: chunks changed during the grace that follows a restart)
+ANY_EARLIER = b"*"
+
+
 class VolumeAllocator:
     """Chunks of one volume: a bump pointer, a min-heap of clean freed chunks, and
     the dirty chunks (freed, not yet zeroed by the scrubber).
@@ -237,6 +242,12 @@ class MetaStore(Meta):
         #: restart, covers freed space (memfs.meta.server refuses it).  Journaled
         #: (``LOST_WRITE`` records), so it survives restarts.
         self.unsaid: dict[int, set[bytes]] = {}
+        #: client sessions of earlier server runs that may still report sizes (within
+        #: --grace of a restart), and those that registered in this run; with
+        #: :attr:`unsaid`'s ``ANY_EARLIER`` marks (a file changed during the grace),
+        #: journaled so that a crash during a grace does not widen what is accepted
+        self.eligible: set[bytes] = set()
+        self.this_run: set[bytes] = set()
         #: called with each change the burst buffer makes outside metadata calls
         #: (``_reserve``, ``_install``, ``_unreserve``, ``_evict``: the journal records them)
         self.on_backing: Callable[[str, list[Any]], None] | None = None
@@ -894,6 +905,32 @@ class MetaStore(Meta):
                 self._free_chunks(i, keep_below=keep)
                 changed = True
         return changed
+
+    def new_run(self) -> None:
+        """A server starts: sessions of the run before may report within its grace."""
+        self.eligible |= self.this_run
+        self.this_run = set()
+
+    def registered(self, sid: bytes) -> bool:
+        """Session *sid* registered in this run; True if that is news."""
+        if sid in self.this_run:
+            return False
+        self.this_run.add(sid)
+        return True
+
+    def grace_ended(self) -> None:
+        """No session of an earlier run may report any more."""
+        self.eligible.clear()
+        for ino in [i for i, sids in self.unsaid.items() if ANY_EARLIER in sids]:
+            self.lost_write(ino, ANY_EARLIER, False)
+
+    def session_gone(self, sid: bytes) -> None:
+        """Session *sid* expired: what it had is released, its marks go (if it comes
+        back it is a stranger to this run, whose sizes are refused)."""
+        self.this_run.discard(sid)
+        self.eligible.discard(sid)
+        for ino in [i for i, sids in self.unsaid.items() if sid in sids]:
+            self.lost_write(ino, sid, False)
 
     def lost_write(self, ino: int, sid: bytes, lost: bool) -> bool:
         """Mark (or, *lost* False, clear) session *sid*'s write lease on *ino* as ended

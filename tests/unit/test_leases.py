@@ -24,6 +24,7 @@ from memfs.meta.leases import Item, LeaseTable
 from memfs.meta.remote import RemoteMeta, open_remote_meta
 from memfs.meta.server import MetaServer
 from memfs.meta.store import ROOT_INO as ROOT
+from memfs.wire import WireError
 from tests.unit.test_meta_conformance import metadata_only
 
 SECRET = b"lease-test-secret-0123456789"
@@ -296,6 +297,47 @@ async def test_an_evicted_writer_is_told_its_writes_are_lost(
         await a.map_write(f.ino, 4096, 10)
         await a.sync(f.ino)
         assert server.store.inodes[f.ino].size == 4106
+        await a.release(f.ino)
+
+
+async def test_a_refusal_whose_answer_is_lost_is_repeated(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The registration that refuses an evicted writer's size does not reach it (the
+    connection drops first): the next one, with the same size, is refused again."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]
+    monkeypatch.setattr(lease_client, "SETTLE_DELAY", 100.0)
+    async with cluster(2, term=1.0, recall_timeout=0.3) as (server, (a, b), _):
+        f = await a.create(ROOT, b"f", F, 0, 0)
+        await a.map_write(f.ino, 0, 4096)
+        await a.sync(f.ino)
+        await a.map_write(f.ino, 4096, 8192)  # not reported
+        assert a._conn is not None
+        a._conn.on_recall = lambda *args: None
+        back, connect, register = trio.Event(), a._connect, a._register
+        tries = []
+
+        async def later(first: bool) -> Any:
+            await back.wait()
+            return await connect(first)
+
+        async def lose_first_answer(fs: Any) -> Any:
+            got = await register(fs)
+            tries.append(got[1])
+            if len(tries) == 1:
+                raise WireError("test: the answer is lost")
+            return got
+
+        a._connect = later  # type: ignore[method-assign]
+        a._register = lose_first_answer  # type: ignore[method-assign]
+        with trio.fail_after(10):
+            assert (await b.getattr(f.ino)).size == 4096
+        back.set()
+        with trio.fail_after(10), pytest.raises(FsError) as exc:
+            await a.sync(f.ino)
+        assert exc.value.errno == errno.EIO
+        assert tries == [[f.ino], [f.ino]], "refused both times"
+        assert server.store.inodes[f.ino].size == 4096
         await a.release(f.ino)
 
 
