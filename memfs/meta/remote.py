@@ -493,8 +493,9 @@ class RemoteMeta(Meta):
         """Name our session with our open handles and the sizes we wrote; ask for the
         pool description.  Returns the inodes gone, those whose sizes were refused, and
         the description."""
-        # Sizes written under write leases that the server has not heard yet (once:
-        # stated again, a size would no longer be the session's first word).
+        # Sizes written under write leases that the server has not heard yet (again on
+        # a second pass: one applied is no longer larger than the known size, one
+        # refused is refused again, and a refusal is only heard with an answer).
         told = {**self.cache.answered, **self.cache.dirty}
         settles = [[ino, size, mtime] for ino, (size, mtime) in told.items()]
         failed: list[int] = []
@@ -522,8 +523,8 @@ class RemoteMeta(Meta):
             if len(gone) == 2 and all(type(x) is list for x in gone):
                 gone, refused = gone
             lost = [codec.check_int(x, "lost inode") for x in codec.check_list(gone, "lost")]
-            failed += [codec.check_int(x, "failed inode") for x in codec.check_list(refused, "failed")]
-            settles = []
+            failed += [codec.check_int(x, "failed inode") for x in codec.check_list(refused, "failed")
+                       if x not in failed]
             desc = PoolDescription.from_wire(values[1])
             # A release that could not reach the server changed our counts meanwhile.
             if version == self._opens_version:

@@ -273,6 +273,11 @@ class MetaServer:
         if self.store.lost_write(ino, sid, lost) and self.journal is not None:
             self.journal.append(self._t, LOST_WRITE, [ino, sid, int(lost)])
 
+    def _session_gone(self, sid: bytes) -> None:
+        if sid in self.store.this_run or sid in self.store.eligible:
+            self.store.session_gone(sid)
+            self._journal_session(SESSION_GONE, sid)
+
     def _journal_session(self, kind: str, *args: Any) -> None:
         if self.journal is not None:
             self.journal.append(self._real_now(), kind, list(args))
@@ -945,14 +950,18 @@ class MetaServer:
         previous_run = self._recovering and first and sid in self.store.eligible
         marks = self.store.unsaid
         lost_here = {ino for ino, sids in marks.items() if sid in sids}
+        # The same client under an older object (dropped from _sessions with no open
+        # handles while it still held a write lease): still its lease.
+        olds = {w for w in self.leases.writers.values()
+                if w is not s and isinstance(w, _Session) and w.sid == sid}
         failed = []
         for ino, size, mtime in settles or ():
             w = self.leases.writers.get(ino)
-            if w is s or (previous_run and w is None and ino not in lost_here
-                          and ANY_EARLIER not in marks.get(ino, ())):
-                if w is s:
+            if w is s or w in olds or (previous_run and w is None and ino not in lost_here
+                                       and ANY_EARLIER not in marks.get(ino, ())):
+                if w is not None:
                     # Its lease ends here with its word: what it took ahead goes now.
-                    self.leases.release_write(s, ino)
+                    self.leases.release_write(w, ino)
                 if self.store.settle_now(ino, size, mtime, True) and self.journal is not None:
                     self.journal.append(self._t, "settle", [ino, size, mtime, 1])
                 continue
@@ -971,6 +980,8 @@ class MetaServer:
             self._lost_write_of(ino, sid)
         for ino in lost_here.difference(failed):
             self._lost_write_of(ino, sid, False)
+        for o in olds:
+            self.leases.forget(o, said=True)
         self.leases.forget(s, said=True)  # it has just said every size it had
         lost = []
         for ino in set(claimed) | set(s.opens):
@@ -1035,6 +1046,8 @@ class MetaServer:
             self._nursery.start_soon(self._forget_later, s, s.registrations)
         if not s.opens:
             self._sessions.pop(s.sid, None)
+            if conn.clean_close:
+                self._session_gone(s.sid)  # unmounted (or gone): forgotten by this run
             return
         s.generation += 1
         log.info("%s: client gone with %d open inodes; holding them for %.0f s",
@@ -1054,11 +1067,11 @@ class MetaServer:
         if s.conn is not None or s.generation != generation or self._sessions.get(s.sid) is not s:
             return
         del self._sessions[s.sid]
+        # Back later, it is a stranger to this run: its sizes are refused.  (Now, not
+        # after the releases below, which may wait: it may be back by then.)
+        self._session_gone(s.sid)
         log.info("session expired: releasing %d open inodes", len(s.opens))
         for ino, n in s.opens.items():
             for _ in range(n):
                 await self._release_ino(ino)
         s.opens.clear()
-        # Back later, it is a stranger to this run: its sizes are refused.
-        self.store.session_gone(s.sid)
-        self._journal_session(SESSION_GONE, s.sid)

@@ -919,10 +919,15 @@ class MetaStore(Meta):
         return True
 
     def grace_ended(self) -> None:
-        """No session of an earlier run may report any more."""
+        """No session of an earlier run may report any more (marks of sessions not
+        in this run go too: back now, they are strangers, refused anyway)."""
         self.eligible.clear()
-        for ino in [i for i, sids in self.unsaid.items() if ANY_EARLIER in sids]:
-            self.lost_write(ino, ANY_EARLIER, False)
+        for ino in list(self.unsaid):
+            sids = self.unsaid[ino] & self.this_run
+            if sids:
+                self.unsaid[ino] = sids
+            else:
+                del self.unsaid[ino]
 
     def session_gone(self, sid: bytes) -> None:
         """Session *sid* expired: what it had is released, its marks go (if it comes

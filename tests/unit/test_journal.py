@@ -230,7 +230,9 @@ async def test_torn_tail_is_dropped_with_a_warning(
         good = state(server.store)
         async with open_remote_meta("127.0.0.1", server.port, SECRET) as other:
             await other.mknod(ROOT, b"last", stat.S_IFREG | 0o644, 0, 0)
-    rewrite(only(tmp_path, "journal"), lambda data: data[:-5])  # the last record, cut short
+            end = only(tmp_path, "journal").stat().st_size  # durable before the reply
+    # The mknod's record, cut short, at the end (what follows it is gone too).
+    rewrite(only(tmp_path, "journal"), lambda data: data[:end - 5])
     caplog.expected_warnings = True  # type: ignore[attr-defined]
     with caplog.at_level(logging.WARNING, "memfs.meta.journal"):
         after = await recovered(tmp_path)
