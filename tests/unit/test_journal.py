@@ -10,6 +10,7 @@ is what the server records in production.
 from __future__ import annotations
 
 import logging
+import os
 import random
 import stat
 from collections.abc import AsyncIterator, Callable
@@ -35,7 +36,7 @@ from memfs.meta.journal import (
     read_snapshot,
     write_snapshot,
 )
-from memfs.meta.remote import open_remote_meta
+from memfs.meta.remote import RemoteMeta, open_remote_meta
 from memfs.meta.server import MetaServer
 from memfs.meta.store import Inode, MetaStore
 
@@ -60,6 +61,37 @@ async def served(
             nursery.cancel_scope.cancel()
     finally:
         journal.close()
+
+
+@asynccontextmanager
+async def mds_only(directory: Path, grace: float) -> AsyncIterator[MetaServer]:
+    """A journaled server with *grace* and no client of its own."""
+    journal = Journal(directory)
+    try:
+        store = await journal.open(POOL)
+        async with trio.open_nursery() as nursery:
+            server = MetaServer(store, SECRET, None, journal, session_grace=grace)
+            await nursery.start(server.serve, "127.0.0.1", 0)
+            yield server
+            nursery.cancel_scope.cancel()
+    finally:
+        journal.close()
+
+
+@asynccontextmanager
+async def writer_back(server: MetaServer, sid: bytes, ino: int, size: int) -> AsyncIterator[RemoteMeta]:
+    """A client of session *sid* that holds *ino* open and wrote it to *size* under a
+    write lease of an earlier run, without reporting that size: what it says when it
+    registers."""
+    meta = RemoteMeta("127.0.0.1", server.port, SECRET, timeout=5)
+    meta.session = sid
+    meta.opens[ino] = 1
+    meta.cache.dirty[ino] = (size, 1)
+    await meta.connect()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(meta.run)
+        yield meta
+        await meta.aclose()
 
 
 async def leave(server: MetaServer, meta: Meta) -> None:
@@ -366,3 +398,34 @@ async def test_old_journal_replays_last_in_first_out(tmp_path: Path) -> None:
     ]
     assert all(a.lowest_first for a in after.allocators)
     assert read_snapshot(only(tmp_path, "snapshot"))["format"] == SNAPSHOT_FORMAT
+
+
+async def test_a_writer_of_the_run_before_is_heard_and_one_from_earlier_is_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Within --grace of a restart, a session of the run before that reports a size it
+    wrote (chunks past EOF were kept) has it applied.  A session that was absent for a
+    whole grace (two restarts back) is a stranger: its larger size is refused, never
+    applied over the space that grace freed."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]  # the refusal
+    a, b = os.urandom(16), os.urandom(16)
+    async with mds_only(tmp_path, grace=30) as server:
+        async with open_remote_meta("127.0.0.1", server.port, SECRET) as meta:
+            f = await meta.mknod(ROOT, b"f", stat.S_IFREG | 0o644, 0, 0)
+            g = await meta.mknod(ROOT, b"g", stat.S_IFREG | 0o644, 0, 0)
+            for ino in (f.ino, g.ino):
+                await meta.map_write(ino, 0, 4096)
+        for sid, ino in ((a, f.ino), (b, g.ino)):  # both register in this run
+            async with writer_back(server, sid, ino, 4096):
+                pass
+    async with mds_only(tmp_path, grace=0.3) as server:  # a comes back in time, b does not
+        async with writer_back(server, a, f.ino, 100_000) as wa:
+            assert not wa.write_errors
+            assert server.store.inodes[f.ino].size == 100_000
+        await trio.sleep(0.6)  # the grace ends
+    async with mds_only(tmp_path, grace=30) as server:
+        async with writer_back(server, b, g.ino, 100_000) as wb:
+            assert wb.write_errors == {g.ino}
+        assert server.store.inodes[g.ino].size == 4096
+    assert "not applied" in caplog.text
+
