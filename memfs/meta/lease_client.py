@@ -154,9 +154,8 @@ class LeaseKeeper:
         if had:
             log.info("leases lost (%s): dropping %d cached inodes", why, len(inos))
         self._forget_kernel_names()
-        invalidate = self.kernel.invalidator
-        if inos and invalidate is not None and self.tasks is not None:
-            self.tasks.start_soon(self._invalidate_all, invalidate, inos)
+        if inos:
+            self.drop_kernel(inos)
 
     def drop_kernel(self, inos: list[int]) -> None:
         """The kernel's pages and attributes of *inos* go (their bytes here may be

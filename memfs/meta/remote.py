@@ -519,9 +519,7 @@ class RemoteMeta(Meta):
                     err, msg = wire.decode_error(payload)
                     raise FsError(err, f"metadata server refused registration: {msg}")
                 values.append(wire.decode(payload))
-            gone, refused = codec.check_list(values[0], "registration"), []
-            if len(gone) == 2 and all(type(x) is list for x in gone):
-                gone, refused = gone
+            gone, refused = codec.check_list(values[0], "registration", 2)
             lost = [codec.check_int(x, "lost inode") for x in codec.check_list(gone, "lost")]
             failed += [codec.check_int(x, "failed inode") for x in codec.check_list(refused, "failed")
                        if x not in failed]
