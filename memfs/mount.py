@@ -322,6 +322,8 @@ async def _serve(
             nursery.start_soon(_watch_signals)
             if opts.readahead_kib:
                 nursery.start_soon(_tune_after_init, ops, opts)
+            if hasattr(pyfuse3, "LINGER"):  # memfs's patch 0002
+                pyfuse3.LINGER = fs.LINGER
             await pyfuse3.main(min_tasks=1, max_tasks=opts.max_tasks)
             nursery.cancel_scope.cancel()
         sd_notify("STOPPING=1")

@@ -1,22 +1,23 @@
 #!/bin/sh
-# Install pyfuse3 with memfs's connection-negotiation patch into a virtualenv.
+# Install pyfuse3 with memfs's patches into a virtualenv.
 #
 #   scripts/build-pyfuse3.sh VENV
 #
 # pyfuse3 (3.5.0) gives a filesystem no say in the FUSE connection's
 # parameters; scripts/pyfuse3/0001-init-connection.patch adds
-# Operations.init_connection(conn) (see the patch's header).  The source
+# Operations.init_connection(conn).  0002-receive-before-waiting.patch takes
+# requests the kernel has already queued without a pass of the event loop
+# each.  The patches' headers say why and what they measured.  The source
 # distribution comes from PyPI, pinned by version and sha256; the build is
 # pip's usual one (Cython, libfuse3-dev).  The installed version is
-# 3.5.0+memfs.1, so a rerun with the patch in place does nothing, and memfs
+# 3.5.0+memfs.2, so a rerun with the patches in place does nothing, and memfs
 # still runs on a plain pyfuse3 (it logs that the kernel keeps its defaults).
 set -eu
 VENV=${1:?usage: $0 VENV}
 VERSION=3.5.0
-LOCAL=memfs.1
+LOCAL=memfs.2
 SHA256=88399a9494b88603230bba300f4ba9ad63fece5ed514ca3633d555a0c6a42b24
 HERE=$(cd "$(dirname "$0")" && pwd)
-PATCH="$HERE/pyfuse3/0001-init-connection.patch"
 
 installed=$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("pyfuse3"))' 2>/dev/null || true)
 if [ "$installed" = "$VERSION+$LOCAL" ]; then
@@ -32,8 +33,10 @@ echo "$SHA256  $sdist" | sha256sum -c --quiet - || {
 }
 tar -xzf "$sdist" -C "$work"
 src="$work/pyfuse3-$VERSION"
-patch -s -p1 -d "$src" < "$PATCH"
+for p in "$HERE"/pyfuse3/0*.patch; do
+    patch -s -p1 -d "$src" < "$p"
+done
 rm -f "$src/src/pyfuse3/__init__.c"  # generated from the patched .pyx by the build
 sed -i "s/^Version: $VERSION\$/Version: $VERSION+$LOCAL/" "$src/PKG-INFO"
 "$VENV/bin/pip" install -q "$src"
-echo "memfs setup: pyfuse3 $VERSION+$LOCAL (with init_connection) installed in $VENV"
+echo "memfs setup: pyfuse3 $VERSION+$LOCAL (with memfs's patches) installed in $VENV"
