@@ -323,7 +323,9 @@ async def _serve(
             if opts.readahead_kib:
                 nursery.start_soon(_tune_after_init, ops, opts)
             if hasattr(pyfuse3, "LINGER"):  # memfs's patch 0002
-                pyfuse3.LINGER = fs.LINGER
+                # Only for one worker: with several, one lingering might not see
+                # that another's reply from the network woke it (see fs.LINGER).
+                pyfuse3.LINGER = fs.LINGER if opts.max_tasks == 1 else 0.0
             await pyfuse3.main(min_tasks=1, max_tasks=opts.max_tasks)
             nursery.cancel_scope.cancel()
         sd_notify("STOPPING=1")

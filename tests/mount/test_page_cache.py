@@ -99,13 +99,19 @@ def test_max_background_negotiated(memfs_mount: Callable[..., Mounted], fusectl:
 
 
 @pytest.mark.mount
-def test_queued_requests_taken_without_waiting(memfs_mount: Callable[..., Mounted]) -> None:
+@pytest.mark.parametrize("workers", ["one", "several"])
+def test_queued_requests_taken_without_waiting(
+    memfs_mount: Callable[..., Mounted], tmp_path: Path, workers: str
+) -> None:
     """pyfuse3 with memfs's patch 0002 reads /dev/fuse non-blocking, so a request the
     kernel already queued is taken without a pass of the event loop: the daemon's FUSE
     descriptor must be O_NONBLOCK (it is not on a pyfuse3 without the patch), and a
-    burst of requests from several processes is served right."""
-    assert pyfuse3.RECEIVE_BURST > 0
-    m = memfs_mount("--size", "64M")
+    burst of requests from several processes is served right, by one worker (embedded)
+    or by several that race for requests (``--backing``: 16)."""
+    extra = [] if workers == "one" else ["--backing", str(tmp_path / "backing")]
+    if extra:
+        (tmp_path / "backing").mkdir()
+    m = memfs_mount("--size", "64M", *extra)
     flags = []
     for fd in os.listdir(f"/proc/{m.pid}/fd"):
         try:
