@@ -326,7 +326,8 @@ async def _serve(
                 # Only for one worker: with several, one lingering might not see
                 # that another's reply from the network woke it (see fs.LINGER).
                 pyfuse3.LINGER = fs.LINGER if opts.max_tasks == 1 else 0.0
-            await pyfuse3.main(min_tasks=1, max_tasks=opts.max_tasks)
+            await pyfuse3.main(min_tasks=min(fs.IDLE_WORKERS, opts.max_tasks),
+                               max_tasks=opts.max_tasks)
             nursery.cancel_scope.cancel()
         sd_notify("STOPPING=1")
     finally:
