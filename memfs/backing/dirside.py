@@ -248,6 +248,17 @@ class BackingDir:
                         self.apply(op)
                 os.rename(src, dest)
 
+    def publish_each(self, pairs: list[tuple[bytes, list[bytes]]]) -> list[OSError | None]:
+        """:meth:`publish` (without *dirs*) for each (tmp, paths): what each raised."""
+        out: list[OSError | None] = []
+        for tmp, paths in pairs:
+            try:
+                self.publish(tmp, paths, None)
+                out.append(None)
+            except OSError as exc:
+                out.append(exc)
+        return out
+
     # -- namespace operations --------------------------------------------------------------
 
     def apply(self, op: NsOp) -> None:

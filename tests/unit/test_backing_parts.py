@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import math
+import os
 import stat
 import threading
 from collections.abc import AsyncIterator
@@ -289,6 +290,68 @@ async def test_failed_copy_backs_off_and_is_shown(
         assert len(starts) == 4 and all(g >= want for g, want in zip(gaps, (1, 2, 4), strict=True)), gaps
         assert (tmp_path / "dir" / "f").read_bytes() == b"z" * 10
         assert not (await b.status()).errors
+
+
+async def test_small_files_go_back_in_batches_each_on_its_own(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Small files are written and published a batch per DIR thread trip, but each
+    stays its own: one whose rename fails is retried alone, one changed after its
+    copy was read is copied again, one unlinked meanwhile is not written, a large
+    one goes on its own; every file in DIR ends up exactly as in the pool."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]
+    async with backed(tmp_path, delay=1.0, workers=2) as (b, data):
+        trips: list[int] = []
+        real_each = b.dirside.publish_each
+
+        def publish_each(pairs: list[tuple[bytes, list[bytes]]]) -> list[OSError | None]:
+            trips.append(len(pairs))
+            return real_each(pairs)
+
+        real_publish = b.dirside.publish
+        fails = [1]
+
+        def publish(tmp: bytes, paths: list[bytes], dirs: object) -> None:
+            if paths == [b"f7"] and fails[0]:
+                fails[0] -= 1
+                raise OSError(errno.EIO, "Input/output error")
+            real_publish(tmp, paths, dirs)  # type: ignore[arg-type]
+
+        b.dirside.publish_each = publish_each  # type: ignore[method-assign]
+        b.dirside.publish = publish  # type: ignore[method-assign,assignment]
+        real_write = b.dirside.write_whole
+        changed = threading.Event()
+        ino: dict[str, int] = {}
+
+        def write_whole(tmp: bytes, *args: object) -> None:
+            real_write(tmp, *args)  # type: ignore[arg-type]
+            if os.path.basename(tmp).startswith(b"%d." % ino["f3"]):
+                changed.set()
+
+        b.dirside.write_whole = write_whole  # type: ignore[method-assign,assignment]
+        want: dict[str, bytes] = {}
+        for n in range(40):
+            a = await b.mknod(ROOT, f"f{n}".encode(), REG, 0, 0)
+            ino[f"f{n}"] = a.ino
+            want[f"f{n}"] = bytes([n]) * (1000 + 97 * n)
+            await data.write(a.ino, 0, want[f"f{n}"])
+        big = await b.mknod(ROOT, b"big", REG, 0, 0)
+        want["big"] = b"B" * (600 * K)
+        await data.write(big.ino, 0, want["big"])
+        await b.unlink(ROOT, b"f5")
+        del want["f5"]
+        await trio.sleep(1.0)  # all due now
+        assert await trio.to_thread.run_sync(changed.wait, 60.0)  # real seconds
+        want["f3"] = b"changed after its copy was written"
+        await data.truncate(ino["f3"], 0)
+        await data.write(ino["f3"], 0, want["f3"])
+        await settle(b)
+        found = {p.name: p.read_bytes() for p in (tmp_path / "dir").iterdir() if p.is_file()}
+        assert found == want
+        assert max(trips) > 1, trips  # batches did happen
+        assert not fails[0]
+        st = await b.status()
+        assert st.dirty_files == 0 and not st.errors
 
 
 async def test_eviction_least_recently_used_first_and_staged_spared(tmp_path: Path) -> None:
