@@ -108,7 +108,7 @@ class Operations(pyfuse3.Operations):
         attr_timeout: float = 1.0,
         entry_timeout: float = 1.0,
         negative_timeout: float = 1.0,
-        sole_writer: bool = False,
+        pages_follow_changes: bool = False,
         max_background: int = MAX_BACKGROUND,
     ) -> None:
         super().__init__()
@@ -119,7 +119,7 @@ class Operations(pyfuse3.Operations):
         self.attr_timeout = attr_timeout
         self.entry_timeout = entry_timeout
         self.negative_timeout = negative_timeout
-        self.sole_writer = sole_writer
+        self.pages_follow_changes = pages_follow_changes
         self.max_background = max_background
         #: what init_connection negotiated; None: not called (a pyfuse3 without the hook)
         self.negotiated: dict[str, int] | None = None
@@ -182,14 +182,16 @@ class Operations(pyfuse3.Operations):
     def init_connection(self, conn: Any) -> None:
         """Negotiate with the kernel (pyfuse3 with memfs's patch, scripts/pyfuse3/).
 
-        *sole_writer* (embedded mode: every change to file data comes through
-        this kernel) turns off libfuse's default ``AUTO_INVAL_DATA``, under
-        which the kernel dropped a file's cached pages whenever it saw a new
-        mtime, that is after each of its own writes: re-reads then came from
-        the page cache only until the next write.  More background requests
+        *pages_follow_changes* (embedded mode: every change to file data comes
+        through this kernel; a cluster client under leases: every change made
+        elsewhere first recalls this node's lease, which drops the file's pages)
+        turns off libfuse's default ``AUTO_INVAL_DATA``, under which the kernel
+        dropped a file's cached pages whenever it saw a new mtime, that is after
+        each of its own writes: re-reads then came from the page cache only until
+        the next write.  More background requests
         (readahead, async direct I/O) may be in flight than the kernel's 12.
         """
-        if self.sole_writer:
+        if self.pages_follow_changes:
             conn.want &= ~pyfuse3.FUSE_CAP_AUTO_INVAL_DATA
         conn.max_background = self.max_background
         conn.congestion_threshold = self.max_background * 3 // 4

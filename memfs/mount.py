@@ -293,10 +293,10 @@ async def _serve(
         meta,
         DataEngine(meta, transport),
         writeback_cache=opts.writeback_cache,
-        # Other nodes change files too: drop cached pages at every open
-        # (close-to-open), and let attributes expire per --attr-timeout.
+        # Other nodes change files too: without leases, drop cached pages at every
+        # open (close-to-open), and let attributes expire per --attr-timeout.
         keep_cache=opts.mds is None,
-        sole_writer=opts.mds is None,
+        pages_follow_changes=meta.recalls_drop_pages(),
         attr_timeout=opts.attr_timeout,
         entry_timeout=opts.attr_timeout,
         negative_timeout=opts.attr_timeout,

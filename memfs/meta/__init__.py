@@ -204,6 +204,12 @@ class Meta(abc.ABC):
         the mount's default."""
         return None
 
+    def recalls_drop_pages(self) -> bool:
+        """No one but this node changes file data, or every change made elsewhere first
+        makes this node drop the file's cached pages (a recall): so the kernel need not
+        drop them itself whenever it sees a new mtime (libfuse's AUTO_INVAL_DATA)."""
+        return True
+
     def io(self, ino: int) -> contextlib.AbstractContextManager[object]:
         """Held around the volume transfers of one read or write of *ino*: a client that
         caches chunk maps waits for these before it lets a change free those chunks."""

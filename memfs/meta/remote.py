@@ -626,6 +626,14 @@ class RemoteMeta(Meta):
         last, cacheable = self._last_open
         return cacheable and last == ino and not self.cache.invalidating
 
+    def recalls_drop_pages(self) -> bool:
+        # Under leases every change to a file by another client (map_write,
+        # allocate_ahead, truncate, ...) recalls us first, and the recall drops the
+        # kernel's pages of it; so does losing the lease.  Without them (--lease-term
+        # 0) the kernel's own check on a new mtime stays.  (An mds restarted with
+        # another term: see docs/ARCHITECTURE.md.)
+        return bool(self.cache.term)
+
     def io(self, ino: int) -> contextlib.AbstractContextManager[object]:
         return self.cache.pinned(ino)
 

@@ -356,6 +356,40 @@ def test_coherence_with_warm_caches_both_ways(cluster: Cluster) -> None:
     assert elapsed < 60, f"80 rounds took {elapsed:.1f} s"
 
 
+def test_own_writes_keep_the_page_cache_until_another_node_writes(cluster: Cluster) -> None:
+    """Under leases a client's kernel keeps a file's pages across its own writes and
+    the new mtime a stat shows it (no AUTO_INVAL_DATA: recalls drop pages); another
+    node's write still drops them before it returns, both ways, over many rounds."""
+    from tests.mount.test_page_cache import resident_pages
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    c1, c2 = cluster.mnt["c1"], cluster.mnt["c2"]
+    rng = random.Random(11)
+    data = bytearray(rng.randbytes(1 << 20))
+    (c1 / "pc").write_bytes(data)
+    pages = len(data) // page
+    for r in range(6):
+        mine, other = (c1, c2) if r % 2 == 0 else (c2, c1)
+        assert (mine / "pc").read_bytes() == data
+        assert resident_pages(mine / "pc") == pages
+        with open(mine / "pc", "r+b") as f:
+            f.seek(r * page)
+            f.write(b"m" * page)
+        data[r * page : (r + 1) * page] = b"m" * page
+        os.stat(mine / "pc")
+        assert resident_pages(mine / "pc") == pages, "a write or stat dropped cached pages"
+        assert (mine / "pc").read_bytes() == data
+        patch = rng.randbytes(3 * page)
+        off = rng.randrange(len(data) - len(patch))
+        with open(other / "pc", "r+b") as f:  # the other node's write recalls ours
+            f.seek(off)
+            f.write(patch)
+        data[off : off + len(patch)] = patch
+        assert (mine / "pc").read_bytes() == data
+        assert os.stat(mine / "pc").st_mtime_ns == os.stat(other / "pc").st_mtime_ns
+    assert log_lines(cluster, "mds.log", " WARNING ", " ERROR ") == []
+
+
 def test_concurrent_creates_in_one_directory(cluster: Cluster) -> None:
     """Both nodes create files in one directory at the same time (N ranks writing their
     output side by side): every create succeeds promptly, nobody is evicted, and both

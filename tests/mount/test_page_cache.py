@@ -139,15 +139,15 @@ class FakeConn:
         self.congestion_threshold = 9
 
 
-@pytest.mark.parametrize("sole_writer", [True, False])
-def test_init_connection(sole_writer: bool) -> None:
+@pytest.mark.parametrize("pages_follow_changes", [True, False])
+def test_init_connection(pages_follow_changes: bool) -> None:
     """Only a sole writer (embedded) gives up AUTO_INVAL_DATA: on a cluster client
     other nodes change files, and the kernel must notice a new mtime."""
     ops = Operations.__new__(Operations)
-    ops.sole_writer, ops.max_background, ops.negotiated = sole_writer, 32, None
+    ops.pages_follow_changes, ops.max_background, ops.negotiated = pages_follow_changes, 32, None
     conn = FakeConn()
     ops.init_connection(conn)
-    assert bool(conn.want & pyfuse3.FUSE_CAP_AUTO_INVAL_DATA) is not sole_writer
+    assert bool(conn.want & pyfuse3.FUSE_CAP_AUTO_INVAL_DATA) is not pages_follow_changes
     assert conn.want & pyfuse3.FUSE_CAP_ASYNC_READ
     assert (conn.max_background, conn.congestion_threshold) == (32, 24)
     assert ops.negotiated == {"want": conn.want, "max_background": 32}

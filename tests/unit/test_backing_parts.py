@@ -318,7 +318,7 @@ async def test_small_files_go_back_in_batches_each_on_its_own(
             real_publish(tmp, paths, dirs)  # type: ignore[arg-type]
 
         b.dirside.publish_each = publish_each  # type: ignore[method-assign]
-        b.dirside.publish = publish  # type: ignore[method-assign,assignment]
+        b.dirside.publish = publish  # type: ignore[method-assign]
         real_write = b.dirside.write_whole
         changed = threading.Event()
         ino: dict[str, int] = {}
