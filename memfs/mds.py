@@ -179,8 +179,11 @@ async def _scrub(
     while True:
         try:
             async with open_tcp_transport(as_tcp(pool), secret, io_timeout=INFO_TIMEOUT,
-                                          incarnations=server.incarnations) as t:
+                                          incarnations=server.incarnations,
+                                          fences=server.fences) as t:
                 delay = 1.0
+                if server.fences is not None:
+                    server.fences.courier = t
                 # The memory this pool's data lives in: remembered (with the journal)
                 # so that a memory server restarted blank is never taken for it.
                 known = {**t.incarnations(), **server.incarnations}
@@ -215,7 +218,8 @@ async def _write_back(
     assert opts.flush is not None
     try:
         async with open_tcp_transport(as_tcp(opts.pool), opts.secret, io_timeout=INFO_TIMEOUT,
-                                      incarnations=server.incarnations) as t:
+                                      incarnations=server.incarnations,
+                                      fences=server.fences) as t:
             backed = BackedMeta(store, t, opts.flush, settle=SETTLE, recovered=recovered)
             backed.before_evict = server.recall_inodes
             try:
@@ -278,6 +282,10 @@ async def _main(opts: MdsOptions, journal: Journal | None) -> int:
             store, opts.secret, opts.pool, journal, session_grace=opts.grace,
             lease_term=opts.lease_term, recall_timeout=opts.recall_timeout,
         )
+        from memfs.transport.pool import as_tcp
+        from memfs.transport.tcp import Fences, server_name
+
+        server.fences = Fences([server_name(a.host, a.port) for a in as_tcp(opts.pool)])
         async with trio.open_nursery() as nursery:
             server.incarnations.update(_load_incarnations(opts.journal_dir))
             nursery.start_soon(_scrub, store, opts.pool, opts.secret, server, opts.journal_dir)

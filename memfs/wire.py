@@ -14,8 +14,9 @@ error: the receiver closes that connection.
 Payloads:
 
 * data requests to ``memfs memd`` use fixed structs (:data:`READ`,
-  :data:`WRITE`, :data:`ZERO`); WRITE's data follows its struct, READ's reply
-  payload is the raw bytes, so a receiver can ``recv_into`` the destination;
+  :data:`WRITE`, :data:`ZERO`; :data:`TOKEN` for SESSION and FENCE); WRITE's
+  data follows its struct, READ's reply payload is the raw bytes, so a
+  receiver can ``recv_into`` the destination;
 * control and metadata messages carry one value in a small tagged binary
   encoding (:func:`encode` / :func:`decode`: None, bool, int64, float, bytes,
   str, list, dict);
@@ -77,6 +78,8 @@ class Kind(enum.IntEnum):
     WRITE = 22  # WRITE struct + data -> OK(empty)
     ZERO = 23  # ZERO struct -> OK(empty)
     VERBS_CONNECT = 24  # VERBS_ENDPOINT struct -> OK(verbs accept) or ERROR(ENODEV)
+    SESSION = 25  # TOKEN struct: this connection works under that lease token -> OK or ERROR(ESTALE)
+    FENCE = 26  # TOKEN struct: close that token's connections, refuse it from now on -> OK
     # metadata server
     CALL = 30  # value [method, args...] -> OK(value)
     RECALL = 31  # server -> client: value [[ino, [names], revoke_write], ...] (req id: recall id)
@@ -87,6 +90,7 @@ class Kind(enum.IntEnum):
 READ = struct.Struct("!IQI")  # volume, offset, length
 WRITE = struct.Struct("!IQ")  # volume, offset; data follows
 ZERO = struct.Struct("!IQQ")  # volume, offset, length
+TOKEN = struct.Struct("!Q")  # a client session's lease token (memfs.meta.server)
 _ERRNO = struct.Struct("!I")
 
 

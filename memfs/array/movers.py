@@ -202,7 +202,8 @@ class TcpMover:
         self._bulk = BulkTcp(
             parse_pool_spec("+".join(str(v) for v in pool["volumes"])),
             bytes.fromhex(pool["secret"]),
-            incarnations={str(k): int(v) for k, v in dict(pool.get("incarnations", {})).items()})
+            incarnations={str(k): int(v) for k, v in dict(pool.get("incarnations", {})).items()},
+            token=int(pool.get("token", 0)))
 
     def read(self, extents: Sequence[Extent], base: int, view: memoryview) -> None:
         self._run(extents, base, view, write=False)
@@ -241,6 +242,7 @@ class RemoteMover:
         self._volumes = parse_pool_spec("+".join(str(v) for v in pool["volumes"]))
         self._secret = bytes.fromhex(pool["secret"])
         self._incarnations = {str(k): int(v) for k, v in dict(pool.get("incarnations", {})).items()}
+        self._lease_token = int(pool.get("token", 0))
         self._token: trio.lowlevel.TrioToken | None = None
         self._stop: trio.Event | None = None
         self._transport: Any = None
@@ -269,6 +271,7 @@ class RemoteMover:
         self._stop = trio.Event()
         async with open_pool_transport(self._volumes, self._secret,
                                        incarnations=self._incarnations) as transport:
+            transport.set_session(self._lease_token)
             self._transport = transport
             ready.set()
             await self._stop.wait()

@@ -113,12 +113,16 @@ class PoolAccess:
     volumes: tuple[str, ...] = ()
     secret: bytes = b""
     incarnations: dict[str, int] = field(default_factory=dict)
+    #: cluster: the mount's lease token now (its transfers are made under the mount's
+    #: leases; memory servers refuse the token once the mds fenced it)
+    lease_token: Callable[[], int] | None = None
 
     def describe(self) -> dict[str, Any]:
         if self.kind == "local":
             return {"kind": "local", "sizes": list(self.sizes)}
         return {"kind": self.kind, "volumes": list(self.volumes), "secret": self.secret.hex(),
-                "incarnations": self.incarnations}
+                "incarnations": self.incarnations,
+                "token": self.lease_token() if self.lease_token is not None else 0}
 
 
 class KernelCache(Protocol):

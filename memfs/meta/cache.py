@@ -235,8 +235,9 @@ class ClientCache:
                 del self._pins[ino]
                 self._unpinned.set()
 
-    async def wait_unpinned(self, inos: list[int]) -> None:
-        while any(ino in self._pins for ino in inos):
+    async def wait_unpinned(self, inos: list[int] | None) -> None:
+        """Until no transfer holds a map of *inos* (None: of any inode)."""
+        while self._pins if inos is None else any(ino in self._pins for ino in inos):
             self._unpinned = trio.Event()
             await self._unpinned.wait()
 

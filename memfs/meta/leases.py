@@ -141,6 +141,7 @@ class LeaseTable:
         self, *, term: float = LEASE_TERM, recall_timeout: float = RECALL_TIMEOUT,
         settle: Callable[[int, int | None, int], None] | None = None,
         lost: Callable[[Holder, int], None] | None = None,
+        unsaid: Callable[[Holder], None] | None = None,
     ) -> None:
         self.term = term
         self.recall_timeout = recall_timeout
@@ -150,6 +151,9 @@ class LeaseTable:
         #: a write lease of a holder ended without its word: ``lost(holder, ino)``
         #: (called before ``settle(ino, None, 0)`` frees what it took ahead)
         self.lost = lost
+        #: everything a holder held was taken without its word (evicted, cut off,
+        #: gone): ``unsaid(holder)``, before anything it held is freed
+        self.unsaid = unsaid
         #: ino -> holder -> touched (fetched state since its last recall)
         self.holders: dict[int, dict[Holder, bool]] = {}
         self.writers: dict[int, Holder] = {}
@@ -318,6 +322,8 @@ class LeaseTable:
         more.
         """
         lost = None if said else self.lost
+        if not said and self.unsaid is not None:
+            self.unsaid(holder)
         for w in self._waiting.values():
             if w.holder is holder:
                 w.done.set()

@@ -357,6 +357,12 @@ class RemoteMeta(Meta):
         self.leases = LeaseKeeper(self.cache, self._call, self)
         self._last_open: tuple[int, bool] = (0, False)
         self.stripe_size = 0
+        #: the lease token our memory-server connections name (from the registration);
+        #: a new one means the server took our leases without our word (see on_token)
+        self.token = 0
+        #: told each registration's token, before any call under it (the mount passes
+        #: it to the transport, which drops connections that named an older one)
+        self.on_token: Callable[[int], None] | None = None
 
     @property
     def address(self) -> str:
@@ -422,6 +428,7 @@ class RemoteMeta(Meta):
                         self.address, trio.current_time() - down_since)
 
     async def _connect(self, first: bool) -> _Connection:
+        old_token = self.token
         with trio.fail_after(self.timeout):
             fs = FrameSocket(await connect(self.host, self.port), MAX_REPLY)
             try:
@@ -458,6 +465,17 @@ class RemoteMeta(Meta):
         self.write_lost(failed)
         self.cache.dirty.clear()  # told with the registration
         self.cache.answered.clear()
+        if self.on_token is not None:
+            if old_token and self.token != old_token:
+                # Our leases were taken without our word (the old token is fenced:
+                # transfers under it fail) or the server restarted (it knows no old
+                # tokens: they finish).  Either way transfers begun under the old
+                # token end before any goes out under the new one.
+                log.info("new lease token from the metadata server (it took our leases, "
+                         "or restarted); transfers begun under the old one end first")
+                with trio.move_on_after(self.timeout):
+                    await self.cache.wait_unpinned(None)
+            self.on_token(self.token)
         return _Connection(fs, self.timeout, self.cache, self.leases.on_recall)
 
     async def _handshake(self, fs: FrameSocket) -> None:
@@ -519,7 +537,8 @@ class RemoteMeta(Meta):
                     err, msg = wire.decode_error(payload)
                     raise FsError(err, f"metadata server refused registration: {msg}")
                 values.append(wire.decode(payload))
-            gone, refused = codec.check_list(values[0], "registration", 2)
+            gone, refused, token = codec.check_list(values[0], "registration", 3)
+            self.token = codec.check_int(token, "lease token")
             lost = [codec.check_int(x, "lost inode") for x in codec.check_list(gone, "lost")]
             failed += [codec.check_int(x, "failed inode") for x in codec.check_list(refused, "failed")
                        if x not in failed]

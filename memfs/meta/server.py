@@ -37,6 +37,7 @@ import collections
 import errno
 import logging
 import os
+import secrets
 import socket
 import time
 from dataclasses import dataclass, field
@@ -55,8 +56,13 @@ from memfs.meta.leases import LEASE_TERM, RECALL_TIMEOUT, Item, LeaseTable, sett
 from memfs.meta.store import ANY_EARLIER, MetaStore
 from memfs.wire import Kind, WireError
 
+#: how long a change waits for memory servers to confirm a fence (then it goes ahead;
+#: a server that has not confirmed gets the fence before anything else is sent to it)
+FENCE_TIMEOUT = 3.0
+
 if TYPE_CHECKING:
     from memfs.metrics import Metrics
+    from memfs.transport.tcp import Fences
 
 log = logging.getLogger(__name__)
 
@@ -93,12 +99,20 @@ _LEASED = frozenset({
 _CHUNK_CHANGES = frozenset({"map_write", "allocate_ahead", "truncate", "settle"})
 
 
+def new_token() -> int:
+    """A lease token: 63 random bits (the value codec carries signed 64-bit integers)."""
+    return secrets.randbits(63) | 1
+
+
 @dataclass(eq=False)
 class _Session:
     """A client: its open handles and (memfs.meta.leases.Holder) what it caches."""
 
     sid: bytes
     opens: dict[int, int] = field(default_factory=dict)
+    #: what it names to the memory servers (SESSION); replaced, and the old one
+    #: fenced, when its leases are taken without its word (see _fence)
+    token: int = field(default_factory=new_token)
     conn: _Conn | None = None
     generation: int = 0
     last_heard: float = 0.0
@@ -232,7 +246,14 @@ class MetaServer:
         self._nursery: trio.Nursery | None = None
         #: lease_term 0: clients cache nothing (every call goes to the server)
         self.leases = LeaseTable(term=lease_term, recall_timeout=recall_timeout,
-                                 settle=self._settle, lost=self._lost_write)
+                                 settle=self._settle, lost=self._lost_write,
+                                 unsaid=self._take_token)
+        #: tokens to fence on the memory servers (set by memfs.mds: shared by its
+        #: transports, which send a server its pending fences before anything else)
+        self.fences: Fences | None = None
+        #: fences sent and not yet answered by every server (or given up on)
+        self._fencing = 0
+        self._fenced = trio.Event()
         #: request counters and latencies (``memfs mds --metrics``); None: not kept
         self.metrics: Metrics | None = None
 
@@ -548,6 +569,8 @@ class MetaServer:
         m, args = parsed
         if self.meta is not self.store and m.name in ("map_read", "map_write", "allocate_ahead"):
             return True
+        if self._fencing and m.name in ("map_write", "allocate_ahead"):
+            return True
         if not self.leases.holders:
             return False
         items = self._conflicts(session, m.name, args)
@@ -651,6 +674,8 @@ class MetaServer:
             ):
                 await self.leases.recall(session, items)
                 first = False
+        if self._fencing and m.name in ("map_write", "allocate_ahead"):
+            await self._fences_done()
         self._t = self._real_now()
         if self._recovering and m.name in _CHUNK_CHANGES and self.store.eligible:
             # A writer of an earlier run may no longer have its space past EOF here.
@@ -904,15 +929,16 @@ class MetaServer:
     async def _claim_session(
         self, conn: _Conn, sid: bytes, claimed: dict[int, int],
         settles: list[tuple[int, int, int]] | None = None,
-    ) -> list[list[int]]:
+    ) -> list[Any]:
         """Attach *conn* to session *sid* and make its open counts exactly *claimed*.
 
         The client starts from empty caches on every connection, so whatever the
         session held is forgotten; *settles* are the sizes and mtimes of the files it
         was writing under write leases (kept unless its leases were taken from it:
         after a server restart nobody holds any, and they are what it wrote).
-        Returns the inodes that no longer exist (the client drops those handles) and
-        those whose reported writes were refused (the client fails their writers).
+        Returns the inodes that no longer exist (the client drops those handles),
+        those whose reported writes were refused (the client fails their writers) and
+        the lease token its memory-server connections must name.
         """
         old = conn.session
         if old.sid != sid:
@@ -1002,7 +1028,49 @@ class MetaServer:
         self._journal_destroys()
         if claimed:
             log.info("%s: session re-registered %d open inodes (%d gone)", conn.peer, len(claimed), len(lost))
-        return [sorted(lost), failed]
+        return [sorted(lost), failed, s.token]
+
+    # -- fencing: a lease taken without the client's word ------------------------------
+
+    def _take_token(self, holder: object) -> None:
+        """*holder*'s leases were taken without its word (evicted, cut off, gone): give
+        it a new token (its next registration hears it) and fence the old one on every
+        memory server, so that no transfer it began under them lands from now on."""
+        if not isinstance(holder, _Session):
+            return
+        old, holder.token = holder.token, new_token()
+        if self.fences is None or self._nursery is None:
+            return
+        self.fences.add(old)
+        self._fencing += 1
+        self._nursery.start_soon(self._fence, old)
+
+    async def _fence(self, token: int) -> None:
+        assert self.fences is not None
+        try:
+            courier = self.fences.courier
+            if courier is not None:
+                with trio.move_on_after(FENCE_TIMEOUT):
+                    await courier.deliver_fences()
+            waiting = [name for name, ts in self.fences.pending.items() if token in ts]
+            if waiting:
+                log.warning("lease token %x: memory servers %s have not confirmed its fence "
+                            "within %g s: writes go ahead (they get it before anything else)",
+                            token, ", ".join(waiting), FENCE_TIMEOUT)
+            else:
+                log.info("lease token %x fenced on every memory server", token)
+        finally:
+            self._fencing -= 1
+            if not self._fencing:
+                self._fenced.set()
+                self._fenced = trio.Event()
+
+    async def _fences_done(self) -> None:
+        """Until fences sent so far are answered (or given up on): a client that is
+        granted chunks to write must not have its bytes overwritten by a transfer of
+        a client whose lease was taken just before."""
+        while self._fencing:
+            await self._fenced.wait()
 
     async def _open(self, s: _Session, ino: int) -> Any:
         attr = await self.store.open(ino)

@@ -74,6 +74,10 @@ class Transport(abc.ABC):
     async def aclose(self) -> None:
         """Release volumes and connections."""
 
+    def set_session(self, token: int) -> None:  # noqa: B027 (memory servers only)
+        """Work under the metadata server's lease *token* (a cluster client): memory
+        servers refuse a token the mds fenced.  Nothing to do for local memory."""
+
     def servers_up(self) -> dict[str, bool]:
         """Memory servers by name: reachable now (a connection open, not restarted)?
         Empty for memory in this process."""

@@ -57,12 +57,14 @@ class BulkTcp:
     def __init__(
         self, volumes: Sequence[VolumeAddr], secret: bytes, *,
         incarnations: Mapping[str, int] | None = None, connections_per_server: int = 2,
-        io_timeout: float = DEFAULT_IO_TIMEOUT,
+        io_timeout: float = DEFAULT_IO_TIMEOUT, token: int = 0,
     ) -> None:
         if not volumes or any(v.scheme != "tcp" for v in volumes):
             raise UsageError("bulk transfers need a pool of tcp:// volumes")
         self.secret = secret
         self.io_timeout = io_timeout
+        #: the mount's lease token, named to every server (SESSION; see memfs.transport.memd)
+        self.token = token
         self.expected = dict(incarnations or {})
         self._servers: dict[tuple[str, int], _Server] = {}
         self._map: list[tuple[_Server, int]] = []
@@ -104,6 +106,16 @@ class BulkTcp:
             if h.kind is not Kind.WELCOME:
                 raise wire.WireError(f"expected WELCOME, got {h.kind.name}")
             hs.check_welcome(welcome)
+            if self.token:
+                sock.sendall(wire.frame(Kind.SESSION, _INFO_ID, wire.TOKEN.pack(self.token)))
+                try:
+                    h, payload = _recv_frame(sock, 1 << 20)
+                except EOFError:
+                    raise wire.WireError("closed at SESSION") from None
+                if h.kind is Kind.ERROR:
+                    raise wire.WireError(wire.decode_error(payload)[1])
+                if h.kind is not Kind.OK:
+                    raise wire.WireError(f"unexpected {h.kind.name} reply to SESSION")
             sock.sendall(wire.frame(Kind.INFO, _INFO_ID))
             h, payload = _recv_frame(sock, 1 << 20)
             if h.kind is not Kind.OK or h.req_id != _INFO_ID:

@@ -7,7 +7,7 @@ number of clients:
 
 * every connection starts with the HMAC handshake (HELLO, AUTH, WELCOME); a
   client that fails it is dropped before a single request is read;
-* then requests (INFO, READ, WRITE, ZERO, VERBS_CONNECT) are served in
+* then requests (INFO, READ, WRITE, ZERO, VERBS_CONNECT, SESSION, FENCE) are served in
   order, one at a time per connection; a client may pipeline them, and each
   reply carries its request's id;
 * with an RDMA device (:mod:`memfs.transport.verbs`; ``memfs memd
@@ -22,6 +22,12 @@ number of clients:
   checked), READ replies are sent straight from it with ``sendmsg``.  Only
   what the connection's 64 KiB receive buffer caught of a WRITE is copied
   from there: one ``recv`` brings a small WRITE whole, with its header;
+* a client that works under a metadata server's lease names its lease token
+  (SESSION) first; when the mds takes that lease without the client's word
+  (evicted, cut off) it sends FENCE with the token: every connection that named
+  it is closed at once (its RDMA queue pair destroyed), and the token is refused
+  from then on.  So a transfer the client started under the lost lease cannot
+  land after the FENCE is answered (see "Fencing" in docs/ARCHITECTURE.md);
 * a request that arrived whole is served and answered without a wait or a
   timer; a connection may sit idle between frames forever, but a frame that
   has started must be received, served and answered within ``frame_timeout``;
@@ -96,7 +102,12 @@ _REQUEST_SIZES = {
     Kind.ZERO: wire.ZERO.size,
     Kind.INFO: 0,
     Kind.VERBS_CONNECT: wire.VERBS_ENDPOINT.size,
+    Kind.SESSION: wire.TOKEN.size,
+    Kind.FENCE: wire.TOKEN.size,
 }
+#: fenced tokens remembered (the oldest forgotten first; a token is 63 random bits,
+#: and a client that meets a forgotten one has long since re-registered)
+FENCED_KEPT = 1 << 16
 
 
 class _Drop(Exception):
@@ -106,10 +117,15 @@ class _Drop(Exception):
 class _ConnState:
     """What one connection owns beyond its socket."""
 
-    __slots__ = ("qp", "deadline", "work", "err", "moved")
+    __slots__ = ("qp", "deadline", "work", "err", "moved", "token", "fenced", "sock")
 
-    def __init__(self) -> None:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
         self.qp: QueuePair | None = None
+        #: the lease token the client named (SESSION), 0: none
+        self.token = 0
+        #: set by FENCE: nothing more of this connection reaches volume memory
+        self.fenced = False
         #: the errno the last request was answered with (for --metrics), else None
         self.err: int | None = None
         #: bytes the last READ or WRITE moved (for --metrics)
@@ -164,6 +180,10 @@ class MemoryServer:
             self.enable_rdma(rdma)
         #: clients connected now
         self.connections = 0
+        #: connections by the lease token they named
+        self._by_token: dict[int, set[_ConnState]] = {}
+        #: tokens fenced, oldest first (a dict as an ordered set)
+        self.fenced: dict[int, None] = {}
         #: request counters (``memfs memd --metrics``); None: not kept
         self.metrics: Metrics | None = None
 
@@ -264,7 +284,7 @@ class MemoryServer:
 
     async def _connection(self, sock: socket.socket, peer: str) -> None:
         """Serve one client; whatever it sends, only this connection ends."""
-        state = _ConnState()
+        state = _ConnState(sock)
         self.connections += 1
         try:
             sock.setblocking(False)
@@ -284,12 +304,21 @@ class MemoryServer:
             log.warning("closing connection from %s: %s", peer, exc)
         except PeerClosed as exc:
             log.warning("connection from %s closed in the middle of a frame (%s)", peer, exc)
-        except OSError as exc:
-            log.info("connection from %s failed: %s", peer, exc)
+        except (OSError, trio.ClosedResourceError) as exc:
+            if state.fenced:
+                log.info("connection from %s closed: its lease token was fenced", peer)
+            else:
+                log.info("connection from %s failed: %s", peer, exc)
         except Exception:
             log.exception("connection from %s: unexpected error", peer)
         finally:
             self.connections -= 1
+            if state.token:
+                mine = self._by_token.get(state.token)
+                if mine is not None:
+                    mine.discard(state)
+                    if not mine:
+                        del self._by_token[state.token]
             if state.qp is not None:
                 log.debug("%s: destroying its RDMA queue pair", peer)
                 self._close_qp(state.qp)
@@ -391,6 +420,8 @@ class MemoryServer:
             volume, offset = wire.WRITE.unpack(args)
             rx.consume(fixed)
             n = h.length - wire.WRITE.size
+            if state.fenced:  # woken before its FENCE, served after it: not a byte more
+                raise _Drop("its lease token was fenced")
             bad = self._check(volume, offset, n)
             if bad:
                 await rx.skip(n)
@@ -426,11 +457,30 @@ class MemoryServer:
             if bad:
                 await self._error(sock, h.req_id, errno.EINVAL, bad, state)
                 return
+            if state.fenced:
+                raise _Drop("its lease token was fenced")
             await self.memory.zero(volume, offset, n)
             await self._reply(sock, [wire.pack_header(Kind.OK, h.req_id, 0)], state)
         elif kind is Kind.INFO:
             rx.consume(fixed)
             await self._reply(sock, [wire.frame(Kind.OK, h.req_id, self._info)], state)
+        elif kind is Kind.SESSION:
+            (token,) = wire.TOKEN.unpack(args)
+            rx.consume(fixed)
+            if token in self.fenced:
+                await self._error(sock, h.req_id, errno.ESTALE, "this client's lease was taken "
+                                  "by the metadata server (evicted): register again", state)
+                raise _Drop("it named a fenced lease token")
+            if state.token or not token:
+                raise wire.WireError("SESSION: a second token, or token 0")
+            state.token = token
+            self._by_token.setdefault(token, set()).add(state)
+            await self._reply(sock, [wire.pack_header(Kind.OK, h.req_id, 0)], state)
+        elif kind is Kind.FENCE:
+            (token,) = wire.TOKEN.unpack(args)
+            rx.consume(fixed)
+            self.fence(token)
+            await self._reply(sock, [wire.pack_header(Kind.OK, h.req_id, 0)], state)
         else:
             assert kind is Kind.VERBS_CONNECT
             peer = wire.decode_verbs_endpoint(bytes(args))
@@ -440,6 +490,26 @@ class MemoryServer:
                 await self._error(sock, h.req_id, err, reply.decode(), state)
             else:
                 await self._reply(sock, [wire.frame(Kind.OK, h.req_id, reply)], state)
+
+    def fence(self, token: int) -> None:
+        """Close every connection that named *token* and refuse it from now on.
+
+        No await: when this returns, none of those connections can move another
+        byte into volume memory (sockets closed, queue pairs destroyed; a task
+        already woken with a frame in its buffer checks ``fenced`` first)."""
+        if token in self.fenced:
+            return
+        self.fenced[token] = None
+        while len(self.fenced) > FENCED_KEPT:
+            del self.fenced[next(iter(self.fenced))]
+        conns = self._by_token.pop(token, set())
+        for st in conns:
+            st.fenced = True
+            if st.qp is not None:
+                self._close_qp(st.qp)
+                st.qp = None
+            close_socket(st.sock)
+        log.info("lease token %x fenced: %d connections closed", token, len(conns))
 
     async def _reply(self, sock: socket.socket, bufs: list[Buf], state: _ConnState) -> None:
         """Send a reply: at once if the socket takes it, else within the frame deadline."""

@@ -74,6 +74,7 @@ DEFAULT_IO_TIMEOUT = 10.0
 MAX_IO = 16 << 20
 ROLE = "tcp"
 _INFO_ID = 1
+_SESSION_ID = 2
 _INFO_MAX = 1 << 20
 _SMALL_REPLY_MAX = 64 << 10  # OK to WRITE/ZERO is empty, ERROR is short
 #: a small READ's reply (up to 64 KiB of data) arrives in one recv
@@ -103,11 +104,15 @@ def check_info(info: object) -> tuple[int, list[int]]:
     return info["incarnation"], info["volumes"]
 
 
-async def memd_handshake(sock: socket.socket, secret: bytes, role: str) -> tuple[int, list[int]]:
-    """HELLO, AUTH, WELCOME, then INFO: (incarnation, volume sizes) of a memory server.
+async def memd_handshake(
+    sock: socket.socket, secret: bytes, role: str, token: int = 0
+) -> tuple[int, list[int]]:
+    """HELLO, AUTH, WELCOME, then (with a lease *token*) SESSION and INFO:
+    (incarnation, volume sizes) of a memory server.
 
     Shared by the tcp and verbs transports (the verbs transport's control
     connection starts the same way).  No deadline here: callers set one.
+    WireError if the server refuses *token* (fenced: the mds took that lease).
     """
     hs = wire.Handshake(secret)
     h, hello = await recv_frame(sock, wire.NONCE_SIZE)
@@ -121,7 +126,19 @@ async def memd_handshake(sock: socket.socket, secret: bytes, role: str) -> tuple
     if h.kind is not Kind.WELCOME:
         raise wire.WireError(f"expected WELCOME, got {h.kind.name}")
     hs.check_welcome(welcome)
-    await send_all(sock, [wire.frame(Kind.INFO, _INFO_ID)])
+    frames = [wire.frame(Kind.INFO, _INFO_ID)]
+    if token:
+        frames.insert(0, wire.frame(Kind.SESSION, _SESSION_ID, wire.TOKEN.pack(token)))
+    await send_all(sock, frames)
+    if token:
+        try:
+            h, payload = await recv_frame(sock, _INFO_MAX)
+        except PeerClosed:
+            raise wire.WireError("closed at SESSION") from None
+        if h.kind is Kind.ERROR:
+            raise wire.WireError(wire.decode_error(payload)[1])
+        if h.kind is not Kind.OK or h.req_id != _SESSION_ID:
+            raise wire.WireError(f"unexpected {h.kind.name} reply to SESSION")
     h, payload = await recv_frame(sock, _INFO_MAX)
     if h.kind is not Kind.OK or h.req_id != _INFO_ID:
         raise wire.WireError(f"unexpected {h.kind.name} reply to INFO")
@@ -456,6 +473,7 @@ async def open_tcp_transport(
     connections_per_server: int = 2,
     io_timeout: float = DEFAULT_IO_TIMEOUT,
     incarnations: Mapping[str, int] | None = None,
+    fences: Fences | None = None,
 ) -> AsyncIterator[TcpTransport]:
     """Connect to the servers of *volumes* and yield the transport; close it on exit.
 
@@ -463,7 +481,7 @@ async def open_tcp_transport(
     within *io_timeout*, :class:`UsageError` if a volume does not exist there.
     """
     t = TcpTransport(volumes, secret, connections_per_server=connections_per_server,
-                     io_timeout=io_timeout)
+                     io_timeout=io_timeout, fences=fences)
     for srv in t._servers.values():  # known to the pool: a different one means lost memory
         if incarnations and srv.name in incarnations:
             srv.incarnation = incarnations[srv.name]
@@ -489,6 +507,31 @@ async def open_tcp_transport(
         raise error
 
 
+class Fences:
+    """Lease tokens the mds has fenced (``memfs.meta.server``), by memory server, that
+    the server has not confirmed yet.  Shared by the mds's transports: each sends a
+    server the fences pending for it, and waits for their answers, before any other
+    request to it; so memory is zeroed (and reused) on a server only after it shut
+    out every client whose lease was taken."""
+
+    def __init__(self, servers: Sequence[str]) -> None:
+        self.servers = list(dict.fromkeys(servers))
+        self.pending: dict[str, set[int]] = {}
+        #: the transport that delivers new fences at once (the scrubber's), if open
+        self.courier: TcpTransport | None = None
+
+    def add(self, token: int) -> None:
+        for name in self.servers:
+            self.pending.setdefault(name, set()).add(token)
+
+    def confirmed(self, name: str, token: int) -> None:
+        mine = self.pending.get(name)
+        if mine is not None:
+            mine.discard(token)
+            if not mine:
+                del self.pending[name]
+
+
 class TcpTransport(Transport):
     concurrent = True  # requests to different servers (and connections) overlap
 
@@ -499,6 +542,7 @@ class TcpTransport(Transport):
         *,
         connections_per_server: int = 2,
         io_timeout: float = DEFAULT_IO_TIMEOUT,
+        fences: Fences | None = None,
     ) -> None:
         if not volumes:
             raise UsageError("a tcp pool needs at least one volume")
@@ -518,6 +562,9 @@ class TcpTransport(Transport):
         self._addrs = list(volumes)
         self._info: list[VolumeInfo] = []
         self._closed = False
+        #: the lease token our connections name (SESSION), 0: none (see set_session)
+        self._token = 0
+        self._fences = fences
 
     # -- opening and closing ----------------------------------------------------------
 
@@ -593,7 +640,52 @@ class TcpTransport(Transport):
         return conn
 
     async def _handshake(self, sock: socket.socket) -> tuple[int, list[int]]:
-        return await memd_handshake(sock, self._secret, ROLE)
+        token = self._token
+        got = await memd_handshake(sock, self._secret, ROLE, token)
+        if token != self._token:  # a new lease meanwhile: this one names the old
+            raise wire.WireError("the lease token changed while connecting")
+        return got
+
+    def set_session(self, token: int) -> None:
+        """Work under lease *token* from now on (the mds's registration says which).
+
+        A new token: the mds took the leases we worked under without our word
+        (evicted, cut off; it fenced the old token), or restarted.  Connections
+        that named the old one are dropped (the caller waits for transfers begun
+        under it first), new ones name the new token."""
+        if token == self._token:
+            return
+        self._token = token
+        for server in self._servers.values():
+            server.close_all("the lease token this client worked under was replaced")
+
+    # -- fences (the mds) -------------------------------------------------------------
+
+    async def _deliver(self, server: _Server) -> None:
+        """Send *server* the fences pending for it, each answered before we go on."""
+        assert self._fences is not None
+        for token in sorted(self._fences.pending.get(server.name, ())):
+            await self._call(server, Kind.FENCE, wire.TOKEN.pack(token))
+            self._fences.confirmed(server.name, token)
+
+    async def deliver_fences(self) -> None:
+        """Every pending fence to its server, all servers at once; one that fails
+        stays pending (logged), to go before that server's next request."""
+        fences = self._fences
+        if fences is None:
+            return
+
+        async def one(server: _Server) -> None:
+            try:
+                await self._deliver(server)
+            except TransportError as exc:
+                log.warning("memory server %s has not confirmed a fence yet (it will "
+                            "before it is sent anything else): %s", server.name, exc)
+
+        async with trio.open_nursery() as nursery:
+            for server in self._servers.values():
+                if server.name in fences.pending:
+                    nursery.start_soon(one, server)
 
     async def _conn_at(self, server: _Server, slot: int) -> _Conn:
         conn = server.slots[slot]
@@ -626,6 +718,10 @@ class TcpTransport(Transport):
         await trio.lowlevel.checkpoint_if_cancelled()
         if server.lost:
             raise TransportError(server.lost)
+        fences = self._fences
+        if fences is not None and fences.pending and kind is not Kind.FENCE \
+                and server.name in fences.pending:
+            await self._deliver(server)
         now = trio.current_time()
         p = _Pending(dest, now + self.io_timeout)
         slot = server.next_slot()

@@ -702,6 +702,8 @@ class VerbsTransport(Transport):
         self._info: list[VolumeInfo] = []
         self._nursery: trio.Nursery | None = None
         self._closed = False
+        #: the lease token the control connections name (see set_session)
+        self._token = 0
         self._ids = itertools.count(1)
         self._ops: dict[int, _Op] = {}  # posted, not yet completed
         # All queue pairs share one completion queue: never more outstanding than
@@ -757,6 +759,18 @@ class VerbsTransport(Transport):
         self._close()
         await trio.lowlevel.checkpoint()
 
+    def set_session(self, token: int) -> None:
+        """As the tcp transport's: connections (and their queue pairs) that named an
+        older lease token are dropped; new ones name *token*.  (Not run on RDMA
+        hardware: the memory server's side destroys a fenced client's queue pair
+        with its control connection.)"""
+        if token == self._token:
+            return
+        self._token = token
+        for server in self._servers.values():
+            if server.conn is not None:
+                self._fail(server.conn, "this client's lease was taken by the metadata server")
+
     async def _connect(self, server: _Server) -> _Conn:
         """Control connection (handshake, INFO), then queue pairs exchanged and connected."""
         try:
@@ -767,7 +781,10 @@ class VerbsTransport(Transport):
             ) from None
         qp: QueuePair | None = None
         try:
-            incarnation, sizes = await memd_handshake(sock, self._secret, ROLE)
+            token = self._token
+            incarnation, sizes = await memd_handshake(sock, self._secret, ROLE, token)
+            if token != self._token:
+                raise wire.WireError("the lease token changed while connecting")
             qp = self._device.create_qp(self._depth, remote_access=False)
             request = wire.encode_verbs_endpoint(qp.endpoint)
             await send_all(sock, [wire.frame(Kind.VERBS_CONNECT, _CONNECT_ID, request)])

@@ -38,7 +38,7 @@ import pytest
 
 from memfs.cli.runtime import alive, pid_file
 from tests.conftest import wait_gone
-from tests.mount.test_cluster import Cluster, fill, make_cluster, sha, wait_line
+from tests.mount.test_cluster import PORT_MDS, Cluster, fill, make_cluster, sha, wait_line
 from tests.mount.test_cluster import pytestmark as cluster_marks
 
 # Skipped as test_cluster.py is (root, /dev/fuse, network namespaces).
@@ -457,6 +457,86 @@ def test_recall_of_a_stopped_client(cluster: Cluster) -> None:
     assert (c1 / "g").read_bytes() == b"from c2"
     (c1 / "g").write_bytes(b"from c1, longer")
     assert (c2 / "g").read_bytes() == b"from c1, longer"
+
+
+STALE_WRITER = """
+import os, signal, sys
+import trio
+from memfs.config import parse_pool_spec
+from memfs.errors import FsError
+from memfs.meta.remote import open_remote_meta
+from memfs.transport.pool import open_pool_transport
+from memfs.wire import load_secret
+
+host, port, secret_file, name = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+
+async def main():
+    secret = load_secret(secret_file)
+    async with open_remote_meta(host, port, secret) as meta:
+        desc = await meta.describe()
+        volumes = parse_pool_spec("+".join(desc.volumes))
+        async with open_pool_transport(volumes, secret, incarnations=desc.incarnations) as t:
+            t.set_session(meta.token)  # what the mount does
+            meta.on_token = t.set_session
+            a = await meta.create(1, name.encode(), 0o100644, 0, 0)
+            e = (await meta.map_write(a.ino, 0, 65536)).extents[0]
+            await t.write(e.volume, e.voffset, b"A" * e.length)
+            # As the data engine moves bytes: the map checked inside io(), then the
+            # transfer.  Stopped right between the two, past the check.
+            gen = meta.generation(a.ino)
+            with meta.io(a.ino):
+                assert meta.generation(a.ino) == gen
+                print("ready", e.length, flush=True)
+                os.kill(os.getpid(), signal.SIGSTOP)
+                try:
+                    await t.write(e.volume, e.voffset, b"S" * e.length)
+                    print("stale write landed", flush=True)
+                except FsError as exc:
+                    print("stale write refused:", exc, flush=True)
+
+trio.run(main)
+"""
+
+
+def test_evicted_client_cannot_land_a_transfer_it_began(cluster: Cluster) -> None:
+    """A client stopped in the middle of a write, past its chunk map's last check, is
+    evicted; the writer on another node then writes the same bytes.  When the stopped
+    client continues, its transfer is refused by the memory server (its lease token
+    was fenced before the other writer was granted chunks): the other node's bytes
+    stay, on every node.  Without fencing the stale bytes landed over them."""
+    c1 = cluster.mnt["c1"]
+    mds = f"{cluster.net.addr['mds']}:{PORT_MDS}"
+    proc = subprocess.Popen(
+        cluster.net.cmd("c2", [sys.executable, "-c", STALE_WRITER, *mds.split(":"),
+                               str(cluster.secret), "stale"]),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2],
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().split()
+        assert line[:1] == ["ready"], (line, proc.stderr.read() if proc.stderr else "")
+        n = int(line[1])
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+            assert time.monotonic() < deadline, "the writer did not stop"
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        with open(c1 / "stale", "r+b") as f:  # recalls the stopped client: evicted
+            f.write(b"B" * n)
+        assert time.monotonic() - t0 <= RECALL_TIMEOUT + LEASE_TERM + SLACK + 3.0
+        os.kill(proc.pid, signal.SIGCONT)
+        out, err = proc.communicate(timeout=30)
+        assert "stale write refused" in out, (out, err)
+        assert (c1 / "stale").read_bytes()[:n] == b"B" * n
+        assert (cluster.mnt["c2"] / "stale").read_bytes()[:n] == b"B" * n
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+            proc.wait()
+    assert log_lines(cluster, "mds.log", "fenced on every memory server")
+    for host in ("mem1", "mem2"):  # each memory server heard the fence
+        assert log_lines(cluster, f"{host}.log", "fenced:"), host
 
 
 # -- 3. a killed client -------------------------------------------------------------------------

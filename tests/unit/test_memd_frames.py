@@ -184,3 +184,51 @@ async def test_frame_deadline(caplog: pytest.LogCaptureFixture) -> None:
         assert "a reply was not taken within 0.3s" in text
         for c in (idle, half, greedy, good):
             await c.stream.aclose()
+
+
+async def test_fence_shuts_out_a_lease_token(caplog: pytest.LogCaptureFixture) -> None:
+    """FENCE closes every connection that named the token (also one that is in the
+    middle of sending a WRITE), refuses the token from then on, and leaves others
+    alone: no byte of a fenced connection reaches volume memory after the answer."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]
+    t, u = 0x1234, 0x5678
+    async with serving() as (server, port):
+        named_t = [await Client.connect(port) for _ in range(2)]
+        named_u, unnamed, fencer = [await Client.connect(port) for _ in range(3)]
+        for c, token in ((named_t[0], t), (named_t[1], t), (named_u, u)):
+            await c.stream.send_all(wire.frame(Kind.SESSION, 1, wire.TOKEN.pack(token)))
+            h, _ = await c.frame()
+            assert h.kind is Kind.OK
+        # A large WRITE begun (its header and some data sent), the rest to follow.
+        data = b"\xee" * (1 << 20)
+        frame = wire.frame(Kind.WRITE, 2, wire.WRITE.pack(0, 0) + data)
+        await named_t[0].stream.send_all(frame[: 200 << 10])
+        await trio.sleep(0.1)
+        await fencer.stream.send_all(wire.frame(Kind.FENCE, 3, wire.TOKEN.pack(t)))
+        h, _ = await fencer.frame()
+        assert h.kind is Kind.OK
+        before = bytes(server.memory.volume_memory(0)[: len(data)])
+        with trio.fail_after(5):
+            for c in named_t:
+                with pytest.raises((trio.BrokenResourceError, trio.ClosedResourceError, OSError)):
+                    await c.stream.send_all(frame[200 << 10 :] + frame)  # the rest, then more
+                    await c.stream.send_all(frame)
+                    await c.stream.send_all(frame)
+                await c.wait_closed()
+        await trio.sleep(0.1)
+        assert bytes(server.memory.volume_memory(0)[: len(data)]) == before
+        assert not any(before[200 << 10 :])  # what came after the fence never landed
+        # The token is refused from now on; others are served as before.
+        again = await Client.connect(port)
+        await again.stream.send_all(wire.frame(Kind.SESSION, 4, wire.TOKEN.pack(t)))
+        h, payload = await again.frame()
+        assert h.kind is Kind.ERROR and wire.decode_error(payload)[0] == errno.ESTALE
+        await again.wait_closed()
+        for c in (named_u, unnamed):
+            await c.stream.send_all(wire.frame(Kind.WRITE, 5, wire.WRITE.pack(1, 0) + b"ok"))
+            h, _ = await c.frame()
+            assert h.kind is Kind.OK
+        assert server.fenced == {t: None}
+        for c in (*named_t, again, named_u, unnamed, fencer):
+            await c.stream.aclose()
+        assert "closing connection from 127.0.0.1" in caplog.text

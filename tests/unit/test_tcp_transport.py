@@ -321,6 +321,55 @@ async def test_idle_connection_closed_by_the_server_is_replaced() -> None:
         assert connections == 3
 
 
+async def test_fenced_lease_token_shuts_a_client_out_until_it_has_a_new_one(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A client's connections name its lease token; the mds's transport delivers a
+    fence (pending ones go before anything else it sends that server), after which
+    the client's requests fail (EIO, never a hang) and its new connections are
+    refused; a new token (its next registration) works again.  The blocking bulk
+    client (memfs.array) names the token too."""
+    from memfs.transport.bulk import BulkTcp
+    from memfs.transport.tcp import Fences, server_name
+
+    caplog.expected_warnings = True  # type: ignore[attr-defined]
+    async with memory_server(2, SIZE) as port:
+        vols = [VolumeAddr("tcp", "127.0.0.1", port, v) for v in (0, 1)]
+        fences = Fences([server_name("127.0.0.1", port)])
+        async with open_tcp_transport(vols, SECRET, io_timeout=5) as client, \
+                open_tcp_transport(vols, SECRET, io_timeout=5, fences=fences) as mds:
+            client.set_session(0x77)
+            await client.write(0, 0, b"a" * 100)
+            bulk = await trio.to_thread.run_sync(partial(BulkTcp, vols, SECRET, token=0x77))
+            try:
+                fences.add(0x77)
+                await mds.zero(1, 0, 10)  # the pending fence goes first, answered
+                assert not fences.pending
+                with trio.fail_after(10):
+                    for _ in range(3):  # every connection, new ones too
+                        with pytest.raises(TransportError):
+                            await client.write(0, 0, b"b" * 100)
+                    with pytest.raises(TransportError):
+                        await trio.to_thread.run_sync(
+                            partial(bulk.move, [(0, 0, memoryview(b"c" * 100))], write=True))
+                assert bytes(await mds.read(0, 0, 100)) == b"a" * 100
+                client.set_session(0x99)
+                await client.write(0, 0, b"d" * 100)
+                assert bytes(await mds.read(0, 0, 100)) == b"d" * 100
+            finally:
+                bulk.close()
+            # A fence for a server this transport does not reach stays pending;
+            # the others are delivered.
+            fences.add(0x99)
+            fences.servers.append("127.0.0.1:1")
+            fences.add(0x55)
+            assert set(fences.pending) == {server_name("127.0.0.1", port), "127.0.0.1:1"}
+            await mds.deliver_fences()
+            assert set(fences.pending) == {"127.0.0.1:1"}
+            with pytest.raises(TransportError):
+                await client.write(0, 0, b"e" * 100)
+
+
 # -- blocking bulk transfers (memfs.array's cluster path) ---------------------------------
 
 
