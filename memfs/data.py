@@ -114,8 +114,10 @@ class DataEngine:
         await self.transport.write(e.volume, e.voffset, src[start : start + e.length])
 
     async def truncate(self, ino: int, size: int) -> None:
-        for vol, voff, n in await self.meta.truncate(ino, size):
-            await self.transport.zero(vol, voff, n)
+        ranges = await self.meta.truncate(ino, size)
+        with self.meta.io(ino):  # a transfer: a new lease token waits for it (cluster)
+            for vol, voff, n in ranges:
+                await self.transport.zero(vol, voff, n)
 
 
 async def _concurrently(jobs: list[Callable[[], Awaitable[None]]]) -> None:

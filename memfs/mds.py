@@ -182,8 +182,6 @@ async def _scrub(
                                           incarnations=server.incarnations,
                                           fences=server.fences) as t:
                 delay = 1.0
-                if server.fences is not None:
-                    server.fences.courier = t
                 # The memory this pool's data lives in: remembered (with the journal)
                 # so that a memory server restarted blank is never taken for it.
                 known = {**t.incarnations(), **server.incarnations}
@@ -191,7 +189,9 @@ async def _scrub(
                     if journal_dir:
                         await trio.to_thread.run_sync(_save_incarnations, journal_dir, known)
                     server.incarnations.update(known)
-                await Scrubber(store, t).run()
+                assert server.fences is not None
+                with server.fences.delivering(t):
+                    await Scrubber(store, t).run()
         except FsError as exc:
             store.reclaimer = None
             log.warning("memory servers unreachable, freed space waits: %s", exc.args[1])

@@ -243,6 +243,8 @@ class _Pipeline:
         ``[offset, offset+length)`` exactly (a read stops short at EOF: an error)."""
         r = self._receive()
         extents: list[list[int]] = r["extents"]
+        if r.get("token"):  # cluster: these extents were mapped under this lease token
+            self.s.mover.set_token(int(r["token"]))
         pos = offset
         for e in extents:
             if e[0] != pos or e[1] <= 0:

@@ -65,6 +65,10 @@ class Mover(Protocol):
 
     def write(self, extents: Sequence[Extent], base: int, view: memoryview) -> None: ...
 
+    def set_token(self, token: int) -> None:
+        """The mount's lease token for the extents given next (cluster): connections
+        that named another are dropped (a transfer still on one fails)."""
+
     def close(self) -> None: ...
 
 
@@ -177,6 +181,9 @@ class LocalMover:
             settle(lambda: concurrent.futures.wait(futures))
             raise
 
+    def set_token(self, token: int) -> None:
+        pass  # the daemon's own memory: no memory servers, no leases
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown()
@@ -220,6 +227,9 @@ class TcpMover:
             elif not write:
                 _zero(part)
         self._bulk.move(jobs, write=write)
+
+    def set_token(self, token: int) -> None:
+        self._bulk.set_token(token)
 
     def close(self) -> None:
         self._bulk.close()
@@ -334,6 +344,14 @@ class RemoteMover:
             while isinstance(first, BaseExceptionGroup):
                 first = first.exceptions[0]
             raise first from None
+
+    def set_token(self, token: int) -> None:
+        if token != self._lease_token:
+            self._lease_token = token
+            self._call(self._set_session, token)
+
+    async def _set_session(self, token: int) -> None:
+        self._transport.set_session(token)
 
     def close(self) -> None:
         if self._token is not None and self._stop is not None:

@@ -348,7 +348,7 @@ class ArraySession:
             with ExitStack() as hold:
                 if self.service.scrub_hold is not None:
                     hold.enter_context(self.service.scrub_hold())
-                hold.enter_context(meta.io(h.ino))
+                hold.enter_context(meta.io(h.ino, here=False))
                 if meta.generation(h.ino) != gen:
                     continue  # recalled while we asked: the map may name freed chunks
                 out = [[e.offset, e.length, e.volume, e.voffset] for e in extents]
@@ -357,7 +357,8 @@ class ArraySession:
                 self._next_transfer += 1
                 self._transfers[tid] = t
                 self.service.spawn(self._warn_if_long, t, t.watch)
-                return {"t": tid, "extents": out}
+                lease = self.service.access.lease_token
+                return {"t": tid, "extents": out, "token": lease() if lease is not None else 0}
         raise FsError(errno.EIO, "the file's chunk map keeps changing")
 
     async def _done(self, args: dict[str, Any]) -> dict[str, Any]:

@@ -175,7 +175,7 @@ class BackedMeta(Meta):
 
     # -- Meta: the data path ------------------------------------------------------------
 
-    def io(self, ino: int) -> contextlib.AbstractContextManager[object]:
+    def io(self, ino: int, *, here: bool = True) -> contextlib.AbstractContextManager[object]:
         return self.residency.using(ino)
 
     async def map_read(self, ino: int, offset: int, length: int) -> list[Extent]:

@@ -210,9 +210,12 @@ class Meta(abc.ABC):
         drop them itself whenever it sees a new mtime (libfuse's AUTO_INVAL_DATA)."""
         return True
 
-    def io(self, ino: int) -> contextlib.AbstractContextManager[object]:
+    def io(self, ino: int, *, here: bool = True) -> contextlib.AbstractContextManager[object]:
         """Held around the volume transfers of one read or write of *ino*: a client that
-        caches chunk maps waits for these before it lets a change free those chunks."""
+        caches chunk maps waits for these before it lets a change free those chunks.
+        *here*: made by this process's transport (not by a memfs.array process on its
+        own connections): a client waits for these before its transport names a new
+        lease token."""
         return contextlib.nullcontext()
 
     def generation(self, ino: int) -> int:

@@ -79,6 +79,8 @@ class ClientCache:
         self._gens: dict[int, int] = {}
         self._epoch = 0
         self._pins: dict[int, int] = {}
+        #: transfers of this process's transport (see pinned) in progress
+        self._here = 0
         self._unpinned = trio.Event()
         #: the kernel's caches are being dropped after a lost lease: until that is done,
         #: pages it holds must not be kept at open, nor anything new cached
@@ -223,22 +225,29 @@ class ClientCache:
         return self._epoch + self._gens.get(ino, 0)
 
     @contextmanager
-    def pinned(self, ino: int) -> Iterator[None]:
+    def pinned(self, ino: int, *, here: bool = True) -> Iterator[None]:
+        """Held around a transfer that uses a map of *ino*; *here*: by this process's
+        transport (memfs.array processes move bytes on connections of their own)."""
         self._pins[ino] = self._pins.get(ino, 0) + 1
+        self._here += here
         try:
             yield
         finally:
+            self._here -= here
             n = self._pins[ino] - 1
             if n:
                 self._pins[ino] = n
             else:
                 del self._pins[ino]
+            if not n or (here and not self._here):
                 self._unpinned.set()
 
     async def wait_unpinned(self, inos: list[int] | None) -> None:
-        """Until no transfer holds a map of *inos* (None: of any inode)."""
-        while self._pins if inos is None else any(ino in self._pins for ino in inos):
-            self._unpinned = trio.Event()
+        """Until no transfer holds a map of *inos* (None: no transfer of this process's
+        transport runs)."""
+        while self._here if inos is None else any(ino in self._pins for ino in inos):
+            if self._unpinned.is_set():  # other waiters may be parked on the current one
+                self._unpinned = trio.Event()
             await self._unpinned.wait()
 
     # -- dropping --------------------------------------------------------------------------

@@ -151,8 +151,9 @@ class LeaseTable:
         #: a write lease of a holder ended without its word: ``lost(holder, ino)``
         #: (called before ``settle(ino, None, 0)`` frees what it took ahead)
         self.lost = lost
-        #: everything a holder held was taken without its word (evicted, cut off,
-        #: gone): ``unsaid(holder)``, before anything it held is freed
+        #: what a holder held is being taken without its word (evicted, cut off,
+        #: gone): ``unsaid(holder)``, at the eviction and again (a no-op then, unless
+        #: it registered meanwhile) before anything it held is freed
         self.unsaid = unsaid
         #: ino -> holder -> touched (fetched state since its last recall)
         self.holders: dict[int, dict[Holder, bool]] = {}
@@ -292,6 +293,10 @@ class LeaseTable:
                         self.recall_timeout, self.term)
             registrations = h.registrations
             h.evict("did not answer a recall")
+            # Its leases are being taken without its word even if it registers again
+            # within its term: shut out what it may still have in flight now.
+            if self.unsaid is not None:
+                self.unsaid(h)
             await trio.sleep_until(h.last_heard + self.term)
             if h.registrations == registrations:  # else its registration forgot it all
                 self.forget(h)

@@ -363,6 +363,8 @@ class RemoteMeta(Meta):
         #: told each registration's token, before any call under it (the mount passes
         #: it to the transport, which drops connections that named an older one)
         self.on_token: Callable[[int], None] | None = None
+        #: the token on_token was last told
+        self._named_token = 0
 
     @property
     def address(self) -> str:
@@ -428,7 +430,6 @@ class RemoteMeta(Meta):
                         self.address, trio.current_time() - down_since)
 
     async def _connect(self, first: bool) -> _Connection:
-        old_token = self.token
         with trio.fail_after(self.timeout):
             fs = FrameSocket(await connect(self.host, self.port), MAX_REPLY)
             try:
@@ -465,17 +466,23 @@ class RemoteMeta(Meta):
         self.write_lost(failed)
         self.cache.dirty.clear()  # told with the registration
         self.cache.answered.clear()
-        if self.on_token is not None:
-            if old_token and self.token != old_token:
+        if self.on_token is not None and self.token != self._named_token:
+            if self._named_token:
                 # Our leases were taken without our word (the old token is fenced:
                 # transfers under it fail) or the server restarted (it knows no old
-                # tokens: they finish).  Either way transfers begun under the old
-                # token end before any goes out under the new one.
+                # tokens: they finish).  Either way every transfer of our transport
+                # begun under the old token ends before one goes out under the new:
+                # no call is made before we return, so no new one begins meanwhile.
+                # Each ends within the transport's deadlines (a few requests each).
                 log.info("new lease token from the metadata server (it took our leases, "
                          "or restarted); transfers begun under the old one end first")
-                with trio.move_on_after(self.timeout):
-                    await self.cache.wait_unpinned(None)
+                while True:
+                    with trio.move_on_after(self.timeout):
+                        await self.cache.wait_unpinned(None)
+                        break
+                    log.warning("transfers begun under the old lease token still run")
             self.on_token(self.token)
+            self._named_token = self.token
         return _Connection(fs, self.timeout, self.cache, self.leases.on_recall)
 
     async def _handshake(self, fs: FrameSocket) -> None:
@@ -653,8 +660,8 @@ class RemoteMeta(Meta):
         # another term: see docs/ARCHITECTURE.md.)
         return bool(self.cache.term)
 
-    def io(self, ino: int) -> contextlib.AbstractContextManager[object]:
-        return self.cache.pinned(ino)
+    def io(self, ino: int, *, here: bool = True) -> contextlib.AbstractContextManager[object]:
+        return self.cache.pinned(ino, here=here)
 
     def generation(self, ino: int) -> int:
         return self.cache.generation(ino)

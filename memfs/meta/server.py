@@ -52,13 +52,23 @@ from memfs.errors import FsError, UsageError
 from memfs.meta import Meta, codec
 from memfs.meta.conn import MAX_REPLY, ROLE, FrameSocket
 from memfs.meta.journal import GRACE_ENDED, LOST_WRITE, NEW_RUN, REGISTERED, SESSION_GONE, Journal
-from memfs.meta.leases import LEASE_TERM, RECALL_TIMEOUT, Item, LeaseTable, settles_from_wire
+from memfs.meta.leases import (
+    LEASE_TERM,
+    RECALL_TIMEOUT,
+    Holder,
+    Item,
+    LeaseTable,
+    settles_from_wire,
+)
 from memfs.meta.store import ANY_EARLIER, MetaStore
 from memfs.wire import Kind, WireError
 
 #: how long a change waits for memory servers to confirm a fence (then it goes ahead;
 #: a server that has not confirmed gets the fence before anything else is sent to it)
 FENCE_TIMEOUT = 3.0
+#: calls that wait for fences: chunks granted to write, a file's tail cut (its last
+#: chunk kept: a stale write there would show when the file grows again)
+_FENCED_CALLS = frozenset({"map_write", "allocate_ahead", "truncate"})
 
 if TYPE_CHECKING:
     from memfs.metrics import Metrics
@@ -111,8 +121,10 @@ class _Session:
     sid: bytes
     opens: dict[int, int] = field(default_factory=dict)
     #: what it names to the memory servers (SESSION); replaced, and the old one
-    #: fenced, when its leases are taken without its word (see _fence)
+    #: fenced, when its leases are taken without its word (see _take_token)
     token: int = field(default_factory=new_token)
+    #: its token was replaced since it last registered
+    fenced: bool = False
     conn: _Conn | None = None
     generation: int = 0
     last_heard: float = 0.0
@@ -251,9 +263,10 @@ class MetaServer:
         #: tokens to fence on the memory servers (set by memfs.mds: shared by its
         #: transports, which send a server its pending fences before anything else)
         self.fences: Fences | None = None
-        #: fences sent and not yet answered by every server (or given up on)
-        self._fencing = 0
-        self._fenced = trio.Event()
+        #: fences not yet answered by every server (nor given up on), by sequence
+        #: number: a write grant waits for those begun before it, not later ones
+        self._fencing: dict[int, trio.Event] = {}
+        self._fence_seq = 0
         #: request counters and latencies (``memfs mds --metrics``); None: not kept
         self.metrics: Metrics | None = None
 
@@ -569,7 +582,7 @@ class MetaServer:
         m, args = parsed
         if self.meta is not self.store and m.name in ("map_read", "map_write", "allocate_ahead"):
             return True
-        if self._fencing and m.name in ("map_write", "allocate_ahead"):
+        if self._fencing and m.name in _FENCED_CALLS:
             return True
         if not self.leases.holders:
             return False
@@ -665,17 +678,20 @@ class MetaServer:
             # FUSE never asks this; the store would walk (or list) every chunk of the range.
             return Kind.ERROR, wire.encode_error(errno.EINVAL, "offset or length out of range")
         session = conn.session
-        if self.leases.term > 0:
-            # What conflicts may change while we wait (another call renamed the
-            # entry, say): ask again until nothing is left to recall.
-            first = True
-            while (items := self._conflicts(session, m.name, args)) and self.leases.needs_recall(
-                session, items, first=first
-            ):
-                await self.leases.recall(session, items)
-                first = False
-        if self._fencing and m.name in ("map_write", "allocate_ahead"):
-            await self._fences_done()
+        first = True
+        while True:
+            if self.leases.term > 0:
+                # What conflicts may change while we wait (another call renamed the
+                # entry, say): ask again until nothing is left to recall.
+                while (items := self._conflicts(session, m.name, args)) and \
+                        self.leases.needs_recall(session, items, first=first):
+                    await self.leases.recall(session, items)
+                    first = False
+            # Chunks granted to write, or a tail cut, only once a client whose leases
+            # were just taken (maybe by these recalls) is shut out of the memory
+            # servers; then the conflicts are computed again.
+            if not (self._fencing and m.name in _FENCED_CALLS and await self._fences_done()):
+                break
         self._t = self._real_now()
         if self._recovering and m.name in _CHUNK_CHANGES and self.store.eligible:
             # A writer of an earlier run may no longer have its space past EOF here.
@@ -968,6 +984,7 @@ class MetaServer:
         # its writers (EIO), never report it.  A size no larger than the known one is
         # stale (an answer that did arrive): ignored.
         s.registrations += 1
+        s.fenced = False  # it hears its token now
         # The session's first registration in this run: of an earlier run (eligible
         # within --grace of the restart), or a stranger (back too late).
         first = self.store.registered(sid)
@@ -1032,45 +1049,55 @@ class MetaServer:
 
     # -- fencing: a lease taken without the client's word ------------------------------
 
-    def _take_token(self, holder: object) -> None:
-        """*holder*'s leases were taken without its word (evicted, cut off, gone): give
-        it a new token (its next registration hears it) and fence the old one on every
-        memory server, so that no transfer it began under them lands from now on."""
-        if not isinstance(holder, _Session):
+    def _take_token(self, holder: Holder) -> None:
+        """*holder*'s leases are being taken without its word (evicted, cut off, gone):
+        give it a new token (its next registration hears it) and fence the old one on
+        every memory server, so that no transfer it began under them lands from now
+        on.  Once per registration: the eviction and the forget that follows it
+        fence once."""
+        if not isinstance(holder, _Session) or holder.fenced:
             return
+        holder.fenced = True
         old, holder.token = holder.token, new_token()
         if self.fences is None or self._nursery is None:
             return
         self.fences.add(old)
-        self._fencing += 1
-        self._nursery.start_soon(self._fence, old)
+        self._fence_seq += 1
+        self._fencing[self._fence_seq] = trio.Event()
+        self._nursery.start_soon(self._fence, old, self._fence_seq)
 
-    async def _fence(self, token: int) -> None:
+    async def _fence(self, token: int, seq: int) -> None:
+        """Have every memory server confirm the fence of *token*, for up to
+        FENCE_TIMEOUT: through the scrubber's transport, or any other of ours that
+        sends a server something (each delivers pending fences first)."""
         assert self.fences is not None
+        fences = self.fences
         try:
-            courier = self.fences.courier
-            if courier is not None:
-                with trio.move_on_after(FENCE_TIMEOUT):
-                    await courier.deliver_fences()
-            waiting = [name for name, ts in self.fences.pending.items() if token in ts]
+            with trio.move_on_after(FENCE_TIMEOUT):
+                while fences.waiting(token):
+                    if fences.courier is not None:
+                        await fences.courier.deliver_fences()
+                    if fences.waiting(token):
+                        await trio.sleep(0.1)  # no transport yet, or a server down
+            waiting = fences.waiting(token)
             if waiting:
                 log.warning("lease token %x: memory servers %s have not confirmed its fence "
-                            "within %g s: writes go ahead (they get it before anything else)",
+                            "within %g s: writes go ahead (those servers get it before "
+                            "anything else, and no memory is reused there until they do)",
                             token, ", ".join(waiting), FENCE_TIMEOUT)
             else:
                 log.info("lease token %x fenced on every memory server", token)
         finally:
-            self._fencing -= 1
-            if not self._fencing:
-                self._fenced.set()
-                self._fenced = trio.Event()
+            self._fencing.pop(seq).set()
 
-    async def _fences_done(self) -> None:
-        """Until fences sent so far are answered (or given up on): a client that is
-        granted chunks to write must not have its bytes overwritten by a transfer of
-        a client whose lease was taken just before."""
-        while self._fencing:
-            await self._fenced.wait()
+    async def _fences_done(self) -> bool:
+        """Wait for the fences begun so far (not later ones) to be answered or given up
+        on; False if there were none.  A client granted chunks to write must not have
+        its bytes overwritten by a transfer of one whose leases were taken before."""
+        started = list(self._fencing.values())
+        for ev in started:
+            await ev.wait()
+        return bool(started)
 
     async def _open(self, s: _Session, ino: int) -> Any:
         attr = await self.store.open(ino)

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 Job = tuple[int, int, memoryview]
 
 _INFO_ID = 1
+_SESSION_ID = 2
 
 
 @dataclass(eq=False)  # by identity: a key of the transfer queues
@@ -107,14 +108,14 @@ class BulkTcp:
                 raise wire.WireError(f"expected WELCOME, got {h.kind.name}")
             hs.check_welcome(welcome)
             if self.token:
-                sock.sendall(wire.frame(Kind.SESSION, _INFO_ID, wire.TOKEN.pack(self.token)))
+                sock.sendall(wire.frame(Kind.SESSION, _SESSION_ID, wire.TOKEN.pack(self.token)))
                 try:
                     h, payload = _recv_frame(sock, 1 << 20)
                 except EOFError:
                     raise wire.WireError("closed at SESSION") from None
                 if h.kind is Kind.ERROR:
                     raise wire.WireError(wire.decode_error(payload)[1])
-                if h.kind is not Kind.OK:
+                if h.kind is not Kind.OK or h.req_id != _SESSION_ID:
                     raise wire.WireError(f"unexpected {h.kind.name} reply to SESSION")
             sock.sendall(wire.frame(Kind.INFO, _INFO_ID))
             h, payload = _recv_frame(sock, 1 << 20)
@@ -226,6 +227,16 @@ class BulkTcp:
                 if not k:
                     raise EOFError("connection closed inside a reply")
                 got += k
+
+    def set_token(self, token: int) -> None:
+        """Name *token* from now on (the mount's lease token changed): connections
+        that named the old one are dropped, a transfer on one of them fails."""
+        if token == self.token:
+            return
+        self.token = token
+        for s in self._servers.values():
+            for slot in range(len(s.socks)):
+                self._drop(s, slot)
 
     def close(self) -> None:
         self._pool.shutdown()

@@ -44,8 +44,8 @@ import logging
 import math
 import os
 import socket
-from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import trio
@@ -514,22 +514,44 @@ class Fences:
     request to it; so memory is zeroed (and reused) on a server only after it shut
     out every client whose lease was taken."""
 
+    #: fences kept pending per server at most (as many as a memory server remembers:
+    #: one unreachable for that long has long been restarted, its memory blank)
+    MAX_PENDING = 1 << 16
+
     def __init__(self, servers: Sequence[str]) -> None:
         self.servers = list(dict.fromkeys(servers))
-        self.pending: dict[str, set[int]] = {}
-        #: the transport that delivers new fences at once (the scrubber's), if open
+        #: server name -> tokens (a dict as an ordered set, oldest first)
+        self.pending: dict[str, dict[int, None]] = {}
+        #: the transport that delivers new fences at once (see delivering), if open
         self.courier: TcpTransport | None = None
 
     def add(self, token: int) -> None:
         for name in self.servers:
-            self.pending.setdefault(name, set()).add(token)
+            mine = self.pending.setdefault(name, {})
+            mine[token] = None
+            if len(mine) > self.MAX_PENDING:
+                del mine[next(iter(mine))]
 
     def confirmed(self, name: str, token: int) -> None:
         mine = self.pending.get(name)
         if mine is not None:
-            mine.discard(token)
+            mine.pop(token, None)
             if not mine:
                 del self.pending[name]
+
+    def waiting(self, token: int) -> list[str]:
+        """The servers that have not confirmed *token*'s fence."""
+        return [name for name, tokens in self.pending.items() if token in tokens]
+
+    @contextmanager
+    def delivering(self, transport: TcpTransport) -> Iterator[None]:
+        """*transport* delivers new fences at once while the block runs."""
+        self.courier = transport
+        try:
+            yield
+        finally:
+            if self.courier is transport:
+                self.courier = None
 
 
 class TcpTransport(Transport):
@@ -664,7 +686,7 @@ class TcpTransport(Transport):
     async def _deliver(self, server: _Server) -> None:
         """Send *server* the fences pending for it, each answered before we go on."""
         assert self._fences is not None
-        for token in sorted(self._fences.pending.get(server.name, ())):
+        for token in list(self._fences.pending.get(server.name, ())):
             await self._call(server, Kind.FENCE, wire.TOKEN.pack(token))
             self._fences.confirmed(server.name, token)
 

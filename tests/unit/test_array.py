@@ -403,6 +403,9 @@ class FailingMover:
         self._count()
         self.inner.write(*args)
 
+    def set_token(self, token: int) -> None:
+        self.inner.set_token(token)
+
     def close(self) -> None:
         self.inner.close()
 

@@ -346,7 +346,9 @@ async def test_an_eviction_does_not_end_leases_taken_after_it(
 ) -> None:
     """Evicted, the writer reconnects before its old lease has run out: its size is
     applied (its chunks are still there), and the write lease it then takes on another
-    file survives the eviction's end (which forgets the old registration only)."""
+    file survives the eviction's end (which forgets the old registration only).  Its
+    lease token is replaced all the same (the old one fenced): what it may still have
+    had in flight under the evicted registration must not land."""
     caplog.expected_warnings = True  # type: ignore[attr-defined]  # the eviction
     monkeypatch.setattr(lease_client, "SETTLE_DELAY", 100.0)  # sizes only when asked
     async with cluster(2, term=1.5, recall_timeout=0.3) as (server, (a, b), _):
@@ -354,6 +356,7 @@ async def test_an_eviction_does_not_end_leases_taken_after_it(
         await a.map_write(f.ino, 0, 4096)
         old = a._conn
         assert old is not None
+        token = a.token
         old.on_recall = lambda *args: None  # this connection never answers
         done = trio.Event()
 
@@ -367,6 +370,7 @@ async def test_an_eviction_does_not_end_leases_taken_after_it(
                 while a._conn is None or a._conn is old or a._conn.dead:  # noqa: ASYNC110
                     await trio.sleep(0.01)
             assert server.leases.evictions == 1 and not done.is_set()
+            assert a.token != token and a.token == server._sessions[a.session].token
             g = await a.create(ROOT, b"g", F, 0, 0)  # a new connection, a new lease
             await a.map_write(g.ino, 0, 4096)
             await a.map_write(g.ino, 4096, 4096)  # within its space ahead
@@ -377,6 +381,7 @@ async def test_an_eviction_does_not_end_leases_taken_after_it(
         await a.sync(g.ino)
         assert server.store.inodes[g.ino].size == 8192
         assert not a.write_errors
+        assert a.token == server._sessions[a.session].token  # fenced once, not again
         await a.release(g.ino)
         await a.release(f.ino)
 
