@@ -29,7 +29,15 @@ from dataclasses import dataclass, field
 from memfs import wire
 from memfs.config import VolumeAddr
 from memfs.errors import TransportError, UsageError
-from memfs.transport.tcp import DEFAULT_IO_TIMEOUT, MAX_IO, ROLE, check_info, server_name
+from memfs.transport.tcp import (
+    DEFAULT_IO_TIMEOUT,
+    MAX_IO,
+    ROLE,
+    SESSION_ID,
+    check_info,
+    check_session_reply,
+    server_name,
+)
 from memfs.wire import Kind
 
 log = logging.getLogger(__name__)
@@ -38,7 +46,6 @@ log = logging.getLogger(__name__)
 Job = tuple[int, int, memoryview]
 
 _INFO_ID = 1
-_SESSION_ID = 2
 
 
 @dataclass(eq=False)  # by identity: a key of the transfer queues
@@ -108,15 +115,12 @@ class BulkTcp:
                 raise wire.WireError(f"expected WELCOME, got {h.kind.name}")
             hs.check_welcome(welcome)
             if self.token:
-                sock.sendall(wire.frame(Kind.SESSION, _SESSION_ID, wire.TOKEN.pack(self.token)))
+                sock.sendall(wire.frame(Kind.SESSION, SESSION_ID, wire.TOKEN.pack(self.token)))
                 try:
                     h, payload = _recv_frame(sock, 1 << 20)
                 except EOFError:
                     raise wire.WireError("closed at SESSION") from None
-                if h.kind is Kind.ERROR:
-                    raise wire.WireError(wire.decode_error(payload)[1])
-                if h.kind is not Kind.OK or h.req_id != _SESSION_ID:
-                    raise wire.WireError(f"unexpected {h.kind.name} reply to SESSION")
+                check_session_reply(h, payload)
             sock.sendall(wire.frame(Kind.INFO, _INFO_ID))
             h, payload = _recv_frame(sock, 1 << 20)
             if h.kind is not Kind.OK or h.req_id != _INFO_ID:

@@ -74,7 +74,8 @@ DEFAULT_IO_TIMEOUT = 10.0
 MAX_IO = 16 << 20
 ROLE = "tcp"
 _INFO_ID = 1
-_SESSION_ID = 2
+#: the request id of SESSION (also memfs.transport.bulk's)
+SESSION_ID = 2
 _INFO_MAX = 1 << 20
 _SMALL_REPLY_MAX = 64 << 10  # OK to WRITE/ZERO is empty, ERROR is short
 #: a small READ's reply (up to 64 KiB of data) arrives in one recv
@@ -104,6 +105,14 @@ def check_info(info: object) -> tuple[int, list[int]]:
     return info["incarnation"], info["volumes"]
 
 
+def check_session_reply(h: wire.Header, payload: bytes | bytearray) -> None:
+    """The answer to SESSION: OK, or WireError saying why (a fenced token: ESTALE)."""
+    if h.kind is Kind.ERROR:
+        raise wire.WireError(wire.decode_error(payload)[1])
+    if h.kind is not Kind.OK or h.req_id != SESSION_ID:
+        raise wire.WireError(f"unexpected {h.kind.name} reply to SESSION")
+
+
 async def memd_handshake(
     sock: socket.socket, secret: bytes, role: str, token: int = 0
 ) -> tuple[int, list[int]]:
@@ -128,17 +137,14 @@ async def memd_handshake(
     hs.check_welcome(welcome)
     frames = [wire.frame(Kind.INFO, _INFO_ID)]
     if token:
-        frames.insert(0, wire.frame(Kind.SESSION, _SESSION_ID, wire.TOKEN.pack(token)))
+        frames.insert(0, wire.frame(Kind.SESSION, SESSION_ID, wire.TOKEN.pack(token)))
     await send_all(sock, frames)
     if token:
         try:
             h, payload = await recv_frame(sock, _INFO_MAX)
         except PeerClosed:
             raise wire.WireError("closed at SESSION") from None
-        if h.kind is Kind.ERROR:
-            raise wire.WireError(wire.decode_error(payload)[1])
-        if h.kind is not Kind.OK or h.req_id != _SESSION_ID:
-            raise wire.WireError(f"unexpected {h.kind.name} reply to SESSION")
+        check_session_reply(h, payload)
     h, payload = await recv_frame(sock, _INFO_MAX)
     if h.kind is not Kind.OK or h.req_id != _INFO_ID:
         raise wire.WireError(f"unexpected {h.kind.name} reply to INFO")
