@@ -189,14 +189,32 @@ async def _scrub(
                     if journal_dir:
                         await trio.to_thread.run_sync(_save_incarnations, journal_dir, known)
                     server.incarnations.update(known)
-                assert server.fences is not None
-                with server.fences.delivering(t):
-                    await Scrubber(store, t).run()
+                await Scrubber(store, t).run()
         except FsError as exc:
             store.reclaimer = None
             log.warning("memory servers unreachable, freed space waits: %s", exc.args[1])
         await trio.sleep(delay)
         delay = min(delay * 2, 30.0)
+
+
+async def _fence_courier(
+    opts: MdsOptions, server: MetaServer,
+    *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Connections of their own, each made when needed, that take the mds's fences to
+    every memory server it can reach, whichever others are down (the scrubber's and
+    write-back's transports need all of them, and send pending fences before their
+    own requests)."""
+    from memfs.transport.pool import as_tcp
+    from memfs.transport.tcp import open_tcp_transport
+
+    assert server.fences is not None
+    async with open_tcp_transport(as_tcp(opts.pool), opts.secret, io_timeout=INFO_TIMEOUT,
+                                  incarnations=server.incarnations, fences=server.fences,
+                                  connections_per_server=1, lazy=True) as t:
+        with server.fences.delivering(t):
+            task_status.started()
+            await trio.sleep_forever()
 
 
 INCARNATIONS = "incarnations"
@@ -289,6 +307,7 @@ async def _main(opts: MdsOptions, journal: Journal | None) -> int:
         async with trio.open_nursery() as nursery:
             server.incarnations.update(_load_incarnations(opts.journal_dir))
             nursery.start_soon(_scrub, store, opts.pool, opts.secret, server, opts.journal_dir)
+            await nursery.start(_fence_courier, opts, server)
             if opts.flush is not None:
                 # Before serving: a call answered by the bare store would not be
                 # written back (no watcher yet), and a client would get write

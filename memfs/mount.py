@@ -158,8 +158,7 @@ async def _open_remote(opts: MountOptions, host: str, port: int) -> AsyncIterato
                                 lease_token=lambda: meta.token)
             async with open_pool_transport(volumes, opts.secret, incarnations=desc.incarnations) as transport:
                 # Memory servers shut out a token the mds fenced (our lease taken).
-                transport.set_session(meta.token)
-                meta.on_token = transport.set_session
+                meta.follow_token(transport.set_session)
                 log.info("pool of %d volumes from the metadata server at %s", len(volumes), where)
                 yield Backend(meta, transport, access)
     except FsError as exc:

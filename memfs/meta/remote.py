@@ -360,8 +360,7 @@ class RemoteMeta(Meta):
         #: the lease token our memory-server connections name (from the registration);
         #: a new one means the server took our leases without our word (see on_token)
         self.token = 0
-        #: told each registration's token, before any call under it (the mount passes
-        #: it to the transport, which drops connections that named an older one)
+        #: told each registration's token, before any call under it (see follow_token)
         self.on_token: Callable[[int], None] | None = None
         #: the token on_token was last told
         self._named_token = 0
@@ -651,6 +650,14 @@ class RemoteMeta(Meta):
             return None
         last, cacheable = self._last_open
         return cacheable and last == ino and not self.cache.invalidating
+
+    def follow_token(self, name: Callable[[int], None]) -> None:
+        """Call *name* with our lease token now and after each registration that brings
+        a new one (once the transfers begun under the old one have ended): the mount
+        passes it to its transport, which drops connections that named an older one."""
+        name(self.token)
+        self._named_token = self.token
+        self.on_token = name
 
     def recalls_drop_pages(self) -> bool:
         # Under leases every change to a file by another client (map_write,

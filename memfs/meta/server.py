@@ -679,6 +679,7 @@ class MetaServer:
             return Kind.ERROR, wire.encode_error(errno.EINVAL, "offset or length out of range")
         session = conn.session
         first = True
+        fenced_before = self._fence_seq
         while True:
             if self.leases.term > 0:
                 # What conflicts may change while we wait (another call renamed the
@@ -687,10 +688,12 @@ class MetaServer:
                         self.leases.needs_recall(session, items, first=first):
                     await self.leases.recall(session, items)
                     first = False
+                    fenced_before = self._fence_seq  # its evictions' fences too
             # Chunks granted to write, or a tail cut, only once a client whose leases
-            # were just taken (maybe by these recalls) is shut out of the memory
-            # servers; then the conflicts are computed again.
-            if not (self._fencing and m.name in _FENCED_CALLS and await self._fences_done()):
+            # were taken before (maybe by these recalls) is shut out of the memory
+            # servers (not waiting for later fences); then the conflicts again.
+            if not (self._fencing and m.name in _FENCED_CALLS
+                    and await self._fences_done(fenced_before)):
                 break
         self._t = self._real_now()
         if self._recovering and m.name in _CHUNK_CHANGES and self.store.eligible:
@@ -1090,11 +1093,12 @@ class MetaServer:
         finally:
             self._fencing.pop(seq).set()
 
-    async def _fences_done(self) -> bool:
-        """Wait for the fences begun so far (not later ones) to be answered or given up
-        on; False if there were none.  A client granted chunks to write must not have
-        its bytes overwritten by a transfer of one whose leases were taken before."""
-        started = list(self._fencing.values())
+    async def _fences_done(self, upto: int) -> bool:
+        """Wait for the fences begun up to number *upto* (not later ones) to be answered
+        or given up on; False if there were none.  A client granted chunks to write must
+        not have its bytes overwritten by a transfer of one whose leases were taken
+        before."""
+        started = [ev for seq, ev in self._fencing.items() if seq <= upto]
         for ev in started:
             await ev.wait()
         return bool(started)

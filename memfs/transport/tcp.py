@@ -480,11 +480,14 @@ async def open_tcp_transport(
     io_timeout: float = DEFAULT_IO_TIMEOUT,
     incarnations: Mapping[str, int] | None = None,
     fences: Fences | None = None,
+    lazy: bool = False,
 ) -> AsyncIterator[TcpTransport]:
     """Connect to the servers of *volumes* and yield the transport; close it on exit.
 
     Raises :class:`TransportError` if a server cannot be reached or refuses us
     within *io_timeout*, :class:`UsageError` if a volume does not exist there.
+    *lazy*: connect to each server only when a request goes there, and never fail
+    for one that cannot be reached (the mds's fence courier: volume sizes unknown).
     """
     t = TcpTransport(volumes, secret, connections_per_server=connections_per_server,
                      io_timeout=io_timeout, fences=fences)
@@ -495,7 +498,8 @@ async def open_tcp_transport(
     try:
         async with trio.open_nursery() as nursery:
             try:
-                await t._open()
+                if not lazy:
+                    await t._open()
                 nursery.start_soon(t._watch_deadlines)
                 yield t
             finally:
@@ -593,6 +597,7 @@ class TcpTransport(Transport):
         #: the lease token our connections name (SESSION), 0: none (see set_session)
         self._token = 0
         self._fences = fences
+        self._delivering = trio.Lock()
 
     # -- opening and closing ----------------------------------------------------------
 
@@ -693,6 +698,9 @@ class TcpTransport(Transport):
         """Send *server* the fences pending for it, each answered before we go on."""
         assert self._fences is not None
         for token in list(self._fences.pending.get(server.name, ())):
+            if server.lost:  # restarted: its memory is blank and no client uses it
+                self._fences.confirmed(server.name, token)
+                continue
             await self._call(server, Kind.FENCE, wire.TOKEN.pack(token))
             self._fences.confirmed(server.name, token)
 
@@ -706,11 +714,10 @@ class TcpTransport(Transport):
         async def one(server: _Server) -> None:
             try:
                 await self._deliver(server)
-            except TransportError as exc:
-                log.warning("memory server %s has not confirmed a fence yet (it will "
-                            "before it is sent anything else): %s", server.name, exc)
+            except TransportError as exc:  # the caller says which, once
+                log.debug("memory server %s has not confirmed a fence: %s", server.name, exc)
 
-        async with trio.open_nursery() as nursery:
+        async with self._delivering, trio.open_nursery() as nursery:
             for server in self._servers.values():
                 if server.name in fences.pending:
                     nursery.start_soon(one, server)

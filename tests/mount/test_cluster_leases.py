@@ -476,8 +476,7 @@ async def main():
         desc = await meta.describe()
         volumes = parse_pool_spec("+".join(desc.volumes))
         async with open_pool_transport(volumes, secret, incarnations=desc.incarnations) as t:
-            t.set_session(meta.token)  # what the mount does
-            meta.on_token = t.set_session
+            meta.follow_token(t.set_session)  # what the mount does
             a = await meta.create(1, name.encode(), 0o100644, 0, 0)
             e = (await meta.map_write(a.ino, 0, 65536)).extents[0]
             await t.write(e.volume, e.voffset, b"A" * e.length)

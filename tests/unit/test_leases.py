@@ -386,6 +386,36 @@ async def test_an_eviction_does_not_end_leases_taken_after_it(
         await a.release(f.ino)
 
 
+async def test_a_new_token_is_named_only_after_transfers_under_the_old_one(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Evicted, the client registers again and hears a new lease token; it tells its
+    transport only once the transfer it had in flight under the old one has ended
+    (else a transfer waiting for a connection would go out under the new token)."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]  # the eviction
+    async with cluster(2, term=1.5, recall_timeout=0.3) as (server, (a, b), _):
+        named: list[int] = []
+        a.follow_token(named.append)
+        f = await a.create(ROOT, b"f", F, 0, 0)
+        await a.map_write(f.ino, 0, 4096)
+        old = a._conn
+        assert old is not None
+        old.on_recall = lambda *args: None  # this connection never answers
+        with a.io(f.ino):  # a transfer under the old token, in flight
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(b.getattr, f.ino)  # recalls a: evicted
+                with trio.fail_after(5):
+                    while a.token == named[0]:  # noqa: ASYNC110 - registered again
+                        await trio.sleep(0.01)
+                await trio.sleep(0.3)
+                assert named == [named[0]], "named while a transfer ran under the old one"
+        with trio.fail_after(5):
+            while len(named) < 2:  # noqa: ASYNC110
+                await trio.sleep(0.01)
+        assert named[1] == a.token == server._sessions[a.session].token
+        await a.release(f.ino)
+
+
 async def test_client_that_closes_releases_at_once() -> None:
     async with trio.open_nursery() as nursery:
         server = MetaServer(metadata_only(POOL), SECRET, lease_term=30, recall_timeout=20)
