@@ -286,6 +286,12 @@ class MetaServer:
             "memfs_mds_leased_inodes": float(len(self.leases.holders)),
             "memfs_mds_recalls_sent": float(self.leases.recalls_sent),
             "memfs_mds_lease_evictions": float(self.leases.evictions),
+            "memfs_mds_fences_sent": float(self._fence_seq),
+            # fences some memory server has not confirmed (memory there is not reused)
+            "memfs_mds_fences_unconfirmed": float(
+                len({t for ts in self.fences.pending.values() for t in ts})
+                if self.fences is not None else 0
+            ),
         }
         if self.journal is not None:
             out["memfs_mds_journal_durable_seq"] = float(self.journal.durable_seq)

@@ -548,6 +548,8 @@ def test_mds_metrics(tmp_path: Path) -> None:
         assert got[("memfs_pool_bytes", ())] == 4 * (128 << 20)
         assert got[("memfs_pool_free_bytes", ())] < 4 * (128 << 20)
         assert got[("memfs_mds_sessions_connected", ())] == 2
+        assert got[("memfs_mds_fences_unconfirmed", ())] == 0
+        assert ("memfs_mds_fences_sent", ()) in got
         assert ("memfs_mds_journal_durable_seq", ()) not in got  # no --journal here
 
         # The client mount: requests, and the health of each memory server it uses.
