@@ -121,8 +121,11 @@ class PoolAccess:
         if self.kind == "local":
             return {"kind": "local", "sizes": list(self.sizes)}
         return {"kind": self.kind, "volumes": list(self.volumes), "secret": self.secret.hex(),
-                "incarnations": self.incarnations,
-                "token": self.lease_token() if self.lease_token is not None else 0}
+                "incarnations": self.incarnations, "token": self.token()}
+
+    def token(self) -> int:
+        """The mount's lease token now; 0: none (embedded)."""
+        return self.lease_token() if self.lease_token is not None else 0
 
 
 class KernelCache(Protocol):
@@ -357,8 +360,7 @@ class ArraySession:
                 self._next_transfer += 1
                 self._transfers[tid] = t
                 self.service.spawn(self._warn_if_long, t, t.watch)
-                lease = self.service.access.lease_token
-                return {"t": tid, "extents": out, "token": lease() if lease is not None else 0}
+                return {"t": tid, "extents": out, "token": self.service.access.token()}
         raise FsError(errno.EIO, "the file's chunk map keeps changing")
 
     async def _done(self, args: dict[str, Any]) -> dict[str, Any]:

@@ -248,6 +248,19 @@ class BackingDir:
                         self.apply(op)
                 os.rename(src, dest)
 
+    def write_each(
+        self, items: list[tuple[bytes, memoryview, int, int, int, tuple[int, int]]],
+    ) -> list[OSError | None]:
+        """:meth:`write_whole` for each (tmp, view, mode, uid, gid, times): what each raised."""
+        out: list[OSError | None] = []
+        for tmp, view, mode, uid, gid, times in items:
+            try:
+                self.write_whole(tmp, view, len(view), mode, uid, gid, times)
+                out.append(None)
+            except OSError as exc:
+                out.append(exc)
+        return out
+
     def publish_each(self, pairs: list[tuple[bytes, list[bytes]]]) -> list[OSError | None]:
         """:meth:`publish` (without *dirs*) for each (tmp, paths): what each raised."""
         out: list[OSError | None] = []

@@ -458,23 +458,13 @@ class WriteBack:
 
     async def _write_and_publish(self, copies: list[_SmallCopy]) -> None:
         """The batch's copies to temporary files (one DIR thread trip), then into place."""
-        def write_all() -> list[OSError | None]:
-            out: list[OSError | None] = []
-            for c in copies:
-                try:
-                    self.dirside.write_whole(c.tmp, c.view, len(c.view), c.mode, c.uid, c.gid,
-                                             c.times)
-                    out.append(None)
-                except OSError as exc:
-                    out.append(exc)
-            return out
-
         def unlink_written(results: list[OSError | None]) -> None:
             for c, r in zip(copies, results, strict=True):
                 if r is None:
                     unlink_quiet(c.tmp)
 
-        results = await in_thread(write_all, on_late=unlink_written)
+        items = [(c.tmp, c.view, c.mode, c.uid, c.gid, c.times) for c in copies]
+        results = await in_thread(self.dirside.write_each, items, on_late=unlink_written)
         written: list[_SmallCopy] = []
         for c, r in zip(copies, results, strict=True):
             if r is None:

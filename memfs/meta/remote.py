@@ -358,11 +358,11 @@ class RemoteMeta(Meta):
         self._last_open: tuple[int, bool] = (0, False)
         self.stripe_size = 0
         #: the lease token our memory-server connections name (from the registration);
-        #: a new one means the server took our leases without our word (see on_token)
+        #: a new one means the server took our leases without our word, or restarted
         self.token = 0
         #: told each registration's token, before any call under it (see follow_token)
-        self.on_token: Callable[[int], None] | None = None
-        #: the token on_token was last told
+        self._on_token: Callable[[int], None] | None = None
+        #: the token _on_token was last told
         self._named_token = 0
 
     @property
@@ -465,7 +465,7 @@ class RemoteMeta(Meta):
         self.write_lost(failed)
         self.cache.dirty.clear()  # told with the registration
         self.cache.answered.clear()
-        if self.on_token is not None and self.token != self._named_token:
+        if self._on_token is not None and self.token != self._named_token:
             if self._named_token:
                 # Our leases were taken without our word (the old token is fenced:
                 # transfers under it fail) or the server restarted (it knows no old
@@ -480,7 +480,7 @@ class RemoteMeta(Meta):
                         await self.cache.wait_unpinned(None)
                         break
                     log.warning("transfers begun under the old lease token still run")
-            self.on_token(self.token)
+            self._on_token(self.token)
             self._named_token = self.token
         return _Connection(fs, self.timeout, self.cache, self.leases.on_recall)
 
@@ -657,7 +657,7 @@ class RemoteMeta(Meta):
         passes it to its transport, which drops connections that named an older one."""
         name(self.token)
         self._named_token = self.token
-        self.on_token = name
+        self._on_token = name
 
     def recalls_drop_pages(self) -> bool:
         # Under leases every change to a file by another client (map_write,

@@ -1077,8 +1077,8 @@ class MetaServer:
 
     async def _fence(self, token: int, seq: int) -> None:
         """Have every memory server confirm the fence of *token*, for up to
-        FENCE_TIMEOUT: through the scrubber's transport, or any other of ours that
-        sends a server something (each delivers pending fences first)."""
+        FENCE_TIMEOUT: through the courier (memfs.mds), or any other transport of
+        ours that sends a server something (each delivers pending fences first)."""
         assert self.fences is not None
         fences = self.fences
         try:

@@ -769,7 +769,7 @@ class VerbsTransport(Transport):
         self._token = token
         for server in self._servers.values():
             if server.conn is not None:
-                self._fail(server.conn, "this client's lease was taken by the metadata server")
+                self._fail(server.conn, "the lease token this client worked under was replaced")
 
     async def _connect(self, server: _Server) -> _Conn:
         """Control connection (handshake, INFO), then queue pairs exchanged and connected."""
