@@ -21,6 +21,11 @@ an embedded mount keeps what this node wrote in the page cache, so a plain
 load right after a save may not reach memfs at all; the ratios of load rows
 are against the dropped one, what memfs itself serves.
 
+Each round also times "new array, first touch": ``np.empty`` as large as the
+array, every page written once.  A load into a new array (memfs's or numpy's)
+pays that on top of moving the bytes; on a virtual machine that gives freed
+memory back to its host it is the largest part.
+
 Each figure is the median of ``--rounds``; GiB/s of array bytes.
 
     python bench/arraybench.py [--size 1G] [--rounds 3] [--only embedded|cluster]
@@ -114,15 +119,23 @@ def drop_pages(path: str) -> None:
         os.close(fd)
 
 
+def first_touch(nbytes: int) -> None:
+    """A new array as large as the loaded one, each page written once: what any load
+    into a new array pays on top of moving the bytes (page faults, zeroing)."""
+    np.empty(nbytes // 8).fill(1.0)
+
+
 def measure(cases: dict[str, Callable[[], object]], rounds: int, nbytes: int, label: str,
             raw: bool = False) -> dict[str, float]:
     """GiB/s of each case, median over *rounds*.  Rounds rotate over the groups (a save
-    and the loads of its file, timed one by one); *raw*: raw loopback TCP into memory
-    as large as the array, once per round."""
+    and the loads of its file, timed one by one); once per round, a new array's first
+    touch (:func:`first_touch`) and with *raw* raw loopback TCP into memory as large as
+    the array."""
     groups: dict[str, list[str]] = {}
     for name in cases:
         groups.setdefault(name.split(" save")[0].split(" load")[0], []).append(name)
     rates: dict[str, list[float]] = {k: [] for k in cases}
+    rates[TOUCH] = []
     if raw:
         rates[RAW] = []
     bases = list(groups)
@@ -137,6 +150,7 @@ def measure(cases: dict[str, Callable[[], object]], rounds: int, nbytes: int, la
                     rates[name].append(nbytes / GIB / timed(functools.partial(np.load, fn.args[0])))
                     continue
                 rates[name].append(nbytes / GIB / timed(cases[name]))
+        rates[TOUCH].append(nbytes / GIB / timed(functools.partial(first_touch, nbytes)))
         if raw:
             rates[RAW].append(raw_throughput(nbytes, nbytes) / 1024)
         print(f"{label} round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in rates.items()),
@@ -145,6 +159,7 @@ def measure(cases: dict[str, Callable[[], object]], rounds: int, nbytes: int, la
 
 
 RAW = "raw loopback TCP, 1 stream, into memory"
+TOUCH = "new array, first touch of its pages"
 #: untimed pause after removing the file a save replaces: memfs zeroes freed memory in
 #: the background (1 GiB in well under a second), tmpfs frees it at once
 SETTLE = 1.5
@@ -172,7 +187,8 @@ def table(title: str, med: dict[str, float], refs: dict[str, tuple[str, str]]) -
             ref = save_ref if name.endswith(" save") else load_ref
             if ref.endswith(" load") and f"{ref}, pages dropped" in med:
                 ref = f"{ref}, pages dropped"  # what memfs itself serves
-            cols.append(f"{v / med[ref]:>18.2f}" if name != ref and ref in med and name != RAW
+            cols.append(f"{v / med[ref]:>18.2f}" if name != ref and ref in med
+                        and name not in (RAW, TOUCH)
                         else f"{'':>18}")
         print(f"| {name:<30} | {v:>6.2f} | " + " | ".join(cols) + " |")
 

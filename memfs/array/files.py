@@ -26,7 +26,15 @@ import secrets
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
-from memfs.array.movers import LocalMover, Mover, RemoteMover, TcpMover, populate, settle
+from memfs.array.movers import (
+    LocalMover,
+    Mover,
+    Pending,
+    RemoteMover,
+    TcpMover,
+    populate,
+    settle,
+)
 from memfs.errors import ControlError, FsError, UsageError
 
 log = logging.getLogger(__name__)
@@ -147,34 +155,53 @@ class DirectSession:
     def _transfer(self, path: str, h: int, offset: int, view: memoryview, *,
                   write: bool, publish: bool) -> None:
         """Piece by piece.  Pipelined (cluster: the daemon's map is a metadata-server
-        call): where piece *i+1* lives is asked while piece *i* moves, and piece *i*
-        is told done meanwhile; embedded, one piece after the other (asking costs
-        nothing there, and the scrubber gets its turn between pieces)."""
+        call): piece *i+1* is asked for while piece *i* moves, and begins moving
+        (behind it, on each memory-server connection) as soon as its map is in, so
+        that no connection idles between pieces; piece *i* is told done once its
+        copies have ended.  Embedded, one piece after the other (asking costs nothing
+        there, and the scrubber gets its turn between pieces)."""
         total = len(view)
         pieces = [(pos, min(self.piece, total - pos)) for pos in range(0, total, self.piece)]
         if not pieces:
             return
-        pipelined = self.depth > 1
         p = _Pipeline(self, path, h, write)
+        #: pipelined: the piece whose copies may still run (pos, n, transfer, copy)
+        moving: tuple[int, int, int, Pending] | None = None
         try:
             p.ask(offset, pieces[0][1])
             for i, (pos, n) in enumerate(pieces):
                 tid, extents = p.answer_map(offset + pos, n)
-                if i and pipelined:
-                    p.answer_done(offset + pieces[i - 1][0], view[slice(*_span(pieces[i - 1]))])
-                if pipelined and i + 1 < len(pieces):
-                    p.ask(offset + pieces[i + 1][0], pieces[i + 1][1])
-                p.move(extents, offset + pos, view[pos : pos + n])
-                p.done(tid, publish=publish and i + 1 == len(pieces))
-                if not pipelined:
+                last = i + 1 == len(pieces)
+                if self.depth < 2:
+                    p.finish(p.begin(extents, offset + pos, view[pos : pos + n]))
+                    p.done(tid, publish=publish and last)
                     p.answer_done(offset + pos, view[pos : pos + n])
-                    if i + 1 < len(pieces):
+                    if not last:
                         p.ask(offset + pieces[i + 1][0], pieces[i + 1][1])
-            if pipelined:
-                p.answer_done(offset + pieces[-1][0], view[slice(*_span(pieces[-1]))])
+                    continue
+                before, moving = moving, (pos, n, tid, p.begin(extents, offset + pos,
+                                                               view[pos : pos + n]))
+                if before is not None:
+                    self._ended(p, offset, view, before, publish=False)
+                if not last:  # at most two transfers open: this one and the next
+                    p.ask(offset + pieces[i + 1][0], pieces[i + 1][1])
+            if moving is not None:
+                ending, moving = moving, None
+                self._ended(p, offset, view, ending, publish=publish)
         except BaseException:
+            if moving is not None:
+                settle(moving[3].cancel)
             p.abandon()
             raise
+
+    @staticmethod
+    def _ended(p: _Pipeline, offset: int, view: memoryview,
+               piece: tuple[int, int, int, Pending], *, publish: bool) -> None:
+        """Wait for *piece*'s copies, then tell the daemon it is done."""
+        pos, n, tid, copy = piece
+        p.finish(copy)
+        p.done(tid, publish=publish)
+        p.answer_done(offset + pos, view[pos : pos + n])
 
     def close(self) -> None:
         if self._helper is not None:
@@ -258,13 +285,16 @@ class _Pipeline:
                           "(truncated?)", self.path)
         return int(r["t"]), extents
 
-    def move(self, extents: list[list[int]], base: int, part: memoryview) -> None:
+    def begin(self, extents: list[list[int]], base: int, part: memoryview) -> Pending:
         try:
-            if self.write:
-                self.s.mover.write(extents, base, part)
-            else:
-                self.s.mover.read(extents, base, part)
+            return self.s.mover.begin(extents, base, part, write=self.write)
         except FsError as exc:  # a memory server died, a descriptor failed: EIO
+            raise OSError(exc.errno, exc.args[1], self.path) from None
+
+    def finish(self, copy: Pending) -> None:
+        try:
+            copy.wait()
+        except FsError as exc:
             raise OSError(exc.errno, exc.args[1], self.path) from None
 
     def done(self, tid: int, *, publish: bool = False) -> None:
@@ -280,7 +310,7 @@ class _Pipeline:
             for _ in range(_MAX_TRIES):
                 self.ask(offset, len(part))
                 tid, extents = self.answer_map(offset, len(part))
-                self.move(extents, offset, part)
+                self.finish(self.begin(extents, offset, part))
                 self.done(tid)
                 if not self._receive().get("stale"):
                     return

@@ -383,31 +383,90 @@ async def test_pipelined_transfers(tmp_path: Path) -> None:
 
 
 class FailingMover:
-    """A local mover that fails on its *n*-th copy (as a dead memory server would)."""
+    """A local mover whose *n*-th copy fails, as with a dead memory server: when it is
+    begun, or (*late*) when it is waited for (the pipeline has begun the next piece
+    by then).  *log* records each copy's begin, wait and cancel, numbered."""
 
     populate_ahead = False
 
-    def __init__(self, inner: LocalMover, n: int) -> None:
-        self.inner, self.n = inner, n
+    def __init__(self, inner: LocalMover, n: int, *, late: bool = False) -> None:
+        self.inner, self.n, self.late = inner, n, late
+        self.log: list[str] = []
+        self.begun = 0
 
-    def _count(self) -> None:
+    def begin(self, extents: Any, base: int, view: memoryview, *, write: bool) -> _Copy:
+        k, self.begun = self.begun, self.begun + 1
+        self.log.append(f"begin {k}")
         self.n -= 1
-        if self.n == 0:
+        if self.n == 0 and not self.late:
             raise TransportError("memory server 127.0.0.1:9 went away")
+        self.inner.begin(extents, base, view, write=write).wait()
+        return _Copy(self.log, k, failing=self.n == 0)
 
     def read(self, *args: Any) -> None:
-        self._count()
-        self.inner.read(*args)
+        self.begin(*args, write=False).wait()
 
     def write(self, *args: Any) -> None:
-        self._count()
-        self.inner.write(*args)
+        self.begin(*args, write=True).wait()
 
     def set_token(self, token: int) -> None:
         self.inner.set_token(token)
 
     def close(self) -> None:
         self.inner.close()
+
+
+class _Copy:
+    def __init__(self, log: list[str], k: int, *, failing: bool) -> None:
+        self.log, self.k, self.failing = log, k, failing
+
+    def wait(self) -> None:
+        self.log.append(f"wait {self.k}")
+        if self.failing:
+            raise TransportError("memory server 127.0.0.1:9 went away")
+
+    def cancel(self) -> None:
+        self.log.append(f"cancel {self.k}")
+
+
+async def test_a_pipelined_transfer_begins_the_next_piece_before_waiting(tmp_path: Path) -> None:
+    """Cluster sessions keep every memory-server connection busy: piece i+1 is begun
+    before piece i's copies are waited for (at most two transfers open: the daemon
+    refuses a third with EBUSY); a copy that fails when waited for stops the one
+    begun after it, and no transfer stays open."""
+    async with daemon(tmp_path, cluster=True) as d:
+        data = np.arange(1 << 17, dtype="f8")  # 1 MiB in 4 pieces
+
+        def work() -> list[list[str]]:
+            s = d.pipelined(256 << 10)
+            logs = []
+            s.mover = mover = FailingMover(s.mover, 0)  # type: ignore[arg-type]
+            r = s.call("x", "array.create", path="p", size=data.nbytes, mode=0o600)
+            f = DirectFile(s, "/mnt/p", r["h"], data.nbytes)
+            f.write(0, npy.byte_view(data))
+            f.commit()
+            back = np.zeros_like(data)
+            f.read(0, npy.byte_view(back))
+            assert np.array_equal(back, data)
+            logs.append(mover.log)
+            s.mover = mover = FailingMover(mover.inner, 2, late=True)
+            with pytest.raises(OSError) as info:
+                f.read(0, npy.byte_view(back))
+            assert info.value.errno == errno.EIO and info.value.filename == "/mnt/p"
+            logs.append(mover.log)
+            f.close()
+            s.close()
+            return logs
+
+        logs = await blocking(work)
+        order = ["begin 0", "begin 1", "wait 0", "begin 2", "wait 1", "begin 3", "wait 2",
+                 "wait 3"]
+        then = [f"{verb} {int(k) + 4}" for verb, k in (e.split() for e in order)]
+        assert logs[0] == order + then  # the write, then the read
+        assert logs[1] == ["begin 0", "begin 1", "wait 0", "begin 2", "wait 1", "cancel 2"]
+        with trio.fail_after(5):
+            await d.scrubber.drain()
+        assert d.service.orphans == 0 and d.scrubber._holds == 0
 
 
 @pytest.mark.parametrize("cluster", [False, True], ids=["embedded", "pipelined"])
@@ -436,7 +495,8 @@ async def test_a_failed_copy_leaves_no_transfer_open(tmp_path: Path, cluster: bo
 
 
 async def test_a_stale_read_is_read_again(tmp_path: Path) -> None:
-    """A chunk map recalled during a read (cluster): that piece is read again."""
+    """A chunk map recalled during a read (cluster): the pieces it caught in flight are
+    read again."""
     async with daemon(tmp_path, cluster=True) as d:
         data = np.arange(1 << 17, dtype="f8")  # 1 MiB
         moves = [0]
@@ -448,11 +508,11 @@ async def test_a_stale_read_is_read_again(tmp_path: Path) -> None:
         d.store.generation = lambda ino: bump()  # type: ignore[method-assign]
 
         class Recalling(FailingMover):
-            def read(self, *args: Any) -> None:
+            def begin(self, *args: Any, write: bool) -> _Copy:
                 moves[0] += 1
                 if moves[0] == 2:
                     gen[0] += 1  # recalled while the second piece moves
-                self.inner.read(*args)
+                return super().begin(*args, write=write)
 
         def work() -> None:
             s = d.pipelined(256 << 10)
@@ -467,7 +527,9 @@ async def test_a_stale_read_is_read_again(tmp_path: Path) -> None:
             assert np.array_equal(back, data)
 
         await blocking(work)
-        assert moves[0] == 5  # 4 pieces, one of them twice
+        # 4 pieces; the recall came while the first two were begun and not yet done
+        # (the second begins before the first is waited for): both are read again
+        assert moves[0] == 6
 
 
 async def test_a_transfer_blocks_other_requests_and_scrubbing(tmp_path: Path) -> None:
