@@ -154,44 +154,66 @@ class DirectSession:
 
     def _transfer(self, path: str, h: int, offset: int, view: memoryview, *,
                   write: bool, publish: bool) -> None:
-        """Piece by piece.  Pipelined (cluster: the daemon's map is a metadata-server
-        call): piece *i+1* is asked for while piece *i* moves, and begins moving
-        (behind it, on each memory-server connection) as soon as its map is in, so
-        that no connection idles between pieces; piece *i* is told done once its
-        copies have ended.  Embedded, one piece after the other (asking costs nothing
-        there, and the scrubber gets its turn between pieces)."""
+        """Piece by piece.  Embedded, one piece after the other (asking costs nothing
+        there, and the scrubber gets its turn between pieces).  Pipelined (cluster:
+        the daemon's map is a metadata-server call), where piece *i+1* lives is asked
+        while piece *i* moves: see :meth:`_overlapped` and :meth:`_in_turn`."""
         total = len(view)
         pieces = [(pos, min(self.piece, total - pos)) for pos in range(0, total, self.piece)]
         if not pieces:
             return
         p = _Pipeline(self, path, h, write)
-        #: pipelined: the piece whose copies may still run (pos, n, transfer, copy)
-        moving: tuple[int, int, int, Pending] | None = None
+        try:
+            if self.depth > 1 and self.mover.overlaps:
+                self._overlapped(p, offset, view, pieces, publish)
+            else:
+                self._in_turn(p, offset, view, pieces, publish)
+        except BaseException:
+            p.abandon()
+            raise
+
+    def _in_turn(self, p: _Pipeline, offset: int, view: memoryview,
+                 pieces: list[tuple[int, int]], publish: bool) -> None:
+        """One copy after the other; pipelined, piece *i+1* is asked for (and piece
+        *i-1*'s done answered) before piece *i* moves."""
+        pipelined = self.depth > 1
+        p.ask(offset, pieces[0][1])
+        for i, (pos, n) in enumerate(pieces):
+            tid, extents = p.answer_map(offset + pos, n)
+            if i and pipelined:
+                p.answer_done(offset + pieces[i - 1][0], view[slice(*_span(pieces[i - 1]))])
+            if pipelined and i + 1 < len(pieces):
+                p.ask(offset + pieces[i + 1][0], pieces[i + 1][1])
+            p.finish(p.begin(extents, offset + pos, view[pos : pos + n]))
+            p.done(tid, publish=publish and i + 1 == len(pieces))
+            if not pipelined:
+                p.answer_done(offset + pos, view[pos : pos + n])
+                if i + 1 < len(pieces):
+                    p.ask(offset + pieces[i + 1][0], pieces[i + 1][1])
+        if pipelined:
+            p.answer_done(offset + pieces[-1][0], view[slice(*_span(pieces[-1]))])
+
+    def _overlapped(self, p: _Pipeline, offset: int, view: memoryview,
+                    pieces: list[tuple[int, int]], publish: bool) -> None:
+        """Copies that overlap (a mover that queues them per connection): piece *i+1*
+        begins moving as soon as its map is in, behind piece *i* on each memory-server
+        connection, so that none idles between pieces; then piece *i* is waited for
+        and told done, and piece *i+2* asked for (two transfers open at most)."""
+        begun: list[tuple[int, int, int, Pending]] = []  # (pos, n, transfer, copy)
         try:
             p.ask(offset, pieces[0][1])
             for i, (pos, n) in enumerate(pieces):
                 tid, extents = p.answer_map(offset + pos, n)
-                last = i + 1 == len(pieces)
-                if self.depth < 2:
-                    p.finish(p.begin(extents, offset + pos, view[pos : pos + n]))
-                    p.done(tid, publish=publish and last)
-                    p.answer_done(offset + pos, view[pos : pos + n])
-                    if not last:
-                        p.ask(offset + pieces[i + 1][0], pieces[i + 1][1])
-                    continue
-                before, moving = moving, (pos, n, tid, p.begin(extents, offset + pos,
-                                                               view[pos : pos + n]))
-                if before is not None:
-                    self._ended(p, offset, view, before, publish=False)
-                if not last:  # at most two transfers open: this one and the next
+                begun.append((pos, n, tid, p.begin(extents, offset + pos, view[pos : pos + n])))
+                if i:
+                    self._ended(p, offset, view, begun[0], publish=False)
+                    del begun[0]
+                if i + 1 < len(pieces):
                     p.ask(offset + pieces[i + 1][0], pieces[i + 1][1])
-            if moving is not None:
-                ending, moving = moving, None
-                self._ended(p, offset, view, ending, publish=publish)
+            self._ended(p, offset, view, begun[0], publish=publish)
         except BaseException:
-            if moving is not None:
-                settle(moving[3].cancel)
-            p.abandon()
+            for *_, copy in begun:  # nothing of ours may move once the transfers end
+                settle(copy.cancel)
             raise
 
     @staticmethod

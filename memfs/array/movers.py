@@ -80,6 +80,9 @@ class Mover(Protocol):
     """Copies between a view of a file range and the volumes its extents name."""
 
     populate_ahead: bool
+    #: whether :meth:`begin` returns before the copy ends (a copy begun next may
+    #: start before it ends)
+    overlaps: bool
 
     def read(self, extents: Sequence[Extent], base: int, view: memoryview) -> None: ...
 
@@ -87,9 +90,8 @@ class Mover(Protocol):
 
     def begin(self, extents: Sequence[Extent], base: int, view: memoryview, *,
               write: bool) -> Pending:
-        """Start the copy and return at once, or (a mover that cannot overlap its
-        copies) copy and return an :class:`Ended` one.  A copy begun after another
-        may start before that one ends."""
+        """Start the copy and return at once (:attr:`overlaps`), or copy and return
+        an :class:`Ended` one."""
 
     def set_token(self, token: int) -> None:
         """The mount's lease token for the extents given next (cluster): memory-server
@@ -149,6 +151,7 @@ class LocalMover:
     #: whether a read into fresh memory goes faster with its pages faulted in by another
     #: thread meanwhile (measured: no, the copy threads fault them in parallel already)
     populate_ahead = False
+    overlaps = False
 
     def __init__(self, fds: list[int], sizes: list[int]) -> None:
         if len(fds) != len(sizes):
@@ -232,6 +235,7 @@ class TcpMover:
     #: measured: with several receiving threads, faulting pages in on one more only
     #: takes a CPU from them
     populate_ahead = False
+    overlaps = True
 
     def __init__(self, pool: dict[str, Any]) -> None:
         from memfs.config import parse_pool_spec
@@ -280,6 +284,7 @@ class RemoteMover:
     #: the receiving runs on one thread: faulting fresh pages in on another helps
     #: (1 GiB into a new array, loopback: 1.25 -> 1.56 GiB/s, medians of 5)
     populate_ahead = True
+    overlaps = False
 
     def __init__(self, pool: dict[str, Any]) -> None:
         from memfs.config import parse_pool_spec

@@ -12,7 +12,11 @@ event loop costs more per byte here than the copies do.
 Each connection has a thread of its own, and transfers queue per connection:
 :meth:`BulkTcp.begin` returns at once, so a caller starts its next transfer
 while one still moves, and no connection waits for the slowest of the others
-between them.
+between them.  Each transfer names the lease token that was current when it
+was begun (its extents were mapped under it): a connection that named another
+is opened again first, by its own thread.  The first failure stops every
+transfer under way (they fail too, as stopped): a caller that begins the next
+piece before the last one ended gives up on both.
 
 Same wire protocol, handshake and checks as :mod:`memfs.transport.tcp` (the
 shared parts live there): a server's incarnation is compared with what the pool
@@ -28,6 +32,7 @@ import errno
 import logging
 import socket
 import threading
+import weakref
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -97,9 +102,12 @@ class BulkTcp:
                      for _ in range(connections_per_server)])
             self._map.append((s, v.volume))
         self._lock = threading.Lock()
+        #: transfers begun and not yet waited for (a failure stops them all)
+        self._under_way: weakref.WeakSet[Batch] = weakref.WeakSet()
+        self._closed = False
         try:
             for s in self._servers.values():
-                s.socks[0] = self._connect(s)
+                s.socks[0] = self._connect(s, self.token)
                 s.tokens[0] = self.token
         except BaseException:
             self.close()
@@ -107,7 +115,7 @@ class BulkTcp:
 
     # -- connections -------------------------------------------------------------------
 
-    def _connect(self, s: _Server) -> socket.socket:
+    def _connect(self, s: _Server, token: int) -> socket.socket:
         try:
             sock = socket.create_connection((s.host, s.port), timeout=self.io_timeout)
         except OSError as exc:
@@ -127,8 +135,8 @@ class BulkTcp:
             if h.kind is not Kind.WELCOME:
                 raise wire.WireError(f"expected WELCOME, got {h.kind.name}")
             hs.check_welcome(welcome)
-            if self.token:
-                sock.sendall(wire.frame(Kind.SESSION, SESSION_ID, wire.TOKEN.pack(self.token)))
+            if token:
+                sock.sendall(wire.frame(Kind.SESSION, SESSION_ID, wire.TOKEN.pack(token)))
                 try:
                     h, payload = _recv_frame(sock, 1 << 20)
                 except EOFError:
@@ -150,16 +158,16 @@ class BulkTcp:
         s.sizes = sizes
         return sock
 
-    def _sock(self, s: _Server, slot: int) -> socket.socket:
-        """The connection of *slot* (on its own thread): opened again if it named
-        another token than the one to name now."""
+    def _sock(self, s: _Server, slot: int, token: int) -> socket.socket:
+        """The connection of *slot* (on its own thread), naming *token*: opened again
+        if it named another one."""
         with self._lock:
-            sock, token = s.socks[slot], self.token
+            sock = s.socks[slot]
         if sock is not None and s.tokens[slot] != token:
             self._drop(s, slot)
             sock = None
         if sock is None:
-            sock = self._connect(s)
+            sock = self._connect(s, token)
             with self._lock:
                 s.socks[slot], s.tokens[slot] = sock, token
         return sock
@@ -194,20 +202,33 @@ class BulkTcp:
                 slot = turn.get(key, 0)
                 turn[key] = (slot + 1) % len(s.socks)
                 queues.setdefault((s, slot), []).append((remote, voff + k, part))
-        batch = Batch()
+        with self._lock:
+            if self._closed:
+                raise TransportError("bulk transfers are closed")
+            batch = Batch(self.token)
+            self._under_way.add(batch)
         try:
             for (s, slot), q in queues.items():
-                batch.futures.append(s.threads[slot].submit(self._run, s, slot, q, write,
-                                                            batch.stop))
+                batch.futures.append(s.threads[slot].submit(self._run, s, slot, q, write, batch))
         except BaseException:
             batch.cancel()
             raise
         return batch
 
+    def _stop_all(self) -> None:
+        with self._lock:
+            under_way = list(self._under_way)
+        for b in under_way:
+            b.stop.set()
+
     def _run(self, s: _Server, slot: int, q: list[tuple[int, int, memoryview]], write: bool,
-             stop: threading.Event) -> None:
+             batch: Batch) -> None:
+        stop = batch.stop
         try:
-            sock = self._sock(s, slot)
+            if stop.is_set():  # queued behind a transfer that failed
+                raise TransferStopped(f"memory server {s.name}: not started, another "
+                                      "transfer failed")
+            sock = self._sock(s, slot, batch.token)
             if write:
                 for i, (remote, off, part) in enumerate(q):
                     if stop.is_set():
@@ -218,6 +239,9 @@ class BulkTcp:
                     sock.sendall(part)
                 for i in range(len(q)):
                     self._reply(sock, s, i + 2, None)
+                if stop.is_set():  # what was sent is answered: the connection stays
+                    raise TransferStopped(f"memory server {s.name}: stopped, another "
+                                          "transfer failed")
             else:
                 sock.sendall(b"".join(wire.frame(Kind.READ, i + 2, wire.READ.pack(remote, off, len(part)))
                                       for i, (remote, off, part) in enumerate(q)))
@@ -226,9 +250,13 @@ class BulkTcp:
                         raise _Stopped
                     self._reply(sock, s, i + 2, part)
         except _Stopped:
-            self._drop(s, slot)
+            self._drop(s, slot)  # replies still on their way
+            raise TransferStopped(f"memory server {s.name}: stopped, another transfer "
+                                  "failed") from None
+        except TransferStopped:
+            raise
         except BaseException as exc:
-            stop.set()
+            self._stop_all()
             self._drop(s, slot)
             if isinstance(exc, TransportError):
                 raise
@@ -255,16 +283,21 @@ class BulkTcp:
                 got += k
 
     def set_token(self, token: int) -> None:
-        """Name *token* from now on (the mount's lease token changed): each connection
-        that named the old one is opened again before its next transfer (by its own
-        thread; one under way finishes, or fails if that token was fenced)."""
+        """Name *token* in the transfers begun from now on (the mount's lease token
+        changed; their extents were mapped under it): each connection that named the
+        old one is opened again first, by its own thread.  Transfers begun before
+        keep the old one (and fail if it was fenced)."""
         with self._lock:
             self.token = token
 
     def close(self) -> None:
+        """Stop what is under way, wait for it, close the connections."""
+        with self._lock:
+            self._closed = True
+        self._stop_all()
         for s in self._servers.values():
             for t in s.threads:
-                t.shutdown()
+                t.shutdown(cancel_futures=True)
         for s in self._servers.values():
             for slot in range(len(s.socks)):
                 self._drop(s, slot)
@@ -273,38 +306,48 @@ class BulkTcp:
 class Batch:
     """The transfers of one :meth:`BulkTcp.begin`, one per connection they use."""
 
-    def __init__(self) -> None:
+    def __init__(self, token: int) -> None:
+        #: the lease token its connections name
+        self.token = token
         self.futures: list[Future[None]] = []
-        #: set by the first failure (or the caller): the others stop early
+        #: set by a failure anywhere (or the caller): what has not moved yet stops
         self.stop = threading.Event()
 
     def wait(self) -> None:
         """Wait for every transfer, through KeyboardInterrupt (which stops the rest
-        early); then raise the first failure."""
+        early); then raise the first failure (one of its own before one that only
+        stopped because of another)."""
         interrupted: BaseException | None = None
         for f in self.futures:
-            while True:
+            while not f.cancelled():  # cancelled: never runs (and never finishes)
                 try:
-                    wait_futures([f])  # done, or cancelled before it started
+                    wait_futures([f])
                     break
                 except KeyboardInterrupt as exc:
                     interrupted = exc
-                    self.stop.set()
+                    self._stop_now()
         if interrupted is not None:
             raise interrupted
-        for f in self.futures:
-            failure = None if f.cancelled() else f.exception()
-            if failure is not None:
-                raise failure
+        failures = [e for f in self.futures if not f.cancelled()
+                    for e in [f.exception()] if e is not None]
+        if failures:
+            raise next((e for e in failures if not isinstance(e, TransferStopped)), failures[0])
 
     def cancel(self) -> None:
-        """Stop what has not moved yet and wait until nothing of it runs (another
-        transfer of the caller failed); failures are not raised."""
+        """Stop what has not been moved yet and wait until nothing of it runs (the
+        caller is giving up); failures are not raised."""
+        self._stop_now()
+        with contextlib.suppress(Exception):
+            self.wait()
+
+    def _stop_now(self) -> None:
         self.stop.set()
         for f in self.futures:
-            f.cancel()
-        with contextlib.suppress(Exception):  # the caller is raising its own failure
-            self.wait()
+            f.cancel()  # not started: never will
+
+
+class TransferStopped(TransportError):
+    """A transfer gave up because another one failed (or its caller stopped it)."""
 
 
 class _Stopped(Exception):

@@ -420,3 +420,75 @@ async def test_bulk_refuses_a_restarted_server_and_a_wrong_secret(
                 BulkTcp, vols, SECRET, incarnations={f"127.0.0.1:{port}": -1}))
         with pytest.raises(TransportError, match="wrong secret"):
             await trio.to_thread.run_sync(partial(BulkTcp, vols, b"not the secret"))
+
+
+async def test_bulk_transfers_overlap_in_order_each_under_its_own_token() -> None:
+    """Transfers begun one after the other queue per connection (the later one's bytes
+    land last); each names the token that was current when it was begun, so one begun
+    under a token fenced since fails even if the token changed before it started, and
+    the failure stops the transfer queued behind it; what is begun under the new
+    token works.  close() stops what is under way."""
+    from memfs.transport.bulk import BulkTcp, TransferStopped
+
+    server = MemoryServer(2, SIZE, SECRET)
+    try:
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(server.serve, "127.0.0.1", 0)
+            vols = [VolumeAddr("tcp", "127.0.0.1", port, v) for v in (0, 1)]
+            bulk = await trio.to_thread.run_sync(partial(BulkTcp, vols, SECRET, token=0x77))
+            try:
+                a, b = memoryview(b"a" * SIZE), memoryview(b"b" * SIZE)
+
+                def in_order() -> None:
+                    first = bulk.begin([(0, 0, a), (1, 0, a)], write=True)
+                    second = bulk.begin([(0, 0, b), (1, 0, b)], write=True)
+                    second.wait()
+                    first.wait()
+
+                await trio.to_thread.run_sync(in_order)
+                async with open_tcp_transport(vols, SECRET) as t:
+                    assert bytes(await t.read(0, 0, SIZE)) == b"b" * SIZE
+                    assert bytes(await t.read(1, 0, SIZE)) == b"b" * SIZE
+
+                server.fence(0x77)
+
+                def tokens() -> tuple[BaseException | None, BaseException | None]:
+                    old = bulk.begin([(0, 0, a)], write=True)  # under 0x77
+                    bulk.set_token(0x88)
+                    behind = bulk.begin([(0, 0, a)], write=True)  # same connection
+                    out = []
+                    for batch in (old, behind):
+                        try:
+                            batch.wait()
+                            out.append(None)
+                        except TransportError as exc:
+                            out.append(exc)
+                    return out[0], out[1]
+
+                first_err, second_err = await trio.to_thread.run_sync(tokens)
+                assert first_err is not None and not isinstance(first_err, TransferStopped)
+                assert isinstance(second_err, TransferStopped), second_err
+                c = memoryview(b"c" * SIZE)
+                await trio.to_thread.run_sync(partial(bulk.move, [(0, 0, c)], write=True))
+                async with open_tcp_transport(vols, SECRET) as t:
+                    assert bytes(await t.read(0, 0, SIZE)) == b"c" * SIZE
+
+                def closing() -> BaseException | None:
+                    batch = bulk.begin([(0, 0, a), (1, 0, a)] * 8, write=True)
+                    bulk.close()
+                    try:
+                        batch.wait()
+                    except TransportError as exc:
+                        return exc
+                    return None
+
+                with trio.fail_after(20):
+                    err = await trio.to_thread.run_sync(closing)
+                assert err is None or isinstance(err, TransferStopped), err
+                with pytest.raises(TransportError, match="closed"):
+                    bulk.begin([(0, 0, a)], write=True)
+            finally:
+                await trio.to_thread.run_sync(bulk.close)
+            nursery.cancel_scope.cancel()
+    finally:
+        await server.aclose()
