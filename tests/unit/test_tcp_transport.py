@@ -456,7 +456,7 @@ async def test_bulk_transfers_overlap_in_order_each_under_its_own_token() -> Non
                     old = bulk.begin([(0, 0, a)], write=True)  # under 0x77
                     bulk.set_token(0x88)
                     behind = bulk.begin([(0, 0, a)], write=True)  # same connection
-                    out = []
+                    out: list[BaseException | None] = []
                     for batch in (old, behind):
                         try:
                             batch.wait()
