@@ -170,13 +170,15 @@ class ClientCache:
             f.writer = True
         chunks = f.chunks
         for e in extents:
-            if e.volume < -1:
+            if e.volume < -1 or e.length <= 0:
                 continue
-            pos, end = e.offset, e.offset + e.length
-            while pos < end:
-                k, within = divmod(pos, cs)
-                chunks[k] = HOLE if e.volume < 0 else (e.volume, e.voffset + (pos - e.offset) - within)
-                pos += cs - within
+            first, within = divmod(e.offset, cs)
+            last = (e.offset + e.length - 1) // cs
+            if e.volume < 0:
+                chunks.update(dict.fromkeys(range(first, last + 1), HOLE))
+            else:  # chunk k starts (k - first) chunks after the first's start
+                vol, start = e.volume, e.voffset - within - first * cs
+                chunks.update({k: (vol, start + k * cs) for k in range(first, last + 1)})
 
     # -- using chunk maps --------------------------------------------------------------------
 
@@ -191,19 +193,27 @@ class ClientCache:
         if f is None:
             return None
         cs = self.chunk_size
-        chunks = f.chunks
+        get = f.chunks.get
         out: list[Extent] = []
         pos = offset
+        k = pos // cs
         while pos < end:
-            k, within = divmod(pos, cs)
-            c = chunks.get(k)
+            c = get(k)
             if c is None or (allocated and c[0] < 0):
                 return None
-            n = min(cs - within, end - pos)
-            vol = c[0]
-            voff = c[1] + within if vol >= 0 else 0
-            add_run(out, pos, n, vol, voff)
-            pos += n
+            # the run of chunks that continue this one (a 1 GiB array file's piece is a
+            # thousand chunks in four runs: one lookup each, no extent per chunk)
+            vol, nxt = c[0], c[1] + cs
+            k += 1
+            while k * cs < end:
+                c = get(k)
+                if c is None or c[0] != vol or (vol >= 0 and c[1] != nxt):
+                    break
+                k += 1
+                nxt += cs
+            stop = min(k * cs, end)
+            add_run(out, pos, stop - pos, vol, nxt - (k * cs - pos) if vol >= 0 else 0)
+            pos = stop
         return out
 
     def wrote(self, ino: int, end: int, now_ns: int) -> None:

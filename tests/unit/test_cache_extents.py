@@ -1,0 +1,76 @@
+"""ClientCache's chunk maps: what ``extents`` answers is what the plain per-chunk
+reading of the map says (runs merged), for random maps and ranges; ``put_extents``
+records what extents say chunk by chunk."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from memfs.meta import Extent, add_run
+from memfs.meta.cache import HOLE, ClientCache
+
+CS = 64 << 10
+
+
+def per_chunk(cache: ClientCache, ino: int, offset: int, end: int,
+              allocated: bool = False) -> list[Extent] | None:
+    """The reference: one chunk at a time."""
+    f = cache.files.get(ino)
+    if f is None:
+        return None
+    out: list[Extent] = []
+    pos = offset
+    while pos < end:
+        k, within = divmod(pos, CS)
+        c = f.chunks.get(k)
+        if c is None or (allocated and c[0] < 0):
+            return None
+        n = min(CS - within, end - pos)
+        add_run(out, pos, n, c[0], c[1] + within if c[0] >= 0 else 0)
+        pos += n
+    return out
+
+
+def random_map(rng: random.Random, chunks: int) -> list[Extent]:
+    """Extents over *chunks* chunks: runs of contiguous memory in 3 volumes, holes,
+    runs that restart elsewhere in the same volume, unknown stretches (left out)."""
+    out, k = [], 0
+    while k < chunks:
+        n = rng.randint(1, 40)
+        kind = rng.random()
+        if kind < 0.15:
+            out.append(Extent(k * CS, n * CS, -1, 0))
+        elif kind > 0.9:
+            pass  # not known to this client
+        else:
+            out.append(Extent(k * CS, n * CS, rng.randrange(3), rng.randrange(1000) * CS))
+        k += n
+    return out
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_runs_are_read_as_chunk_by_chunk(seed: int) -> None:
+    rng = random.Random(seed)
+    cache = ClientCache(CS, term=30.0)
+    cache.put_extents(7, random_map(rng, 600))
+    for _ in range(300):
+        a = rng.randrange(600 * CS)
+        b = min(600 * CS, a + rng.choice([1, 100, CS, 3 * CS + 5, rng.randrange(200 * CS)]))
+        for allocated in (False, True):
+            want = per_chunk(cache, 7, a, b, allocated)
+            got = cache.extents(7, a, b, allocated=allocated)
+            assert (got is None) == (want is None)
+            if got is not None and want is not None:
+                assert [(e.offset, e.length, e.volume, e.voffset) for e in got] == \
+                       [(e.offset, e.length, e.volume, e.voffset) for e in want]
+
+
+def test_put_extents_records_each_chunk() -> None:
+    cache = ClientCache(CS, term=30.0)
+    # an extent that starts and ends inside chunks: the chunks it touches, by their start
+    cache.put_extents(3, [Extent(CS + 100, 2 * CS, 1, 5 * CS + 100), Extent(3 * CS + 100, CS, -1, 0)])
+    assert cache.files[3].chunks == {1: (1, 5 * CS), 2: (1, 6 * CS), 3: HOLE, 4: HOLE}
+    assert cache.extents(3, CS, 3 * CS) == [Extent(CS, 2 * CS, 1, 5 * CS)]
+    assert cache.extents(3, 0, CS) is None
