@@ -35,6 +35,7 @@ from memfs.meta import (
     SetAttr,
     StatFs,
     WritePlan,
+    add_run,
 )
 
 log = logging.getLogger(__name__)
@@ -814,26 +815,30 @@ class MetaStore(Meta):
     def _extents(self, i: Inode, offset: int, end: int) -> list[Extent]:
         assert i.chunks is not None and i.layout is not None
         cs = self.chunk_size
-        chunks = i.chunks
+        get = i.chunks.get
         layout = i.layout
+        unit = layout.stripe_size
         out: list[Extent] = []
         pos = offset
+        k = pos // cs
         while pos < end:
-            k, within = divmod(pos, cs)
-            n = min(cs - within, end - pos)
-            base = chunks.get(k)
+            base = get(k)
+            k += 1
             if base is None:
                 vol, voff = (NOT_RESIDENT if pos < i.backed else -1), 0
+                stop = min(k * cs, end)
             else:
-                vol, voff = layout.volume_of_chunk(k, cs), base + within
-            if out:
-                last = out[-1]
-                if last.volume == vol and (vol < 0 or last.voffset + last.length == voff):
-                    last.length += n
-                    pos += n
-                    continue
-            out.append(Extent(pos, n, vol, voff))
-            pos += n
+                # with the chunks after it in its stripe unit (one volume) that continue
+                # its memory: one lookup each, not an extent each
+                vol, voff = layout.volume_of_chunk(k - 1, cs), base + pos - (k - 1) * cs
+                last = min(end, (pos // unit + 1) * unit)
+                nxt = base + cs
+                while k * cs < last and get(k) == nxt:
+                    k += 1
+                    nxt += cs
+                stop = min(k * cs, end)
+            add_run(out, pos, stop - pos, vol, voff)
+            pos = stop
         return out
 
     async def map_write(self, ino: int, offset: int, length: int) -> WritePlan:

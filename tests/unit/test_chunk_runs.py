@@ -1,15 +1,19 @@
-"""ClientCache's chunk maps: what ``extents`` answers is what the plain per-chunk
-reading of the map says (runs merged), for random maps and ranges; ``put_extents``
-records what extents say chunk by chunk."""
+"""Chunk maps read as runs: what the metadata store's and the client cache's
+``extents`` answer is what the plain per-chunk reading of the map says (runs
+merged), for random maps, layouts and ranges; ``put_extents`` records what extents
+say chunk by chunk."""
 
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 
-from memfs.meta import Extent, add_run
+from memfs.layout import Layout
+from memfs.meta import NOT_RESIDENT, Extent, add_run
 from memfs.meta.cache import HOLE, ClientCache
+from memfs.meta.store import MetaStore
 
 CS = 64 << 10
 
@@ -74,3 +78,44 @@ def test_put_extents_records_each_chunk() -> None:
     assert cache.files[3].chunks == {1: (1, 5 * CS), 2: (1, 6 * CS), 3: HOLE, 4: HOLE}
     assert cache.extents(3, CS, 3 * CS) == [Extent(CS, 2 * CS, 1, 5 * CS)]
     assert cache.extents(3, 0, CS) is None
+
+
+def store_per_chunk(i: SimpleNamespace, offset: int, end: int) -> list[Extent]:
+    """The reference for the store: one chunk at a time."""
+    out: list[Extent] = []
+    pos = offset
+    while pos < end:
+        k, within = divmod(pos, CS)
+        n = min(CS - within, end - pos)
+        base = i.chunks.get(k)
+        if base is None:
+            vol, voff = (NOT_RESIDENT if pos < i.backed else -1), 0
+        else:
+            vol, voff = i.layout.volume_of_chunk(k, CS), base + within
+        add_run(out, pos, n, vol, voff)
+        pos += n
+    return out
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_store_runs_are_read_as_chunk_by_chunk(seed: int) -> None:
+    rng = random.Random(seed)
+    count = rng.choice([1, 2, 4])
+    layout = Layout(rng.choice([1, 2, 16]) * CS, tuple(rng.sample(range(6), count)))
+    chunks: dict[int, int] = {}
+    k = 0
+    while k < 600:  # runs contiguous in memory, restarts, holes
+        n = rng.randint(1, 40)
+        if rng.random() > 0.2:
+            base = rng.randrange(1000) * CS
+            chunks.update({k + j: base + j * CS for j in range(n)})
+        k += n
+    i = SimpleNamespace(chunks=chunks, layout=layout, backed=rng.randrange(600 * CS))
+    store = SimpleNamespace(chunk_size=CS)
+    for _ in range(300):
+        a = rng.randrange(600 * CS)
+        b = min(600 * CS, a + rng.choice([1, 100, CS, 3 * CS + 5, rng.randrange(200 * CS)]))
+        got = MetaStore._extents(store, i, a, b)  # type: ignore[arg-type]
+        want = store_per_chunk(i, a, b)
+        assert [(e.offset, e.length, e.volume, e.voffset) for e in got] == \
+               [(e.offset, e.length, e.volume, e.voffset) for e in want]
