@@ -27,6 +27,11 @@ from memfs.wire import WireError
 
 ZeroRanges = list[tuple[int, int, int]]
 
+#: a cacheable chunk map (``OK_CACHE``) covers at least the aligned window of this size
+#: around what was asked: a client waits for a call on its way that will bring the
+#: window rather than ask for it again
+MAP_WINDOW = 8 << 20
+
 
 def check_int(v: Any, what: str) -> int:
     # bool is an int subclass; a bool where an int belongs is a malformed value.

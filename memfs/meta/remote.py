@@ -355,6 +355,8 @@ class RemoteMeta(Meta):
         #: what this client may serve without asking, under its lease
         self.cache = ClientCache()
         self.leases = LeaseKeeper(self.cache, self._call, self)
+        #: (inode, map window) -> set once the map_read that will bring it has ended
+        self._maps_asked: dict[tuple[int, int], trio.Event] = {}
         self._last_open: tuple[int, bool] = (0, False)
         self.stripe_size = 0
         #: the lease token our memory-server connections name (from the registration);
@@ -939,29 +941,56 @@ class RemoteMeta(Meta):
         return await self._call("statfs")
 
     async def map_read(self, ino: int, offset: int, length: int) -> list[Extent]:
+        """From the cache when it knows; else one call per map window at a time: the
+        kernel's readahead sends several reads of one window at once, and they wait
+        for the first one's answer (which brings the whole window) instead of each
+        asking the mds."""
+        if not self.cache.term:
+            return await self._map_read_call(ino, offset, length)
+        key = (ino, offset // codec.MAP_WINDOW)
+        while True:
+            extents = await self._map_read_cached(ino, offset, length)
+            if extents is not None:
+                return extents
+            asked = self._maps_asked.get(key)
+            if asked is None:
+                break
+            await asked.wait()
+        self._maps_asked[key] = asked = trio.Event()
+        try:
+            return await self._map_read_call(ino, offset, length)
+        finally:
+            del self._maps_asked[key]
+            asked.set()
+
+    async def _map_read_cached(self, ino: int, offset: int, length: int) -> list[Extent] | None:
+        """The map from the cache, or None: ask the mds."""
         cache = self.cache
-        if cache.term:
+        a = cache.attr(ino)
+        if a is None and cache.files.get(ino) is not None and cache.valid():
+            # A map but no size (a recall of another kind dropped it): one call
+            # for the attributes, then reads go on without the mds.
+            await self.getattr(ino)
             a = cache.attr(ino)
-            if a is None and cache.files.get(ino) is not None and cache.valid():
-                # A map but no size (a recall of another kind dropped it): one call
-                # for the attributes, then reads go on without the mds.
-                await self.getattr(ino)
-                a = cache.attr(ino)
-            stale_atime = a is not None and (a.atime_ns <= a.mtime_ns or a.atime_ns <= a.ctime_ns)
-            if a is not None and stale_atime and cache.is_writer(ino):
-                a.atime_ns = _now_ns()  # relatime, kept here: our own writes are not news
-                stale_atime = False
-            if a is not None and not stale_atime:
-                end = min(offset + length, a.size)
-                if end <= offset:
-                    return []
-                extents = cache.extents(ino, offset, end)
-                if extents is not None:
-                    return extents
-            if stale_atime:
-                cache.attrs.pop(ino, None)  # the server moves atime (relatime): ask it next time
-            if (w := self.leases.settled_first(ino)) is not None:
-                await w  # the server clips at the size it knows
+        stale_atime = a is not None and (a.atime_ns <= a.mtime_ns or a.atime_ns <= a.ctime_ns)
+        if a is not None and stale_atime and cache.is_writer(ino):
+            a.atime_ns = _now_ns()  # relatime, kept here: our own writes are not news
+            stale_atime = False
+        if a is not None and not stale_atime:
+            end = min(offset + length, a.size)
+            if end <= offset:
+                return []
+            extents = cache.extents(ino, offset, end)
+            if extents is not None:
+                return extents
+        if stale_atime:
+            cache.attrs.pop(ino, None)  # the server moves atime (relatime): ask it next time
+        if (w := self.leases.settled_first(ino)) is not None:
+            await w  # the server clips at the size it knows
+        return None
+
+    async def _map_read_call(self, ino: int, offset: int, length: int) -> list[Extent]:
+        cache = self.cache
         while True:
             try:
                 kind, extents = await self._call_kind("map_read", ino, offset, length)

@@ -94,8 +94,7 @@ CALL_WAIT = 3.0
 MAX_QUEUED = 4096
 #: a sequential writer's preallocation is capped at this many bytes past its write
 MAX_AHEAD = 64 << 20
-#: a cacheable chunk map covers the aligned window of this size around what was asked
-MAP_WINDOW = 8 << 20
+MAP_WINDOW = codec.MAP_WINDOW
 #: methods whose reply carries state a client may cache under its lease (see _holds)
 _LEASED = frozenset({
     "lookup", "getattr", "setattr", "truncate", "mknod", "create", "link", "unlink", "rmdir",

@@ -19,7 +19,8 @@ import trio
 
 from memfs.config import PoolConfig
 from memfs.errors import FsError
-from memfs.meta import SetAttr, lease_client
+from memfs.meta import SetAttr, codec, lease_client
+from memfs.meta import server as server_module
 from memfs.meta.leases import Item, LeaseTable
 from memfs.meta.remote import RemoteMeta, open_remote_meta
 from memfs.meta.server import MetaServer
@@ -180,6 +181,45 @@ async def test_truncate_recalls_chunk_maps_and_waits_for_transfers() -> None:
                 assert b.generation(f.ino) != gen
         assert done.is_set()
         assert await b.map_read(f.ino, 0, 200_000) == []
+
+
+async def test_reads_of_one_map_window_at_once_ask_the_server_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The kernel's readahead sends several reads of one window at once: the first
+    asks the mds (its reply brings the whole window), the others wait for it; reads
+    of another window ask again, once."""
+    window = 1 << 20  # 8 MiB on a real mds; this pool is small
+    monkeypatch.setattr(codec, "MAP_WINDOW", window)
+    monkeypatch.setattr(server_module, "MAP_WINDOW", window)
+    piece = window // 8
+    async with cluster(2) as (server, (a, b), _):
+        f = await a.mknod(ROOT, b"f", F, 0, 0)
+        await a.open(f.ino)
+        await a.map_write(f.ino, 0, 2 * window)
+        await a.release(f.ino)
+        await b.open(f.ino)
+        asked: list[tuple[int, int]] = []
+        store_map_read = server.store.map_read
+
+        async def counted(ino: int, offset: int, length: int) -> Any:
+            asked.append((offset, length))
+            await trio.sleep(0.05)  # the others arrive meanwhile
+            return await store_map_read(ino, offset, length)
+
+        server.store.map_read = counted  # type: ignore[method-assign]
+        got: dict[int, Any] = {}
+
+        async def read(k: int) -> None:
+            got[k] = await b.map_read(f.ino, k * piece, piece)
+
+        async with trio.open_nursery() as nursery:
+            for k in range(16):  # two windows
+                nursery.start_soon(read, k)
+        assert sorted(o // window for o, _ in asked) == [0, 1], asked
+        for k in range(16):
+            assert sum(e.length for e in got[k]) == piece and got[k][0].offset == k * piece
+        assert got[3] == await a.map_read(f.ino, 3 * piece, piece)
 
 
 async def test_write_lease_writes_locally_and_is_glimpsed() -> None:
