@@ -27,9 +27,9 @@ from memfs.wire import WireError
 
 ZeroRanges = list[tuple[int, int, int]]
 
-#: a cacheable chunk map (``OK_CACHE``) covers at least the aligned window of this size
-#: around what was asked: a client waits for a call on its way that will bring the
-#: window rather than ask for it again
+#: a cacheable chunk map (``OK_CACHE``) of a file not in a backing directory covers the
+#: aligned window of this size around what was asked (clipped at the file's size): a
+#: client waits for such a call on its way rather than ask for the window again
 MAP_WINDOW = 8 << 20
 
 

@@ -357,6 +357,8 @@ class RemoteMeta(Meta):
         self.leases = LeaseKeeper(self.cache, self._call, self)
         #: (inode, map window) -> set once the map_read that will bring it has ended
         self._maps_asked: dict[tuple[int, int], trio.Event] = {}
+        #: inodes whose last map_read answer was not cacheable (reads do not wait)
+        self._maps_plain: set[int] = set()
         self._last_open: tuple[int, bool] = (0, False)
         self.stripe_size = 0
         #: the lease token our memory-server connections name (from the registration);
@@ -941,21 +943,25 @@ class RemoteMeta(Meta):
         return await self._call("statfs")
 
     async def map_read(self, ino: int, offset: int, length: int) -> list[Extent]:
-        """From the cache when it knows; else one call per map window at a time: the
-        kernel's readahead sends several reads of one window at once, and they wait
-        for the first one's answer (which brings the whole window) instead of each
-        asking the mds."""
-        if not self.cache.term:
+        """From the cache when it knows; else, at most one call per map window on its
+        way: the kernel's readahead sends several reads of one window at once, and
+        they wait for the first one's answer (a cacheable map of the window around
+        it) instead of each asking the mds.  A read waits once; what the answer did
+        not bring to the cache it then asks for itself.  Files whose answers are not
+        cacheable (still in the backing directory, recalled) are not waited for."""
+        if not self.cache.term or ino in self._maps_plain:
             return await self._map_read_call(ino, offset, length)
         key = (ino, offset // codec.MAP_WINDOW)
-        while True:
+        extents = await self._map_read_cached(ino, offset, length)
+        if extents is not None:
+            return extents
+        asked = self._maps_asked.get(key)
+        if asked is not None:
+            await asked.wait()
             extents = await self._map_read_cached(ino, offset, length)
             if extents is not None:
                 return extents
-            asked = self._maps_asked.get(key)
-            if asked is None:
-                break
-            await asked.wait()
+            return await self._map_read_call(ino, offset, length)
         self._maps_asked[key] = asked = trio.Event()
         try:
             return await self._map_read_call(ino, offset, length)
@@ -1002,6 +1008,9 @@ class RemoteMeta(Meta):
             if kind is Kind.OK_CACHE:
                 cache.put_extents(ino, extents)  # the server may send a wider window
                 extents = _clip(extents, offset, offset + length)
+                self._maps_plain.discard(ino)
+            elif cache.term:
+                self._maps_plain.add(ino)  # nothing to wait for: see map_read
             return extents
 
     async def map_write(self, ino: int, offset: int, length: int) -> WritePlan:

@@ -94,7 +94,6 @@ CALL_WAIT = 3.0
 MAX_QUEUED = 4096
 #: a sequential writer's preallocation is capped at this many bytes past its write
 MAX_AHEAD = 64 << 20
-MAP_WINDOW = codec.MAP_WINDOW
 #: methods whose reply carries state a client may cache under its lease (see _holds)
 _LEASED = frozenset({
     "lookup", "getattr", "setattr", "truncate", "mknod", "create", "link", "unlink", "rmdir",
@@ -781,21 +780,21 @@ class MetaServer:
         return kind, body
 
     def _widened(self, name: str, args: list[Any], result: Any) -> bytes | None:
-        """A cacheable chunk map around the range asked (MAP_WINDOW aligned), so the
+        """A cacheable chunk map around the range asked (``codec.MAP_WINDOW`` aligned), so the
         client's next reads and writes nearby need no call; None: nothing to add."""
         ino, offset, length = args[0], args[1], args[2]
         i = self.store.inodes.get(ino)
         if i is None or i.chunks is None or i.backed or not length:
             return None
-        lo = offset - offset % MAP_WINDOW
+        lo = offset - offset % codec.MAP_WINDOW
         if name == "map_read":
-            hi = min(i.size, offset + length - (offset + length) % MAP_WINDOW + MAP_WINDOW)
+            hi = min(i.size, offset + length - (offset + length) % codec.MAP_WINDOW + codec.MAP_WINDOW)
             if hi <= offset + length and lo == offset:
                 return None
             return wire.encode(codec.extents_to_wire(self.store.extents(ino, lo, hi - lo)))
         plan, attr = result
         end = offset + length + args[3]
-        hi = max(end, min(i.size, end - end % MAP_WINDOW + MAP_WINDOW))
+        hi = max(end, min(i.size, end - end % codec.MAP_WINDOW + codec.MAP_WINDOW))
         extents = self.store._extents(i, lo, hi)
         return wire.encode(codec.ahead_to_wire((type(plan)(extents), attr)))
 

@@ -817,7 +817,8 @@ class MetaStore(Meta):
         cs = self.chunk_size
         get = i.chunks.get
         layout = i.layout
-        unit = layout.stripe_size
+        # a stripe unit is on one volume; with one volume, so is all of the file
+        unit = layout.stripe_size if len(layout.volumes) > 1 else max(end, 1)
         out: list[Extent] = []
         pos = offset
         k = pos // cs

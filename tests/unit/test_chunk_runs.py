@@ -39,8 +39,10 @@ def per_chunk(cache: ClientCache, ino: int, offset: int, end: int,
 
 def random_map(rng: random.Random, chunks: int) -> list[Extent]:
     """Extents over *chunks* chunks: runs of contiguous memory in 3 volumes, holes,
-    runs that restart elsewhere in the same volume, unknown stretches (left out)."""
-    out, k = [], 0
+    runs that restart elsewhere in the same volume, runs whose memory carries on
+    from the one before but in another volume, unknown stretches (left out)."""
+    out: list[Extent] = []
+    k = 0
     while k < chunks:
         n = rng.randint(1, 40)
         kind = rng.random()
@@ -48,6 +50,9 @@ def random_map(rng: random.Random, chunks: int) -> list[Extent]:
             out.append(Extent(k * CS, n * CS, -1, 0))
         elif kind > 0.9:
             pass  # not known to this client
+        elif kind > 0.7 and out and out[-1].volume >= 0 and out[-1].offset + out[-1].length == k * CS:
+            last = out[-1]  # the same memory further on, another volume
+            out.append(Extent(k * CS, n * CS, (last.volume + 1) % 3, last.voffset + last.length))
         else:
             out.append(Extent(k * CS, n * CS, rng.randrange(3), rng.randrange(1000) * CS))
         k += n
@@ -69,6 +74,37 @@ def test_runs_are_read_as_chunk_by_chunk(seed: int) -> None:
             if got is not None and want is not None:
                 assert [(e.offset, e.length, e.volume, e.voffset) for e in got] == \
                        [(e.offset, e.length, e.volume, e.voffset) for e in want]
+
+
+def put_per_chunk(chunks: dict[int, tuple[int, int]], extents: list[Extent]) -> None:
+    """The reference for put_extents: one chunk at a time."""
+    for e in extents:
+        if e.volume < -1:
+            continue
+        pos, end = e.offset, e.offset + e.length
+        while pos < end:
+            k, within = divmod(pos, CS)
+            chunks[k] = HOLE if e.volume < 0 else (e.volume, e.voffset + (pos - e.offset) - within)
+            pos += CS - within
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_put_extents_records_what_each_chunk_says(seed: int) -> None:
+    """Unaligned and empty extents, holes, NOT_RESIDENT ones (not recorded)."""
+    rng = random.Random(seed)
+    cache = ClientCache(CS, term=30.0)
+    want: dict[int, tuple[int, int]] = {}
+    for _ in range(20):
+        extents = []
+        pos = rng.randrange(50 * CS)
+        for _ in range(rng.randint(1, 6)):
+            n = rng.choice([0, 1, 100, CS - 1, CS, 3 * CS + 7, rng.randrange(20 * CS)])
+            vol = rng.choice([-1, NOT_RESIDENT, 0, 1, 2])
+            extents.append(Extent(pos, n, vol, rng.randrange(1000) * 4096 if vol >= 0 else 0))
+            pos += n
+        cache.put_extents(4, extents)
+        put_per_chunk(want, extents)
+        assert cache.files[4].chunks == want
 
 
 def test_put_extents_records_each_chunk() -> None:

@@ -20,7 +20,6 @@ import trio
 from memfs.config import PoolConfig
 from memfs.errors import FsError
 from memfs.meta import SetAttr, codec, lease_client
-from memfs.meta import server as server_module
 from memfs.meta.leases import Item, LeaseTable
 from memfs.meta.remote import RemoteMeta, open_remote_meta
 from memfs.meta.server import MetaServer
@@ -191,7 +190,6 @@ async def test_reads_of_one_map_window_at_once_ask_the_server_once(
     of another window ask again, once."""
     window = 1 << 20  # 8 MiB on a real mds; this pool is small
     monkeypatch.setattr(codec, "MAP_WINDOW", window)
-    monkeypatch.setattr(server_module, "MAP_WINDOW", window)
     piece = window // 8
     async with cluster(2) as (server, (a, b), _):
         f = await a.mknod(ROOT, b"f", F, 0, 0)
@@ -220,6 +218,37 @@ async def test_reads_of_one_map_window_at_once_ask_the_server_once(
         for k in range(16):
             assert sum(e.length for e in got[k]) == piece and got[k][0].offset == k * piece
         assert got[3] == await a.map_read(f.ino, 3 * piece, piece)
+
+        # A first call that fails brings nothing: each read that waited for it asks
+        # for itself (once; none waits again).
+        await b.open(f.ino)
+        b.cache.files.pop(f.ino)
+        asked.clear()
+        failures = [1]
+
+        async def failing(ino: int, offset: int, length: int) -> Any:
+            asked.append((offset, length))
+            await trio.sleep(0.05)
+            if failures:
+                failures.pop()
+                raise FsError(errno.EIO, "a memory server went away")
+            return await store_map_read(ino, offset, length)
+
+        server.store.map_read = failing  # type: ignore[method-assign]
+        errors: list[int] = []
+
+        async def read_or_error(k: int) -> None:
+            try:
+                got[k] = await b.map_read(f.ino, k * piece, piece)
+            except FsError as exc:
+                errors.append(exc.errno)
+
+        got.clear()
+        async with trio.open_nursery() as nursery:
+            for k in range(4):
+                nursery.start_soon(read_or_error, k)
+        assert errors == [errno.EIO] and len(got) == 3
+        assert 2 <= len(asked) <= 4, asked
 
 
 async def test_write_lease_writes_locally_and_is_glimpsed() -> None:
