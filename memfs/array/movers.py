@@ -84,10 +84,6 @@ class Mover(Protocol):
     #: start before it ends)
     overlaps: bool
 
-    def read(self, extents: Sequence[Extent], base: int, view: memoryview) -> None: ...
-
-    def write(self, extents: Sequence[Extent], base: int, view: memoryview) -> None: ...
-
     def begin(self, extents: Sequence[Extent], base: int, view: memoryview, *,
               write: bool) -> Pending:
         """Start the copy and return at once (:attr:`overlaps`), or copy and return
@@ -163,12 +159,6 @@ class LocalMover:
     def _check(self, vol: int, voff: int, n: int) -> None:
         if not 0 <= vol < len(self.fds) or voff < 0 or voff + n > self.sizes[vol]:
             raise FsError(errno.EIO, f"extent {vol}:{voff}+{n} is outside the pool")
-
-    def read(self, extents: Sequence[Extent], base: int, view: memoryview) -> None:
-        self._run(extents, base, view, write=False)
-
-    def write(self, extents: Sequence[Extent], base: int, view: memoryview) -> None:
-        self._run(extents, base, view, write=True)
 
     def begin(self, extents: Sequence[Extent], base: int, view: memoryview, *,
               write: bool) -> Pending:
@@ -247,12 +237,6 @@ class TcpMover:
             incarnations={str(k): int(v) for k, v in dict(pool.get("incarnations", {})).items()},
             token=int(pool.get("token", 0)))
 
-    def read(self, extents: Sequence[Extent], base: int, view: memoryview) -> None:
-        self.begin(extents, base, view, write=False).wait()
-
-    def write(self, extents: Sequence[Extent], base: int, view: memoryview) -> None:
-        self.begin(extents, base, view, write=True).wait()
-
     def begin(self, extents: Sequence[Extent], base: int, view: memoryview, *,
               write: bool) -> Pending:
         """Queued on each connection behind what was begun there before: a caller
@@ -330,12 +314,6 @@ class RemoteMover:
         if self._token is None:
             raise FsError(errno.EIO, "the memory-server connections are closed")
         return trio.from_thread.run(fn, *args, trio_token=self._token)
-
-    def read(self, extents: Sequence[Extent], base: int, view: memoryview) -> None:
-        self._run(extents, base, view, False)
-
-    def write(self, extents: Sequence[Extent], base: int, view: memoryview) -> None:
-        self._run(extents, base, view, True)
 
     def begin(self, extents: Sequence[Extent], base: int, view: memoryview, *,
               write: bool) -> Pending:

@@ -230,16 +230,17 @@ class BulkTcp:
                                       "transfer failed")
             sock = self._sock(s, slot, batch.token)
             if write:
+                sent = len(q)
                 for i, (remote, off, part) in enumerate(q):
                     if stop.is_set():
-                        q = q[:i]
+                        sent = i
                         break
                     sock.sendall(wire.pack_header(Kind.WRITE, i + 2, wire.WRITE.size + len(part))
                                  + wire.WRITE.pack(remote, off))
                     sock.sendall(part)
-                for i in range(len(q)):
+                for i in range(sent):
                     self._reply(sock, s, i + 2, None)
-                if stop.is_set():  # what was sent is answered: the connection stays
+                if sent < len(q):  # what was sent is answered: the connection stays
                     raise TransferStopped(f"memory server {s.name}: stopped, another "
                                           "transfer failed")
             else:

@@ -406,12 +406,6 @@ class FailingMover:
         self.inner.begin(extents, base, view, write=write).wait()
         return _Copy(self.log, k, failing=self.n == 0)
 
-    def read(self, *args: Any) -> None:
-        self.begin(*args, write=False).wait()
-
-    def write(self, *args: Any) -> None:
-        self.begin(*args, write=True).wait()
-
     def set_token(self, token: int) -> None:
         self.inner.set_token(token)
 
