@@ -241,7 +241,7 @@ class TcpMover:
               write: bool) -> Pending:
         """Queued on each connection behind what was begun there before: a caller
         that begins its next piece before this one ends keeps every connection busy
-        (measured: 64 MiB pieces one after the other left them idle between pieces)."""
+        (isolated 1 GiB loads into an existing array, loopback: 3.33 -> 3.53 GiB/s)."""
         jobs = []
         for off, n, vol, voff in extents:
             part = view[off - base : off - base + n]
