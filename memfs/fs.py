@@ -6,7 +6,7 @@ is translated to the :class:`memfs.meta.Meta` interface or the
 :class:`memfs.data.DataEngine`.
 
 File handles are inode numbers (open state lives in the metadata service's open
-count); directory handles index a snapshot of the entries taken at opendir, so a
+count), with :data:`_UNPRIVILEGED` set for a process other than root's; directory handles index a snapshot of the entries taken at opendir, so a
 listing never skips or repeats an entry while others create and delete.
 """
 
@@ -39,6 +39,11 @@ log = logging.getLogger(__name__)
 #: for this mount is stale from now on; it takes no lock (unlike FUSE_NOTIFY_INVAL_ENTRY,
 #: which takes the directory's lock, even with FUSE_EXPIRE_ONLY)
 _NOTIFY_INC_EPOCH = struct.pack("<IiQ", 16, 8, 0)
+
+#: set in the file handle of an open by any uid but 0: its writes take set-ID bits away
+#: (memfs stands in for the kernel there, see FuseOps.init_connection)
+_UNPRIVILEGED = 1 << 63
+_INODE = _UNPRIVILEGED - 1
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -123,6 +128,8 @@ class Operations(pyfuse3.Operations):
         self.max_background = max_background
         #: what init_connection negotiated; None: not called (a pyfuse3 without the hook)
         self.negotiated: dict[str, int] | None = None
+        #: the kernel left clearing set-ID bits and capabilities to us (KILLPRIV_V2)
+        self.drops_privileges = False
         self._dir_handles: dict[int, list[tuple[bytes, Attr | None]]] = {}
         self._dir_inodes: dict[int, int] = {}
         self._next_dh = itertools.count(1)
@@ -190,12 +197,25 @@ class Operations(pyfuse3.Operations):
         each of its own writes: re-reads then came from the page cache only until
         the next write.  More background requests
         (readahead, async direct I/O) may be in flight than the kernel's 12.
+
+        FUSE_HANDLE_KILLPRIV_V2 (a raw INIT flag: libfuse 3.14 cannot ask for it) makes
+        clearing set-ID bits and file capabilities on write, truncate and chown ours
+        to do, and lets the kernel mark inodes as having none (``S_NOSEC``): without
+        it every write(2) first asks for ``security.capability`` (a GETXATTR round
+        trip).  The kernel's precise test for the writer (``CAP_FSETID``) does not
+        reach us through libfuse 3.14; memfs takes uid 0 for it (see
+        :meth:`_privileged`).
         """
         if self.pages_follow_changes:
             conn.want &= ~pyfuse3.FUSE_CAP_AUTO_INVAL_DATA
         conn.max_background = self.max_background
         conn.congestion_threshold = self.max_background * 3 // 4
-        self.negotiated = {"want": conn.want, "max_background": conn.max_background}
+        killpriv_v2 = getattr(pyfuse3, "FUSE_HANDLE_KILLPRIV_V2", 0)
+        if killpriv_v2 and conn.kernel_flags & killpriv_v2:
+            conn.extra_flags |= killpriv_v2
+            self.drops_privileges = True
+        self.negotiated = {"want": conn.want, "max_background": conn.max_background,
+                           "extra_flags": conn.extra_flags if killpriv_v2 else 0}
 
     def init(self) -> None:
         """The kernel's INIT request is being answered (the reply follows)."""
@@ -207,6 +227,10 @@ class Operations(pyfuse3.Operations):
             log.info("pyfuse3 %s waits for the event loop before every request (memfs's "
                      "patch 0002 takes queued ones at once: about a third of the CPU per "
                      "small request)", pyfuse3.__version__)
+        if self.negotiated is not None and not self.drops_privileges:
+            log.info("FUSE_HANDLE_KILLPRIV_V2 not in effect (pyfuse3 %s without memfs's "
+                     "patch 0003, or a kernel before 5.11): every write(2) is preceded by "
+                     "a GETXATTR of security.capability", pyfuse3.__version__)
         self._dev_fd = _epoch_capable_fuse_fd()
         if self._dev_fd is not None:
             self.meta.names_invalidator = self.forget_names
@@ -238,9 +262,27 @@ class Operations(pyfuse3.Operations):
         e.st_ctime_ns = a.ctime_ns
         return e
 
-    def _fileinfo(self, ino: int) -> pyfuse3.FileInfo:
+    def _fileinfo(self, ino: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         keep = self.meta.keep_cache(ino)
-        return pyfuse3.FileInfo(fh=ino, keep_cache=self.keep_cache if keep is None else keep)
+        fh = ino if self._privileged(ctx) else ino | _UNPRIVILEGED
+        return pyfuse3.FileInfo(fh=fh, keep_cache=self.keep_cache if keep is None else keep)
+
+    def _privileged(self, ctx: pyfuse3.RequestContext) -> bool:
+        """Whether the caller keeps set-ID bits when it writes or truncates: the kernel
+        asks whether it has ``CAP_FSETID``; memfs, told only its uid, says root has."""
+        return ctx.uid == 0 or not self.drops_privileges
+
+    async def _drop_privileges(self, ino: int, set_ids: bool) -> None:
+        """What the kernel would have done before a write, truncate or chown of *ino*
+        (see :meth:`init_connection`); the kernel's cached mode follows."""
+        if self.drops_privileges and await self.meta.drop_privileges(ino, set_ids):
+            # A write marks only size and times stale in the kernel: its cached mode
+            # (what exec and permission checks use) would keep the bits until its
+            # attributes time out.  Attributes only: no page lock, safe mid-request.
+            try:
+                pyfuse3.invalidate_inode(ino, attr_only=True)
+            except OSError:  # not cached
+                pass
 
     # -- namespace --------------------------------------------------------------------
 
@@ -279,6 +321,9 @@ class Operations(pyfuse3.Operations):
         fh: int | None,
         ctx: pyfuse3.RequestContext,
     ) -> pyfuse3.EntryAttributes:
+        chown = fields.update_uid or fields.update_gid
+        if (chown or fields.update_size) and not fields.update_mode:
+            await self._drop_privileges(inode, chown or not self._privileged(ctx))
         if fields.update_size:
             await self.data.truncate(inode, attr.st_size)
         changes = SetAttr(
@@ -365,9 +410,10 @@ class Operations(pyfuse3.Operations):
             if stat.S_ISDIR(a.mode):
                 raise FsError(errno.EISDIR) from None
             if flags & os.O_TRUNC:
+                await self._drop_privileges(a.ino, not self._privileged(ctx))
                 await self.data.truncate(a.ino, 0)
             a = await self.meta.open(a.ino)
-        return self._fileinfo(a.ino), self._entry(a, parent_inode, name)
+        return self._fileinfo(a.ino, ctx), self._entry(a, parent_inode, name)
 
     @_errno_boundary
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
@@ -387,19 +433,23 @@ class Operations(pyfuse3.Operations):
             # libfuse asks for atomic_o_trunc, so the kernel sends no SETATTR for
             # open(O_TRUNC): truncating is ours to do, or the old data survives.
             try:
+                await self._drop_privileges(inode, not self._privileged(ctx))
                 await self.data.truncate(inode, 0)
             except BaseException:
                 await self.meta.release(inode)
                 raise
-        return self._fileinfo(inode)
+        return self._fileinfo(inode, ctx)
 
     @_errno_boundary
     async def read(self, fh: int, off: int, size: int) -> Any:
-        return await self.data.read(fh, off, size)
+        return await self.data.read(fh & _INODE, off, size)
 
     @_errno_boundary
     async def write(self, fh: int, off: int, buf: bytes) -> int:
-        return await self.data.write(fh, off, buf)
+        ino = fh & _INODE
+        if self.drops_privileges:
+            await self._drop_privileges(ino, fh != ino)
+        return await self.data.write(ino, off, buf)
 
     async def flush(self, fh: int) -> None:
         """Data is in pool memory as soon as write() returns: nothing to push on close.
@@ -411,13 +461,13 @@ class Operations(pyfuse3.Operations):
 
     @_errno_boundary
     async def release(self, fh: int) -> None:
-        await self.meta.release(fh)
+        await self.meta.release(fh & _INODE)
 
     @_errno_boundary
     async def fsync(self, fh: int, datasync: bool) -> None:
         """Pool memory is the durable copy in this tier (see ARCHITECTURE: fsync); a
         cluster client's size and mtime become exact on the metadata server."""
-        await self.meta.sync(fh)
+        await self.meta.sync(fh & _INODE)
 
     # -- directories ------------------------------------------------------------------
 

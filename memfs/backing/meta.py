@@ -231,6 +231,9 @@ class BackedMeta(Meta):
     async def setattr(self, ino: int, changes: SetAttr) -> Attr:
         return await self.store.setattr(ino, changes)
 
+    async def drop_privileges(self, ino: int, set_ids: bool) -> bool:
+        return await self.store.drop_privileges(ino, set_ids)
+
     @staticmethod
     def _check_reserved(parent: int, name: bytes) -> None:
         # DIR/.memfs-tmp holds our temporary copies; a file of that name would be

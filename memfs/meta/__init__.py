@@ -16,6 +16,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import errno
+import stat
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -95,6 +96,22 @@ class SetAttr:
 
 
 NAME_MAX = 255
+#: file capabilities (setcap); a change of a file's data or owner takes them away
+CAPABILITY_XATTR = b"security.capability"
+
+
+def set_ids_to_drop(mode: int) -> int:
+    """The set-ID bits of *mode* that a write, truncate or chown takes away (Linux's
+    rule as FUSE_HANDLE_KILLPRIV_V2 hands it to filesystems): set-user-ID, and
+    set-group-ID when group execute is set (without it the bit marks mandatory
+    locking, not a privilege).  None of a directory's."""
+    if stat.S_ISDIR(mode):
+        return 0
+    drop = mode & stat.S_ISUID
+    if mode & stat.S_ISGID and mode & stat.S_IXGRP:
+        drop |= stat.S_ISGID
+    return drop
+
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
 #: Extent.volume of bytes that are only in the backing directory
@@ -225,6 +242,17 @@ class Meta(abc.ABC):
 
     async def sync(self, ino: int) -> None:  # noqa: B027 (a no-op unless a client caches)
         """fsync: make *ino*'s size and mtime exact on the metadata service."""
+
+    @abc.abstractmethod
+    async def drop_privileges(self, ino: int, set_ids: bool) -> bool:
+        """Take away what a change of *ino*'s data or owner must, in one step: its file
+        capabilities and, with *set_ids*, the set-ID bits of :func:`set_ids_to_drop`
+        (a directory keeps both).  True if anything changed (nothing does, not even
+        ctime, when there is nothing to drop).
+
+        The kernel leaves this to memfs once it negotiated FUSE_HANDLE_KILLPRIV_V2
+        (memfs.fs), which spares every write(2) a GETXATTR round trip.
+        """
 
     @abc.abstractmethod
     async def open(self, ino: int) -> Attr:

@@ -255,6 +255,9 @@ METHODS: dict[str, Method] = {m.name: m for m in [
     _m("setxattr", "int bytes bytes", _none_to_wire, _none_from_wire, "mutates", lambda m: m.setxattr),
     _m("listxattr", "int", _same, names_from_wire, "read", lambda m: m.listxattr),
     _m("removexattr", "int bytes", _none_to_wire, _none_from_wire, "mutates", lambda m: m.removexattr),
+    # what a write, truncate or chown takes away (set_ids: 0 or 1), in one step
+    _m("drop_privileges", "int int", int, lambda v: bool(check_int(v, "dropped")), "mutates",
+       lambda m: m.drop_privileges),
     _m("statfs", "", statfs_to_wire, statfs_from_wire, "read", lambda m: m.statfs),
     # map_read may move atime (relatime); the server journals that when it happens,
     # but sending it twice is harmless.

@@ -53,7 +53,18 @@ import trio
 
 from memfs import wire
 from memfs.errors import FsError, SpaceBusy
-from memfs.meta import RENAME_EXCHANGE, Attr, Extent, Meta, SetAttr, StatFs, WritePlan, codec
+from memfs.meta import (
+    CAPABILITY_XATTR,
+    RENAME_EXCHANGE,
+    Attr,
+    Extent,
+    Meta,
+    SetAttr,
+    StatFs,
+    WritePlan,
+    codec,
+    set_ids_to_drop,
+)
 from memfs.meta.cache import ClientCache
 from memfs.meta.conn import MAX_REPLY, ROLE, FrameSocket
 from memfs.meta.lease_client import LeaseKeeper
@@ -749,6 +760,28 @@ class RemoteMeta(Meta):
         kind, a = await self._call_kind("setattr", ino, changes)
         self._after_change(kind, a)
         return a
+
+    async def drop_privileges(self, ino: int, set_ids: bool) -> bool:
+        """One call that drops and says whether it did (never a read-modify-write a
+        chmod elsewhere could slip into), and none when the attributes and the
+        capability xattr, as this client caches them under its lease, show nothing to
+        drop: after the first, the case of almost every write."""
+        if self.cache.term:
+            a = await self.getattr(ino)
+            if stat.S_ISDIR(a.mode):
+                return False
+            try:
+                await self.getxattr(ino, CAPABILITY_XATTR)
+            except FsError as exc:
+                if exc.errno != errno.ENODATA:
+                    raise
+                if not (set_ids and set_ids_to_drop(a.mode)):
+                    return False
+        dropped = bool(await self._call("drop_privileges", ino, int(set_ids)))
+        if dropped:
+            self.cache.attrs.pop(ino, None)
+            self.cache.xattrs.pop(ino, None)
+        return dropped
 
     def _after_change(self, kind: Kind, a: Attr) -> None:
         if kind is Kind.OK_CACHE:

@@ -815,6 +815,8 @@ class MetaServer:
             return [Item(c, write_only=True) for c in d.children.values() if c in leases.writers]
         if name in ("setattr", "truncate", "map_write", "allocate_ahead", "setxattr", "removexattr"):
             return [Item(args[0])]
+        if name == "drop_privileges":  # only if there is something to drop
+            return [Item(args[0])] if store.has_privileges(args[0], bool(args[1])) else []
         if name in ("mknod", "create"):
             return [Item(args[0], (args[1],), directory=True)]
         if name == "link":

@@ -25,6 +25,7 @@ from memfs.config import PoolConfig
 from memfs.errors import FsError, SpaceBusy, UsageError
 from memfs.layout import LAYOUT_XATTR, Layout, LayoutSpec
 from memfs.meta import (
+    CAPABILITY_XATTR,
     NAME_MAX,
     NOT_RESIDENT,
     RENAME_EXCHANGE,
@@ -36,6 +37,7 @@ from memfs.meta import (
     StatFs,
     WritePlan,
     add_run,
+    set_ids_to_drop,
 )
 
 log = logging.getLogger(__name__)
@@ -469,6 +471,29 @@ class MetaStore(Meta):
         ):
             self.watcher.attrs_changed(ino)
         return self._attr(i)
+
+    def has_privileges(self, ino: int, set_ids: bool) -> bool:
+        """Whether :meth:`drop_privileges` would change anything."""
+        i = self.inodes.get(ino)
+        if i is None or i.children is not None:
+            return False
+        return bool((set_ids and set_ids_to_drop(i.mode))
+                    or (i.xattrs and CAPABILITY_XATTR in i.xattrs))
+
+    async def drop_privileges(self, ino: int, set_ids: bool) -> bool:
+        i = self._get(ino)
+        if not self.has_privileges(ino, set_ids):
+            return False
+        drop = set_ids_to_drop(i.mode) if set_ids else 0
+        cap = i.xattrs is not None and CAPABILITY_XATTR in i.xattrs
+        i.mode &= ~drop
+        if cap:
+            assert i.xattrs is not None
+            del i.xattrs[CAPABILITY_XATTR]
+        i.ctime_ns = self.now()
+        if drop and self.watcher is not None:
+            self.watcher.attrs_changed(ino)
+        return True
 
     async def truncate(self, ino: int, size: int) -> list[tuple[int, int, int]]:
         i = self._get(ino)

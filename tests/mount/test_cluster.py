@@ -223,6 +223,19 @@ def test_written_on_one_node_read_on_the_other(cluster: Cluster) -> None:
     assert sorted(os.listdir(c2 / "dir")) == sorted(files)
 
 
+def test_privileges_dropped_on_one_node_seen_on_the_other(cluster: Cluster) -> None:
+    """A write, truncate or chown through one client takes set-ID bits and file
+    capabilities away (its FUSE layer does, under FUSE_HANDLE_KILLPRIV_V2) and the
+    other client's next stat shows it (the change recalls its lease)."""
+    from tests.mount.privileges import check_privileges_dropped
+
+    c1, c2 = cluster.mnt["c1"], cluster.mnt["c2"]
+    (c1 / "priv").mkdir(mode=0o777)
+    os.chmod(c1 / "priv", 0o777)
+    check_privileges_dropped(c1 / "priv", c2 / "priv")
+    check_privileges_dropped(c2 / "priv", c1 / "priv")
+
+
 def test_shared_file_disjoint_blocks(cluster: Cluster) -> None:
     """IOR's shared-file pattern: each node writes every other block of one file, then
     reads the other node's blocks.  The block size is not a multiple of the chunk

@@ -133,24 +133,59 @@ def test_queued_requests_taken_without_waiting(
 
 
 class FakeConn:
-    def __init__(self) -> None:
+    def __init__(self, kernel_flags: int) -> None:
         self.want = pyfuse3.FUSE_CAP_AUTO_INVAL_DATA | pyfuse3.FUSE_CAP_ASYNC_READ
         self.max_background = 12
         self.congestion_threshold = 9
+        self.kernel_flags = kernel_flags
+        self.extra_flags = 0
 
 
 @pytest.mark.parametrize("pages_follow_changes", [True, False])
-def test_init_connection(pages_follow_changes: bool) -> None:
+@pytest.mark.parametrize("offered", [True, False], ids=["v2-offered", "v2-not-offered"])
+def test_init_connection(pages_follow_changes: bool, offered: bool) -> None:
     """Only a sole writer (embedded) gives up AUTO_INVAL_DATA: on a cluster client
-    other nodes change files, and the kernel must notice a new mtime."""
+    other nodes change files, and the kernel must notice a new mtime.  KILLPRIV_V2
+    is asked for whenever the kernel offers it, and only then is it memfs's job."""
+    v2 = pyfuse3.FUSE_HANDLE_KILLPRIV_V2
     ops = Operations.__new__(Operations)
     ops.pages_follow_changes, ops.max_background, ops.negotiated = pages_follow_changes, 32, None
-    conn = FakeConn()
+    ops.drops_privileges = False
+    conn = FakeConn(v2 | 1 if offered else 1)
     ops.init_connection(conn)
     assert bool(conn.want & pyfuse3.FUSE_CAP_AUTO_INVAL_DATA) is not pages_follow_changes
     assert conn.want & pyfuse3.FUSE_CAP_ASYNC_READ
     assert (conn.max_background, conn.congestion_threshold) == (32, 24)
-    assert ops.negotiated == {"want": conn.want, "max_background": 32}
+    assert conn.extra_flags == (v2 if offered else 0)
+    assert ops.drops_privileges is offered
+    assert ops.negotiated == {"want": conn.want, "max_background": 32,
+                              "extra_flags": conn.extra_flags}
+
+
+@pytest.mark.mount
+def test_writes_ask_for_no_capability_xattr(memfs_mount: Callable[..., Mounted]) -> None:
+    """With FUSE_HANDLE_KILLPRIV_V2 in effect the kernel marks an inode as having no
+    privileges to drop (S_NOSEC) after one look, instead of asking for
+    ``security.capability`` (a GETXATTR round trip) before every write(2)."""
+    from tests.mount.test_metrics import free_port, http_get, samples
+
+    port = free_port()
+    m = memfs_mount("--size", "64M", "--metrics", f"127.0.0.1:{port}")
+
+    def getxattrs() -> float:
+        got = samples(http_get(f"http://127.0.0.1:{port}/metrics"))
+        return got.get(("memfs_requests_total", (("op", "getxattr"),)), 0.0)
+
+    fd = os.open(m / "f", os.O_CREAT | os.O_WRONLY, 0o644)
+    try:
+        os.pwrite(fd, b"x" * 16384, 0)  # the one look
+        before = getxattrs()
+        for i in range(1, 65):
+            os.pwrite(fd, b"y" * 16384, i * 16384)
+    finally:
+        os.close(fd)
+    assert getxattrs() - before == 0
+    assert os.stat(m / "f").st_size == 65 * 16384
 
 
 @pytest.mark.parametrize("extra", [[], ["--attr-timeout", "1"]], ids=["default", "1s"])

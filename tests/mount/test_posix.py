@@ -1352,3 +1352,12 @@ def test_concurrent_processes(fs: Mounted, d: Path) -> None:
         shutil.rmtree(d / f"p{me}")
     assert wait_bfree(fs.path, start) == start
     assert wait_for(lambda: os.statvfs(fs.path).f_ffree, files_start)
+
+
+def test_write_truncate_chown_drop_privileges(d: Path) -> None:
+    """Set-ID bits and file capabilities go as Linux takes them away (memfs does it
+    itself under FUSE_HANDLE_KILLPRIV_V2), and ``stat`` shows it at once."""
+    from tests.mount.privileges import check_privileges_dropped
+
+    os.chmod(d, 0o777)
+    check_privileges_dropped(d, d)

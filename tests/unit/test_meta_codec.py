@@ -123,6 +123,7 @@ SAMPLE_ARGS: dict[str, tuple[Any, ...]] = {
     "setxattr": (7, b"user.a", b"\0v"),
     "listxattr": (7,),
     "removexattr": (7, b"user.a"),
+    "drop_privileges": (7, 1),
     "statfs": (),
     "reclaim": (),
     "map_read": (7, 0, 1 << 20),

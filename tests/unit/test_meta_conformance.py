@@ -590,6 +590,35 @@ async def test_user_xattrs(meta: Meta) -> None:
     assert await meta.getxattr(d.ino, b"user.tag") == b""
 
 
+async def test_drop_privileges(meta: Meta) -> None:
+    """What a write, truncate or chown takes away (the FUSE layer calls this under
+    FUSE_HANDLE_KILLPRIV_V2): set-group-ID only with group execute; nothing changes,
+    ctime included, when there is nothing to drop."""
+    cap = b"security.capability"
+    for mode, set_ids, left in [(0o6775, True, 0o775), (0o6765, True, 0o2765),
+                                (0o6775, False, 0o6775), (0o2755, True, 0o755)]:
+        f = await mkfile(meta, b"f%o%d" % (mode, set_ids), mode=mode)
+        assert await meta.drop_privileges(f.ino, set_ids) is (left != mode)
+        assert stat.S_IMODE((await meta.getattr(f.ino)).mode) == left
+    f = await mkfile(meta, b"plain", mode=0o755)
+    await meta.setxattr(f.ino, b"user.keep", b"1")
+    before = await meta.getattr(f.ino)
+    await trio.sleep(0.002)  # a ctime that moved would differ
+    assert await meta.drop_privileges(f.ino, True) is False
+    assert await meta.getattr(f.ino) == before
+    await meta.setxattr(f.ino, cap, b"\x01\x00\x00\x02" + bytes(16))
+    assert await meta.drop_privileges(f.ino, False) is True
+    await raises(errno.ENODATA, meta.getxattr(f.ino, cap))
+    assert await meta.getxattr(f.ino, b"user.keep") == b"1"
+    assert stat.S_IMODE((await meta.getattr(f.ino)).mode) == 0o755
+    d = await mkdir(meta, b"sgid-dir")
+    await meta.setattr(d.ino, SetAttr(mode=0o2775))
+    await meta.setxattr(d.ino, cap, b"\x01\x00\x00\x02" + bytes(16))
+    assert await meta.drop_privileges(d.ino, True) is False  # a directory's stay
+    assert stat.S_IMODE((await meta.getattr(d.ino)).mode) == 0o2775
+    assert await meta.getxattr(d.ino, cap)
+
+
 async def test_xattr_namespaces(meta: Meta) -> None:
     """No ACLs are kept, so system.* is refused rather than silently stored."""
     f = await mkfile(meta, b"f")
