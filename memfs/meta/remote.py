@@ -766,17 +766,20 @@ class RemoteMeta(Meta):
         chmod elsewhere could slip into), and none when the attributes and the
         capability xattr, as this client caches them under its lease, show nothing to
         drop: after the first, the case of almost every write."""
-        if self.cache.term:
-            a = await self.getattr(ino)
+        cache = self.cache
+        if cache.term:
+            a = cache.attr(ino) or await self.getattr(ino)
             if stat.S_ISDIR(a.mode):
                 return False
-            try:
-                await self.getxattr(ino, CAPABILITY_XATTR)
-            except FsError as exc:
-                if exc.errno != errno.ENODATA:
-                    raise
-                if not (set_ids and set_ids_to_drop(a.mode)):
-                    return False
+            known, cap = cache.xattr(ino, CAPABILITY_XATTR)  # no exception per write
+            if not known:
+                try:
+                    cap = await self.getxattr(ino, CAPABILITY_XATTR)
+                except FsError as exc:
+                    if exc.errno != errno.ENODATA:
+                        raise
+            if cap is None and not (set_ids and set_ids_to_drop(a.mode)):
+                return False
         dropped = bool(await self._call("drop_privileges", ino, int(set_ids)))
         if dropped:
             self.cache.attrs.pop(ino, None)
