@@ -37,6 +37,14 @@ def _append(path: str) -> Callable[[], object]:
     return fn
 
 
+def _ftruncate(path: str) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.ftruncate(fd, 2)
+    finally:
+        os.close(fd)
+
+
 def check_privileges_dropped(here: Path, there: Path) -> None:
     """Every case: a fresh file owned by nobody, *mode* set by root, one action, then
     the mode seen through *there* right away."""
@@ -61,6 +69,7 @@ def check_privileges_dropped(here: Path, there: Path) -> None:
     case("t2", 0o6775, lambda n: os.truncate(here / n, 1), 0o6775)
     case("t3", 0o4775, lambda n: _by_nobody(here, lambda: os.close(
         os.open(n, os.O_WRONLY | os.O_TRUNC))), 0o775)
+    case("t4", 0o6775, lambda n: _by_nobody(here, lambda: _ftruncate(n)), 0o775)
     # chown, by root too; also "to the same owner" by the owner.
     case("c1", 0o6775, lambda n: os.chown(here / n, NOBODY, 0), 0o775)
     case("c2", 0o6765, lambda n: os.chown(here / n, 0, -1), 0o2765)
