@@ -814,13 +814,17 @@ class RemoteMeta(Meta):
         else:
             del self.cache.attrs[parent]
 
-    def _created(self, kind: Kind, parent: int, name: bytes, a: Attr) -> None:
+    def _created(self, kind: Kind, parent: int, name: bytes, a: Attr, *, new: bool = True) -> None:
         cache = self.cache
         # The directory's mtime is the new entry's ctime (one timestamp per call).
         self._touched(kind, parent, a.ctime_ns, 1 if stat.S_ISDIR(a.mode) and a.nlink == 2 else 0)
         if kind is Kind.OK_CACHE:
             cache.put_entry(parent, name, a.ino)
             cache.put_attr(a)
+            if new:
+                # A new inode has no file capabilities: the kernel's look before the
+                # first write, and drop_privileges, need not ask.
+                cache.put_xattr(a.ino, CAPABILITY_XATTR, None)
             if stat.S_ISDIR(a.mode):
                 cache.new_directory(a.ino)
         else:
@@ -847,7 +851,7 @@ class RemoteMeta(Meta):
 
     async def link(self, ino: int, parent: int, name: bytes) -> Attr:
         kind, a = await self._call_kind("link", ino, parent, name)
-        self._created(kind, parent, name, a)
+        self._created(kind, parent, name, a, new=False)
         return a
 
     def _removed(self, kind: Kind, parent: int, name: bytes, child: int, t: int, links: int) -> None:
