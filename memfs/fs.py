@@ -6,7 +6,8 @@ is translated to the :class:`memfs.meta.Meta` interface or the
 :class:`memfs.data.DataEngine`.
 
 File handles are inode numbers (open state lives in the metadata service's open
-count), with :data:`_UNPRIVILEGED` set for a process other than root's; directory handles index a snapshot of the entries taken at opendir, so a
+count), with :data:`_UNPRIVILEGED` set when a uid other than 0 opened the file;
+directory handles index a snapshot of the entries taken at opendir, so a
 listing never skips or repeats an entry while others create and delete.
 """
 
@@ -41,7 +42,7 @@ log = logging.getLogger(__name__)
 _NOTIFY_INC_EPOCH = struct.pack("<IiQ", 16, 8, 0)
 
 #: set in the file handle of an open by any uid but 0: its writes take set-ID bits away
-#: (memfs stands in for the kernel there, see FuseOps.init_connection)
+#: (memfs stands in for the kernel there, see Operations.init_connection)
 _UNPRIVILEGED = 1 << 63
 _INODE = _UNPRIVILEGED - 1
 
