@@ -472,20 +472,24 @@ class MetaStore(Meta):
             self.watcher.attrs_changed(ino)
         return self._attr(i)
 
+    @staticmethod
+    def _privileges(i: Inode, set_ids: bool) -> tuple[int, bool]:
+        """(set-ID bits, whether a capability xattr) that :meth:`drop_privileges` takes."""
+        if i.children is not None:
+            return 0, False
+        return (set_ids_to_drop(i.mode) if set_ids else 0,
+                i.xattrs is not None and CAPABILITY_XATTR in i.xattrs)
+
     def has_privileges(self, ino: int, set_ids: bool) -> bool:
         """Whether :meth:`drop_privileges` would change anything."""
         i = self.inodes.get(ino)
-        if i is None or i.children is not None:
-            return False
-        return bool((set_ids and set_ids_to_drop(i.mode))
-                    or (i.xattrs and CAPABILITY_XATTR in i.xattrs))
+        return i is not None and any(self._privileges(i, set_ids))
 
     async def drop_privileges(self, ino: int, set_ids: bool) -> bool:
         i = self._get(ino)
-        if not self.has_privileges(ino, set_ids):
+        drop, cap = self._privileges(i, set_ids)
+        if not drop and not cap:
             return False
-        drop = set_ids_to_drop(i.mode) if set_ids else 0
-        cap = i.xattrs is not None and CAPABILITY_XATTR in i.xattrs
         i.mode &= ~drop
         if cap:
             assert i.xattrs is not None
