@@ -325,10 +325,7 @@ async def _serve(
             nursery.start_soon(_watch_signals)
             if opts.readahead_kib:
                 nursery.start_soon(_tune_after_init, ops, opts)
-            if hasattr(pyfuse3, "LINGER"):  # memfs's patch 0002
-                # Only for one worker: with several, one lingering might not see
-                # that another's reply from the network woke it (see fs.LINGER).
-                pyfuse3.LINGER = fs.LINGER if opts.max_tasks == 1 else 0.0
+            fs.tune_request_loop(opts.max_tasks)
             await pyfuse3.main(min_tasks=min(fs.IDLE_WORKERS, opts.max_tasks),
                                max_tasks=opts.max_tasks)
             nursery.cancel_scope.cancel()

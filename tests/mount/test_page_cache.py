@@ -19,6 +19,7 @@ from pathlib import Path
 import pyfuse3
 import pytest
 
+from memfs import fs
 from memfs.fs import MAX_BACKGROUND, Operations
 from tests.conftest import Mounted
 
@@ -130,6 +131,21 @@ def test_queued_requests_taken_without_waiting(
         assert w.wait(120) == 0
     for i, d in enumerate(data):
         assert (m / f"w{i}").read_bytes() == d
+
+
+def test_request_loop_lingers_and_spins_for_one_worker() -> None:
+    """With one worker (embedded) pyfuse3 (patch 0002) waits for the next request in
+    ppoll, polling without sleeping at first; with several (cluster, ``--backing``)
+    it does neither, since a worker lingering might not see another's reply."""
+    before = pyfuse3.LINGER, pyfuse3.SPIN
+    try:
+        fs.tune_request_loop(1)
+        assert (pyfuse3.LINGER, pyfuse3.SPIN) == (fs.LINGER, fs.SPIN)
+        assert 0 < fs.SPIN < fs.LINGER
+        fs.tune_request_loop(16)
+        assert (pyfuse3.LINGER, pyfuse3.SPIN) == (0.0, 0.0)
+    finally:
+        pyfuse3.LINGER, pyfuse3.SPIN = before
 
 
 class FakeConn:
