@@ -100,20 +100,23 @@ IDLE_WORKERS = 4
 #: the control socket, not for other workers waiting on the network.
 LINGER = 200e-6
 
-#: the first part of that linger polls without sleeping (memfs's patch 0002): on a
-#: virtual machine a sleeping CPU's wake-up costs more than a small request (one
-#: process's empty-file creates 5,360-6,842 -> 7,682-8,258/s, fio 16 KiB random
-#: writes 177-279 -> 266-362 MiB/s; 15-60 us tried, 20 best)
+#: the first part of a linger polls without sleeping (memfs's patch 0002; only while
+#: that catches the next request more often than not): on a virtual machine a
+#: sleeping CPU's wake-up costs more than a small request (one process's empty-file
+#: creates 5,360-6,842 -> 7,682-8,258/s, fio 16 KiB random writes 177-279 -> 266-362
+#: MiB/s; 15-60 us tried, 20 best).  Mounts with several workers spin this long and
+#: do not sleep: what an unseen task waits is then 32 spins at most (cluster creates
+#: 2,137-2,262 -> 2,455-2,857/s).
 SPIN = 20e-6
 
 
 def tune_request_loop(workers: int) -> None:
-    """Linger (and spin) between requests only on a mount served by one worker (see
-    :data:`LINGER`); a pyfuse3 without memfs's patch 0002 has neither."""
+    """How pyfuse3's workers wait between requests (see :data:`LINGER`, :data:`SPIN`);
+    a pyfuse3 without memfs's patch 0002 has neither knob."""
     if hasattr(pyfuse3, "LINGER"):
-        pyfuse3.LINGER = LINGER if workers == 1 else 0.0
+        pyfuse3.LINGER = LINGER if workers == 1 else SPIN
     if hasattr(pyfuse3, "SPIN"):
-        pyfuse3.SPIN = SPIN if workers == 1 else 0.0
+        pyfuse3.SPIN = SPIN
 
 
 class Operations(pyfuse3.Operations):
