@@ -95,9 +95,10 @@ IDLE_WORKERS = 4
 #: after each answer, how long pyfuse3's worker sleeps in ppoll() for the kernel's next
 #: request when nothing else is to be done (memfs's patch 0002): one application
 #: issuing syscalls back to back then costs no pass of the event loop per request.
-#: Set for mounts served by one worker only: a task woken in the same pass of trio's
-#: loop goes unseen and may wait for up to 32 lingers (of the burst), harmless for
-#: the control socket, not for other workers waiting on the network.
+#: This long only on mounts served by one worker: a task woken in the same pass of
+#: trio's loop goes unseen and may wait for up to 32 lingers (of the burst), harmless
+#: for the control socket, not for other workers waiting on the network (mounts with
+#: several linger for :data:`SPIN` only).
 LINGER = 200e-6
 
 #: the first part of a linger polls without sleeping (memfs's patch 0002; only while
