@@ -105,17 +105,19 @@ LINGER = 200e-6
 #: that catches the next request more often than not): on a virtual machine a
 #: sleeping CPU's wake-up costs more than a small request (one process's empty-file
 #: creates 5,360-6,842 -> 7,682-8,258/s, fio 16 KiB random writes 177-279 -> 266-362
-#: MiB/s; 15-60 us tried, 20 best).  Mounts with several workers spin this long and
-#: do not sleep: what an unseen task waits is then 32 spins at most (cluster creates
-#: 2,137-2,262 -> 2,455-2,857/s).
+#: MiB/s; 15-60 us tried, 20 best).  A cluster client's several workers spin this
+#: long and do not sleep: what an unseen task waits is then 32 spins at most (creates
+#: 2,137-2,262 -> 2,455-2,857/s).  Not on ``--backing`` mounts, whose write-back
+#: threads need the CPU (small files there: no gain measured, perhaps a loss).
 SPIN = 20e-6
 
 
-def tune_request_loop(workers: int) -> None:
+def tune_request_loop(workers: int, *, cluster: bool) -> None:
     """How pyfuse3's workers wait between requests (see :data:`LINGER`, :data:`SPIN`);
     a pyfuse3 without memfs's patch 0002 has neither knob."""
+    linger = LINGER if workers == 1 else SPIN if cluster else 0.0
     if hasattr(pyfuse3, "LINGER"):
-        pyfuse3.LINGER = LINGER if workers == 1 else SPIN
+        pyfuse3.LINGER = linger
     if hasattr(pyfuse3, "SPIN"):
         pyfuse3.SPIN = SPIN
 

@@ -135,15 +135,18 @@ def test_queued_requests_taken_without_waiting(
 
 def test_request_loop_lingers_and_spins() -> None:
     """With one worker (embedded) pyfuse3 (patch 0002) waits for the next request in
-    ppoll, polling without sleeping at first; with several (cluster, ``--backing``)
-    it only polls, briefly, since a worker lingering might not see another's reply."""
+    ppoll, polling without sleeping at first; a cluster client's several workers only
+    poll, briefly, since a worker lingering might not see another's reply; on a
+    ``--backing`` mount (several workers, write-back threads) they do neither."""
     before = pyfuse3.LINGER, pyfuse3.SPIN
     try:
-        fs.tune_request_loop(1)
+        fs.tune_request_loop(1, cluster=False)
         assert (pyfuse3.LINGER, pyfuse3.SPIN) == (fs.LINGER, fs.SPIN)
         assert 0 < fs.SPIN < fs.LINGER
-        fs.tune_request_loop(16)
+        fs.tune_request_loop(4, cluster=True)
         assert (pyfuse3.LINGER, pyfuse3.SPIN) == (fs.SPIN, fs.SPIN)
+        fs.tune_request_loop(16, cluster=False)
+        assert pyfuse3.LINGER == 0.0
     finally:
         pyfuse3.LINGER, pyfuse3.SPIN = before
 
