@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 from memfs import wire
 from memfs.config import VolumeAddr
 from memfs.errors import TransportError, UsageError
+from memfs.transport.splice import SpliceSender
+from memfs.transport.splice import available as splice_available
 from memfs.transport.tcp import (
     DEFAULT_IO_TIMEOUT,
     MAX_IO,
@@ -58,6 +60,9 @@ log = logging.getLogger(__name__)
 Job = tuple[int, int, memoryview]
 
 _INFO_ID = 1
+#: writes this large go by reference (memfs.transport.splice); smaller ones are copied
+SPLICE_MIN = 64 << 10
+_SPLICE = splice_available()
 
 
 @dataclass(eq=False)  # by identity: a key of the transfer queues
@@ -231,13 +236,23 @@ class BulkTcp:
             sock = self._sock(s, slot, batch.token)
             if write:
                 sent = len(q)
-                for i, (remote, off, part) in enumerate(q):
-                    if stop.is_set():
-                        sent = i
-                        break
-                    sock.sendall(wire.pack_header(Kind.WRITE, i + 2, wire.WRITE.size + len(part))
-                                 + wire.WRITE.pack(remote, off))
-                    sock.sendall(part)
+                sender = SpliceSender() if _SPLICE else None
+                try:
+                    for i, (remote, off, part) in enumerate(q):
+                        if stop.is_set():
+                            sent = i
+                            break
+                        head = (wire.pack_header(Kind.WRITE, i + 2, wire.WRITE.size + len(part))
+                                + wire.WRITE.pack(remote, off))
+                        if sender is not None and len(part) >= SPLICE_MIN:
+                            sock.sendall(head, socket.MSG_MORE)
+                            sender.send(sock, part, self.io_timeout)
+                        else:
+                            sock.sendall(head)
+                            sock.sendall(part)
+                finally:
+                    if sender is not None:
+                        sender.close()
                 for i in range(sent):
                     self._reply(sock, s, i + 2, None)
                 if sent < len(q):  # what was sent is answered: the connection stays

@@ -373,10 +373,29 @@ async def test_fenced_lease_token_shuts_a_client_out_until_it_has_a_new_one(
 # -- blocking bulk transfers (memfs.array's cluster path) ---------------------------------
 
 
-async def test_bulk_transfers_round_trip_and_agree_with_the_transport() -> None:
+@pytest.mark.parametrize("splice", [True, False], ids=["vmsplice", "sendall"])
+async def test_bulk_transfers_round_trip_and_agree_with_the_transport(
+    splice: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """BulkTcp writes what the trio transport reads and back, over two connections,
-    pieces larger than one request, and ranges it refuses."""
+    pieces larger than one request, and ranges it refuses; writes of 64 KiB and more
+    go by reference (vmsplice) where the system has it, and by copy otherwise."""
+    from memfs.transport import bulk as bulk_mod
+    from memfs.transport import splice as splice_mod
     from memfs.transport.bulk import BulkTcp
+
+    if splice and not splice_mod.available():
+        pytest.skip("no vmsplice here")
+    monkeypatch.setattr(bulk_mod, "_SPLICE", splice)
+    sent = []
+    real_send = splice_mod.SpliceSender.send
+
+    def counting_send(self: splice_mod.SpliceSender, sock: object, view: memoryview,
+                      timeout: float | None) -> None:
+        sent.append(len(view))
+        real_send(self, sock, view, timeout)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(splice_mod.SpliceSender, "send", counting_send)
 
     async with memory_server(2, SIZE) as port:
         vols = [VolumeAddr("tcp", "127.0.0.1", port, v) for v in (0, 1)]
@@ -402,6 +421,8 @@ async def test_bulk_transfers_round_trip_and_agree_with_the_transport() -> None:
                                                       write=False))
             with pytest.raises(TransportError, match="no volume 7"):
                 await trio.to_thread.run_sync(partial(bulk.move, [(7, 0, view[:2])], write=True))
+            # the three writes above, whole (each under MAX_IO), by reference or not at all
+            assert sent == ([SIZE // 2] * 3 if splice else [])
         finally:
             await trio.to_thread.run_sync(bulk.close)
 
