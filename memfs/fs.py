@@ -539,8 +539,13 @@ class Operations(pyfuse3.Operations):
         if inode is not None:
             await self.meta.release(inode)
 
+    @_errno_boundary
     async def fsyncdir(self, fh: int, datasync: bool) -> None:
-        """Namespace changes are applied in memory at once."""
+        """Namespace changes are applied in memory at once; a cluster client's creates
+        made under a create lease are known to the metadata server once this returns."""
+        inode = self._dir_inodes.get(fh)
+        if inode is not None:
+            await self.meta.sync(inode)
 
     # -- misc ---------------------------------------------------------------------------
 

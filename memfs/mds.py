@@ -55,6 +55,8 @@ class MdsOptions:
     #: how long clients may trust their caches (memfs.meta.leases); 0: no caching
     lease_term: float = 4.0
     recall_timeout: float = 2.0
+    #: grant create leases (asynchronous creates); ``--sync-creates``: never
+    async_creates: bool = True
     #: burst buffer: this server writes the pool back to (and stages in from) a directory
     flush: FlushConfig | None = None
     #: serve Prometheus metrics here (``--metrics``)
@@ -300,6 +302,7 @@ async def _main(opts: MdsOptions, journal: Journal | None) -> int:
             store, opts.secret, opts.pool, journal, session_grace=opts.grace,
             lease_term=opts.lease_term, recall_timeout=opts.recall_timeout,
         )
+        server.async_creates = opts.async_creates
         from memfs.transport.pool import as_tcp
         from memfs.transport.tcp import Fences, server_name
 

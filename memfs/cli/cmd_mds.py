@@ -32,6 +32,7 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.recall_timeout <= 600:
         raise UsageError(f"bad --recall-timeout {args.recall_timeout}: expected seconds, above 0")
     opts.lease_term, opts.recall_timeout = args.lease_term, args.recall_timeout
+    opts.async_creates = not args.sync_creates
     opts.metrics = parse_hostport(args.metrics, "--metrics") if args.metrics else None
     opts.flush = flush_from_args(
         args, opts.volume_size * len(opts.pool) if opts.volume_size is not None else None

@@ -120,6 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     ms.add_argument("--recall-timeout", type=float, default=2.0, metavar="SECONDS",
                    help="a client that does not answer a recall within this is evicted; the "
                         "change then waits at most --lease-term more (default 2)")
+    ms.add_argument("--sync-creates", action="store_true",
+                   help="every create waits for this server (by default a client alone in a "
+                        "directory creates files there itself and tells this server without "
+                        "waiting: a create lease, recalled before anyone else looks)")
     ms.add_argument("--debug", "-d", action="store_true", help="log at debug level")
     ms.add_argument("--metrics", metavar="HOST:PORT",
                    help="serve Prometheus metrics at http://HOST:PORT/metrics")

@@ -241,7 +241,8 @@ class Meta(abc.ABC):
         return 0
 
     async def sync(self, ino: int) -> None:  # noqa: B027 (a no-op unless a client caches)
-        """fsync: make *ino*'s size and mtime exact on the metadata service."""
+        """fsync: make *ino*'s size and mtime exact on the metadata service (and its
+        creation, or for a directory the creates in it, known there)."""
 
     @abc.abstractmethod
     async def drop_privileges(self, ino: int, set_ids: bool) -> bool:

@@ -89,6 +89,8 @@ class ClientCache:
         self.kernel_inodes: set[int] = set()
         #: the kernel was told it may cache names (see LeaseKeeper.entry_ttl)
         self.kernel_names = False
+        #: directories whose create lease we hold (memfs.meta.creates)
+        self.creators: set[int] = set()
 
     # -- the lease -------------------------------------------------------------------------
 
@@ -264,6 +266,7 @@ class ClientCache:
 
     def drop(self, ino: int) -> None:
         """Forget everything about *ino* (a recall): its maps may no longer be used."""
+        self.creators.discard(ino)
         self.attrs.pop(ino, None)
         self.dirs.pop(ino, None)
         self.files.pop(ino, None)
@@ -289,6 +292,7 @@ class ClientCache:
         self.dirs.clear()
         self.files.clear()
         self.xattrs.clear()
+        self.creators.clear()
         self._gens.clear()
         self._epoch += _EPOCH
         self.until = 0.0

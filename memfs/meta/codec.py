@@ -230,6 +230,11 @@ def _none_to_wire(v: None) -> None:
     return None
 
 
+def _server_only(m: Meta) -> Callable[..., Awaitable[Any]]:
+    """A call the metadata server serves itself (it needs the caller's session)."""
+    raise TypeError("served by memfs.meta.server, not by a Meta")
+
+
 # kind: "read" (no change, retried), "mutates" (journaled, never retried), "session" (open
 # counts: per client session on the server, never journaled, never retried)
 METHODS: dict[str, Method] = {m.name: m for m in [
@@ -269,6 +274,13 @@ METHODS: dict[str, Method] = {m.name: m for m in [
     _m("settle", "int int int int", _none_to_wire, _none_from_wire, "mutates", lambda m: m.settle_write),
     # waits for the server's scrubber; the chunks it cleans are journaled as they go
     _m("reclaim", "", _none_to_wire, _none_from_wire, "session", lambda m: m.reclaim),
+    # asynchronous creates under a create lease (memfs.meta.leases): inode numbers reserved
+    # for the session (count -> first), and a create with one of them at the client's time
+    # (parent, name, mode, uid, gid, ino, time_ns); both journaled by the server itself
+    _m("reserve_inos", "int", _same, lambda v: check_int(v, "first reserved inode"), "session",
+       _server_only),
+    _m("create_at", "int bytes int int int int int", attr_to_wire, attr_from_wire, "session",
+       _server_only),
 ]}
 
 

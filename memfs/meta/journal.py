@@ -87,7 +87,10 @@ LOST_WRITE = "_lost_write"  # [ino, session id, 1|0]: MetaStore.lost_write
 #: session registered for the first time in this run [sid], the grace ended, a
 #: session expired [sid]
 NEW_RUN, REGISTERED, GRACE_ENDED, SESSION_GONE = "_run", "_registered", "_grace_end", "_gone"
-SESSION_RECORDS = (LOST_WRITE, NEW_RUN, REGISTERED, GRACE_ENDED, SESSION_GONE)
+#: asynchronous creates: inode numbers reserved for a session [sid, first, count], and
+#: a create with one of them [sid, parent, name, mode, uid, gid, ino] (MetaStore.create_at)
+RESERVE_INOS, CREATE_AT = "_inos", "_create_at"
+SESSION_RECORDS = (LOST_WRITE, NEW_RUN, REGISTERED, GRACE_ENDED, SESSION_GONE, RESERVE_INOS, CREATE_AT)
 
 #: the Inode fields a snapshot keeps, in order; ``opens`` is deliberately absent
 INODE_FIELDS = (
@@ -188,6 +191,7 @@ def dump_state(
         "reserved": sorted([vol, voff] for vol, voff in store.reserved),
         "unsaid": [[ino, sorted(sids)] for ino, sids in sorted(store.unsaid.items())],
         "sessions": [sorted(store.eligible), sorted(store.this_run)],
+        "delegated": [[sid, sorted(inos)] for sid, inos in sorted(store.delegated.items())],
         "backing": extension,
     }
 
@@ -236,6 +240,7 @@ def load_state(state: Any, pool: PoolConfig) -> MetaStore:
         store.unsaid = {int(ino): {bytes(x) for x in sids} for ino, sids in state.get("unsaid", ())}
         eligible, this_run = state.get("sessions", ((), ()))
         store.eligible, store.this_run = {bytes(x) for x in eligible}, {bytes(x) for x in this_run}
+        store.delegated = {bytes(sid): {int(x) for x in inos} for sid, inos in state.get("delegated", ())}
         store.rebuild_names()
         return store
     except (KeyError, TypeError, ValueError, AssertionError) as exc:
@@ -396,6 +401,19 @@ async def apply_record(
             return
         if method == GRACE_ENDED:
             store.grace_ended()
+            return
+        if method == RESERVE_INOS:
+            sid, first, count = raw
+            if store.reserve_inos(codec.check_bytes(sid, "session"), codec.check_int(count, "count")) \
+                    != codec.check_int(first, "inode"):
+                raise JournalError(f"record {seq}: reserved inode numbers do not match")
+            return
+        if method == CREATE_AT:
+            sid, parent, name, mode, uid, gid, ino = raw
+            store.create_at(codec.check_bytes(sid, "session"), codec.check_int(parent, "inode"),
+                            codec.check_bytes(name, "name"), codec.check_int(mode, "mode"),
+                            codec.check_int(uid, "uid"), codec.check_int(gid, "gid"),
+                            codec.check_int(ino, "inode"))
             return
         if method in (REGISTERED, SESSION_GONE):
             (sid,) = raw

@@ -19,6 +19,7 @@ import trio
 from memfs import wire
 from memfs.errors import FsError
 from memfs.meta.cache import ClientCache
+from memfs.meta.creates import AsyncCreates
 from memfs.meta.leases import items_from_wire
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,9 @@ class RecallChannel(Protocol):
 
     def send_recalled(self, rid: int, payload: bytes) -> None: ...
 
+    def flush_held(self) -> None:
+        """Send the calls held for a batch now."""
+
     async def delivered(self) -> bool:
         """True once the server has read everything sent before (a reply came after)."""
         ...
@@ -55,8 +59,11 @@ class RecallChannel(Protocol):
 class LeaseKeeper:
     """See the module docstring.  ``tasks`` (a nursery) must be set before recalls come."""
 
-    def __init__(self, cache: ClientCache, call: Callable[..., Awaitable[Any]], kernel: KernelHooks) -> None:
+    def __init__(self, cache: ClientCache, call: Callable[..., Awaitable[Any]], kernel: KernelHooks,
+                 creates: AsyncCreates | None = None) -> None:
         self.cache = cache
+        #: creates made under create leases, not answered yet (memfs.meta.creates)
+        self.creates = creates
         #: RemoteMeta._call: how ``settle`` reaches the server
         self.call = call
         #: the FUSE layer's kernel-cache invalidation, if any (looked up when needed)
@@ -81,9 +88,15 @@ class LeaseKeeper:
         told: list[tuple[int, tuple[int, int]]] = []
         inos: list[int] = []
         names_changed = False
+        created_in: list[int] = []
         done = trio.Event()
         for ino, names, revoke in items:
             names_changed = names_changed or bool(names)
+            if ino in cache.creators:
+                # Our create lease ends: no more creates here without asking, and the
+                # answer waits for those made (the caller must see them).
+                cache.creators.discard(ino)
+                created_in.append(ino)
             if revoke:
                 a = cache.attrs.get(ino)
                 took = cache.take_write(ino)
@@ -98,13 +111,13 @@ class LeaseKeeper:
             cache.drop(ino)  # names of a directory: its whole entry cache goes
             inos.append(ino)
         if names_changed:
-            self._forget_kernel_names()
+            self.forget_kernel_names()
         assert self.tasks is not None
-        self.tasks.start_soon(self._finish_recall, conn, rid, inos, settles, told, done)
+        self.tasks.start_soon(self._finish_recall, conn, rid, inos, settles, told, done, created_in)
 
     async def _finish_recall(
         self, conn: RecallChannel, rid: int, inos: list[int], settles: list[list[int]],
-        told: list[tuple[int, tuple[int, int]]], done: trio.Event,
+        told: list[tuple[int, tuple[int, int]]], done: trio.Event, created_in: list[int],
     ) -> None:
         """Let transfers that use the old chunk maps end, drop the kernel's caches, answer.
 
@@ -113,6 +126,9 @@ class LeaseKeeper:
         itself wait for the server): before the server's patience runs out.
         """
         with trio.move_on_after(self.answer_within):
+            if created_in and self.creates is not None:
+                conn.flush_held()
+                await self.creates.wait(created_in)
             await self.cache.wait_unpinned(inos)
             invalidate = self.kernel.invalidator
             if invalidate is not None:
@@ -153,7 +169,7 @@ class LeaseKeeper:
         cache.kernel_inodes.clear()
         if had:
             log.info("leases lost (%s): dropping %d cached inodes", why, len(inos))
-        self._forget_kernel_names()
+        self.forget_kernel_names()
         if inos:
             self.drop_kernel(inos)
 
@@ -164,7 +180,7 @@ class LeaseKeeper:
         if invalidate is not None and self.tasks is not None:
             self.tasks.start_soon(self._invalidate_all, invalidate, inos)
 
-    def _forget_kernel_names(self) -> None:
+    def forget_kernel_names(self) -> None:
         """Every name the kernel cached goes (lock-free, so at once: a create on this
         node may hold the directory's lock while it waits for the server, which waits
         for this recall)."""

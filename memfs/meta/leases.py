@@ -26,6 +26,16 @@ Kinds of holding (CephFS capabilities and Lustre LDLM locks in miniature):
   revokes the write lease: the holder answers with its exact size and mtime,
   which are applied before that call runs.  Unused preallocated chunks (past
   EOF) are freed when a write lease ends.
+* **create** (a write lease on a directory; at most one session, and only while
+  no other session holds the directory at all): it may create regular files in
+  it without waiting for the server (CephFS's asynchronous creates).  It names
+  the new inode itself, from numbers reserved for it (``reserve_inos``), and
+  sends ``create_at`` calls that it does not wait for; any other session's call
+  that reads or changes the directory (a lookup or listing in it, its
+  attributes, a change of its entries) first revokes the lease, and the holder
+  answers only once every create it made has been answered, so that call sees
+  them all.  A holder that does not answer is evicted as usual; it sends its
+  unanswered creates again when it registers (in order, before anything else).
 
 Time bounds (``term`` and ``recall_timeout``): a client trusts its caches only
 until ``term`` seconds after it *sent* the last request the server answered;
@@ -196,6 +206,19 @@ class LeaseTable:
         for h, touched in self.holders.get(ino, {}).items():
             if touched and h is not holder:
                 return False
+        self.writers[ino] = holder
+        return True
+
+    def grant_directory(self, holder: Holder, ino: int) -> bool:
+        """Make *holder* the creator of directory *ino* (a create lease) if no other
+        session holds anything of it, touched or not (their kernels may hold names)."""
+        if ino in self._recalling:
+            return False
+        w = self.writers.get(ino)
+        if w is not None:
+            return w is holder
+        if any(h is not holder for h in self.holders.get(ino, ())):
+            return False
         self.writers[ino] = holder
         return True
 

@@ -67,6 +67,7 @@ from memfs.meta import (
 )
 from memfs.meta.cache import ClientCache
 from memfs.meta.conn import MAX_REPLY, ROLE, FrameSocket
+from memfs.meta.creates import CREATE_HOLD, RESERVE, AsyncCreates
 from memfs.meta.lease_client import LeaseKeeper
 from memfs.net import connect
 from memfs.wire import Kind, WireError
@@ -157,15 +158,20 @@ class FilesystemGone(FsError):
         super().__init__(errno.EIO, msg)
 
 
-class _Pending:
-    __slots__ = ("event", "kind", "payload", "lost", "on_ok", "sent")
+#: run by the reader as a reply is read (no reconnection in between): (kind, payload)
+OnReply = Callable[[Kind, bytes], None]
 
-    def __init__(self, on_ok: Callable[[bytes], None] | None, sent: float) -> None:
+
+class _Pending:
+    __slots__ = ("event", "kind", "payload", "lost", "on_ok", "on_fail", "sent")
+
+    def __init__(self, on_ok: OnReply | None, sent: float, on_fail: OnReply | None = None) -> None:
         self.event = trio.Event()
         self.kind = Kind.ERROR
         self.payload = b""
         self.lost = False
         self.on_ok = on_ok
+        self.on_fail = on_fail
         self.sent = sent
 
 
@@ -196,8 +202,10 @@ class _Connection:
         self._last_send = trio.current_time()
         #: calls without reply not sent yet: they go with the next call (or ping)
         self._held = bytearray()
+        #: set when an asynchronous create is held: it leaves within CREATE_HOLD
+        self._flush_soon = trio.Event()
 
-    def request(self, payload: bytes, on_ok: Callable[[bytes], None] | None = None) -> tuple[int, _Pending]:
+    def request(self, payload: bytes, on_ok: OnReply | None = None) -> tuple[int, _Pending]:
         """Send a call (no await: callers do their bookkeeping atomically with it)."""
         rid = self._next_id
         self._next_id = rid % 0xFFFFFFFF + 1
@@ -209,6 +217,10 @@ class _Connection:
             self._held += frame
             frame = bytes(self._held)
             self._held.clear()
+        self._send(frame, now)
+        return rid, p
+
+    def _send(self, frame: bytes, now: float) -> None:
         try:
             self.fs.send_now(frame)
         except trio.BrokenResourceError as exc:
@@ -217,7 +229,31 @@ class _Connection:
             if self.fs.pending():
                 self._wake.set()
         self._last_send = now
-        return rid, p
+
+    def hold(self, payload: bytes, on_ok: OnReply, on_fail: OnReply) -> None:
+        """A call whose answer nobody waits for (an asynchronous create): it leaves with
+        the next call, or at most ``CREATE_HOLD`` later with the others held meanwhile;
+        the reader hands its answer to *on_ok* or *on_fail* (a lost connection: neither)."""
+        rid = self._next_id
+        self._next_id = rid % 0xFFFFFFFF + 1
+        self.pending[rid] = _Pending(on_ok, trio.current_time(), on_fail)
+        self._held += wire.frame(Kind.CALL, rid, payload)
+        if not self._flush_soon.is_set():
+            self._flush_soon.set()
+
+    def flush_held(self) -> None:
+        """Send the held calls now."""
+        if self._held and not self.dead:
+            frame = bytes(self._held)
+            self._held.clear()
+            self._send(frame, trio.current_time())
+
+    async def _flusher(self) -> None:
+        while True:
+            await self._flush_soon.wait()
+            await trio.sleep(CREATE_HOLD)
+            self._flush_soon = trio.Event()
+            self.flush_held()
 
     def cast(self, payload: bytes) -> None:
         """A call that wants no reply (request id 0): the server runs it in order with
@@ -259,6 +295,7 @@ class _Connection:
                     nursery.start_soon(self._reader)
                     nursery.start_soon(self._keepalive)
                     nursery.start_soon(self._watchdog)
+                    nursery.start_soon(self._flusher)
         finally:
             self.dead = True
             self.fs.close()
@@ -308,8 +345,11 @@ class _Connection:
                     if cache.term:
                         cache.renew(p.sent)
                     p.kind, p.payload = h.kind, payload
-                    if p.on_ok is not None and h.kind in _OK_KINDS:
-                        p.on_ok(payload)
+                    if h.kind in _OK_KINDS:
+                        if p.on_ok is not None:
+                            p.on_ok(h.kind, payload)
+                    elif p.on_fail is not None:
+                        p.on_fail(h.kind, payload)
                     p.event.set()
             if silent.cancelled_caught:
                 self.kill(f"silent for {limit:.0f} s")
@@ -365,7 +405,10 @@ class RemoteMeta(Meta):
         self._gone: FilesystemGone | None = None
         #: what this client may serve without asking, under its lease
         self.cache = ClientCache()
-        self.leases = LeaseKeeper(self.cache, self._call, self)
+        #: creates made under create leases (memfs.meta.creates)
+        self.creates = AsyncCreates(self.cache)
+        self._reserving: trio.Event | None = None
+        self.leases = LeaseKeeper(self.cache, self._call, self, self.creates)
         #: (inode, map window) -> set once the map_read that will bring it has ended
         self._maps_asked: dict[tuple[int, int], trio.Event] = {}
         #: inodes whose last map_read answer was not cacheable (reads do not wait)
@@ -538,11 +581,16 @@ class RemoteMeta(Meta):
         told = {**self.cache.answered, **self.cache.dirty}
         settles = [[ino, size, mtime] for ino, (size, mtime) in told.items()]
         failed: list[int] = []
+        # Creates made under create leases and not answered: applied first, in order.
+        creates = self.creates.unanswered()
         while True:
             version = self._opens_version
             claimed = [[ino, n] for ino, n in self.opens.items() if n > 0]
+            call: list[Any] = ["session", self.session, claimed, settles]
+            if creates:
+                call.append(creates)
             await fs.send(
-                wire.frame(Kind.CALL, 1, wire.encode(["session", self.session, claimed, settles]))
+                wire.frame(Kind.CALL, 1, wire.encode(call))
                 + wire.frame(Kind.CALL, 2, wire.encode(["describe"]))
             )
             replies: dict[int, tuple[wire.Header, bytes]] = {}
@@ -558,8 +606,18 @@ class RemoteMeta(Meta):
                     err, msg = wire.decode_error(payload)
                     raise FsError(err, f"metadata server refused registration: {msg}")
                 values.append(wire.decode(payload))
-            gone, refused, token = codec.check_list(values[0], "registration", 3)
+            answer = codec.check_list(values[0], "registration", 4 if creates else 3)
+            gone, refused, token = answer[:3]
             self.token = codec.check_int(token, "lease token")
+            if creates:
+                refused_creates = {codec.check_int(ino, "create"): codec.check_int(err, "errno")
+                                   for ino, err in (codec.check_list(x, "create", 2)
+                                                    for x in codec.check_list(answer[3], "creates"))}
+                for args in creates:
+                    ino = args[5]
+                    if self.creates.answered(ino) is not None and ino in refused_creates:
+                        self._create_failed(ino, args[0], args[1], refused_creates[ino], "")
+                creates = []
             lost = [codec.check_int(x, "lost inode") for x in codec.check_list(gone, "lost")]
             failed += [codec.check_int(x, "failed inode") for x in codec.check_list(refused, "failed")
                        if x not in failed]
@@ -577,7 +635,7 @@ class RemoteMeta(Meta):
 
     async def _roundtrip(
         self, method: str, payload: bytes, *, retry: bool,
-        on_send: Callable[[], None] | None = None, on_ok: Callable[[bytes], None] | None = None,
+        on_send: Callable[[], None] | None = None, on_ok: OnReply | None = None,
     ) -> tuple[Kind, bytes]:
         # No cancel scope per call (it showed in profiles): a call on the wire is
         # bounded by its connection's watchdog, which ends a connection whose oldest
@@ -620,7 +678,7 @@ class RemoteMeta(Meta):
                                  f"within {self.timeout:g} s")
 
     async def _call_kind(
-        self, method: str, *args: Any, on_ok: Callable[[bytes], None] | None = None,
+        self, method: str, *args: Any, on_ok: OnReply | None = None,
         on_send: Callable[[], None] | None = None,
     ) -> tuple[Kind, Any]:
         """A call's reply kind (OK, OK_CACHE, OK_WRITE) and result."""
@@ -642,7 +700,7 @@ class RemoteMeta(Meta):
             log.error("bad %s reply from the metadata server: %s", method, exc)
             raise FsError(errno.EIO, f"bad {method} reply from the metadata server") from None
 
-    async def _call(self, method: str, *args: Any, on_ok: Callable[[bytes], None] | None = None,
+    async def _call(self, method: str, *args: Any, on_ok: OnReply | None = None,
                     on_send: Callable[[], None] | None = None) -> Any:
         return (await self._call_kind(method, *args, on_ok=on_ok, on_send=on_send))[1]
 
@@ -710,6 +768,17 @@ class RemoteMeta(Meta):
 
     async def sync(self, ino: int) -> None:
         self._check_write_error(ino)
+        if self.creates.pending_under(ino):
+            # A create made under a create lease (of this file, or in this directory)
+            # is durable once the server has answered it.
+            conn = self._conn
+            if conn is not None:
+                conn.flush_held()
+            with trio.move_on_after(self.timeout * 2) as scope:
+                await self.creates.wait([ino])
+            if scope.cancelled_caught:
+                raise FsError(errno.EIO, f"the metadata server has not confirmed the create of "
+                                         f"inode {ino} (or of files in it)")
         cache = self.cache
         if ino in cache.dirty:
             await self.leases.settle(ino, trim=False)
@@ -839,15 +908,86 @@ class RemoteMeta(Meta):
         return a
 
     async def create(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Attr:
-        def counted(payload: bytes) -> None:  # runs as the reply is read: no reconnection in between
+        if parent in self.cache.creators:
+            a = await self._create_here(parent, name, mode, uid, gid)
+            if a is not None:
+                return a
+
+        def counted(kind: Kind, payload: bytes) -> None:  # as the reply is read: no reconnection in between
             ino = wire.decode(payload)[0]
             self.opens[ino] = self.opens.get(ino, 0) + 1
             self._opens_version += 1
+            if kind is Kind.OK_WRITE:  # a create lease on the directory (before any recall of it)
+                self.cache.creators.add(parent)
 
         kind, a = await self._call_kind("create", parent, name, mode, uid, gid, on_ok=counted)
+        if kind is Kind.OK_WRITE:
+            kind = Kind.OK_CACHE
         self._created(kind, parent, name, a)
         self._last_open = (a.ino, kind is Kind.OK_CACHE)
         return a
+
+    async def _create_here(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Attr | None:
+        """Create under our create lease on *parent* (memfs.meta.creates): answered
+        here, the server told without waiting.  None: this one must ask the server."""
+        creates = self.creates
+        if not creates.inos:
+            await self._reserve_inos()
+        conn = self._conn
+        if conn is None or conn.dead:
+            return None
+        made = creates.make(parent, name, mode, uid, gid, _now_ns())
+        if made is None:
+            return None
+        a, args = made
+        ino = a.ino
+
+        def ok(kind: Kind, payload: bytes) -> None:
+            creates.answered(ino)
+
+        def failed(kind: Kind, payload: bytes) -> None:
+            if creates.answered(ino) is not None:
+                self._create_failed(ino, parent, name, *wire.decode_error(payload))
+
+        conn.hold(wire.encode(codec.encode_call("create_at", *args)), ok, failed)
+        self.opens[ino] = self.opens.get(ino, 0) + 1
+        self._opens_version += 1
+        self._created(Kind.OK_CACHE, parent, name, a)
+        self._last_open = (ino, True)
+        return a
+
+    async def _reserve_inos(self) -> None:
+        """Ask for inode numbers for our creates (once at a time)."""
+        if self._reserving is not None:
+            await self._reserving.wait()
+            return
+        self._reserving = done = trio.Event()
+        try:
+            first = await self._call("reserve_inos", RESERVE)
+            self.creates.inos.extend(range(first, first + RESERVE))
+        except FsError as exc:
+            log.debug("no inode numbers reserved: %s", exc)
+            if exc.errno == errno.EOPNOTSUPP:
+                self.cache.creators.clear()
+        finally:
+            self._reserving = None
+            done.set()
+
+    def _create_failed(self, ino: int, parent: int, name: bytes, err: int, msg: str) -> None:
+        """The server refused a create we made under a create lease (we lost the lease
+        meanwhile, and the name or our numbers with it): the file is gone."""
+        log.error("create of %r in inode %d (inode %d), made under a create lease, was refused "
+                  "by the metadata server: %s; its writers get EIO", name, parent, ino,
+                  msg or os.strerror(err))
+        if err == errno.EINVAL:  # our reserved numbers are not ours any more
+            self.creates.inos.clear()
+        if self.opens.get(ino):
+            self.write_errors.add(ino)
+        self.cache.drop(ino)
+        self.cache.drop_entry(parent, name)
+        self.cache.attrs.pop(parent, None)
+        self.leases.drop_kernel([ino, parent])
+        self.leases.forget_kernel_names()
 
     async def link(self, ino: int, parent: int, name: bytes) -> Attr:
         kind, a = await self._call_kind("link", ino, parent, name)
@@ -905,7 +1045,7 @@ class RemoteMeta(Meta):
         return entries
 
     async def open(self, ino: int) -> Attr:
-        def counted(payload: bytes) -> None:  # runs as the reply is read: no reconnection in between
+        def counted(kind: Kind, payload: bytes) -> None:  # as the reply is read: no reconnection in between
             self.opens[ino] = self.opens.get(ino, 0) + 1
             self._opens_version += 1
 

@@ -51,7 +51,16 @@ from memfs.config import VolumeAddr
 from memfs.errors import FsError, UsageError
 from memfs.meta import Meta, codec
 from memfs.meta.conn import MAX_REPLY, ROLE, FrameSocket
-from memfs.meta.journal import GRACE_ENDED, LOST_WRITE, NEW_RUN, REGISTERED, SESSION_GONE, Journal
+from memfs.meta.journal import (
+    CREATE_AT,
+    GRACE_ENDED,
+    LOST_WRITE,
+    NEW_RUN,
+    REGISTERED,
+    RESERVE_INOS,
+    SESSION_GONE,
+    Journal,
+)
 from memfs.meta.leases import (
     LEASE_TERM,
     RECALL_TIMEOUT,
@@ -98,8 +107,10 @@ MAX_AHEAD = 64 << 20
 _LEASED = frozenset({
     "lookup", "getattr", "setattr", "truncate", "mknod", "create", "link", "unlink", "rmdir",
     "rename", "readlink", "readdir", "readdirplus", "open", "map_read", "map_write",
-    "allocate_ahead", "getxattr",
+    "allocate_ahead", "getxattr", "create_at",
 })
+#: most inode numbers one reserve_inos call hands a session
+MAX_RESERVE = 4096
 
 
 #: calls that may allocate or free a file's chunks (args[0] is the file; sizes go by
@@ -267,12 +278,20 @@ class MetaServer:
         self._fence_seq = 0
         #: request counters and latencies (``memfs mds --metrics``); None: not kept
         self.metrics: Metrics | None = None
+        #: grant create leases (``memfs mds --sync-creates`` turns them off)
+        self.async_creates = True
 
     @property
     def write_leases(self) -> bool:
         """Write leases need every write to reach the store: not with a backing
         directory, whose write-back follows each map_write."""
         return self.leases.term > 0 and self.meta is self.store
+
+    @property
+    def create_leases(self) -> bool:
+        """Create leases (asynchronous creates) need write leases, and a create that
+        needs nothing of a backing directory (it reserves names there)."""
+        return self.write_leases and self.async_creates
 
     def gauges(self) -> dict[str, float]:
         """This server's numbers for ``--metrics`` (sessions, leases, journal)."""
@@ -304,8 +323,12 @@ class MetaServer:
         self._journal_destroys()
 
     def _lost_write(self, holder: Any, ino: int) -> None:
-        """*holder*'s write lease on *ino* ended without its word (MetaStore.unsaid)."""
-        self._lost_write_of(ino, holder.sid)
+        """*holder*'s write lease on *ino* ended without its word (MetaStore.unsaid).
+        A directory's (a create lease) leaves nothing behind: its creates that never
+        arrived are the client's to send again."""
+        i = self.store.inodes.get(ino)
+        if i is not None and i.children is None:
+            self._lost_write_of(ino, holder.sid)
 
     def _lost_write_of(self, ino: int, sid: bytes, lost: bool = True) -> None:
         if self.store.lost_write(ino, sid, lost) and self.journal is not None:
@@ -717,6 +740,10 @@ class MetaServer:
             elif m.name == "release":
                 await self._release(session, args[0])
                 result = None
+            elif m.name == "reserve_inos":
+                result = self._reserve_inos(session, args[0])
+            elif m.name == "create_at":
+                result = self._create_at(session, args)
             elif m.name == "settle":
                 # Only the writer's reports count: one sent before its lease was
                 # revoked arrives after the revocation's (newer) answer.
@@ -775,6 +802,9 @@ class MetaServer:
                 if (m.name == "allocate_ahead" and self.write_leases
                         and self.leases.grant_write(session, args[0])):
                     kind = Kind.OK_WRITE
+                elif (m.name == "create" and self.create_leases
+                        and self.leases.grant_directory(session, args[0])):
+                    kind = Kind.OK_WRITE  # a create lease on the directory
                 if m.name in ("map_read", "allocate_ahead"):
                     body = self._widened(m.name, args, result) or body
         return kind, body
@@ -805,19 +835,28 @@ class MetaServer:
         if name in ("getattr", "open", "map_read", "readlink"):
             return [Item(args[0], write_only=True)] if args[0] in leases.writers else []
         if name == "lookup":
+            if not leases.writers:
+                return []
             d = store.inodes.get(args[0])
             child = d.children.get(args[1]) if d is not None and d.children is not None else None
-            return [Item(child, write_only=True)] if child in leases.writers else []
-        if name == "readdirplus":
+            items = [Item(child, write_only=True)] if child in leases.writers else []
+            if args[0] in leases.writers:  # a create lease: its creates must arrive first
+                items.append(Item(args[0], write_only=True))
+            return items
+        if name in ("readdirplus", "readdir"):
             d = store.inodes.get(args[0])
             if not leases.writers or d is None or d.children is None:
                 return []
-            return [Item(c, write_only=True) for c in d.children.values() if c in leases.writers]
+            items = [Item(c, write_only=True) for c in d.children.values()
+                     if c in leases.writers] if name == "readdirplus" else []
+            if args[0] in leases.writers:
+                items.append(Item(args[0], write_only=True))
+            return items
         if name in ("setattr", "truncate", "map_write", "allocate_ahead", "setxattr", "removexattr"):
             return [Item(args[0])]
         if name == "drop_privileges":  # only if there is something to drop
             return [Item(args[0])] if store.has_privileges(args[0], bool(args[1])) else []
-        if name in ("mknod", "create"):
+        if name in ("mknod", "create", "create_at"):
             return [Item(args[0], (args[1],), directory=True)]
         if name == "link":
             return [Item(args[0]), Item(args[1], (args[2],), directory=True)]
@@ -864,7 +903,7 @@ class MetaServer:
     @staticmethod
     def _holds(name: str, args: list[Any], result: Any) -> list[int]:
         """Inodes whose state a reply to call *name* carries (the caller caches them)."""
-        if name in ("lookup", "mknod", "create"):
+        if name in ("lookup", "mknod", "create", "create_at"):
             return [args[0], result.ino]
         if name == "link":
             return [args[1], args[0]]
@@ -930,7 +969,7 @@ class MetaServer:
             except Exception:
                 log.exception("%s: control %s failed", conn.peer, op)
                 raise FsError(errno.EIO, "internal error in the metadata server") from None
-        if name == "session" and len(raw) in (2, 3):
+        if name == "session" and len(raw) in (2, 3, 4):
             sid = codec.check_bytes(raw[0], "session id")
             if not 8 <= len(sid) <= 64:
                 raise WireError("session id of a bad length")
@@ -940,8 +979,14 @@ class MetaServer:
                 if not 0 < count <= MAX_HANDLES:
                     raise WireError(f"open handle count {count} out of range")
                 claimed[ino] = claimed.get(ino, 0) + count
-            settles = settles_from_wire(raw[2]) if len(raw) == 3 else []
-            return await self._claim_session(conn, sid, claimed, settles)
+            settles = settles_from_wire(raw[2]) if len(raw) >= 3 else []
+            if len(raw) < 4:
+                return await self._claim_session(conn, sid, claimed, settles)
+            creates = []
+            for item in codec.check_list(raw[3], "creates"):
+                m, args = codec.decode_call(["create_at", *codec.check_list(item, "create", 7)])
+                creates.append(args)
+            return await self._claim_session(conn, sid, claimed, settles, creates)
         raise WireError(f"malformed {name} call")
 
     # -- sessions and open counts -----------------------------------------------------------
@@ -954,6 +999,7 @@ class MetaServer:
     async def _claim_session(
         self, conn: _Conn, sid: bytes, claimed: dict[int, int],
         settles: list[tuple[int, int, int]] | None = None,
+        creates: list[list[Any]] | None = None,
     ) -> list[Any]:
         """Attach *conn* to session *sid* and make its open counts exactly *claimed*.
 
@@ -1035,6 +1081,20 @@ class MetaServer:
         for o in olds:
             self.leases.forget(o, said=True)
         self.leases.forget(s, said=True)  # it has just said every size it had
+        # Creates it made under a create lease and has no answer to (in its order; one
+        # that arrived before is answered as it is): before its claims, which count
+        # their handles.
+        failed_creates = []
+        for args in creates or ():
+            try:
+                await self._recall_for(s, "create_at", args)
+                self._create_at(s, args)
+            except FsError as exc:
+                log.warning("%s: create of %r in inode %d (inode %d), made under a create "
+                            "lease, failed on its way again: %s", conn.peer, args[1], args[0],
+                            args[5], exc.args[1] if len(exc.args) > 1 else exc)
+                failed_creates.append([args[5], exc.errno])
+            self._journal_destroys()
         lost = []
         for ino in set(claimed) | set(s.opens):
             want, have = claimed.get(ino, 0), s.opens.get(ino, 0)
@@ -1054,7 +1114,42 @@ class MetaServer:
         self._journal_destroys()
         if claimed:
             log.info("%s: session re-registered %d open inodes (%d gone)", conn.peer, len(claimed), len(lost))
+        if creates is not None:
+            return [sorted(lost), failed, s.token, failed_creates]
         return [sorted(lost), failed, s.token]
+
+    # -- asynchronous creates (create leases) -------------------------------------------------
+
+    def _reserve_inos(self, session: _Session, count: int) -> int:
+        if not self.create_leases:
+            raise FsError(errno.EOPNOTSUPP, "this metadata server makes every create itself")
+        if not 0 < count <= MAX_RESERVE:
+            raise FsError(errno.EINVAL, f"reserve 1 to {MAX_RESERVE} inode numbers, not {count}")
+        first = self.store.reserve_inos(session.sid, count)
+        if self.journal is not None:
+            self.journal.append(self._t, RESERVE_INOS, [session.sid, first, count])
+        return first
+
+    def _create_at(self, session: _Session, args: list[Any]) -> Any:
+        """A create a client made under its create lease (see memfs.meta.leases): at
+        its time, with an inode number reserved for it, and the file open there."""
+        parent, name, mode, uid, gid, ino, t = args
+        self._t = t
+        a, new = self.store.create_at(session.sid, parent, name, mode, uid, gid, ino)
+        if new:
+            self.store.inodes[ino].opens += 1
+            session.opens[ino] = session.opens.get(ino, 0) + 1
+            if self.journal is not None:
+                self.journal.append(t, CREATE_AT, [session.sid, parent, name, mode, uid, gid, ino])
+        return a
+
+    async def _recall_for(self, session: _Session, name: str, args: list[Any]) -> None:
+        """Recall what other sessions hold that call *name* changes."""
+        first = True
+        while (items := self._conflicts(session, name, args)) and \
+                self.leases.needs_recall(session, items, first=first):
+            await self.leases.recall(session, items)
+            first = False
 
     # -- fencing: a lease taken without the client's word ------------------------------
 

@@ -251,6 +251,10 @@ class MetaStore(Meta):
         #: journaled so that a crash during a grace does not widen what is accepted
         self.eligible: set[bytes] = set()
         self.this_run: set[bytes] = set()
+        #: session -> inode numbers reserved for its asynchronous creates (never handed
+        #: out otherwise: ``_next_ino`` moved past them).  Journaled (``reserve_inos``,
+        #: ``create_at``; a session's go when it does)
+        self.delegated: dict[bytes, set[int]] = {}
         #: called with each change the burst buffer makes outside metadata calls
         #: (``_reserve``, ``_install``, ``_unreserve``, ``_evict``: the journal records them)
         self.on_backing: Callable[[str, list[Any]], None] | None = None
@@ -264,9 +268,10 @@ class MetaStore(Meta):
 
     # -- helpers -----------------------------------------------------------------
 
-    def _new_inode(self, mode: int, uid: int, gid: int, now: int) -> Inode:
-        ino = self._next_ino
-        self._next_ino += 1
+    def _new_inode(self, mode: int, uid: int, gid: int, now: int, ino: int = 0) -> Inode:
+        if not ino:
+            ino = self._next_ino
+            self._next_ino += 1
         inode = Inode(ino, mode, uid, gid, now)
         if stat.S_ISDIR(mode):
             inode.children = {}
@@ -531,10 +536,10 @@ class MetaStore(Meta):
 
     def _mknod_now(
         self, parent: int, name: bytes, mode: int, uid: int, gid: int,
-        rdev: int, target: bytes | None, *, exact: bool = False,
+        rdev: int, target: bytes | None, *, exact: bool = False, ino: int = 0,
     ) -> Attr:
         """*exact*: an existing file is entered as it is (no setgid inheritance, the
-        parent's mtime stays)."""
+        parent's mtime stays); *ino*: a number reserved for it (``create_at``)."""
         d = self._dir(parent)
         assert d.children is not None
         _check_name(name)
@@ -547,7 +552,7 @@ class MetaStore(Meta):
             gid = d.gid
             if stat.S_ISDIR(mode):
                 mode |= stat.S_ISGID
-        inode = self._new_inode(mode, uid, gid, now)
+        inode = self._new_inode(mode, uid, gid, now, ino)
         inode.rdev = rdev
         inode.parent = d.ino
         inode.name = name
@@ -734,6 +739,38 @@ class MetaStore(Meta):
         a = self._mknod_now(parent, name, mode, uid, gid, 0, None)
         self.inodes[a.ino].opens += 1
         return a
+
+    # -- asynchronous creates (see memfs.meta.leases, "create leases") -----------------
+
+    def reserve_inos(self, sid: bytes, count: int) -> int:
+        """Reserve *count* inode numbers for session *sid*'s creates; the first."""
+        first = self._next_ino
+        self._next_ino += count
+        self.delegated.setdefault(sid, set()).update(range(first, first + count))
+        return first
+
+    def create_at(
+        self, sid: bytes, parent: int, name: bytes, mode: int, uid: int, gid: int, ino: int,
+    ) -> tuple[Attr, bool]:
+        """Create regular file *name* in *parent* as inode *ino*, one that was reserved
+        for *sid*; (its attributes, True if it was created now).  Applied already (a
+        client sends it again after a lost connection): (attributes, False)."""
+        i = self.inodes.get(ino)
+        if i is not None:
+            d = self.inodes.get(parent)
+            if d is not None and d.children is not None and d.children.get(name) == ino:
+                return self._attr(i), False
+            raise FsError(errno.EEXIST, f"inode {ino} exists under another name")
+        owned = self.delegated.get(sid)
+        if owned is None or ino not in owned:
+            raise FsError(errno.EINVAL, f"inode number {ino} was not reserved for this client")
+        if not stat.S_ISREG(mode):
+            raise FsError(errno.EINVAL, "only regular files are created asynchronously")
+        a = self._mknod_now(parent, name, mode, uid, gid, 0, None, ino=ino)
+        owned.discard(ino)
+        if not owned:
+            del self.delegated[sid]
+        return a, True
 
     async def release(self, ino: int) -> None:
         i = self.inodes.get(ino)
@@ -969,6 +1006,7 @@ class MetaStore(Meta):
         back it is a stranger to this run, whose sizes are refused)."""
         self.this_run.discard(sid)
         self.eligible.discard(sid)
+        self.delegated.pop(sid, None)  # numbers never used: they stay unused
         for ino in [i for i, sids in self.unsaid.items() if sid in sids]:
             self.lost_write(ino, sid, False)
 

@@ -418,6 +418,87 @@ def test_concurrent_creates_in_one_directory(cluster: Cluster) -> None:
             assert (mnt / "out" / name).read_bytes() == name[:2].encode()
 
 
+EMPTY_CREATOR = """
+import os, sys
+d, tag, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+for i in range(n):
+    os.close(os.open(os.path.join(d, tag + str(i)), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o640))
+print("created", n, flush=True)
+"""
+
+
+def create_on(cluster: Cluster, host: str, d: Path, tag: str, n: int, *, empty: bool) -> list[str]:
+    """*n* files made in *d* by a process on *host* (empty, or holding their tag)."""
+    script = EMPTY_CREATOR if empty else CREATOR
+    with on_host(cluster, host, script, str(d), tag, str(n)) as proc:
+        if not empty:
+            wait_line(proc, "ready")
+            tell(proc, "go")
+        out = proc.communicate(timeout=60)[0].decode()
+        assert proc.returncode == 0, out
+    return sorted(f"{tag}{i}" for i in range(n))
+
+
+def journaled(cluster: Cluster, record: bytes) -> int:
+    """Records of this kind in the mds's journal files (snapshots aside)."""
+    return sum(p.read_bytes().count(record) for p in (cluster.tmp / "journal").glob("journal.*"))
+
+
+def test_creates_under_a_create_lease(cluster: Cluster) -> None:
+    """A node alone in a directory creates files there without waiting for the mds (a
+    create lease; the mds hears of them in batches).  The other node's very next call
+    sees every one, with the same attributes; a stop of the creating node right after
+    its creates, and an mds restart, lose none; deleted, they leave no space behind."""
+    c1, c2 = cluster.mnt["c1"], cluster.mnt["c2"]
+    before = journaled(cluster, b"_create_at")
+    os.mkdir(c1 / "own")
+    names = create_on(cluster, "c1", c1 / "own", "a", 200, empty=False)
+    names += create_on(cluster, "c1", c1 / "own", "e", 200, empty=True)
+    assert sorted(os.listdir(c2 / "own")) == sorted(names)
+    same_stat(c2 / "own", c1 / "own")  # mtime: the last create's, on both nodes
+    for name in names[::23]:
+        st = same_stat(c2 / "own" / name, c1 / "own" / name)
+        assert (c2 / "own" / name).read_bytes() == (b"a" if name[0] == "a" else b"")
+        assert stat.S_IMODE(st.st_mode) == (0o644 if name[0] == "a" else 0o640)
+    # All but the first went without waiting (the first asked, and got the lease).
+    assert journaled(cluster, b"_create_at") - before >= len(names) - 2
+    # Now both nodes hold the directory: creates there ask the mds again, and are seen.
+    (c1 / "own" / "late").write_bytes(b"late")
+    assert (c2 / "own" / "late").read_bytes() == b"late"
+    names.append("late")
+
+    # Stopped right after its creates: c2's listing waits for the eviction and sees
+    # what reached the mds; continued, c1 sends what did not; nothing is lost.
+    os.mkdir(c1 / "own2")
+    more = create_on(cluster, "c1", c1 / "own2", "s", 300, empty=True)
+    with stopped(daemon_pid(c1)):
+        t0 = time.monotonic()
+        seen = os.listdir(c2 / "own2")
+        waited = time.monotonic() - t0
+    assert set(seen) <= set(more)
+    assert RECALL_TIMEOUT <= waited <= RECALL_TIMEOUT + LEASE_TERM + SLACK, waited
+    deadline = time.monotonic() + 10
+    while sorted(os.listdir(c2 / "own2")) != more:
+        assert time.monotonic() < deadline, "creates of the stopped client were lost"
+        time.sleep(0.1)
+    assert sorted(os.listdir(c1 / "own2")) == more
+
+    # An mds SIGKILLed right after a burst of creates comes back with every one.
+    os.mkdir(c1 / "own3")
+    last = create_on(cluster, "c1", c1 / "own3", "r", 300, empty=True)
+    cluster.restart("mds")
+    assert sorted(os.listdir(c2 / "own3")) == last
+    assert sorted(os.listdir(c1 / "own3")) == last
+    same_stat(c2 / "own3" / last[-1], c1 / "own3" / last[-1])
+
+    for d, ns in (("own", names), ("own2", more), ("own3", last)):
+        for name in ns:
+            os.unlink(c2 / d / name)
+        os.rmdir(c1 / d)
+    assert os.listdir(c2) == []
+    wait_used(c1, 0, GRACE + 10)
+
+
 # -- 2. a stopped client ------------------------------------------------------------------------
 
 

@@ -262,7 +262,7 @@ async def test_write_lease_writes_locally_and_is_glimpsed() -> None:
         # b asks: a's size is fetched first (its write lease is revoked).
         assert (await b.getattr(f.ino)).size == 8192
         assert ino.size == 8192 and f.ino not in a.cache.dirty
-        assert not server.leases.writers
+        assert f.ino not in server.leases.writers
         # Space a took ahead of need went back with the lease.
         assert max(ino.chunks or {0: 0}) == 0
         await a.release(f.ino)
@@ -557,3 +557,171 @@ async def test_lease_table_bounds_with_a_virtual_clock(
     # ... unless it is a directory (its kernel may hold dentries under it).
     await table.recall(None, [Item(5, (b"n",), directory=True)])
     assert len(good.got) == 2 and good.got[-1] == [[5, [b"n"], False]]
+
+
+# -- create leases: asynchronous creates (memfs.meta.creates) ----------------------------
+
+
+async def _made_here(c: RemoteMeta, parent: int, names: list[bytes]) -> list[Any]:
+    """Create *names* in *parent* (after a lookup each, as the kernel does)."""
+    out = []
+    for n in names:
+        with pytest.raises(FsError):
+            await c.lookup(parent, n)
+        out.append(await c.create(parent, n, F, 0, 0))
+    return out
+
+
+async def test_a_client_alone_in_a_directory_creates_without_waiting() -> None:
+    async with cluster(2) as (server, (a, b), (_, kb)):
+        d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
+        first = await a.create(d.ino, b"f0", F, 0, 0)  # asks, and gets the create lease
+        assert d.ino in a.cache.creators
+        assert server.leases.is_writer(server._sessions[a.session], d.ino)
+        before = server.store.inodes[d.ino].children.copy()
+        made = await _made_here(a, d.ino, [b"f%d" % k for k in range(1, 40)])
+        assert a.creates.made == 39
+        # the numbers are the server's (reserved), and not all of them have arrived yet
+        assert all(f.ino not in server.store.inodes or f.ino in server.store.inodes for f in made)
+        assert len(before) == 1
+        # Another client's lookup there revokes the lease: every create arrives first.
+        assert (await b.lookup(d.ino, b"f39")).ino == made[-1].ino
+        assert d.ino not in a.cache.creators and not a.creates.pending
+        names = server.store.inodes[d.ino].children
+        assert len(names) == 40 and names[b"f0"] == first.ino
+        for f in made:
+            i = server.store.inodes[f.ino]
+            assert (i.mode, i.uid, i.ctime_ns, i.opens) == (F, 0, f.ctime_ns, 1)
+        # the directory's mtime is the last create's time, on both sides
+        assert server.store.inodes[d.ino].mtime_ns == made[-1].ctime_ns
+        assert (await b.getattr(d.ino)).mtime_ns == made[-1].ctime_ns
+        # b is a holder now: a's next create there asks (and b hears of it)
+        g = await a.create(d.ino, b"g", F, 0, 0)
+        assert d.ino not in a.cache.creators and a.creates.made == 39
+        assert (await b.lookup(d.ino, b"g")).ino == g.ino
+        for f in [first, *made, g]:
+            await a.release(f.ino)
+
+
+async def test_listing_getattr_and_changes_by_others_see_every_create() -> None:
+    for how in ("readdirplus", "getattr", "create", "unlink", "rmdir"):
+        async with cluster(2) as (server, (a, b), _):
+            d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
+            await a.create(d.ino, b"first", F, 0, 0)
+            made = await _made_here(a, d.ino, [b"x", b"y", b"z"])
+            assert a.creates.made == 3
+            if how == "readdirplus":
+                assert {n for n, _ in await b.readdirplus(d.ino)} >= {b"first", b"x", b"y", b"z"}
+            elif how == "getattr":
+                assert (await b.getattr(d.ino)).mtime_ns == made[-1].ctime_ns
+            elif how == "create":
+                with pytest.raises(FsError) as info:
+                    await b.create(d.ino, b"z", F, 0, 0)
+                assert info.value.errno == errno.EEXIST
+            elif how == "unlink":
+                await b.unlink(d.ino, b"y")
+                assert b"y" not in server.store.inodes[d.ino].children
+            else:
+                with pytest.raises(FsError) as info:
+                    await b.rmdir(ROOT, b"d")
+                assert info.value.errno == errno.ENOTEMPTY
+            assert not a.creates.pending, how
+            assert d.ino not in a.cache.creators, how
+
+
+async def test_create_lease_not_granted_where_another_client_holds_the_directory() -> None:
+    async with cluster(2) as (server, (a, b), _):
+        d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
+        await b.readdirplus(d.ino)
+        await _made_here(a, d.ino, [b"p", b"q"])
+        assert a.creates.made == 0 and d.ino not in a.cache.creators
+        # sync creates (--sync-creates): no lease anywhere
+        server.async_creates = False
+        e = await a.mknod(ROOT, b"e", stat.S_IFDIR | 0o755, 0, 0)
+        await _made_here(a, e.ino, [b"p", b"q", b"r"])
+        assert a.creates.made == 0 and e.ino not in a.cache.creators
+
+
+async def test_fsync_waits_for_the_create_and_a_lost_connection_sends_it_again(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.expected_warnings = True  # type: ignore[attr-defined]  # the connection drops
+    async with cluster(1) as (server, (a,), _):
+        d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
+        await a.create(d.ino, b"first", F, 0, 0)
+        (f,) = await _made_here(a, d.ino, [b"f"])
+        assert f.ino in a.creates.pending
+        await a.sync(f.ino)
+        assert f.ino not in a.creates.pending and server.store.inodes[d.ino].children[b"f"] == f.ino
+        (g, h) = await _made_here(a, d.ino, [b"g", b"h"])
+        await a.sync(d.ino)  # the directory's: every create in it
+        assert not a.creates.pending
+        # Creates held when the connection goes: sent again with the registration, and
+        # one that did arrive is answered as it is (no second open counted).
+        (k,) = await _made_here(a, d.ino, [b"k"])
+        a.creates.pending[h.ino] = [d.ino, b"h", F, 0, 0, h.ino, h.ctime_ns]  # as if unanswered
+        conn = a._conn
+        assert conn is not None
+        conn._held.clear()  # k never left
+        conn.kill("test")
+        await a.getattr(ROOT)  # waits for the reconnection
+        children = server.store.inodes[d.ino].children
+        assert children[b"k"] == k.ino and children[b"h"] == h.ino
+        session = server._sessions[a.session]
+        assert session.opens[k.ino] == 1 and session.opens[h.ino] == 1
+        assert server.store.inodes[h.ino].opens == 1
+        assert not a.creates.pending
+        for x in (f, g, h, k):
+            await a.release(x.ino)
+
+
+async def test_a_create_refused_on_its_way_again_fails_its_file(caplog: pytest.LogCaptureFixture) -> None:
+    """Evicted with a create unsent, and the name taken by another client meanwhile:
+    the file is gone here and its writers hear EIO."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]  # the connection drops
+    async with cluster(2, recall_timeout=0.3, term=0.6) as (server, (a, b), _):
+        d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
+        await a.create(d.ino, b"first", F, 0, 0)
+        (f,) = await _made_here(a, d.ino, [b"f"])
+        conn = a._conn
+        assert conn is not None
+        held = bytes(conn._held)
+        conn._held.clear()  # as if a were stopped before sending it
+        conn.on_recall = lambda *args: None  # and could not answer a recall
+        real_connect = a._connect
+
+        async def late(first: bool) -> Any:  # nor come back at once
+            await trio.sleep(1.5)
+            return await real_connect(first)
+
+        a._connect = late  # type: ignore[method-assign]
+        taken = await b.create(d.ino, b"f", F, 0, 0)  # a is evicted after 0.3 s
+        assert taken.ino != f.ino and held
+        await a.getattr(ROOT)  # reconnects and registers: the create is refused
+        assert f.ino in a.write_errors and a.cache.entry(d.ino, b"f") is None
+        with pytest.raises(FsError) as info:
+            await a.sync(f.ino)
+        assert info.value.errno == errno.EIO
+        assert server.store.inodes[d.ino].children[b"f"] == taken.ino
+        await b.release(taken.ino)
+
+
+async def test_reserved_inode_numbers_and_creates_survive_a_journal_replay(tmp_path: Any) -> None:
+    from tests.unit.test_journal import recovered, served
+
+    async with served(tmp_path) as (server, a):
+        assert isinstance(a, RemoteMeta)
+        d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
+        await a.create(d.ino, b"first", F, 0, 0)
+        made = await _made_here(a, d.ino, [b"a", b"b"])
+        assert a.creates.made == 2
+        await a.sync(d.ino)
+        sid = a.session
+        left = set(server.store.delegated[sid])
+        assert made[1].ino + 1 in left
+    store = await recovered(tmp_path)
+    children = store.inodes[d.ino].children
+    assert children is not None and (children[b"a"], children[b"b"]) == (made[0].ino, made[1].ino)
+    assert store.inodes[made[1].ino].ctime_ns == made[1].ctime_ns
+    assert store.inodes[d.ino].mtime_ns == made[1].ctime_ns
+    # numbers reserved and not used are never handed out again
+    assert store._next_ino > max(left)
+    assert store.delegated.get(sid, set()) in (left, set())

@@ -132,6 +132,8 @@ SAMPLE_ARGS: dict[str, tuple[Any, ...]] = {
     "create": (1, b"n", 0o100644, 1, 2),
     "allocate_ahead": (7, 0, 1 << 20, 1 << 20),
     "settle": (7, 12345, 99, 1),
+    "reserve_inos": (1024,),
+    "create_at": (1, b"n", 0o100644, 1, 2, 1000, 1_700_000_000_000_000_000),
 }
 
 

@@ -1,0 +1,118 @@
+"""Asynchronous creates, the client half (see "create" leases in :mod:`memfs.meta.leases`).
+
+A client that holds a directory's create lease, knows a name in it to be
+absent and has inode numbers reserved for it by the server makes a regular
+file there itself: it names the inode, stamps its times, answers the kernel,
+and sends ``create_at`` without waiting for the answer.  Such calls leave in
+batches (held for :data:`CREATE_HOLD`, or until the next call that waits for its
+answer, which must come after them anyway), and their answers are taken as they
+are read: no task waits for them.  So a create costs this client no round trip
+to the server, and the server one frame per batch.
+
+Until the server has answered, a create is *pending* here (in order):
+
+* every later call about the file or its directory goes on the same
+  connection after it, so the server sees them in order;
+* a recall of the directory's lease is answered only once every create made
+  under it has been answered (the caller waiting for that recall then sees the
+  new names);
+* ``fsync`` of the file, or of its directory, waits for it;
+* if the connection is lost, the next registration carries the pending creates,
+  in order, before the open handles it claims (one that did arrive is answered
+  as it is: the server knows the inode number).
+
+A create the server refuses (only possible if the lease was lost meanwhile:
+evicted, and the name taken by another client before this one came back) is
+logged; its file is gone from this client's caches, the kernel's too, and its
+writers and fsync get EIO, as for writes lost to an eviction.
+
+Everything here runs in the client's trio loop and never awaits, except
+:meth:`AsyncCreates.wait`.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import stat
+from typing import Any
+
+import trio
+
+from memfs.meta import Attr
+from memfs.meta.cache import ClientCache
+
+log = logging.getLogger(__name__)
+
+#: inode numbers asked for at a time
+RESERVE = 1024
+#: creates made within this of each other leave in one send
+CREATE_HOLD = 0.001
+#: longest name a create may have (the server's NAME_MAX)
+_NAME_MAX = 255
+
+
+class AsyncCreates:
+    """Reserved inode numbers and creates not answered yet; see the module docstring."""
+
+    def __init__(self, cache: ClientCache) -> None:
+        self.cache = cache
+        #: inode numbers the server reserved for this client's session
+        self.inos: collections.deque[int] = collections.deque()
+        #: inode -> ``create_at`` arguments (parent, name, mode, uid, gid, ino, time),
+        #: made and not answered yet, in the order they were made
+        self.pending: dict[int, list[Any]] = {}
+        self._answered = trio.Event()
+        #: counters for tests and metrics
+        self.made = 0
+
+    def make(self, parent: int, name: bytes, mode: int, uid: int, gid: int,
+             now_ns: int) -> tuple[Attr, list[Any]] | None:
+        """The new file's attributes and ``create_at`` arguments if this client may make
+        it itself now (create lease, name known absent, a number at hand); else None."""
+        cache = self.cache
+        if (parent not in cache.creators or not self.inos or not stat.S_ISREG(mode)
+                or not 0 < len(name) <= _NAME_MAX or b"/" in name or name in (b".", b"..")
+                or cache.entry(parent, name) != 0):
+            return None
+        pa = cache.attr(parent)
+        if pa is None:
+            return None
+        if pa.mode & stat.S_ISGID:  # as the server's mknod: the directory's group
+            gid = pa.gid
+        ino = self.inos.popleft()
+        a = Attr(ino, mode, 1, uid, gid, 0, 0, 0, now_ns, now_ns, now_ns)
+        args = [parent, name, mode, uid, gid, ino, now_ns]
+        self.pending[ino] = args
+        self.made += 1
+        return a, args
+
+    def answered(self, ino: int) -> list[Any] | None:
+        """The server answered the create of *ino*; its arguments (None: not pending)."""
+        args = self.pending.pop(ino, None)
+        self._answered.set()
+        return args
+
+    def unanswered(self) -> list[list[Any]]:
+        """The pending creates, in order (for a registration)."""
+        return list(self.pending.values())
+
+    def pending_under(self, ino: int) -> bool:
+        """Is the create of *ino*, or of a file in directory *ino*, pending?"""
+        if ino in self.pending:
+            return True
+        return any(args[0] == ino for args in self.pending.values())
+
+    async def wait(self, inos: list[int] | None = None) -> None:
+        """Until the creates pending now (of these files or in these directories, if
+        given) are answered.  Callers bound it: a lost connection leaves them pending
+        until the next registration."""
+        if inos is None:
+            waiting = set(self.pending)
+        else:
+            want = set(inos)
+            waiting = {ino for ino, args in self.pending.items() if ino in want or args[0] in want}
+        while waiting & self.pending.keys():
+            if self._answered.is_set():
+                self._answered = trio.Event()
+            await self._answered.wait()
