@@ -562,6 +562,12 @@ async def test_lease_table_bounds_with_a_virtual_clock(
 # -- create leases: asynchronous creates (memfs.meta.creates) ----------------------------
 
 
+def _children(server: MetaServer, ino: int) -> dict[bytes, int]:
+    c = server.store.inodes[ino].children
+    assert c is not None
+    return c
+
+
 async def _made_here(c: RemoteMeta, parent: int, names: list[bytes]) -> list[Any]:
     """Create *names* in *parent* (after a lookup each, as the kernel does)."""
     out = []
@@ -578,7 +584,7 @@ async def test_a_client_alone_in_a_directory_creates_without_waiting() -> None:
         first = await a.create(d.ino, b"f0", F, 0, 0)  # asks, and gets the create lease
         assert d.ino in a.cache.creators
         assert server.leases.is_writer(server._sessions[a.session], d.ino)
-        before = server.store.inodes[d.ino].children.copy()
+        before = _children(server, d.ino).copy()
         made = await _made_here(a, d.ino, [b"f%d" % k for k in range(1, 40)])
         assert a.creates.made == 39
         # the numbers are the server's (reserved), and not all of them have arrived yet
@@ -587,7 +593,7 @@ async def test_a_client_alone_in_a_directory_creates_without_waiting() -> None:
         # Another client's lookup there revokes the lease: every create arrives first.
         assert (await b.lookup(d.ino, b"f39")).ino == made[-1].ino
         assert d.ino not in a.cache.creators and not a.creates.pending
-        names = server.store.inodes[d.ino].children
+        names = _children(server, d.ino)
         assert len(names) == 40 and names[b"f0"] == first.ino
         for f in made:
             i = server.store.inodes[f.ino]
@@ -620,7 +626,7 @@ async def test_listing_getattr_and_changes_by_others_see_every_create() -> None:
                 assert info.value.errno == errno.EEXIST
             elif how == "unlink":
                 await b.unlink(d.ino, b"y")
-                assert b"y" not in server.store.inodes[d.ino].children
+                assert b"y" not in _children(server, d.ino)
             else:
                 with pytest.raises(FsError) as info:
                     await b.rmdir(ROOT, b"d")
@@ -650,7 +656,7 @@ async def test_fsync_waits_for_the_create_and_a_lost_connection_sends_it_again(c
         (f,) = await _made_here(a, d.ino, [b"f"])
         assert f.ino in a.creates.pending
         await a.sync(f.ino)
-        assert f.ino not in a.creates.pending and server.store.inodes[d.ino].children[b"f"] == f.ino
+        assert f.ino not in a.creates.pending and _children(server, d.ino)[b"f"] == f.ino
         (g, h) = await _made_here(a, d.ino, [b"g", b"h"])
         await a.sync(d.ino)  # the directory's: every create in it
         assert not a.creates.pending
@@ -663,7 +669,7 @@ async def test_fsync_waits_for_the_create_and_a_lost_connection_sends_it_again(c
         conn._held.clear()  # k never left
         conn.kill("test")
         await a.getattr(ROOT)  # waits for the reconnection
-        children = server.store.inodes[d.ino].children
+        children = _children(server, d.ino)
         assert children[b"k"] == k.ino and children[b"h"] == h.ino
         session = server._sessions[a.session]
         assert session.opens[k.ino] == 1 and session.opens[h.ino] == 1
@@ -700,7 +706,7 @@ async def test_a_create_refused_on_its_way_again_fails_its_file(caplog: pytest.L
         with pytest.raises(FsError) as info:
             await a.sync(f.ino)
         assert info.value.errno == errno.EIO
-        assert server.store.inodes[d.ino].children[b"f"] == taken.ino
+        assert _children(server, d.ino)[b"f"] == taken.ino
         await b.release(taken.ino)
 
 
