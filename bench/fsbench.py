@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 JOBS = 2
 
@@ -89,29 +90,37 @@ def fio(directory: Path, rw: str, bs: str, size: str, runtime: int) -> float:
     return float(part["bw_bytes"]) / (1 << 20)
 
 
-def _meta_worker(directory: str, n: int, conn: object) -> None:
-    t0 = time.perf_counter()
-    for i in range(n):
-        os.close(os.open(f"{directory}/f{i}", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
-    t1 = time.perf_counter()
-    for i in range(n):
-        os.stat(f"{directory}/f{i}")
-    t2 = time.perf_counter()
-    for i in range(n):
-        os.unlink(f"{directory}/f{i}")
-    t3 = time.perf_counter()
-    conn.send((t0, t1, t2, t3))  # type: ignore[attr-defined]
+def _meta_worker(directory: str, n: int, conn: object, barrier: Any) -> None:
+    """Create, stat, remove *n* files; every process starts a phase together (as
+    mdtest's ranks do): a phase's time is from the first start to the last end, and
+    without the barrier a process that finished creating first would start its stats
+    while another still creates, and the stat phase would count that wait."""
+    times = []
+    for phase in ("create", "stat", "remove"):
+        barrier.wait()
+        t0 = time.perf_counter()
+        for i in range(n):
+            path = f"{directory}/f{i}"
+            if phase == "create":
+                os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+            elif phase == "stat":
+                os.stat(path)
+            else:
+                os.unlink(path)
+        times.append((t0, time.perf_counter()))
+    conn.send(times)  # type: ignore[attr-defined]
 
 
 def metadata(root: Path, files: int, dirs: int) -> dict[str, float]:
     """files/s for create, stat and remove, aggregated over *dirs* parallel processes."""
     ctx = multiprocessing.get_context("fork")
     procs, pipes = [], []
+    barrier = ctx.Barrier(dirs)
     for d in range(dirs):
         path = root / f"meta{d}"
         path.mkdir()
         r, w = ctx.Pipe(duplex=False)
-        procs.append(ctx.Process(target=_meta_worker, args=(str(path), files // dirs, w)))
+        procs.append(ctx.Process(target=_meta_worker, args=(str(path), files // dirs, w, barrier)))
         pipes.append(r)
     for p in procs:
         p.start()
@@ -122,8 +131,8 @@ def metadata(root: Path, files: int, dirs: int) -> dict[str, float]:
         (root / f"meta{d}").rmdir()
     out = {}
     for i, phase in enumerate(("create", "stat", "remove")):
-        start = min(t[i] for t in times)
-        end = max(t[i + 1] for t in times)
+        start = min(t[i][0] for t in times)
+        end = max(t[i][1] for t in times)
         out[phase] = files / (end - start)
     return out
 
