@@ -89,8 +89,9 @@ class ClientCache:
         self.kernel_inodes: set[int] = set()
         #: the kernel was told it may cache names (see LeaseKeeper.entry_ttl)
         self.kernel_names = False
-        #: directories whose create lease we hold (memfs.meta.creates)
-        self.creators: set[int] = set()
+        #: directories whose create lease we hold -> the files made there under it
+        #: (memfs.meta.creates)
+        self.creators: dict[int, set[int]] = {}
 
     # -- the lease -------------------------------------------------------------------------
 
@@ -266,7 +267,7 @@ class ClientCache:
 
     def drop(self, ino: int) -> None:
         """Forget everything about *ino* (a recall): its maps may no longer be used."""
-        self.creators.discard(ino)
+        self.creators.pop(ino, None)
         self.attrs.pop(ino, None)
         self.dirs.pop(ino, None)
         self.files.pop(ino, None)

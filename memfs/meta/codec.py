@@ -274,13 +274,15 @@ METHODS: dict[str, Method] = {m.name: m for m in [
     _m("settle", "int int int int", _none_to_wire, _none_from_wire, "mutates", lambda m: m.settle_write),
     # waits for the server's scrubber; the chunks it cleans are journaled as they go
     _m("reclaim", "", _none_to_wire, _none_from_wire, "session", lambda m: m.reclaim),
-    # asynchronous creates under a create lease (memfs.meta.leases): inode numbers reserved
+    # asynchronous creates under a create lease (memfs.meta.creates): inode numbers reserved
     # for the session (count -> first), and a create with one of them at the client's time
     # (parent, name, mode, uid, gid, ino, time_ns); both journaled by the server itself
     _m("reserve_inos", "int", _same, lambda v: check_int(v, "first reserved inode"), "session",
        _server_only),
     _m("create_at", "int bytes int int int int int", attr_to_wire, attr_from_wire, "session",
        _server_only),
+    # an unlink of a file made so (parent, name, ino, time_ns): journaled as the unlink it is
+    _m("unlink_at", "int bytes int int", _same, _two_ints, "session", _server_only),
 ]}
 
 

@@ -1,4 +1,5 @@
-"""Asynchronous creates, the client half (see "create" leases in :mod:`memfs.meta.leases`).
+"""Asynchronous creates (and unlinks), the client half (see "create" leases in
+:mod:`memfs.meta.leases`).
 
 A client that holds a directory's create lease, knows a name in it to be
 absent and has inode numbers reserved for it by the server makes a regular
@@ -21,10 +22,17 @@ Until the server has answered, a create is *pending* here (in order):
   in order, before the open handles it claims (one that did arrive is answered
   as it is: the server knows the inode number).
 
+A file made so, still with its one name, may be unlinked the same way
+(``unlink_at``, at the client's time): no other client can know its inode
+without looking in the directory, which takes the lease first.  An unlink of
+anything else asks the server.
+
 A create the server refuses (only possible if the lease was lost meanwhile:
 evicted, and the name taken by another client before this one came back) is
 logged; its file is gone from this client's caches, the kernel's too, and its
-writers and fsync get EIO, as for writes lost to an eviction.
+writers and fsync get EIO, as for writes lost to an eviction.  A refused
+unlink (the name was renamed over meanwhile) is logged, and the directory is
+looked up again.
 
 Everything here runs in the client's trio loop and never awaits, except
 :meth:`AsyncCreates.wait`.
@@ -53,25 +61,36 @@ _NAME_MAX = 255
 
 
 class AsyncCreates:
-    """Reserved inode numbers and creates not answered yet; see the module docstring."""
+    """Reserved inode numbers and the creates and unlinks not answered yet; see the
+    module docstring."""
 
     def __init__(self, cache: ClientCache) -> None:
         self.cache = cache
         #: inode numbers the server reserved for this client's session
         self.inos: collections.deque[int] = collections.deque()
-        #: inode -> ``create_at`` arguments (parent, name, mode, uid, gid, ino, time),
+        #: operation id -> the call (``create_at`` or ``unlink_at``, then its arguments),
         #: made and not answered yet, in the order they were made
         self.pending: dict[int, list[Any]] = {}
+        self._next_op = 1
         self._answered = trio.Event()
         #: counters for tests and metrics
         self.made = 0
+        self.removed = 0
+
+    def _add(self, call: list[Any]) -> int:
+        op = self._next_op
+        self._next_op += 1
+        self.pending[op] = call
+        return op
 
     def make(self, parent: int, name: bytes, mode: int, uid: int, gid: int,
-             now_ns: int) -> tuple[Attr, list[Any]] | None:
-        """The new file's attributes and ``create_at`` arguments if this client may make
-        it itself now (create lease, name known absent, a number at hand); else None."""
+             now_ns: int) -> tuple[Attr, int, list[Any]] | None:
+        """The new file's attributes, the operation's id and the ``create_at`` call if
+        this client may make it itself now (create lease, name known absent, a number
+        at hand); else None."""
         cache = self.cache
-        if (parent not in cache.creators or not self.inos or not stat.S_ISREG(mode)
+        born = cache.creators.get(parent)
+        if (born is None or not self.inos or not stat.S_ISREG(mode)
                 or not 0 < len(name) <= _NAME_MAX or b"/" in name or name in (b".", b"..")
                 or cache.entry(parent, name) != 0):
             return None
@@ -82,36 +101,61 @@ class AsyncCreates:
             gid = pa.gid
         ino = self.inos.popleft()
         a = Attr(ino, mode, 1, uid, gid, 0, 0, 0, now_ns, now_ns, now_ns)
-        args = [parent, name, mode, uid, gid, ino, now_ns]
-        self.pending[ino] = args
+        call = ["create_at", parent, name, mode, uid, gid, ino, now_ns]
+        born.add(ino)
         self.made += 1
-        return a, args
+        return a, self._add(call), call
 
-    def answered(self, ino: int) -> list[Any] | None:
-        """The server answered the create of *ino*; its arguments (None: not pending)."""
-        args = self.pending.pop(ino, None)
+    def remove(self, parent: int, name: bytes, now_ns: int) -> tuple[int, int, list[Any]] | None:
+        """(inode, operation id, ``unlink_at`` call) if this client may unlink *name*
+        itself now: a file it made under its current create lease on *parent* (so no
+        other client can know the inode: one would have had to look in *parent*, which
+        takes the lease), with one link; else None."""
+        cache = self.cache
+        born = cache.creators.get(parent)
+        if born is None:
+            return None
+        ino = cache.entry(parent, name)
+        if not ino or ino not in born:
+            return None
+        a = cache.attrs.get(ino)
+        if a is None or a.nlink != 1 or not stat.S_ISREG(a.mode):
+            return None
+        born.discard(ino)
+        call = ["unlink_at", parent, name, ino, now_ns]
+        self.removed += 1
+        return ino, self._add(call), call
+
+    def answered(self, op: int) -> list[Any] | None:
+        """The server answered operation *op*; its call (None: not pending)."""
+        call = self.pending.pop(op, None)
         self._answered.set()
-        return args
+        return call
 
-    def unanswered(self) -> list[list[Any]]:
-        """The pending creates, in order (for a registration)."""
-        return list(self.pending.values())
+    def unanswered(self) -> list[tuple[int, list[Any]]]:
+        """The pending operations (id, call), in order (for a registration)."""
+        return list(self.pending.items())
+
+    @staticmethod
+    def _touches(call: list[Any], want: set[int]) -> bool:
+        """Does *call* make or unlink one of *want*, or change directory one of *want*?"""
+        ino = call[6] if call[0] == "create_at" else call[3]
+        return ino in want or call[1] in want
 
     def pending_under(self, ino: int) -> bool:
-        """Is the create of *ino*, or of a file in directory *ino*, pending?"""
-        if ino in self.pending:
-            return True
-        return any(args[0] == ino for args in self.pending.values())
+        """Is a create or unlink of *ino*, or in directory *ino*, pending?"""
+        want = {ino}
+        return any(self._touches(call, want) for call in self.pending.values())
 
     async def wait(self, inos: list[int] | None = None) -> None:
-        """Until the creates pending now (of these files or in these directories, if
+        """Until the operations pending now (of these files or in these directories, if
         given) are answered.  Callers bound it: a lost connection leaves them pending
         until the next registration."""
         if inos is None:
             waiting = set(self.pending)
         else:
             want = set(inos)
-            waiting = {ino for ino, args in self.pending.items() if ino in want or args[0] in want}
+            waiting = {op for op, call in self.pending.items() if self._touches(call, want)}
         while waiting & self.pending.keys():
             if self._answered.is_set():
                 self._answered = trio.Event()

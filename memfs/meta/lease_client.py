@@ -92,10 +92,9 @@ class LeaseKeeper:
         done = trio.Event()
         for ino, names, revoke in items:
             names_changed = names_changed or bool(names)
-            if ino in cache.creators:
+            if cache.creators.pop(ino, None) is not None:
                 # Our create lease ends: no more creates here without asking, and the
                 # answer waits for those made (the caller must see them).
-                cache.creators.discard(ino)
                 created_in.append(ino)
             if revoke:
                 a = cache.attrs.get(ino)

@@ -581,14 +581,15 @@ class RemoteMeta(Meta):
         told = {**self.cache.answered, **self.cache.dirty}
         settles = [[ino, size, mtime] for ino, (size, mtime) in told.items()]
         failed: list[int] = []
-        # Creates made under create leases and not answered: applied first, in order.
-        creates = self.creates.unanswered()
+        # Creates and unlinks made under create leases and not answered: applied
+        # first, in order.
+        ops = self.creates.unanswered()
         while True:
             version = self._opens_version
             claimed = [[ino, n] for ino, n in self.opens.items() if n > 0]
             call: list[Any] = ["session", self.session, claimed, settles]
-            if creates:
-                call.append(creates)
+            if ops:
+                call.append([c for _, c in ops])
             await fs.send(
                 wire.frame(Kind.CALL, 1, wire.encode(call))
                 + wire.frame(Kind.CALL, 2, wire.encode(["describe"]))
@@ -606,18 +607,22 @@ class RemoteMeta(Meta):
                     err, msg = wire.decode_error(payload)
                     raise FsError(err, f"metadata server refused registration: {msg}")
                 values.append(wire.decode(payload))
-            answer = codec.check_list(values[0], "registration", 4 if creates else 3)
+            answer = codec.check_list(values[0], "registration", 4 if ops else 3)
             gone, refused, token = answer[:3]
             self.token = codec.check_int(token, "lease token")
-            if creates:
-                refused_creates = {codec.check_int(ino, "create"): codec.check_int(err, "errno")
-                                   for ino, err in (codec.check_list(x, "create", 2)
-                                                    for x in codec.check_list(answer[3], "creates"))}
-                for args in creates:
-                    ino = args[5]
-                    if self.creates.answered(ino) is not None and ino in refused_creates:
-                        self._create_failed(ino, args[0], args[1], refused_creates[ino], "")
-                creates = []
+            if ops:
+                # [position, errno] of each one refused
+                refused_ops = {codec.check_int(k, "operation"): codec.check_int(err, "errno")
+                               for k, err in (codec.check_list(x, "refused", 2)
+                                              for x in codec.check_list(answer[3], "refused"))}
+                for k, (op, c) in enumerate(ops):
+                    if self.creates.answered(op) is None or k not in refused_ops:
+                        continue
+                    if c[0] == "create_at":
+                        self._create_failed(c[6], c[1], c[2], refused_ops[k], "")
+                    else:
+                        self._unlink_failed(c[1], c[2], refused_ops[k], "")
+                ops = []
             lost = [codec.check_int(x, "lost inode") for x in codec.check_list(gone, "lost")]
             failed += [codec.check_int(x, "failed inode") for x in codec.check_list(refused, "failed")
                        if x not in failed]
@@ -918,7 +923,7 @@ class RemoteMeta(Meta):
             self.opens[ino] = self.opens.get(ino, 0) + 1
             self._opens_version += 1
             if kind is Kind.OK_WRITE:  # a create lease on the directory (before any recall of it)
-                self.cache.creators.add(parent)
+                self.cache.creators.setdefault(parent, set())
 
         kind, a = await self._call_kind("create", parent, name, mode, uid, gid, on_ok=counted)
         if kind is Kind.OK_WRITE:
@@ -939,17 +944,17 @@ class RemoteMeta(Meta):
         made = creates.make(parent, name, mode, uid, gid, _now_ns())
         if made is None:
             return None
-        a, args = made
+        a, op, call = made
         ino = a.ino
 
         def ok(kind: Kind, payload: bytes) -> None:
-            creates.answered(ino)
+            creates.answered(op)
 
         def failed(kind: Kind, payload: bytes) -> None:
-            if creates.answered(ino) is not None:
+            if creates.answered(op) is not None:
                 self._create_failed(ino, parent, name, *wire.decode_error(payload))
 
-        conn.hold(wire.encode(codec.encode_call("create_at", *args)), ok, failed)
+        conn.hold(wire.encode(codec.encode_call(*call)), ok, failed)
         self.opens[ino] = self.opens.get(ino, 0) + 1
         self._opens_version += 1
         self._created(Kind.OK_CACHE, parent, name, a)
@@ -973,6 +978,37 @@ class RemoteMeta(Meta):
             self._reserving = None
             done.set()
 
+    def _unlink_here(self, parent: int, name: bytes) -> bool:
+        """Unlink under our create lease on *parent* a file we made there (see
+        memfs.meta.creates), the server told without waiting; False: ask the server."""
+        conn = self._conn
+        if conn is None or conn.dead or not self.cache.valid():
+            return False
+        t = _now_ns()
+        removed = self.creates.remove(parent, name, t)
+        if removed is None:
+            return False
+        ino, op, call = removed
+        creates = self.creates
+
+        def ok(kind: Kind, payload: bytes) -> None:
+            creates.answered(op)
+
+        def failed(kind: Kind, payload: bytes) -> None:
+            if creates.answered(op) is not None:
+                self._unlink_failed(parent, name, *wire.decode_error(payload))
+
+        conn.hold(wire.encode(codec.encode_call(*call)), ok, failed)
+        self._removed(Kind.OK_CACHE, parent, name, ino, t, 0)
+        return True
+
+    def _unlink_failed(self, parent: int, name: bytes, err: int, msg: str) -> None:
+        log.error("unlink of %r in inode %d, made under a create lease, was refused by the "
+                  "metadata server: %s", name, parent, msg or os.strerror(err))
+        self.cache.drop(parent)
+        self.leases.drop_kernel([parent])
+        self.leases.forget_kernel_names()
+
     def _create_failed(self, ino: int, parent: int, name: bytes, err: int, msg: str) -> None:
         """The server refused a create we made under a create lease (we lost the lease
         meanwhile, and the name or our numbers with it): the file is gone."""
@@ -990,9 +1026,16 @@ class RemoteMeta(Meta):
         self.leases.forget_kernel_names()
 
     async def link(self, ino: int, parent: int, name: bytes) -> Attr:
+        self._named_elsewhere(ino)
         kind, a = await self._call_kind("link", ino, parent, name)
         self._created(kind, parent, name, a, new=False)
         return a
+
+    def _named_elsewhere(self, ino: int) -> None:
+        """*ino* gets (or loses) a name the server knows: others may learn of it there,
+        so it is no longer ours alone to unlink without asking."""
+        for born in self.cache.creators.values():
+            born.discard(ino)
 
     def _removed(self, kind: Kind, parent: int, name: bytes, child: int, t: int, links: int) -> None:
         cache = self.cache
@@ -1004,6 +1047,8 @@ class RemoteMeta(Meta):
             cache.drop_entry(parent, name)
 
     async def unlink(self, parent: int, name: bytes) -> None:
+        if parent in self.cache.creators and self._unlink_here(parent, name):
+            return
         kind, (child, t) = await self._call_kind("unlink", parent, name)
         self._removed(kind, parent, name, child, t, 0)
 
@@ -1016,6 +1061,8 @@ class RemoteMeta(Meta):
         self, parent: int, name: bytes, new_parent: int, new_name: bytes, flags: int = 0
     ) -> None:
         kind, (src, dst, _) = await self._call_kind("rename", parent, name, new_parent, new_name, flags)
+        self._named_elsewhere(src)
+        self._named_elsewhere(dst)
         cache = self.cache
         for ino in (parent, new_parent, src, dst):
             cache.attrs.pop(ino, None)

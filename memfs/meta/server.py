@@ -107,7 +107,7 @@ MAX_AHEAD = 64 << 20
 _LEASED = frozenset({
     "lookup", "getattr", "setattr", "truncate", "mknod", "create", "link", "unlink", "rmdir",
     "rename", "readlink", "readdir", "readdirplus", "open", "map_read", "map_write",
-    "allocate_ahead", "getxattr", "create_at",
+    "allocate_ahead", "getxattr", "create_at", "unlink_at",
 })
 #: most inode numbers one reserve_inos call hands a session
 MAX_RESERVE = 4096
@@ -744,6 +744,8 @@ class MetaServer:
                 result = self._reserve_inos(session, args[0])
             elif m.name == "create_at":
                 result = self._create_at(session, args)
+            elif m.name == "unlink_at":
+                result = await self._unlink_at(session, args)
             elif m.name == "settle":
                 # Only the writer's reports count: one sent before its lease was
                 # revoked arrives after the revocation's (newer) answer.
@@ -860,7 +862,7 @@ class MetaServer:
             return [Item(args[0], (args[1],), directory=True)]
         if name == "link":
             return [Item(args[0]), Item(args[1], (args[2],), directory=True)]
-        if name in ("unlink", "rmdir"):
+        if name in ("unlink", "rmdir", "unlink_at"):
             items = [Item(args[0], (args[1],), directory=True)]
             d = store.inodes.get(args[0])
             child = d.children.get(args[1]) if d is not None and d.children is not None else None
@@ -907,7 +909,7 @@ class MetaServer:
             return [args[0], result.ino]
         if name == "link":
             return [args[1], args[0]]
-        if name in ("unlink", "rmdir"):
+        if name in ("unlink", "rmdir", "unlink_at"):
             return [args[0]]
         if name == "rename":
             return [args[0], args[2]]
@@ -982,11 +984,16 @@ class MetaServer:
             settles = settles_from_wire(raw[2]) if len(raw) >= 3 else []
             if len(raw) < 4:
                 return await self._claim_session(conn, sid, claimed, settles)
-            creates = []
-            for item in codec.check_list(raw[3], "creates"):
-                m, args = codec.decode_call(["create_at", *codec.check_list(item, "create", 7)])
-                creates.append(args)
-            return await self._claim_session(conn, sid, claimed, settles, creates)
+            ops = []
+            for item in codec.check_list(raw[3], "operations"):
+                try:
+                    m, args = codec.decode_call(item)
+                except codec.UnknownMethod as exc:
+                    raise WireError(f"registration: {exc.args[0]!r} is not replayed") from None
+                if m.name not in ("create_at", "unlink_at"):
+                    raise WireError(f"registration: {m.name} is not replayed")
+                ops.append((m.name, args))
+            return await self._claim_session(conn, sid, claimed, settles, ops)
         raise WireError(f"malformed {name} call")
 
     # -- sessions and open counts -----------------------------------------------------------
@@ -999,7 +1006,7 @@ class MetaServer:
     async def _claim_session(
         self, conn: _Conn, sid: bytes, claimed: dict[int, int],
         settles: list[tuple[int, int, int]] | None = None,
-        creates: list[list[Any]] | None = None,
+        ops: list[tuple[str, list[Any]]] | None = None,
     ) -> list[Any]:
         """Attach *conn* to session *sid* and make its open counts exactly *claimed*.
 
@@ -1081,19 +1088,22 @@ class MetaServer:
         for o in olds:
             self.leases.forget(o, said=True)
         self.leases.forget(s, said=True)  # it has just said every size it had
-        # Creates it made under a create lease and has no answer to (in its order; one
-        # that arrived before is answered as it is): before its claims, which count
-        # their handles.
-        failed_creates = []
-        for args in creates or ():
+        # Creates and unlinks it made under a create lease and has no answer to (in its
+        # order; one that arrived before is answered as it is): before its claims,
+        # which count their handles.
+        refused_ops = []
+        for k, (name, args) in enumerate(ops or ()):
             try:
-                await self._recall_for(s, "create_at", args)
-                self._create_at(s, args)
+                await self._recall_for(s, name, args)
+                if name == "create_at":
+                    self._create_at(s, args)
+                else:
+                    await self._unlink_at(s, args)
             except FsError as exc:
-                log.warning("%s: create of %r in inode %d (inode %d), made under a create "
-                            "lease, failed on its way again: %s", conn.peer, args[1], args[0],
-                            args[5], exc.args[1] if len(exc.args) > 1 else exc)
-                failed_creates.append([args[5], exc.errno])
+                log.warning("%s: %s of %r in inode %d, made under a create lease, failed on "
+                            "its way again: %s", conn.peer, name, args[1], args[0],
+                            exc.args[1] if len(exc.args) > 1 else exc)
+                refused_ops.append([k, exc.errno])
             self._journal_destroys()
         lost = []
         for ino in set(claimed) | set(s.opens):
@@ -1114,8 +1124,8 @@ class MetaServer:
         self._journal_destroys()
         if claimed:
             log.info("%s: session re-registered %d open inodes (%d gone)", conn.peer, len(claimed), len(lost))
-        if creates is not None:
-            return [sorted(lost), failed, s.token, failed_creates]
+        if ops is not None:
+            return [sorted(lost), failed, s.token, refused_ops]
         return [sorted(lost), failed, s.token]
 
     # -- asynchronous creates (create leases) -------------------------------------------------
@@ -1142,6 +1152,22 @@ class MetaServer:
             if self.journal is not None:
                 self.journal.append(t, CREATE_AT, [session.sid, parent, name, mode, uid, gid, ino])
         return a
+
+    async def _unlink_at(self, session: _Session, args: list[Any]) -> list[int]:
+        """An unlink a client made under its create lease, at its time, of a file it
+        made there: journaled as a plain unlink.  One that was applied before (sent
+        again after a lost connection) is answered as it is."""
+        parent, name, ino, t = args
+        child = self._child(parent, name)
+        if child != ino:
+            if child == 0:
+                return [ino, t]  # gone already
+            raise FsError(errno.ENOENT, f"{name!r} no longer names inode {ino}")
+        self._t = t
+        await self.meta.unlink(parent, name)
+        if self.journal is not None:
+            self.journal.append(t, "unlink", [parent, name])
+        return [ino, t]
 
     async def _recall_for(self, session: _Session, name: str, args: list[Any]) -> None:
         """Recall what other sessions hold that call *name* changes."""

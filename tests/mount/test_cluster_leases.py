@@ -427,6 +427,14 @@ print("created", n, flush=True)
 """
 
 
+REMOVER = """
+import os, sys
+for name in sys.argv[2:]:
+    os.unlink(os.path.join(sys.argv[1], name))
+print("removed", len(sys.argv) - 2, flush=True)
+"""
+
+
 def create_on(cluster: Cluster, host: str, d: Path, tag: str, n: int, *, empty: bool) -> list[str]:
     """*n* files made in *d* by a process on *host* (empty, or holding their tag)."""
     script = EMPTY_CREATOR if empty else CREATOR
@@ -446,9 +454,10 @@ def journaled(cluster: Cluster, record: bytes) -> int:
 
 def test_creates_under_a_create_lease(cluster: Cluster) -> None:
     """A node alone in a directory creates files there without waiting for the mds (a
-    create lease; the mds hears of them in batches).  The other node's very next call
-    sees every one, with the same attributes; a stop of the creating node right after
-    its creates, and an mds restart, lose none; deleted, they leave no space behind."""
+    create lease; the mds hears of them in batches), and unlinks them again so.  The
+    other node's very next call sees every one, with the same attributes; a stop of the
+    creating node right after its creates, and an mds restart right after creates and
+    unlinks, lose none; deleted, they leave no space behind."""
     c1, c2 = cluster.mnt["c1"], cluster.mnt["c2"]
     before = journaled(cluster, b"_create_at")
     os.mkdir(c1 / "own")
@@ -483,9 +492,13 @@ def test_creates_under_a_create_lease(cluster: Cluster) -> None:
         time.sleep(0.1)
     assert sorted(os.listdir(c1 / "own2")) == more
 
-    # An mds SIGKILLed right after a burst of creates comes back with every one.
+    # An mds SIGKILLed right after a burst of creates and unlinks (files made under the
+    # lease are unlinked without waiting too) comes back with every one of them.
     os.mkdir(c1 / "own3")
     last = create_on(cluster, "c1", c1 / "own3", "r", 300, empty=True)
+    with on_host(cluster, "c1", REMOVER, str(c1 / "own3"), *last[::3]) as proc:
+        assert proc.communicate(timeout=60)[0].decode().split() == ["removed", str(len(last[::3]))]
+    last = [n for n in last if n not in set(last[::3])]
     cluster.restart("mds")
     assert sorted(os.listdir(c2 / "own3")) == last
     assert sorted(os.listdir(c1 / "own3")) == last

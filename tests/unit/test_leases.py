@@ -654,16 +654,16 @@ async def test_fsync_waits_for_the_create_and_a_lost_connection_sends_it_again(c
         d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
         await a.create(d.ino, b"first", F, 0, 0)
         (f,) = await _made_here(a, d.ino, [b"f"])
-        assert f.ino in a.creates.pending
+        assert a.creates.pending_under(f.ino)
         await a.sync(f.ino)
-        assert f.ino not in a.creates.pending and _children(server, d.ino)[b"f"] == f.ino
+        assert not a.creates.pending_under(f.ino) and _children(server, d.ino)[b"f"] == f.ino
         (g, h) = await _made_here(a, d.ino, [b"g", b"h"])
         await a.sync(d.ino)  # the directory's: every create in it
         assert not a.creates.pending
         # Creates held when the connection goes: sent again with the registration, and
         # one that did arrive is answered as it is (no second open counted).
         (k,) = await _made_here(a, d.ino, [b"k"])
-        a.creates.pending[h.ino] = [d.ino, b"h", F, 0, 0, h.ino, h.ctime_ns]  # as if unanswered
+        a.creates._add(["create_at", d.ino, b"h", F, 0, 0, h.ino, h.ctime_ns])  # as if unanswered
         conn = a._conn
         assert conn is not None
         conn._held.clear()  # k never left
@@ -731,3 +731,58 @@ async def test_reserved_inode_numbers_and_creates_survive_a_journal_replay(tmp_p
     # numbers reserved and not used are never handed out again
     assert store._next_ino > max(left)
     assert store.delegated.get(sid, set()) in (left, set())
+
+
+async def test_files_made_under_the_lease_are_unlinked_without_waiting() -> None:
+    async with cluster(2) as (server, (a, b), _):
+        d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
+        first = await a.create(d.ino, b"first", F, 0, 0)
+        made = await _made_here(a, d.ino, [b"f%d" % k for k in range(10)])
+        for f in made:
+            await a.release(f.ino)
+        for k in range(0, 10, 2):
+            await a.unlink(d.ino, b"f%d" % k)
+        assert a.creates.removed == 5
+        with pytest.raises(FsError):
+            await a.lookup(d.ino, b"f0")
+        # Not made under the lease (the create that granted it asked): asks.
+        await a.release(first.ino)
+        await a.unlink(d.ino, b"first")
+        assert a.creates.removed == 5
+        # Renamed (the server knows the new name): asks.
+        await a.rename(d.ino, b"f1", d.ino, b"g1")
+        await a.unlink(d.ino, b"g1")
+        assert a.creates.removed == 5
+        # b's listing revokes the lease: everything has arrived, in order.
+        names = sorted(n for n, _ in await b.readdirplus(d.ino))
+        assert names == [b"f3", b"f5", b"f7", b"f9"]
+        assert not a.creates.pending
+        gone = [made[k].ino for k in (0, 1, 2, 4, 6, 8)]
+        assert not any(ino in server.store.inodes for ino in gone)
+        # the directory's times: the last unlink's, on both sides
+        assert (await b.getattr(d.ino)).mtime_ns == server.store.inodes[d.ino].mtime_ns
+
+
+async def test_an_unlink_made_under_the_lease_is_sent_again_after_a_lost_connection(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.expected_warnings = True  # type: ignore[attr-defined]  # the connection drops
+    async with cluster(1) as (server, (a,), _):
+        d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
+        await a.create(d.ino, b"first", F, 0, 0)
+        (f, g) = await _made_here(a, d.ino, [b"f", b"g"])
+        await a.release(f.ino)
+        await a.release(g.ino)
+        await a.unlink(d.ino, b"f")
+        await a.unlink(d.ino, b"g")
+        assert a.creates.removed == 2
+        conn = a._conn
+        assert conn is not None
+        held = bytes(conn._held)
+        assert held  # not sent yet: the creates and unlinks go with the registration
+        conn._held.clear()
+        conn.kill("test")
+        await a.getattr(ROOT)
+        assert sorted(_children(server, d.ino)) == [b"first"]
+        assert f.ino not in server.store.inodes and g.ino not in server.store.inodes
+        assert not a.creates.pending
