@@ -269,7 +269,7 @@ def parse_size(text: str) -> int:
 def workloads(root: Path, args: argparse.Namespace, problems: list[str], side: str) -> dict[str, float]:
     """One round on one side; a failing case gives NaN and a line in *problems*."""
     out: dict[str, float] = {}
-    for name, rw, bs, _ in FIO_CASES:
+    for name, rw, bs, _ in [] if args.skip_data else FIO_CASES:
         try:
             with alarm(args.runtime + 120, f"{side} fio {name}"):
                 out[name] = fio(root, rw, bs, args.size, args.runtime)
@@ -338,6 +338,7 @@ def main() -> int:
                     help="per memd volume (2 memd x 2 volumes); embedded gets 4 x this")
     ap.add_argument("--files", type=int, default=3000, help="files per metadata process (2 processes)")
     ap.add_argument("--runtime", type=int, default=30, help="fio cap per run, seconds")
+    ap.add_argument("--skip-data", action="store_true", help="metadata only, no fio")
     ap.add_argument("--code", help="memfs checkout to run (first on PYTHONPATH of memfs processes)")
     ap.add_argument("--json", help="also write results here")
     args = ap.parse_args()
@@ -375,8 +376,9 @@ def main() -> int:
 
     med = {side: {k: median(v) for k, v in d.items()} for side, d in samples.items()}
     print(f"\nmemfs cluster (2 memd x 2 x {args.volume_size}, mds, 1 client; 127.0.0.1) vs "
-          f"embedded ({total}), medians of {args.rounds} alternating rounds; fio 2 jobs x "
-          f"{args.size}, metadata 2 x {args.files} files; code {code}")
+          f"embedded ({total}), medians of {args.rounds} alternating rounds; "
+          f"{'no fio' if args.skip_data else f'fio 2 jobs x {args.size}'}, "
+          f"metadata 2 x {args.files} files; code {code}")
     print("\n".join(table(med)))
     if problems:
         print(f"\n{len(problems)} problems (first 20):")
