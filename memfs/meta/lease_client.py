@@ -92,9 +92,11 @@ class LeaseKeeper:
         done = trio.Event()
         for ino, names, revoke in items:
             names_changed = names_changed or bool(names)
-            if cache.creators.pop(ino, None) is not None:
-                # Our create lease ends: no more creates here without asking, and the
-                # answer waits for those made (the caller must see them).
+            if cache.creators.pop(ino, None) is not None or (
+                    self.creates is not None and self.creates.pending_under(ino)):
+                # Our create lease ends (or ended, and what we made under it has not
+                # been answered): no more creates here without asking, and the answer
+                # waits for those made (the caller must see them).
                 created_in.append(ino)
             if revoke:
                 a = cache.attrs.get(ino)

@@ -1031,11 +1031,12 @@ class RemoteMeta(Meta):
         self._created(kind, parent, name, a, new=False)
         return a
 
-    def _named_elsewhere(self, ino: int) -> None:
+    def _named_elsewhere(self, ino: int | None) -> None:
         """*ino* gets (or loses) a name the server knows: others may learn of it there,
         so it is no longer ours alone to unlink without asking."""
-        for born in self.cache.creators.values():
-            born.discard(ino)
+        if ino:
+            for born in self.cache.creators.values():
+                born.discard(ino)
 
     def _removed(self, kind: Kind, parent: int, name: bytes, child: int, t: int, links: int) -> None:
         cache = self.cache
@@ -1060,6 +1061,9 @@ class RemoteMeta(Meta):
     async def rename(
         self, parent: int, name: bytes, new_parent: int, new_name: bytes, flags: int = 0
     ) -> None:
+        # Named elsewhere (or replaced) from now on, even if the answer never comes.
+        self._named_elsewhere(self.cache.entry(parent, name))
+        self._named_elsewhere(self.cache.entry(new_parent, new_name))
         kind, (src, dst, _) = await self._call_kind("rename", parent, name, new_parent, new_name, flags)
         self._named_elsewhere(src)
         self._named_elsewhere(dst)

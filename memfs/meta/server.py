@@ -533,6 +533,8 @@ class MetaServer:
                         h, payload = got
                         conn.session.last_heard = trio.current_time()
                         if h.kind is Kind.RECALLED:
+                            if conn.calls:
+                                await self._run_made_now(conn)
                             self._t = self._real_now()
                             leases.recalled(conn.session, h.req_id, settles_from_wire(wire.decode(payload)))
                             continue
@@ -578,6 +580,33 @@ class MetaServer:
                 # process died with frames unread), as good as a clean close.
                 conn.clean_close = isinstance(exc.__cause__, ConnectionResetError)
                 nursery.cancel_scope.cancel()
+
+    async def _run_made_now(self, conn: _Conn) -> None:
+        """Creates and unlinks made under a create lease that wait in this connection's
+        queue (behind a call that waits, for a recall from another client say) run
+        now, before the recall answer that came after them is applied: the client
+        answers a recall once they are answered, or after ``answer_within`` anyway,
+        and the call that recalled must see them.  They never wait (their directory
+        is this session's alone) and do not depend on the calls they pass: a call
+        naming one of their files comes after its create, and one before its unlink
+        (a release, a write's allocation, a setattr) works as well on the unlinked
+        file, an orphan until its last release."""
+        picked = []
+        rest = []
+        for item in conn.calls:
+            parsed = item[2]
+            if (isinstance(parsed, tuple) and parsed[0].name in ("create_at", "unlink_at")
+                    and not self._may_wait(conn.session, item[1], parsed)):
+                picked.append(item)
+            else:
+                rest.append(item)
+        if not picked:
+            return
+        conn.calls.clear()
+        conn.calls.extend(rest)
+        for rid, value, parsed in picked:
+            kind, body = await self._execute(conn, value, parsed)
+            conn.push(wire.frame(kind, rid, body), self._needed())
 
     @staticmethod
     def _unanswered(conn: _Conn, kind: Kind, body: bytes) -> None:
@@ -1092,12 +1121,22 @@ class MetaServer:
         # order; one that arrived before is answered as it is): before its claims,
         # which count their handles.
         refused_ops = []
-        for k, (name, args) in enumerate(ops or ()):
+        replayed = ops or []
+        unlinked_later = {args[2]: k for k, (name, args) in enumerate(replayed) if name == "unlink_at"}
+        for k, (name, args) in enumerate(replayed):
             try:
                 await self._recall_for(s, name, args)
                 if name == "create_at":
+                    if unlinked_later.get(args[5], -1) > k and args[5] not in self.store.inodes \
+                            and args[5] not in self.store.delegated.get(sid, ()):
+                        continue  # made and unlinked before (answers lost), and gone since
                     self._create_at(s, args)
                 else:
+                    # A file it holds open stays as an orphan (an mds restarted since
+                    # counts no opens yet): its claim first.
+                    ino = args[2]
+                    if claimed.get(ino, 0) > s.opens.get(ino, 0) and ino in self.store.inodes:
+                        await self._set_opens(s, ino, claimed[ino])
                     await self._unlink_at(s, args)
             except FsError as exc:
                 log.warning("%s: %s of %r in inode %d, made under a create lease, failed on "
@@ -1105,28 +1144,33 @@ class MetaServer:
                             exc.args[1] if len(exc.args) > 1 else exc)
                 refused_ops.append([k, exc.errno])
             self._journal_destroys()
-        lost = []
-        for ino in set(claimed) | set(s.opens):
-            want, have = claimed.get(ino, 0), s.opens.get(ino, 0)
-            try:
-                while have < want:
-                    await self.store.open(ino)
-                    have += 1
-            except FsError:
-                lost.append(ino)
-            while have > want:
-                await self.store.release(ino)
-                have -= 1
-            if have:
-                s.opens[ino] = have
-            else:
-                s.opens.pop(ino, None)
+        lost = [ino for ino in set(claimed) | set(s.opens)
+                if not await self._set_opens(s, ino, claimed.get(ino, 0))]
         self._journal_destroys()
         if claimed:
             log.info("%s: session re-registered %d open inodes (%d gone)", conn.peer, len(claimed), len(lost))
         if ops is not None:
             return [sorted(lost), failed, s.token, refused_ops]
         return [sorted(lost), failed, s.token]
+
+    async def _set_opens(self, s: _Session, ino: int, want: int) -> bool:
+        """Make session *s*'s open count of *ino* *want*; False if it no longer exists."""
+        have = s.opens.get(ino, 0)
+        there = True
+        try:
+            while have < want:
+                await self.store.open(ino)
+                have += 1
+        except FsError:
+            there = False
+        while have > want:
+            await self.store.release(ino)
+            have -= 1
+        if have:
+            s.opens[ino] = have
+        else:
+            s.opens.pop(ino, None)
+        return there
 
     # -- asynchronous creates (create leases) -------------------------------------------------
 
@@ -1160,8 +1204,9 @@ class MetaServer:
         parent, name, ino, t = args
         child = self._child(parent, name)
         if child != ino:
-            if child == 0:
-                return [ino, t]  # gone already
+            i = self.store.inodes.get(ino)
+            if i is None or i.nlink == 0:
+                return [ino, t]  # unlinked already (sent again), whatever took the name since
             raise FsError(errno.ENOENT, f"{name!r} no longer names inode {ino}")
         self._t = t
         await self.meta.unlink(parent, name)

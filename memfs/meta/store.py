@@ -757,10 +757,9 @@ class MetaStore(Meta):
         client sends it again after a lost connection): (attributes, False)."""
         i = self.inodes.get(ino)
         if i is not None:
-            d = self.inodes.get(parent)
-            if d is not None and d.children is not None and d.children.get(name) == ino:
-                return self._attr(i), False
-            raise FsError(errno.EEXIST, f"inode {ino} exists under another name")
+            # Reserved numbers are never handed out otherwise: it was made by this
+            # call, sent before (and maybe renamed or unlinked since).
+            return self._attr(i), False
         owned = self.delegated.get(sid)
         if owned is None or ino not in owned:
             raise FsError(errno.EINVAL, f"inode number {ino} was not reserved for this client")

@@ -20,6 +20,7 @@ import trio
 from memfs.config import PoolConfig
 from memfs.errors import FsError
 from memfs.meta import SetAttr, codec, lease_client
+from memfs.meta.journal import Journal
 from memfs.meta.leases import Item, LeaseTable
 from memfs.meta.remote import RemoteMeta, open_remote_meta
 from memfs.meta.server import MetaServer
@@ -786,3 +787,130 @@ async def test_an_unlink_made_under_the_lease_is_sent_again_after_a_lost_connect
         assert sorted(_children(server, d.ino)) == [b"first"]
         assert f.ino not in server.store.inodes and g.ino not in server.store.inodes
         assert not a.creates.pending
+
+
+async def test_creates_and_unlinks_applied_before_are_answered_as_done_when_sent_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A create and the unlink of the still-open file both applied, their answers lost
+    with the connection: sent again, both count as done (not refused: the file is not
+    failed), and an unlink whose name another file has taken since as well."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]  # the connection drops
+    async with cluster(1) as (server, (a,), _):
+        d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
+        await a.create(d.ino, b"first", F, 0, 0)
+        (f, g) = await _made_here(a, d.ino, [b"f", b"g"])
+        await a.unlink(d.ino, b"f")  # f stays open (as a TemporaryFile)
+        await a.release(g.ino)
+        await a.unlink(d.ino, b"g")
+        (g2,) = await _made_here(a, d.ino, [b"g"])  # the name again, another file
+        await a.sync(d.ino)
+        assert server.store.inodes[f.ino].nlink == 0 and g.ino not in server.store.inodes
+        for call in (["create_at", d.ino, b"f", F, 0, 0, f.ino, f.ctime_ns],
+                     ["unlink_at", d.ino, b"f", f.ino, f.ctime_ns + 1],
+                     ["create_at", d.ino, b"g", F, 0, 0, g.ino, g.ctime_ns],
+                     ["unlink_at", d.ino, b"g", g.ino, g.ctime_ns + 1]):
+            a.creates._add(call)  # as if their answers had been lost
+        conn = a._conn
+        assert conn is not None
+        conn.kill("test")
+        await a.getattr(ROOT)  # the registration sends them again
+        assert not a.creates.pending and not a.write_errors
+        assert _children(server, d.ino)[b"g"] == g2.ino
+        assert server.store.inodes[f.ino].opens == 1
+        await a.release(f.ino)
+        await a.release(g2.ino)
+
+
+async def test_an_unlink_replayed_after_an_mds_restart_keeps_the_open_file(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The mds restarts (journal) before a held unlink of a file still open here
+    reached it: replayed at the registration, the file stays as an orphan until its
+    last close here (its claim first), not destroyed under the open handle."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]  # the mds goes away
+    from tests.unit.test_journal import POOL as JPOOL
+    from tests.unit.test_journal import SECRET as JSECRET
+
+    journal = Journal(tmp_path)
+    store = await journal.open(JPOOL)
+    async with trio.open_nursery() as outer:
+        first_run = trio.CancelScope()
+
+        async def run(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+            with first_run:
+                async with trio.open_nursery() as n:
+                    port = await n.start(MetaServer(store, JSECRET, None, journal, session_grace=5).serve,
+                                         "127.0.0.1", 0)
+                    task_status.started(port)
+                    await trio.sleep_forever()
+
+        port = await outer.start(run)
+        async with open_remote_meta("127.0.0.1", port, JSECRET) as a:
+            d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
+            await a.create(d.ino, b"first", F, 0, 0)
+            (f,) = await _made_here(a, d.ino, [b"f"])
+            await a.sync(d.ino)  # the create is in
+            await a.unlink(d.ino, b"f")  # held, f still open
+            conn = a._conn
+            assert conn is not None and conn._held
+            conn._held.clear()  # the mds dies before it arrives
+            first_run.cancel()
+            await trio.sleep(0.05)
+            journal.close()
+            journal2 = Journal(tmp_path)
+            try:
+                store2 = await journal2.open(JPOOL)
+                assert store2.inodes[f.ino].nlink == 1 and store2.inodes[f.ino].opens == 0
+                async with trio.open_nursery() as n2:
+                    server2 = MetaServer(store2, JSECRET, None, journal2, session_grace=5)
+                    a.port = await n2.start(server2.serve, "127.0.0.1", 0)
+                    conn.kill("mds restarted")
+                    with trio.fail_after(10):
+                        while True:
+                            try:
+                                await a.getattr(ROOT)
+                                break
+                            except FsError:
+                                await trio.sleep(0.1)
+                    i = server2.store.inodes.get(f.ino)
+                    assert i is not None and i.nlink == 0 and i.opens == 1 and a.opens.get(f.ino) == 1
+                    assert b"f" not in _children(server2, d.ino)
+                    await a.release(f.ino)
+                    assert await a._conn.delivered()  # type: ignore[union-attr]
+                    assert f.ino not in server2.store.inodes
+                    n2.cancel_scope.cancel()
+            finally:
+                journal2.close()
+        outer.cancel_scope.cancel()
+
+
+async def test_creates_and_unlinks_queued_behind_a_waiting_call_are_seen_by_the_recaller(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """a's unlink (under its create lease) reaches the mds while a call of a's waits
+    there for a recall from a stopped client: b's look in the directory recalls a,
+    and sees the unlink although it was queued behind the waiting call."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]  # c is evicted
+    async with cluster(3) as (server, (a, b, c), _):
+        g = await a.mknod(ROOT, b"g", F, 0, 0)
+        await c.lookup(ROOT, b"g")
+        d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
+        await a.create(d.ino, b"first", F, 0, 0)
+        (f,) = await _made_here(a, d.ino, [b"f"])
+        await a.release(f.ino)
+        await a.sync(d.ino)
+        assert c._conn is not None
+        c._conn.on_recall = lambda *args: None  # c is stopped: it answers no recall
+        async with trio.open_nursery() as n:
+            n.start_soon(a.setattr, g.ino, SetAttr(mode=0o600))  # waits for c
+            await trio.sleep(0.1)
+            await a.unlink(d.ino, b"f")
+            (h,) = await _made_here(a, d.ino, [b"h"])
+            assert a.creates.removed == 1
+            await trio.sleep(0.05)  # sent, and queued behind the setattr
+            with pytest.raises(FsError) as info:
+                await b.lookup(d.ino, b"f")
+            assert info.value.errno == errno.ENOENT
+            assert (await b.lookup(d.ino, b"h")).ino == h.ino
+            n.cancel_scope.cancel()
