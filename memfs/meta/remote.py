@@ -946,15 +946,7 @@ class RemoteMeta(Meta):
             return None
         a, op, call = made
         ino = a.ino
-
-        def ok(kind: Kind, payload: bytes) -> None:
-            creates.answered(op)
-
-        def failed(kind: Kind, payload: bytes) -> None:
-            if creates.answered(op) is not None:
-                self._create_failed(ino, parent, name, *wire.decode_error(payload))
-
-        conn.hold(wire.encode(codec.encode_call(*call)), ok, failed)
+        self._hold_made(conn, op, call, lambda err, msg: self._create_failed(ino, parent, name, err, msg))
         self.opens[ino] = self.opens.get(ino, 0) + 1
         self._opens_version += 1
         self._created(Kind.OK_CACHE, parent, name, a)
@@ -989,6 +981,15 @@ class RemoteMeta(Meta):
         if removed is None:
             return False
         ino, op, call = removed
+        self._hold_made(conn, op, call, lambda err, msg: self._unlink_failed(parent, name, err, msg))
+        self._removed(Kind.OK_CACHE, parent, name, ino, t, 0)
+        return True
+
+    def _hold_made(
+        self, conn: _Connection, op: int, call: list[Any], refused: Callable[[int, str], None],
+    ) -> None:
+        """Send *call* (operation *op* of :class:`AsyncCreates`) without waiting; its
+        answer settles it, and *refused* hears of a refusal."""
         creates = self.creates
 
         def ok(kind: Kind, payload: bytes) -> None:
@@ -996,11 +997,9 @@ class RemoteMeta(Meta):
 
         def failed(kind: Kind, payload: bytes) -> None:
             if creates.answered(op) is not None:
-                self._unlink_failed(parent, name, *wire.decode_error(payload))
+                refused(*wire.decode_error(payload))
 
         conn.hold(wire.encode(codec.encode_call(*call)), ok, failed)
-        self._removed(Kind.OK_CACHE, parent, name, ino, t, 0)
-        return True
 
     def _unlink_failed(self, parent: int, name: bytes, err: int, msg: str) -> None:
         log.error("unlink of %r in inode %d, made under a create lease, was refused by the "

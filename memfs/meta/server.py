@@ -757,6 +757,7 @@ class MetaServer:
             self._lost_write_of(args[0], ANY_EARLIER)
         atime = self._atime(args[0]) if m.name == "map_read" and self.journal else None
         journaled = m.mutates
+        widen = True
         try:
             if m.name == "open":
                 result: Any = await self._open(session, args[0])
@@ -799,7 +800,14 @@ class MetaServer:
                 result = [*named, self._t]
             elif m.name == "allocate_ahead":
                 args[3] = min(args[3], MAX_AHEAD) if self.write_leases else 0
+                i = self.store.inodes.get(args[0])
+                had = len(i.chunks) if i is not None and i.chunks is not None else -1
                 result = await self._call(m, args)
+                # A writer that is not sequential (no space ahead) into space it had to
+                # allocate writes where nothing is yet: the map around it would tell it
+                # little (what it allocated itself) at the cost of encoding it all again
+                # for every chunk it touches.
+                widen = args[3] > 0 or i is None or i.chunks is None or len(i.chunks) == had
             else:
                 result = await self._call(m, args)
         except FsError as exc:
@@ -836,7 +844,7 @@ class MetaServer:
                 elif (m.name == "create" and self.create_leases
                         and self.leases.grant_directory(session, args[0])):
                     kind = Kind.OK_WRITE  # a create lease on the directory
-                if m.name in ("map_read", "allocate_ahead"):
+                if m.name == "map_read" or (m.name == "allocate_ahead" and widen):
                     body = self._widened(m.name, args, result) or body
         return kind, body
 

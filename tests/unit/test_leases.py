@@ -914,3 +914,38 @@ async def test_creates_and_unlinks_queued_behind_a_waiting_call_are_seen_by_the_
             assert info.value.errno == errno.ENOENT
             assert (await b.lookup(d.ino, b"h")).ino == h.ino
             n.cancel_scope.cancel()
+
+
+async def test_a_random_writer_into_new_space_gets_no_map_around_its_writes() -> None:
+    """Space ahead goes to sequential writers with the map of the window around; a
+    writer that jumps about into space nothing has been allocated in yet gets only
+    what it asked for (the map around would be its own allocations, encoded again
+    for every chunk); one that writes where space is allocated gets the map around."""
+    async with cluster(1) as (server, (a,), _):
+        widened: list[tuple[int, int]] = []
+        real = server._widened
+
+        def counted(name: str, args: list[Any], result: Any) -> bytes | None:
+            if name == "allocate_ahead":
+                widened.append((args[1], args[3]))
+            return real(name, args, result)
+
+        server._widened = counted  # type: ignore[method-assign]
+        f = await a.create(ROOT, b"f", F, 0, 0)
+        chunk = server.store.chunk_size
+        await a.map_write(f.ino, 0, 4096)  # sequential: space ahead, the map around
+        assert len(widened) == 1 and widened[0][1] > 0
+        widened.clear()
+        offsets = [k * chunk for k in (40, 7, 33, 12, 57)]
+        for off in offsets:
+            plan = await a.map_write(f.ino, off, 4096)
+            assert [(e.offset, e.length) for e in plan.extents] == [(off, 4096)]
+            assert plan.extents == await server.store.map_read(f.ino, off, 4096)
+        assert widened == []  # each allocated: only its own chunk came back
+        # Allocated space this client does not know (its cache dropped): the map around.
+        a.cache.drop(f.ino)
+        await a.map_write(f.ino, 7 * chunk + 8192, 4096)
+        assert len(widened) == 1
+        got = a.cache.extents(f.ino, 12 * chunk, 12 * chunk + 4096, allocated=True)
+        assert got is not None  # learnt with the window, no call needed
+        await a.release(f.ino)
