@@ -587,26 +587,34 @@ class MetaServer:
         now, before the recall answer that came after them is applied: the client
         answers a recall once they are answered, or after ``answer_within`` anyway,
         and the call that recalled must see them.  They never wait (their directory
-        is this session's alone) and do not depend on the calls they pass: a call
-        naming one of their files comes after its create, and one before its unlink
-        (a release, a write's allocation, a setattr) works as well on the unlinked
-        file, an orphan until its last release."""
-        picked = []
-        rest = []
-        for item in conn.calls:
-            parsed = item[2]
-            if (isinstance(parsed, tuple) and parsed[0].name in ("create_at", "unlink_at")
-                    and not self._may_wait(conn.session, item[1], parsed)):
-                picked.append(item)
-            else:
-                rest.append(item)
+        is this session's alone; one that would waits in turn, and the ones after it
+        too) and do not depend on the calls they pass: a call naming one of their
+        files comes after its create, and one before its unlink (a release, a
+        write's allocation, a setattr) works as well on the unlinked file, an orphan
+        until its last release."""
+        calls = list(conn.calls)
+        picked: list[tuple[int, Any, _Parsed]] = []
+        rest: list[tuple[int, Any, _Parsed]] = []
+        for n, item in enumerate(calls):
+            _, value, parsed = item
+            made = isinstance(parsed, tuple) and parsed[0].name in ("create_at", "unlink_at")
+            if (parsed is None and value[0] not in ("ping", "describe")) or (
+                    made and self._may_wait(conn.session, value, parsed)):
+                # A session change, or one of them that must wait: they keep their
+                # order among themselves, so what follows keeps its turn.
+                rest += calls[n:]
+                break
+            (picked if made else rest).append(item)
         if not picked:
             return
         conn.calls.clear()
         conn.calls.extend(rest)
         for rid, value, parsed in picked:
             kind, body = await self._execute(conn, value, parsed)
-            conn.push(wire.frame(kind, rid, body), self._needed())
+            if rid:
+                conn.push(wire.frame(kind, rid, body), self._needed())
+            else:
+                self._unanswered(conn, kind, body)
 
     @staticmethod
     def _unanswered(conn: _Conn, kind: Kind, body: bytes) -> None:
@@ -799,6 +807,7 @@ class MetaServer:
                 # what the names named, and the directories' new mtime (the call's time)
                 result = [*named, self._t]
             elif m.name == "allocate_ahead":
+                sequential = args[3] > 0
                 args[3] = min(args[3], MAX_AHEAD) if self.write_leases else 0
                 i = self.store.inodes.get(args[0])
                 had = len(i.chunks) if i is not None and i.chunks is not None else -1
@@ -807,7 +816,7 @@ class MetaServer:
                 # allocate writes where nothing is yet: the map around it would tell it
                 # little (what it allocated itself) at the cost of encoding it all again
                 # for every chunk it touches.
-                widen = args[3] > 0 or i is None or i.chunks is None or len(i.chunks) == had
+                widen = sequential or i is None or i.chunks is None or len(i.chunks) == had
             else:
                 result = await self._call(m, args)
         except FsError as exc:
