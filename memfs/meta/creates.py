@@ -31,8 +31,9 @@ A create the server refuses (only possible if the lease was lost meanwhile:
 evicted, and the name taken by another client before this one came back) is
 logged; its file is gone from this client's caches, the kernel's too, and its
 writers and fsync get EIO, as for writes lost to an eviction.  A refused
-unlink (the name was renamed over meanwhile) is logged, and the directory is
-looked up again.
+unlink (evicted, and the file renamed by another client meanwhile) is logged,
+and the directory is looked up again.  Sent again after a lost connection,
+what the server applied before counts as done.
 
 Everything here runs in the client's trio loop and never awaits, except
 :meth:`AsyncCreates.wait`.

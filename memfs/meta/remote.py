@@ -1002,6 +1002,8 @@ class RemoteMeta(Meta):
         conn.hold(wire.encode(codec.encode_call(*call)), ok, failed)
 
     def _unlink_failed(self, parent: int, name: bytes, err: int, msg: str) -> None:
+        """The server refused an unlink we made under a create lease (we lost the lease
+        meanwhile, and another client renamed the file): ask about the directory again."""
         log.error("unlink of %r in inode %d, made under a create lease, was refused by the "
                   "metadata server: %s", name, parent, msg or os.strerror(err))
         self.cache.drop(parent)
