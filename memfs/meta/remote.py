@@ -491,6 +491,7 @@ class RemoteMeta(Meta):
             fs = FrameSocket(await connect(self.host, self.port), MAX_REPLY)
             try:
                 await self._handshake(fs)
+                token = self.token
                 lost, failed, desc = await self._register(fs)
             except BaseException:
                 fs.close()
@@ -521,6 +522,11 @@ class RemoteMeta(Meta):
             if self.opens.pop(ino, None):
                 self._opens_version += 1
         self.write_lost(failed)
+        if not first and self.token != token:
+            # A new token: our session expired (the numbers reserved for it went with
+            # it), our leases were taken, or the server restarted.  Numbers we still
+            # hold may not be ours: never use them (unused numbers are never reused).
+            self.creates.inos.clear()
         self.cache.dirty.clear()  # told with the registration
         self.cache.answered.clear()
         if self._on_token is not None and self.token != self._named_token:

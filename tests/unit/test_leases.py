@@ -949,3 +949,39 @@ async def test_a_random_writer_into_new_space_gets_no_map_around_its_writes() ->
         got = a.cache.extents(f.ino, 12 * chunk, 12 * chunk + 4096, allocated=True)
         assert got is not None  # learnt with the window, no call needed
         await a.release(f.ino)
+
+
+async def test_a_client_back_after_its_session_expired_creates_with_new_numbers(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Its session expired while it was away (the numbers reserved for it went with
+    it): back, its creates take numbers reserved for the new session, not the old."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]  # the connection drops
+    async with cluster(1) as (server, (a,), _):
+        server.session_grace = 0.2
+        d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
+        await a.create(d.ino, b"first", F, 0, 0)
+        (f,) = await _made_here(a, d.ino, [b"f"])
+        await a.sync(d.ino)
+        assert a.creates.inos and a.session in server.store.delegated
+        for x in (f.ino,):
+            await a.release(x)
+        real_connect = a._connect
+
+        async def late(first: bool) -> Any:  # away for longer than the session grace
+            await trio.sleep(1.0)
+            return await real_connect(first)
+
+        a._connect = late  # type: ignore[method-assign]
+        conn = a._conn
+        assert conn is not None
+        conn.kill("test")
+        await a.getattr(ROOT)  # reconnects and registers as a stranger
+        assert set(a.creates.inos) <= server.store.delegated.get(a.session, set())
+        e = await a.mknod(ROOT, b"e", stat.S_IFDIR | 0o755, 0, 0)
+        await a.create(e.ino, b"first", F, 0, 0)
+        made = await _made_here(a, e.ino, [b"g", b"h"])
+        await a.sync(e.ino)
+        assert not a.write_errors
+        children = _children(server, e.ino)
+        assert [children[b"g"], children[b"h"]] == [m.ino for m in made]
