@@ -50,18 +50,36 @@ async def recv_some_into(sock: socket.socket, view: memoryview) -> int:
             await trio.lowlevel.wait_readable(sock)
 
 
+#: a large receive waits for this much to have arrived (or the rest), not for any byte
+RCVLOWAT = 256 << 10
+
+
 async def recv_exactly_into(sock: socket.socket, view: memoryview) -> None:
-    """Fill *view* completely; :class:`PeerClosed` if the stream ends first."""
+    """Fill *view* completely; :class:`PeerClosed` if the stream ends first.
+
+    While more than :data:`RCVLOWAT` is to come, the socket is readable only once
+    that much has arrived (``SO_RCVLOWAT``): a bulk payload then wakes us every
+    few hundred KiB rather than for every segment.
+    """
     got, n = 0, len(view)
-    while got < n:
-        try:
-            k = sock.recv_into(view[got:])
-        except BlockingIOError:
-            await trio.lowlevel.wait_readable(sock)
-            continue
-        if k == 0:
-            raise PeerClosed(f"connection closed after {got} of {n} bytes")
-        got += k
+    lowat = 1
+    try:
+        while got < n:
+            try:
+                k = sock.recv_into(view[got:])
+            except BlockingIOError:
+                want = min(n - got, RCVLOWAT)
+                if want != lowat and (want > 1 or lowat > 1):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+                    lowat = want
+                await trio.lowlevel.wait_readable(sock)
+                continue
+            if k == 0:
+                raise PeerClosed(f"connection closed after {got} of {n} bytes")
+            got += k
+    finally:
+        if lowat != 1:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
 
 
 def send_now(sock: socket.socket, buffers: Sequence[Buf]) -> list[memoryview]:

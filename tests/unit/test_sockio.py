@@ -134,3 +134,61 @@ async def test_send_now_returns_the_exact_rest(pair: tuple[socket.socket, socket
         await trio.testing.wait_all_tasks_blocked()
         await send_all(ours, rest)
     assert received == b"".join(parts)
+
+
+def _tcp_pair() -> tuple[socket.socket, socket.socket]:
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        a = socket.create_connection(srv.getsockname())
+        b, _ = srv.accept()
+    return a, b
+
+
+async def test_a_large_receive_waits_for_its_last_short_piece() -> None:
+    """recv_exactly_into raises SO_RCVLOWAT for the bulk of a payload: the rest,
+    shorter than that mark, must still wake it, and the mark is put back."""
+    from memfs.transport.sockio import RCVLOWAT, recv_exactly_into
+
+    ours, peer = _tcp_pair()
+    with ours, peer:
+        ours.setblocking(False)
+        data = random.Random(2).randbytes(3 * RCVLOWAT + 1234)
+        dest = bytearray(len(data))
+
+        async def sender() -> None:
+            for pos in range(0, len(data), 100_000):
+                peer.sendall(data[pos : pos + 100_000])
+                await trio.sleep(0.01)
+
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(sender)
+                await recv_exactly_into(ours, memoryview(dest))
+        assert dest == data
+        assert ours.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1
+
+
+def test_a_blocking_bulk_receive_waits_for_its_last_short_piece() -> None:
+    """The same for memfs.transport.bulk's blocking receive (a socket with a timeout)."""
+    import threading
+    import time
+
+    from memfs.transport.bulk import recv_exactly
+    from memfs.transport.sockio import RCVLOWAT
+
+    ours, peer = _tcp_pair()
+    with ours, peer:
+        ours.settimeout(10)
+        data = random.Random(3).randbytes(2 * RCVLOWAT + 77)
+        dest = bytearray(len(data))
+
+        def sender() -> None:
+            for pos in range(0, len(data), 50_000):
+                peer.sendall(data[pos : pos + 50_000])
+                time.sleep(0.005)
+
+        t = threading.Thread(target=sender)
+        t.start()
+        recv_exactly(ours, memoryview(dest))
+        t.join()
+        assert dest == data
+        assert ours.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1
