@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 
 #: a read or write whose chunk map is recalled while it is fetched asks again, this often
 _MAX_TRIES = 100
+#: fallocate asks for its range in pieces of this (the kernel's largest write)
+ALLOCATE_PIECE = 1 << 20
 
 
 class DataEngine:
@@ -112,6 +114,34 @@ class DataEngine:
     async def _write_extent(self, e: Extent, src: memoryview, base: int) -> None:
         start = e.offset - base
         await self.transport.write(e.volume, e.voffset, src[start : start + e.length])
+
+    async def allocate(self, ino: int, offset: int, length: int, *, keep_size: bool) -> None:
+        """Reserve pool memory for ``[offset, offset+length)`` (``fallocate(2)``): its
+        chunks are allocated now (zero), so writes there cannot fail with ENOSPC, and
+        the size grows to cover it unless *keep_size*.
+
+        Asked for a piece at a time, as a sequential writer would (the burst
+        buffer's dirty cap and a cluster client's allocation ahead see what they
+        know).  A failure (ENOSPC) puts back the size it found, as tmpfs does; the
+        chunks it allocated below that size stay (they read as zeros either way).
+        Chunks past the end of file are not kept for a file (truncate, and the end
+        of a cluster client's write lease, free them): *keep_size* past it is
+        refused (EOPNOTSUPP), never silently not reserved.
+        """
+        size = (await self.meta.getattr(ino)).size
+        end = offset + length
+        if keep_size and end > size:
+            raise FsError(errno.EOPNOTSUPP, "fallocate: FALLOC_FL_KEEP_SIZE past the end of file")
+        pos = offset
+        try:
+            while pos < end:
+                n = min(ALLOCATE_PIECE - pos % ALLOCATE_PIECE, end - pos)
+                await self._plan(ino, pos, n)
+                pos += n
+        except FsError:
+            if pos > size and (await self.meta.getattr(ino)).size == pos:
+                await self.truncate(ino, size)
+            raise
 
     async def truncate(self, ino: int, size: int) -> None:
         ranges = await self.meta.truncate(ino, size)

@@ -44,6 +44,8 @@ _NOTIFY_INC_EPOCH = struct.pack("<IiQ", 16, 8, 0)
 #: set in the file handle of an open by any uid but 0: its writes take set-ID bits away
 #: (memfs stands in for the kernel there, see Operations.init_connection)
 _UNPRIVILEGED = 1 << 63
+#: fallocate(2)'s mode flag (linux/falloc.h; not in Python's os module)
+FALLOC_FL_KEEP_SIZE = 0x01
 _INODE = _UNPRIVILEGED - 1
 
 P = ParamSpec("P")
@@ -472,6 +474,18 @@ class Operations(pyfuse3.Operations):
         if self.drops_privileges:
             await self._drop_privileges(ino, fh != ino)
         return await self.data.write(ino, off, buf)
+
+    @_errno_boundary
+    async def fallocate(self, fh: int, mode: int, off: int, length: int) -> None:
+        """Reserve pool memory (``posix_fallocate``, fio's preallocation): mode 0 and
+        ``FALLOC_FL_KEEP_SIZE`` within the file; other modes (punching holes, zeroing
+        or collapsing ranges) are EOPNOTSUPP.  (Forwarded by pyfuse3 patch 0004.)"""
+        if mode & ~FALLOC_FL_KEEP_SIZE:
+            raise FsError(errno.EOPNOTSUPP, f"fallocate mode {mode:#x} is not supported")
+        ino = fh & _INODE
+        if self.drops_privileges:
+            await self._drop_privileges(ino, fh != ino)
+        await self.data.allocate(ino, off, length, keep_size=bool(mode & FALLOC_FL_KEEP_SIZE))
 
     async def flush(self, fh: int) -> None:
         """Data is in pool memory as soon as write() returns: nothing to push on close.

@@ -42,9 +42,9 @@ from dataclasses import dataclass, field
 from memfs import wire
 from memfs.config import VolumeAddr
 from memfs.errors import TransportError, UsageError
+from memfs.transport.sockio import RCVLOWAT
 from memfs.transport.splice import SpliceSender
 from memfs.transport.splice import available as splice_available
-from memfs.transport.sockio import RCVLOWAT
 from memfs.transport.tcp import (
     DEFAULT_IO_TIMEOUT,
     MAX_IO,

@@ -20,6 +20,7 @@ Short timings (``--lease-term 2 --recall-timeout 1 --grace 5``) keep this quick.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import os
 import random
@@ -840,6 +841,26 @@ def test_space_ahead_comes_back_at_close_and_enospc_at_write(cluster: Cluster) -
     (c1 / "again").write_bytes(data)
     assert sha((c2 / "again").read_bytes()) == sha(data)
     assert used(c2) == len(data)
+
+    # fallocate(2): the range is taken at once and seen by the other node; ENOSPC for
+    # more than the pool leaves the size and the space as they were.
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fd = os.open(c1 / "pre", os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        assert libc.fallocate(fd, 0, 0, 8 << 20) == 0, os.strerror(ctypes.get_errno())
+        assert (c2 / "pre").stat().st_size == 8 << 20
+        assert used(c2) >= len(data) + (8 << 20)
+        assert libc.fallocate(fd, 0, 0, 2 * POOL) != 0 and ctypes.get_errno() == errno.ENOSPC
+        assert os.fstat(fd).st_size == 8 << 20
+        os.pwrite(fd, b"x", 5 << 20)
+    finally:
+        os.close(fd)
+    assert used(c2) == len(data) + (8 << 20), "exactly the range once closed"
+    assert (c2 / "pre").read_bytes() == bytes(5 << 20) + b"x" + bytes((3 << 20) - 1)
+    os.unlink(c2 / "pre")
+    os.unlink(c1 / "again")
+    assert used(c1) == 0
 
 
 def answer(proc: subprocess.Popen[bytes], line: str, timeout: float = 30) -> str:

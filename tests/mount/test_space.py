@@ -8,6 +8,7 @@ not write ever reads as anything but zero.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import hashlib
 import os
@@ -29,6 +30,7 @@ pytestmark = pytest.mark.mount
 
 CHUNK = 64 << 10
 STRIPE = 1 << 20
+FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 SMALL_POOL = ("--size", "16M", "--volumes", "2")
 
 
@@ -164,6 +166,52 @@ def test_enospc(memfs_mount: Callable[..., Mounted], writeback: bool) -> None:
     os.close(fd)
     assert sha256(read_uncached(m / "fresh")) == sha256(fresh)
     assert sha256(read_uncached(m / "keep")) == sha256(keep)
+
+
+def fallocate(fd: int, mode: int, offset: int, length: int) -> None:
+    """fallocate(2) itself (os.posix_fallocate would fall back to writing zeros)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    if libc.fallocate(fd, mode, offset, length) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def test_fallocate_reserves_space(memfs_mount: Callable[..., Mounted]) -> None:
+    """fallocate(2) reaches memfs (pyfuse3 patch 0004): the range's chunks are taken at
+    once and read as zeros; KEEP_SIZE within the file works, past it and other modes
+    are EOPNOTSUPP; a range larger than the pool is ENOSPC and leaves the file and the
+    free space as they were."""
+    m: Mounted = memfs_mount(*SMALL_POOL)
+    total = free_bytes(m)
+    dirt = fill(m, "dirt")  # freed chunks come back holding 0xFF unless cleared
+    for path in dirt:
+        path.unlink()
+    assert wait_free(m, total) == total
+    path = m / "f"
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        os.write(fd, b"head")
+        fallocate(fd, 0, CHUNK, 3 * STRIPE)
+        assert os.fstat(fd).st_size == CHUNK + 3 * STRIPE
+        assert free_bytes(m) == total - CHUNK - 3 * STRIPE, "every chunk of the range taken now"
+        fallocate(fd, FALLOC_FL_KEEP_SIZE, 0, STRIPE)
+        assert os.fstat(fd).st_size == CHUNK + 3 * STRIPE
+        for mode, offset in ((FALLOC_FL_KEEP_SIZE, 3 * STRIPE), (FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0)):
+            with pytest.raises(OSError) as info:
+                fallocate(fd, mode, offset, STRIPE)
+            assert info.value.errno == errno.EOPNOTSUPP
+        before = free_bytes(m)
+        with pytest.raises(OSError) as info:
+            fallocate(fd, 0, 0, 64 << 20)
+        assert info.value.errno == errno.ENOSPC
+        assert os.fstat(fd).st_size == CHUNK + 3 * STRIPE
+        assert free_bytes(m) == before
+    finally:
+        os.close(fd)
+    assert read_uncached(path) == b"head" + bytes(CHUNK + 3 * STRIPE - 4)
+    path.unlink()
+    assert wait_free(m, total) == total
 
 
 def test_unlink_while_open(memfs_mount: Callable[..., Mounted]) -> None:

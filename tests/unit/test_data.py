@@ -8,6 +8,7 @@ holes) shows up as 0xFF instead of passing by luck on never-used memory.
 
 from __future__ import annotations
 
+import errno
 import random
 import stat
 from collections.abc import AsyncIterator, Awaitable
@@ -17,7 +18,7 @@ import trio
 
 from memfs.config import PoolConfig
 from memfs.data import DataEngine
-from memfs.errors import TransportError
+from memfs.errors import FsError, TransportError
 from memfs.layout import LAYOUT_XATTR
 from memfs.meta import Meta
 from memfs.meta.store import MetaStore
@@ -289,3 +290,30 @@ async def test_a_dead_volume_in_a_striped_transfer_is_one_transport_error(
         await engine.read(ino, 0, 16 * K)
     with pytest.raises(TransportError, match="slow:2 is gone"):
         await engine.write(ino, 0, b"b" * 16 * K)
+
+
+async def test_allocate_reserves_zeroed_chunks_and_a_refusal_leaves_the_size(engine: DataEngine) -> None:
+    """fallocate: the range's chunks are taken now (zero, on a pool whose memory held
+    0xFF), the size covers it; past EOF with keep_size is refused; ENOSPC puts back
+    the size and frees what went past it."""
+    meta = engine.meta
+    ino = await create(meta, b"f")
+    await engine.write(ino, 0, b"abc")
+    free = (await meta.statfs()).blocks_free
+    await engine.allocate(ino, 10 * K, 100 * K, keep_size=False)
+    assert (await meta.getattr(ino)).size == 110 * K
+    cs = POOL.chunk_size
+    assert free - (await meta.statfs()).blocks_free == len(range(10 * K // cs, (110 * K - 1) // cs + 1))
+    assert await read(engine, ino, 0, 110 * K) == b"abc" + bytes(110 * K - 3)
+    await engine.allocate(ino, 0, 50 * K, keep_size=True)  # within EOF: nothing changes
+    assert (await meta.getattr(ino)).size == 110 * K
+    with pytest.raises(FsError) as info:
+        await engine.allocate(ino, 100 * K, 20 * K, keep_size=True)
+    assert info.value.errno == errno.EOPNOTSUPP
+    before = (await meta.statfs()).blocks_free
+    with pytest.raises(FsError) as info:
+        await engine.allocate(ino, 0, 2 * POOL_BYTES, keep_size=False)
+    assert info.value.errno == errno.ENOSPC
+    assert (await meta.getattr(ino)).size == 110 * K
+    assert (await meta.statfs()).blocks_free == before
+    assert await read(engine, ino, 0, 110 * K) == b"abc" + bytes(110 * K - 3)
