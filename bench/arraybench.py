@@ -11,7 +11,9 @@ Cluster (loopback): two ``memfs memd`` (2 volumes each), ``memfs mds``, one
 ``memfs mount --mds``; ``memfs.array`` (straight between the array and the
 memory servers' sockets) vs ``numpy`` through that mount, and raw loopback TCP
 in the same rounds: one stream, 1 MiB ``sendall`` into ``recv_into`` a buffer
-as large as the array (bench/tcpbench.py's "raw into memory").
+as large as the array (bench/tcpbench.py's "raw into memory"), populated
+before the clock starts (against saves and ``load(out=)``) and, for loads into
+a new array, one whose pages the receive touches first ("into new memory").
 
 Each group (a save and the loads of its file) starts from a quiet pool: the
 file the save would replace is removed first and its memory given time to be
@@ -138,6 +140,7 @@ def measure(cases: dict[str, Callable[[], object]], rounds: int, nbytes: int, la
     rates[TOUCH] = []
     if raw:
         rates[RAW] = []
+        rates[RAW_NEW] = []
     bases = list(groups)
     for r in range(rounds):
         for base in bases[r % len(bases):] + bases[: r % len(bases)]:
@@ -153,12 +156,15 @@ def measure(cases: dict[str, Callable[[], object]], rounds: int, nbytes: int, la
         rates[TOUCH].append(nbytes / GIB / timed(functools.partial(first_touch, nbytes)))
         if raw:
             rates[RAW].append(raw_throughput(nbytes, nbytes) / 1024)
+            rates[RAW_NEW].append(raw_throughput(nbytes, nbytes, populate=False) / 1024)
         print(f"{label} round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in rates.items()),
               file=sys.stderr, flush=True)
     return {k: statistics.median(v) for k, v in rates.items()}
 
 
 RAW = "raw loopback TCP, 1 stream, into memory"
+#: the same into memory the receive touches first, as a load into a new array does
+RAW_NEW = "raw loopback TCP, into new memory"
 TOUCH = "new array, first touch of its pages"
 #: untimed pause after removing the file a save replaces: memfs zeroes freed memory in
 #: the background (1 GiB in well under a second), tmpfs frees it at once
@@ -188,7 +194,7 @@ def table(title: str, med: dict[str, float], refs: dict[str, tuple[str, str]]) -
             if ref.endswith(" load") and f"{ref}, pages dropped" in med:
                 ref = f"{ref}, pages dropped"  # what memfs itself serves
             cols.append(f"{v / med[ref]:>18.2f}" if name != ref and ref in med
-                        and name not in (RAW, TOUCH)
+                        and name not in (RAW, RAW_NEW, TOUCH)
                         else f"{'':>18}")
         print(f"| {name:<30} | {v:>6.2f} | " + " | ".join(cols) + " |")
 
@@ -223,7 +229,7 @@ def main() -> int:
             table(f"cluster mount (loopback, 2 memd x 2 volumes), {nbytes / GIB:g} GiB float64, "
                   f"{args.rounds} rounds", med,
                   {"x numpy via mount": ("numpy via mount save", "numpy via mount load"),
-                   "of raw TCP": (RAW, RAW)})
+                   "of raw TCP": (RAW, RAW), "of raw, new memory": (RAW_NEW, RAW_NEW)})
     finally:
         shutil.rmtree(shm, ignore_errors=True)
     return 0

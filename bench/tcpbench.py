@@ -54,9 +54,11 @@ VOLUMES_PER_SERVER = 2
 # -- raw sockets -------------------------------------------------------------------
 
 
-def _receiver(sock: socket.socket, total: int, span: int) -> None:
-    # Populated up front like a memd volume; the sender starts the clock on "r".
-    mem = mmap.mmap(-1, span, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+def _receiver(sock: socket.socket, total: int, span: int, populate: bool) -> None:
+    # Populated up front like a memd volume (or, not *populate*, faulted in as it
+    # fills, like a new array); the sender starts the clock on "r".
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (mmap.MAP_POPULATE if populate else 0)
+    mem = mmap.mmap(-1, span, flags=flags)
     view = memoryview(mem)
     conn, _ = sock.accept()
     conn.sendall(b"r")
@@ -71,16 +73,17 @@ def _receiver(sock: socket.socket, total: int, span: int) -> None:
     conn.close()
 
 
-def raw_throughput(total: int, span: int = MSG) -> float:
+def raw_throughput(total: int, span: int = MSG, populate: bool = True) -> float:
     """MiB/s of one sender/receiver pair (two processes) moving *total* bytes.
 
     The receiver ``recv_into``s successive 1 MiB pieces of a *span*-byte
     buffer: with ``span == MSG`` it reuses one cache-warm buffer; with a large
     span each byte lands in memory not touched for a while, as in a volume.
+    Not *populate*: the buffer's pages are first touched by the receive (timed).
     """
     listener = socket.create_server(("127.0.0.1", 0))
     ctx = multiprocessing.get_context("fork")
-    proc = ctx.Process(target=_receiver, args=(listener, total, span))
+    proc = ctx.Process(target=_receiver, args=(listener, total, span, populate))
     proc.start()
     try:
         sender = socket.create_connection(listener.getsockname())
