@@ -408,6 +408,8 @@ class RemoteMeta(Meta):
         #: creates made under create leases (memfs.meta.creates)
         self.creates = AsyncCreates(self.cache)
         self._reserving: trio.Event | None = None
+        #: the lease token of the registration our reserved inode numbers came under
+        self._inos_token = 0
         self.leases = LeaseKeeper(self.cache, self._call, self, self.creates)
         #: (inode, map window) -> set once the map_read that will bring it has ended
         self._maps_asked: dict[tuple[int, int], trio.Event] = {}
@@ -491,7 +493,6 @@ class RemoteMeta(Meta):
             fs = FrameSocket(await connect(self.host, self.port), MAX_REPLY)
             try:
                 await self._handshake(fs)
-                token = self.token
                 lost, failed, desc = await self._register(fs)
             except BaseException:
                 fs.close()
@@ -522,10 +523,12 @@ class RemoteMeta(Meta):
             if self.opens.pop(ino, None):
                 self._opens_version += 1
         self.write_lost(failed)
-        if not first and self.token != token:
-            # A new token: our session expired (the numbers reserved for it went with
-            # it), our leases were taken, or the server restarted.  Numbers we still
-            # hold may not be ours: never use them (unused numbers are never reused).
+        if self.token != self._inos_token:
+            # A token other than the one our numbers came under: our session expired
+            # (the numbers reserved for it went with it), our leases were taken, or the
+            # server restarted; the server forgets them too (MetaServer._register).
+            # Compared with the reservation's token, not the last attempt's: an attempt
+            # that registered and then failed must not hide the change.
             self.creates.inos.clear()
         self.cache.dirty.clear()  # told with the registration
         self.cache.answered.clear()
@@ -967,6 +970,8 @@ class RemoteMeta(Meta):
         self._reserving = done = trio.Event()
         try:
             first = await self._call("reserve_inos", RESERVE)
+            # Not retried: answered on the connection whose registration named this token.
+            self._inos_token = self.token
             self.creates.inos.extend(range(first, first + RESERVE))
         except FsError as exc:
             log.debug("no inode numbers reserved: %s", exc)

@@ -1092,6 +1092,7 @@ class MetaServer:
         # its writers (EIO), never report it.  A size no larger than the known one is
         # stale (an answer that did arrive): ignored.
         s.registrations += 1
+        renamed = s.fenced  # its token changed since it last heard one
         s.fenced = False  # it hears its token now
         # The session's first registration in this run: of an earlier run (eligible
         # within --grace of the restart), or a stranger (back too late).
@@ -1161,6 +1162,12 @@ class MetaServer:
                             exc.args[1] if len(exc.args) > 1 else exc)
                 refused_ops.append([k, exc.errno])
             self._journal_destroys()
+        if renamed or first:
+            # The client hears a token other than the one its inode numbers were
+            # reserved under and drops them (RemoteMeta._connect): so do we, once its
+            # creates above had theirs.  (Not journaled: a restart makes this
+            # registration a first one again.)
+            self.store.delegated.pop(sid, None)
         lost = [ino for ino in set(claimed) | set(s.opens)
                 if not await self._set_opens(s, ino, claimed.get(ino, 0))]
         self._journal_destroys()

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from memfs import wire
 from memfs.config import VolumeAddr
 from memfs.errors import TransportError, UsageError
-from memfs.transport.sockio import RCVLOWAT
+from memfs.transport.sockio import RCVLOWAT, RCVLOWAT_FROM
 from memfs.transport.splice import SpliceSender
 from memfs.transport.splice import available as splice_available
 from memfs.transport.tcp import (
@@ -373,14 +373,16 @@ class _Stopped(Exception):
 
 
 def recv_exactly(sock: socket.socket, dest: memoryview) -> None:
-    """Fill *dest* from blocking *sock*.  While more than :data:`RCVLOWAT` is to
-    come the socket wakes us only once that much has arrived (``SO_RCVLOWAT``),
-    not for every segment."""
+    """Fill *dest* from blocking *sock*.  Past :data:`RCVLOWAT_FROM` the socket
+    wakes us only once min(rest, :data:`RCVLOWAT`) has arrived (``SO_RCVLOWAT``),
+    not for every segment.  So the socket's timeout bounds the wait for that
+    much: a server sending slower than 256 KiB per ``io_timeout`` (25 KiB/s at
+    the default 10 s) counts as not answering."""
     got, n = 0, len(dest)
     lowat = 1
     try:
         while got < n:
-            want = min(n - got, RCVLOWAT)
+            want = min(n - got, RCVLOWAT) if n >= RCVLOWAT_FROM else 1
             if want != lowat:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
                 lowat = want

@@ -52,14 +52,16 @@ async def recv_some_into(sock: socket.socket, view: memoryview) -> int:
 
 #: a large receive waits for this much to have arrived (or the rest), not for any byte
 RCVLOWAT = 256 << 10
+#: receives of less than this wait for any byte (two setsockopt calls cost more there)
+RCVLOWAT_FROM = 64 << 10
 
 
 async def recv_exactly_into(sock: socket.socket, view: memoryview) -> None:
     """Fill *view* completely; :class:`PeerClosed` if the stream ends first.
 
-    While more than :data:`RCVLOWAT` is to come, the socket is readable only once
-    that much has arrived (``SO_RCVLOWAT``): a bulk payload then wakes us every
-    few hundred KiB rather than for every segment.
+    Past :data:`RCVLOWAT_FROM` the socket is readable only once min(rest,
+    :data:`RCVLOWAT`) has arrived (``SO_RCVLOWAT``): a bulk payload then wakes us
+    every few hundred KiB rather than for every segment.
     """
     got, n = 0, len(view)
     lowat = 1
@@ -68,8 +70,8 @@ async def recv_exactly_into(sock: socket.socket, view: memoryview) -> None:
             try:
                 k = sock.recv_into(view[got:])
             except BlockingIOError:
-                want = min(n - got, RCVLOWAT)
-                if want != lowat and (want > 1 or lowat > 1):
+                want = min(n - got, RCVLOWAT) if n >= RCVLOWAT_FROM else 1
+                if want != lowat:
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
                     lowat = want
                 await trio.lowlevel.wait_readable(sock)

@@ -985,3 +985,72 @@ async def test_a_client_back_after_its_session_expired_creates_with_new_numbers(
         assert not a.write_errors
         children = _children(server, e.ino)
         assert [children[b"g"], children[b"h"]] == [m.ino for m in made]
+
+
+async def test_numbers_are_dropped_even_when_the_registration_that_changed_the_token_failed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The session expired; the first attempt back registers (and hears the new token)
+    and then fails, its close reaching the server only after the next attempt took the
+    session over: the next hears the same new token, and still drops the old numbers
+    (the token they came under is what counts), as the server does."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]  # the connection drops
+    async with cluster(1) as (server, (a,), _):
+        server.session_grace = 0.2
+        d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
+        await a.create(d.ino, b"first", F, 0, 0)
+        (f,) = await _made_here(a, d.ino, [b"f"])
+        await a.sync(d.ino)
+        await a.release(f.ino)
+        real_connect, real_register = a._connect, a._register
+        held: list[Any] = []
+
+        async def register(fs: Any) -> Any:
+            got = await real_register(fs)
+            if not held:
+                held.append(fs.sock)
+                fs.close = lambda: None  # its close comes late
+                raise OSError("connection dropped after the registration")
+            return got
+
+        async def late(first: bool) -> Any:
+            if not held:
+                await trio.sleep(1.0)  # longer than the session grace
+            return await real_connect(first)
+
+        a._connect, a._register = late, register  # type: ignore[method-assign]
+        conn = a._conn
+        assert conn is not None
+        conn.kill("test")
+        await a.getattr(ROOT)
+        held[0].close()
+        assert set(a.creates.inos) <= server.store.delegated.get(a.session, set())
+        e = await a.mknod(ROOT, b"e", stat.S_IFDIR | 0o755, 0, 0)
+        await a.create(e.ino, b"first", F, 0, 0)
+        (g,) = await _made_here(a, e.ino, [b"g"])
+        await a.sync(e.ino)
+        assert not a.write_errors
+        assert _children(server, e.ino)[b"g"] == g.ino
+
+
+async def test_an_evicted_client_and_the_server_both_forget_its_reserved_numbers(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Leases taken without the client's word (a new token, the session kept): its
+    held creates still go through with their numbers, then both sides drop the rest."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]  # the connection drops
+    async with cluster(2, recall_timeout=0.3, term=0.6) as (server, (a, b), _):
+        d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
+        await a.create(d.ino, b"first", F, 0, 0)
+        (f,) = await _made_here(a, d.ino, [b"f"])
+        conn = a._conn
+        assert conn is not None
+        conn._held.clear()  # as if a were stopped before sending it
+        conn.on_recall = lambda *args: None  # and could not answer a recall
+        left = set(server.store.delegated[a.session]) - {f.ino}  # f's create is not out
+        assert left
+        await b.create(d.ino, b"other", F, 0, 0)  # a is evicted after 0.3 s
+        await a.getattr(ROOT)  # back: its create of f goes through, then the rest go
+        assert _children(server, d.ino)[b"f"] == f.ino and not a.write_errors
+        assert not left & set(a.creates.inos)
+        assert not left & server.store.delegated.get(a.session, set())
