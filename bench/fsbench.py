@@ -77,14 +77,20 @@ def mounted_bindfs(path: Path, size: str) -> Iterator[Path]:
 
 
 def fio(directory: Path, rw: str, bs: str, size: str, runtime: int) -> float:
-    """Aggregate MiB/s of one fio run."""
+    """Aggregate MiB/s of one fio run, a file per job (``bench.N.0``).
+
+    fio runs in *directory*: it names every job's file after the job alone
+    ("bench", one file shared by all jobs) when its working directory has an
+    entry of that name that is not a regular file, as this repository's
+    ``bench/`` is for ``make bench`` (whatever ``--filename_format`` says).
+    """
     args = [
         "fio", "--name=bench", f"--directory={directory}", f"--rw={rw}", f"--bs={bs}",
         f"--size={size}", f"--numjobs={JOBS}", "--ioengine=psync", "--group_reporting",
         "--output-format=json", "--end_fsync=1", "--invalidate=1",
         f"--runtime={runtime}", "--time_based=0", "--file_service_type=sequential",
     ]
-    out = subprocess.run(args, check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(args, check=True, capture_output=True, text=True, cwd=directory).stdout
     job = json.loads(out[out.index("{"):])["jobs"][0]
     part = job["write"] if "write" in rw else job["read"]
     return float(part["bw_bytes"]) / (1 << 20)
