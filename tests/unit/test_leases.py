@@ -680,19 +680,27 @@ async def test_fsync_waits_for_the_create_and_a_lost_connection_sends_it_again(c
             await a.release(x.ino)
 
 
+async def _stopped_with_a_create_unsent(a: RemoteMeta) -> tuple[Any, Any, bytes]:
+    """*a* makes file f in a new directory d under its create lease, and stops as if
+    before sending it (the held create dropped from its send buffer) and without
+    answering recalls from then on: (d, f, the held bytes)."""
+    d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
+    await a.create(d.ino, b"first", F, 0, 0)
+    (f,) = await _made_here(a, d.ino, [b"f"])
+    conn = a._conn
+    assert conn is not None
+    held = bytes(conn._held)
+    conn._held.clear()  # as if a were stopped before sending it
+    conn.on_recall = lambda *args: None  # and could not answer a recall
+    return d, f, held
+
+
 async def test_a_create_refused_on_its_way_again_fails_its_file(caplog: pytest.LogCaptureFixture) -> None:
     """Evicted with a create unsent, and the name taken by another client meanwhile:
     the file is gone here and its writers hear EIO."""
     caplog.expected_warnings = True  # type: ignore[attr-defined]  # the connection drops
     async with cluster(2, recall_timeout=0.3, term=0.6) as (server, (a, b), _):
-        d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
-        await a.create(d.ino, b"first", F, 0, 0)
-        (f,) = await _made_here(a, d.ino, [b"f"])
-        conn = a._conn
-        assert conn is not None
-        held = bytes(conn._held)
-        conn._held.clear()  # as if a were stopped before sending it
-        conn.on_recall = lambda *args: None  # and could not answer a recall
+        d, f, held = await _stopped_with_a_create_unsent(a)
         real_connect = a._connect
 
         async def late(first: bool) -> Any:  # nor come back at once
@@ -951,6 +959,18 @@ async def test_a_random_writer_into_new_space_gets_no_map_around_its_writes() ->
         await a.release(f.ino)
 
 
+async def _create_under_a_new_lease(server: MetaServer, c: RemoteMeta, dirname: bytes, name: bytes) -> Any:
+    """Make directory *dirname*, get its create lease, make *name* there under it and
+    wait for its answer; the file's attributes.  It must not fail on its way."""
+    d = await c.mknod(ROOT, dirname, stat.S_IFDIR | 0o755, 0, 0)
+    await c.create(d.ino, b"first", F, 0, 0)
+    (f,) = await _made_here(c, d.ino, [name])
+    await c.sync(d.ino)
+    assert not c.write_errors
+    assert _children(server, d.ino)[name] == f.ino
+    return f
+
+
 async def test_a_client_back_after_its_session_expired_creates_with_new_numbers(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -959,13 +979,9 @@ async def test_a_client_back_after_its_session_expired_creates_with_new_numbers(
     caplog.expected_warnings = True  # type: ignore[attr-defined]  # the connection drops
     async with cluster(1) as (server, (a,), _):
         server.session_grace = 0.2
-        d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
-        await a.create(d.ino, b"first", F, 0, 0)
-        (f,) = await _made_here(a, d.ino, [b"f"])
-        await a.sync(d.ino)
+        f = await _create_under_a_new_lease(server, a, b"d", b"f")
         assert a.creates.inos and a.session in server.store.delegated
-        for x in (f.ino,):
-            await a.release(x)
+        await a.release(f.ino)
         real_connect = a._connect
 
         async def late(first: bool) -> Any:  # away for longer than the session grace
@@ -978,13 +994,7 @@ async def test_a_client_back_after_its_session_expired_creates_with_new_numbers(
         conn.kill("test")
         await a.getattr(ROOT)  # reconnects and registers as a stranger
         assert set(a.creates.inos) <= server.store.delegated.get(a.session, set())
-        e = await a.mknod(ROOT, b"e", stat.S_IFDIR | 0o755, 0, 0)
-        await a.create(e.ino, b"first", F, 0, 0)
-        made = await _made_here(a, e.ino, [b"g", b"h"])
-        await a.sync(e.ino)
-        assert not a.write_errors
-        children = _children(server, e.ino)
-        assert [children[b"g"], children[b"h"]] == [m.ino for m in made]
+        await _create_under_a_new_lease(server, a, b"e", b"g")
 
 
 async def test_numbers_are_dropped_even_when_the_registration_that_changed_the_token_failed(
@@ -997,10 +1007,7 @@ async def test_numbers_are_dropped_even_when_the_registration_that_changed_the_t
     caplog.expected_warnings = True  # type: ignore[attr-defined]  # the connection drops
     async with cluster(1) as (server, (a,), _):
         server.session_grace = 0.2
-        d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
-        await a.create(d.ino, b"first", F, 0, 0)
-        (f,) = await _made_here(a, d.ino, [b"f"])
-        await a.sync(d.ino)
+        f = await _create_under_a_new_lease(server, a, b"d", b"f")
         await a.release(f.ino)
         real_connect, real_register = a._connect, a._register
         held: list[Any] = []
@@ -1025,12 +1032,7 @@ async def test_numbers_are_dropped_even_when_the_registration_that_changed_the_t
         await a.getattr(ROOT)
         held[0].close()
         assert set(a.creates.inos) <= server.store.delegated.get(a.session, set())
-        e = await a.mknod(ROOT, b"e", stat.S_IFDIR | 0o755, 0, 0)
-        await a.create(e.ino, b"first", F, 0, 0)
-        (g,) = await _made_here(a, e.ino, [b"g"])
-        await a.sync(e.ino)
-        assert not a.write_errors
-        assert _children(server, e.ino)[b"g"] == g.ino
+        await _create_under_a_new_lease(server, a, b"e", b"g")
 
 
 async def test_an_evicted_client_and_the_server_both_forget_its_reserved_numbers(
@@ -1040,13 +1042,7 @@ async def test_an_evicted_client_and_the_server_both_forget_its_reserved_numbers
     held creates still go through with their numbers, then both sides drop the rest."""
     caplog.expected_warnings = True  # type: ignore[attr-defined]  # the connection drops
     async with cluster(2, recall_timeout=0.3, term=0.6) as (server, (a, b), _):
-        d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
-        await a.create(d.ino, b"first", F, 0, 0)
-        (f,) = await _made_here(a, d.ino, [b"f"])
-        conn = a._conn
-        assert conn is not None
-        conn._held.clear()  # as if a were stopped before sending it
-        conn.on_recall = lambda *args: None  # and could not answer a recall
+        d, f, _held = await _stopped_with_a_create_unsent(a)
         left = set(server.store.delegated[a.session]) - {f.ino}  # f's create is not out
         assert left
         await b.create(d.ino, b"other", F, 0, 0)  # a is evicted after 0.3 s
