@@ -44,9 +44,9 @@ _NOTIFY_INC_EPOCH = struct.pack("<IiQ", 16, 8, 0)
 #: set in the file handle of an open by any uid but 0: its writes take set-ID bits away
 #: (memfs stands in for the kernel there, see Operations.init_connection)
 _UNPRIVILEGED = 1 << 63
+_INODE = _UNPRIVILEGED - 1
 #: fallocate(2)'s mode flag (linux/falloc.h; not in Python's os module)
 FALLOC_FL_KEEP_SIZE = 0x01
-_INODE = _UNPRIVILEGED - 1
 
 P = ParamSpec("P")
 R = TypeVar("R")
