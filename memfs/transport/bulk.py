@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from memfs import wire
 from memfs.config import VolumeAddr
 from memfs.errors import TransportError, UsageError
-from memfs.transport.sockio import RCVLOWAT, RCVLOWAT_FROM
+from memfs.transport.sockio import set_rcvlowat
 from memfs.transport.splice import SpliceSender
 from memfs.transport.splice import available as splice_available
 from memfs.transport.tcp import (
@@ -373,26 +373,22 @@ class _Stopped(Exception):
 
 
 def recv_exactly(sock: socket.socket, dest: memoryview) -> None:
-    """Fill *dest* from blocking *sock*.  Past :data:`RCVLOWAT_FROM` the socket
-    wakes us only once min(rest, :data:`RCVLOWAT`) has arrived (``SO_RCVLOWAT``),
-    not for every segment.  So the socket's timeout bounds the wait for that
+    """Fill *dest* from blocking *sock*.  Past :data:`~memfs.transport.sockio.RCVLOWAT_FROM`
+    the socket wakes us only once min(rest, 256 KiB) has arrived
+    (:func:`~memfs.transport.sockio.set_rcvlowat`), not for every segment.  So the socket's timeout bounds the wait for that
     much: a server sending slower than 256 KiB per ``io_timeout`` (25 KiB/s at
     the default 10 s) counts as not answering."""
     got, n = 0, len(dest)
     lowat = 1
     try:
         while got < n:
-            want = min(n - got, RCVLOWAT) if n >= RCVLOWAT_FROM else 1
-            if want != lowat:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
-                lowat = want
+            lowat = set_rcvlowat(sock, lowat, n, got)
             k = sock.recv_into(dest[got:], n - got)
             if not k:
                 raise EOFError("connection closed inside a reply")
             got += k
     finally:
-        if lowat != 1:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+        set_rcvlowat(sock, lowat, 0, 0)
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytearray:

@@ -56,6 +56,16 @@ RCVLOWAT = 256 << 10
 RCVLOWAT_FROM = 64 << 10
 
 
+def set_rcvlowat(sock: socket.socket, have: int, n: int, got: int) -> int:
+    """Make *sock*'s ``SO_RCVLOWAT`` what a receive of *n* bytes with *got* in needs
+    (min(rest, :data:`RCVLOWAT`) past :data:`RCVLOWAT_FROM`, else 1), *have* being
+    what it is now; returns the new mark.  Put it back with ``have=mark, n=0``."""
+    want = min(n - got, RCVLOWAT) if n >= RCVLOWAT_FROM else 1
+    if want != have:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+    return want
+
+
 async def recv_exactly_into(sock: socket.socket, view: memoryview) -> None:
     """Fill *view* completely; :class:`PeerClosed` if the stream ends first.
 
@@ -70,18 +80,14 @@ async def recv_exactly_into(sock: socket.socket, view: memoryview) -> None:
             try:
                 k = sock.recv_into(view[got:])
             except BlockingIOError:
-                want = min(n - got, RCVLOWAT) if n >= RCVLOWAT_FROM else 1
-                if want != lowat:
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
-                    lowat = want
+                lowat = set_rcvlowat(sock, lowat, n, got)
                 await trio.lowlevel.wait_readable(sock)
                 continue
             if k == 0:
                 raise PeerClosed(f"connection closed after {got} of {n} bytes")
             got += k
     finally:
-        if lowat != 1:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+        set_rcvlowat(sock, lowat, 0, 0)
 
 
 def send_now(sock: socket.socket, buffers: Sequence[Buf]) -> list[memoryview]:
