@@ -10,6 +10,16 @@ transfer runs inside ``meta.io(ino)`` and only with a map whose generation did
 not move while it was fetched, so a recall (which waits for ``io``) never lets
 a chunk be freed while a transfer still uses it.
 
+Posted writes (a cluster client holding a file's write lease, tcp): the
+write returns once its frame is in the socket, before the memory server has
+applied it (the socket's buffer is the write-behind buffer: no copy, bounded by
+the kernel).  Until the server answers, the inode stays pinned (``meta.io``), so
+a recall, which any other session's access to the file causes, waits for the
+data; this node's own reads and truncates of the file, its fsync and its
+release wait for them first.  A posted write that failed fails the file's next
+write or fsync with EIO, once (as a local filesystem reports writeback errors:
+not at close); its bytes are lost, as the failed write's would have been.
+
 Copies: a read that falls in one contiguous extent returns the transport's view
 of volume memory (no copy in Python; libfuse copies it into the reply).  Other
 reads are assembled in one buffer.  A write is one copy from the kernel's
@@ -22,12 +32,13 @@ import errno
 import functools
 import logging
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractContextManager
 
 import trio
 
 from memfs.errors import FsError, SpaceBusy
 from memfs.meta import NOT_RESIDENT, Extent, Meta, WritePlan
-from memfs.transport import Buffer, Transport
+from memfs.transport import Buffer, Posted, Transport
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +48,57 @@ _MAX_TRIES = 100
 ALLOCATE_PIECE = 1 << 20
 
 
+class _Posted:
+    """The writes of one file that the transport has not had answered yet."""
+
+    __slots__ = ("count", "tails", "error", "hold")
+
+    def __init__(self) -> None:
+        self.count = 0
+        #: the last write posted on each channel (waiting for it waits for the others)
+        self.tails: dict[object, Posted] = {}
+        #: the first failure not reported yet
+        self.error: Exception | None = None
+        #: the inode's pin (meta.io), held while any is outstanding
+        self.hold: AbstractContextManager[object] | None = None
+
+
 class DataEngine:
     def __init__(self, meta: Meta, transport: Transport) -> None:
         self.meta = meta
         self.transport = transport
+        #: files with posted writes outstanding or a failed one not reported yet
+        self._posted: dict[int, _Posted] = {}
+
+    @property
+    def posts_writes(self) -> bool:
+        return self.transport.posts_writes
+
+    async def settle(self, ino: int) -> None:
+        """Until the writes of *ino* posted so far are answered (fsync); EIO if one
+        failed since the last report."""
+        await self.wait_posted(ino)
+        out = self._posted.get(ino)
+        if out is not None and out.error is not None:
+            self._report(ino, out)
+
+    def _report(self, ino: int, out: _Posted) -> None:
+        err, out.error = out.error, None
+        if not out.count:
+            del self._posted[ino]
+        raise FsError(errno.EIO, f"inode {ino}: a write failed after it returned: {err}")
+
+    async def wait_posted(self, ino: int) -> None:
+        """Until the writes of *ino* posted so far are answered; a failure stays to be
+        reported by :meth:`settle` or the next write."""
+        out = self._posted.get(ino)
+        if out is not None and out.count:
+            for h in list(out.tails.values()):
+                await h.wait()
 
     async def read(self, ino: int, offset: int, length: int) -> Buffer:
+        if ino in self._posted:
+            await self.wait_posted(ino)  # on another connection the read could overtake them
         meta = self.meta
         for _ in range(_MAX_TRIES):
             gen = meta.generation(ino)
@@ -81,15 +137,56 @@ class DataEngine:
     async def write(self, ino: int, offset: int, data: Buffer) -> int:
         src = memoryview(data).cast("B")
         meta = self.meta
+        out = self._posted.get(ino)
+        if out is not None and out.error is not None:
+            self._report(ino, out)  # an earlier write's failure, reported here
         for _ in range(_MAX_TRIES):
             gen = meta.generation(ino)
             plan = await self._plan(ino, offset, len(src))
             with meta.io(ino):
                 if meta.generation(ino) != gen:
                     continue  # recalled while we asked: the plan may name freed chunks
-                await self._write(plan, src, offset)
+                if plan.posted and self.transport.posts_writes:
+                    await self._post(ino, plan, src, offset)
+                else:
+                    if ino in self._posted:  # posted ones go first
+                        await self.wait_posted(ino)
+                    await self._write(plan, src, offset)
                 return len(src)
         raise FsError(errno.EIO, f"inode {ino}: its chunk map keeps changing")
+
+    async def _post(self, ino: int, plan: WritePlan, src: memoryview, base: int) -> None:
+        done = functools.partial(self._posted_done, ino)
+        for e in plan.extents:
+            start = e.offset - base
+            h = await self.transport.post_write(
+                e.volume, e.voffset, src[start : start + e.length], ino, done)
+            if h is None:
+                continue
+            # Entries exist exactly while writes are outstanding or a failure is unreported.
+            out = self._posted.get(ino)
+            if out is None:
+                out = self._posted[ino] = _Posted()
+            if not out.count:
+                out.hold = self.meta.io(ino)
+                out.hold.__enter__()
+            out.count += 1
+            out.tails[h.channel] = h
+
+    def _posted_done(self, ino: int, err: Exception | None) -> None:
+        out = self._posted[ino]
+        if err is not None:
+            log.warning("inode %d: a posted write failed: %s", ino, err)
+            if out.error is None:
+                out.error = err
+        out.count -= 1
+        if not out.count:
+            hold, out.hold = out.hold, None
+            out.tails.clear()
+            if out.error is None:
+                del self._posted[ino]
+            if hold is not None:
+                hold.__exit__(None, None, None)
 
     async def _plan(self, ino: int, offset: int, length: int) -> WritePlan:
         try:
@@ -144,6 +241,8 @@ class DataEngine:
             raise
 
     async def truncate(self, ino: int, size: int) -> None:
+        if ino in self._posted:
+            await self.wait_posted(ino)  # a zeroing could overtake them
         ranges = await self.meta.truncate(ino, size)
         with self.meta.io(ino):  # a transfer: a new lease token waits for it (cluster)
             for vol, voff, n in ranges:

@@ -488,22 +488,33 @@ class Operations(pyfuse3.Operations):
         await self.data.allocate(ino, off, length, keep_size=bool(mode & FALLOC_FL_KEEP_SIZE))
 
     async def flush(self, fh: int) -> None:
-        """Data is in pool memory as soon as write() returns: nothing to push on close.
+        """Nothing to push on close: data is in pool memory as soon as write() returns,
+        or (a cluster client's posted writes) on its way there, waited for by this
+        node's next look at the file, its fsync and release, and any other node's
+        access (the recall).  Like writeback errors of a local filesystem, a posted
+        write's failure is reported by fsync (and the next write), not by close.
 
         ENOSYS makes the kernel stop sending FLUSH at all, which saves a round
-        trip on every close(2).  (close still reports writeback errors itself.)
+        trip on every close(2): measured on a cluster client answering it, empty-file
+        creates fell from ~8,200-12,000/s to ~5,800-6,300/s.
         """
         raise pyfuse3.FUSEError(errno.ENOSYS)
 
     @_errno_boundary
     async def release(self, fh: int) -> None:
-        await self.meta.release(fh & _INODE)
+        ino = fh & _INODE
+        # Before the last release tells the metadata server we are done writing.
+        await self.data.wait_posted(ino)
+        await self.meta.release(ino)
 
     @_errno_boundary
     async def fsync(self, fh: int, datasync: bool) -> None:
         """Pool memory is the durable copy in this tier (see ARCHITECTURE: fsync); a
-        cluster client's size and mtime become exact on the metadata server."""
-        await self.meta.sync(fh & _INODE)
+        cluster client's posted writes reach it, and its size and mtime become exact
+        on the metadata server."""
+        ino = fh & _INODE
+        await self.data.settle(ino)
+        await self.meta.sync(ino)
 
     # -- directories ------------------------------------------------------------------
 

@@ -292,9 +292,10 @@ async def _serve(
     opts: MountOptions, meta: Meta, transport: Transport, ready: Callable[[], None] | None,
     arrays: ArrayService,
 ) -> None:
+    data = DataEngine(meta, transport)
     ops = Operations(
         meta,
-        DataEngine(meta, transport),
+        data,
         writeback_cache=opts.writeback_cache,
         # Other nodes change files too: without leases, drop cached pages at every
         # open (close-to-open), and let attributes expire per --attr-timeout.
@@ -305,6 +306,7 @@ async def _serve(
         negative_timeout=opts.attr_timeout,
     )
     arrays.kernel = ops
+    arrays.wait_posted = data.wait_posted
     try:
         pyfuse3.init(ops, opts.mountpoint, fuse_options(opts))
     except RuntimeError as exc:  # libfuse printed its reason on stderr already

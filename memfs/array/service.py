@@ -191,6 +191,9 @@ class ArrayService:
         self.scrub_turn = scrub_turn
         #: set by the mount once the FUSE layer exists
         self.kernel: KernelCache | None = None
+        #: set by the mount: until the mount's own posted writes of an inode are
+        #: answered (memfs.data), which a transfer of ours could overtake
+        self.wait_posted: Callable[[int], Awaitable[None]] | None = None
         self._nursery: trio.Nursery | None = None
         #: transfers whose connection ended first, held until their process exits
         self.orphans = 0
@@ -341,6 +344,8 @@ class ArraySession:
         for _ in range(100):
             if self.service.scrub_turn is not None:
                 await self.service.scrub_turn()
+            if self.service.wait_posted is not None:
+                await self.service.wait_posted(h.ino)
             gen = meta.generation(h.ino)
             if write:
                 extents = (await self._map_write(h.ino, offset, length)) if length else []

@@ -72,6 +72,10 @@ class WritePlan:
     """Where a write goes.  Newly allocated chunks are already zero (scrub-on-free)."""
 
     extents: list[Extent]
+    #: the writer holds the file's write lease: any other access recalls it first, and
+    #: the recall waits for transfers (Meta.io), so the data may arrive after the
+    #: write returns (memfs.data: posted writes)
+    posted: bool = False
 
 
 @dataclass(slots=True)

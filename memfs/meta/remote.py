@@ -1266,7 +1266,7 @@ class RemoteMeta(Meta):
                 if extents is not None:
                     cache.wrote(ino, end, _now_ns())
                     self.leases.dirty_wake.set()
-                    return WritePlan(extents)
+                    return WritePlan(extents, posted=True)
             f = cache.files.get(ino)
             sequential = offset == 0 or (f is not None and f.last_end == offset)
             ahead = 0
@@ -1302,7 +1302,7 @@ class RemoteMeta(Meta):
                 # maps taken before stay usable, so the generation stays.)
                 cache.attrs.pop(ino, None)
                 cache.files.pop(ino, None)
-            return WritePlan(_clip(plan.extents, offset, end))
+            return WritePlan(_clip(plan.extents, offset, end), posted=kind is Kind.OK_WRITE)
 
     async def control(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
         kind, body = await self._roundtrip(

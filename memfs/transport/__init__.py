@@ -16,6 +16,7 @@ for RDMA that is where memory registration happens, once, instead of per I/O.
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass
 
 Buffer = bytes | bytearray | memoryview  # collections.abc.Buffer is 3.12+
@@ -30,6 +31,23 @@ class VolumeInfo:
     url: str
 
 
+class Posted(abc.ABC):
+    """A write handed to a transport whose server has not answered yet (post_write)."""
+
+    __slots__ = ()
+
+    @property
+    @abc.abstractmethod
+    def channel(self) -> object:
+        """Writes posted on one channel are answered in the order posted: waiting for
+        the last one waits for all."""
+
+    @abc.abstractmethod
+    async def wait(self) -> None:
+        """Until the write's completion callback has run (success or not); never raises
+        but Cancelled."""
+
+
 class Transport(abc.ABC):
     """One-sided reads and writes of pool memory.
 
@@ -40,6 +58,8 @@ class Transport(abc.ABC):
     #: True if requests to different volumes proceed in parallel when issued
     #: concurrently; the data engine only opens a nursery when this is set.
     concurrent: bool = False
+    #: True if post_write can return before the server has the data
+    posts_writes: bool = False
 
     @property
     @abc.abstractmethod
@@ -65,6 +85,18 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     async def write(self, volume: int, offset: int, data: Buffer) -> None:
         """Store *data* at *offset* of *volume*."""
+
+    async def post_write(
+        self, volume: int, offset: int, data: Buffer, key: int,
+        done: Callable[[Exception | None], None],
+    ) -> Posted | None:
+        """Store *data* at *offset* of *volume*, perhaps after returning: None if it is
+        done (or a failure raised), else a handle, and *done* is called once when
+        the server has it (None) or it failed (a TransportError).  *data* may be
+        reused once this returns.  Writes with one *key* to one volume are applied
+        in the order posted.  Here: written before returning."""
+        await self.write(volume, offset, data)
+        return None
 
     @abc.abstractmethod
     async def zero(self, volume: int, offset: int, length: int) -> None:

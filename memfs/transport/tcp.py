@@ -44,7 +44,7 @@ import logging
 import math
 import os
 import socket
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
@@ -54,7 +54,7 @@ import trio.lowlevel
 from memfs import wire
 from memfs.config import VolumeAddr
 from memfs.errors import TransportError, UsageError
-from memfs.transport import Buffer, Transport, VolumeInfo
+from memfs.transport import Buffer, Posted, Transport, VolumeInfo
 from memfs.transport.sockio import (
     PeerClosed,
     RecvBuffer,
@@ -86,6 +86,8 @@ _RECEIVE_WORK = 1 << 20
 _REPLY_WORK = 64 << 10
 #: an idle connection is checked for a server that went away after this long
 _IDLE_CHECK = 0.001
+#: a drainer of posted writes takes their answers this often while writes keep coming
+_DRAIN_EVERY = 0.001
 
 
 def server_name(host: str, port: int) -> str:
@@ -154,7 +156,7 @@ async def memd_handshake(
 class _Pending:
     """One request awaiting its reply."""
 
-    __slots__ = ("dest", "deadline", "done", "task", "kind", "payload", "error")
+    __slots__ = ("dest", "deadline", "done", "task", "kind", "payload", "error", "on_done")
 
     def __init__(self, dest: memoryview | None, deadline: float) -> None:
         self.dest = dest  # READ: where the reply's data goes
@@ -164,6 +166,8 @@ class _Pending:
         self.kind = Kind.OK
         self.payload = b""
         self.error: str | None = None  # the connection failed before the reply
+        #: a posted write's completion (see TcpTransport.post_write): called once, at once
+        self.on_done: Callable[[_Pending], None] | None = None
 
     def target(self) -> memoryview:
         assert self.dest is not None
@@ -177,6 +181,8 @@ class _Pending:
     def complete(self) -> None:
         self.done = True
         self.wake()
+        if self.on_done is not None:
+            self.on_done(self)
 
     def abandon(self) -> None:
         """The caller is gone: its buffer is no longer ours to write."""
@@ -216,6 +222,12 @@ class _Conn:
         #: a READ reply whose data goes straight to its destination: (request id, bytes in)
         self._partial: tuple[int, int] | None = None
         self._next_id = _INFO_ID
+        #: posted writes outstanding here, the last one posted, how many were ever
+        #: posted, and whether a drainer takes their replies (TcpTransport._drain)
+        self.posted = 0
+        self.last_posted: _Pending | None = None
+        self.posts = 0
+        self.draining = False
 
     def add(self, p: _Pending) -> int:
         while True:
@@ -430,6 +442,32 @@ class _Conn:
         return True
 
 
+def _failure(server: _Server, p: _Pending) -> str | None:
+    """Why request *p* failed (its connection, or the server's ERROR answer), or None."""
+    if p.error is not None:
+        return p.error
+    if p.kind is Kind.ERROR:
+        err, msg = wire.decode_error(p.payload)
+        return f"memory server {server.name}: {msg or os.strerror(err)}"
+    return None
+
+
+class _PostedWrite(Posted):
+    __slots__ = ("conn", "p")
+
+    def __init__(self, conn: _Conn, p: _Pending) -> None:
+        self.conn = conn
+        self.p = p
+
+    @property
+    def channel(self) -> object:
+        return self.conn
+
+    async def wait(self) -> None:
+        if not self.p.done:
+            await self.conn.wait(self.p)
+
+
 def volume_infos(vmap: Sequence[tuple[Any, int]], addrs: Sequence[VolumeAddr]) -> list[VolumeInfo]:
     """The pool's volumes from (server, remote volume) pairs whose servers know
     their volume sizes (``.sizes``, ``.name``): shared by the tcp and verbs clients."""
@@ -501,6 +539,7 @@ async def open_tcp_transport(
                 if not lazy:
                     await t._open()
                 nursery.start_soon(t._watch_deadlines)
+                t._nursery = nursery
                 yield t
             finally:
                 t._close()
@@ -566,6 +605,7 @@ class Fences:
 
 class TcpTransport(Transport):
     concurrent = True  # requests to different servers (and connections) overlap
+    posts_writes = True
 
     def __init__(
         self,
@@ -598,6 +638,8 @@ class TcpTransport(Transport):
         self._token = 0
         self._fences = fences
         self._delivering = trio.Lock()
+        #: where drainers of posted writes run (open_tcp_transport's; None: no posting)
+        self._nursery: trio.Nursery | None = None
 
     # -- opening and closing ----------------------------------------------------------
 
@@ -772,12 +814,90 @@ class TcpTransport(Transport):
         else:
             conn = await self._send_waiting(server, slot, p, kind, head, data)
         await conn.wait(p)
-        if p.error is not None:
-            raise TransportError(p.error)
-        if p.kind is Kind.ERROR:
-            err, msg = wire.decode_error(p.payload)
-            raise TransportError(f"memory server {server.name}: {msg or os.strerror(err)}")
+        failure = _failure(server, p)
+        if failure is not None:
+            raise TransportError(failure)
         return p
+
+    async def post_write(
+        self, volume: int, offset: int, data: Buffer, key: int,
+        done: Callable[[Exception | None], None],
+    ) -> Posted | None:
+        """Hand *data* to the connection's socket; the memory server's answer comes later.
+
+        Writes posted with one *key* to one server go over one connection, so a
+        server applies them in the order posted (and answers them in that order:
+        waiting for the last one posted on a connection waits for all before it).
+        The frame is in the socket when this returns (the caller may reuse
+        *data*); a drainer task takes the answers when nobody waits for them, so
+        *done* is called within ``io_timeout`` even if nobody does.
+        """
+        src = memoryview(data).cast("B")
+        n = len(src)
+        self.check_range(volume, offset, n)
+        if n > MAX_IO or self._nursery is None:
+            await self.write(volume, offset, src)
+            return None
+        server, remote = self._map[volume]
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if server.lost:
+            raise TransportError(server.lost)
+        now = trio.current_time()
+        p = _Pending(None, now + self.io_timeout)
+        slot = key % len(server.slots)
+        conn = server.slots[slot]
+        head = wire.WRITE.pack(remote, offset)
+        if conn is not None and not conn.send_lock.locked() and conn.usable(now):
+            rest = conn.send(p, Kind.WRITE, head, src)  # no await since the check
+            if rest:
+                conn.send_lock.acquire_nowait()
+                try:
+                    await conn.finish_send(rest, p.deadline)
+                finally:
+                    conn.send_lock.release()
+        else:
+            conn = await self._send_waiting(server, slot, p, Kind.WRITE, head, src)
+        if p.done:  # failed at once, or answered while the frame was still going out
+            failure = _failure(server, p)
+            if failure is not None:
+                raise TransportError(failure)
+            return None
+
+        def completed(q: _Pending) -> None:
+            conn.posted -= 1
+            failure = _failure(server, q)
+            done(None if failure is None else TransportError(failure))
+
+        p.on_done = completed
+        conn.posted += 1
+        conn.posts += 1
+        conn.last_posted = p
+        if not conn.draining:
+            conn.draining = True
+            self._nursery.start_soon(self._drain, conn)
+        return _PostedWrite(conn, p)
+
+    async def _drain(self, conn: _Conn) -> None:
+        """Take the answers to *conn*'s posted writes that nobody waits for.
+
+        While writes keep being posted it looks every ``_DRAIN_EVERY`` and takes
+        what has arrived without waiting (one ``recv`` for many answers, none of
+        the writers' time); once they stop, it waits for the last one's answer.
+        """
+        try:
+            seen = -1
+            while conn.posted and not conn.closed:
+                await trio.sleep(_DRAIN_EVERY)
+                if conn.posts != seen:
+                    seen = conn.posts
+                    if not conn.receiving:
+                        conn.poll()
+                    continue
+                last = conn.last_posted
+                if last is not None and not last.done:
+                    await conn.wait(last)
+        finally:
+            conn.draining = False
 
     async def _send_waiting(
         self, server: _Server, slot: int, p: _Pending, kind: Kind, head: bytes,

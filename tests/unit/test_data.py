@@ -8,22 +8,24 @@ holes) shows up as 0xFF instead of passing by luck on never-used memory.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import random
 import stat
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import pytest
 import trio
+import trio.testing
 
 from memfs.config import PoolConfig
 from memfs.data import DataEngine
 from memfs.errors import FsError, TransportError
 from memfs.layout import LAYOUT_XATTR
-from memfs.meta import Meta
+from memfs.meta import Meta, WritePlan
 from memfs.meta.store import MetaStore
 from memfs.scrub import Scrubber
-from memfs.transport import Buffer, Transport, VolumeInfo
+from memfs.transport import Buffer, Posted, Transport, VolumeInfo
 from memfs.transport.local import LocalTransport
 
 K = 1 << 10
@@ -317,3 +319,118 @@ async def test_allocate_reserves_zeroed_chunks_and_a_refusal_leaves_the_size(eng
     assert (await meta.getattr(ino)).size == 110 * K
     assert (await meta.statfs()).blocks_free == before
     assert await read(engine, ino, 0, 110 * K) == b"abc" + bytes(110 * K - 3)
+
+
+class _Held(Posted):
+    """A posted write of PostingTransport: applied (or failed) when the test says."""
+
+    def __init__(self, transport: PostingTransport, apply: Callable[[], None],
+                 done: Callable[[Exception | None], None]) -> None:
+        self.transport, self.apply, self.done = transport, apply, done
+        self.finished = trio.Event()
+
+    @property
+    def channel(self) -> object:
+        return self.transport
+
+    async def wait(self) -> None:
+        await self.finished.wait()
+
+    def finish(self, error: Exception | None) -> None:
+        if error is None:
+            self.apply()
+        self.done(error)
+        self.finished.set()
+
+
+class PostingTransport(LocalTransport):
+    """Local memory whose writes are posted: held until answer() or fail()."""
+
+    posts_writes = True
+
+    def __init__(self, *args: int) -> None:
+        super().__init__(*args)
+        self.held: list[_Held] = []
+
+    async def post_write(self, volume: int, offset: int, data: Buffer, key: int,
+                         done: Callable[[Exception | None], None]) -> Posted | None:
+        copy = bytes(data)
+        await trio.lowlevel.checkpoint()
+
+        def apply() -> None:
+            self.volume_memory(volume)[offset : offset + len(copy)] = copy
+
+        h = _Held(self, apply, done)
+        self.held.append(h)
+        return h
+
+    def answer(self, error: Exception | None = None) -> None:
+        for h in self.held:
+            h.finish(error)
+        self.held.clear()
+
+
+class PinCounting(MetaStore):
+    """The store, saying its writes are posted (as a write-lease holder's are) and
+    counting the pins held on each inode (Meta.io)."""
+
+    def __init__(self, pool: PoolConfig) -> None:
+        super().__init__(pool)
+        self.pins: dict[int, int] = {}
+
+    async def map_write(self, ino: int, offset: int, length: int) -> WritePlan:
+        plan = await super().map_write(ino, offset, length)
+        return WritePlan(plan.extents, posted=True)
+
+    @contextlib.contextmanager
+    def io(self, ino: int, *, here: bool = True) -> Iterator[object]:
+        self.pins[ino] = self.pins.get(ino, 0) + 1
+        try:
+            yield None
+        finally:
+            self.pins[ino] -= 1
+
+
+async def test_posted_writes_pin_their_file_and_report_failures_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A posted write returns before its transfer; the file stays pinned (a recall
+    waits) until it is answered; this node's read waits for it; a failure fails the
+    next write, or fsync/close (settle), once."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]
+    meta = PinCounting(POOL)
+    transport = PostingTransport(POOL.volumes, POOL.volume_size)
+    engine = DataEngine(meta, transport)
+    assert engine.posts_writes
+    ino = await create(meta, b"f")
+    await engine.write(ino, 0, b"a" * 32 * K)  # two stripe units, two volumes
+    assert len(transport.held) == 2 and meta.pins[ino] == 1
+
+    got: list[bytes] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(lambda: _read_into(engine, ino, got))
+        await trio.testing.wait_all_tasks_blocked()
+        assert not got, "the read went out before the writes it could overtake"
+        transport.answer()
+    assert got == [b"a" * 32 * K] and meta.pins[ino] == 0
+    await engine.settle(ino)  # nothing outstanding, nothing failed
+
+    await engine.write(ino, 0, b"b" * 4 * K)
+    transport.answer(TransportError("memory server m:1 is gone"))
+    assert meta.pins[ino] == 0
+    with pytest.raises(FsError) as info:
+        await engine.write(ino, 4 * K, b"c")
+    assert info.value.errno == errno.EIO and "m:1 is gone" in str(info.value)
+    await engine.write(ino, 4 * K, b"c")  # reported once
+    transport.answer()
+
+    await engine.write(ino, 0, b"d")
+    transport.answer(TransportError("memory server m:2 is gone"))
+    with pytest.raises(FsError, match="m:2 is gone"):
+        await engine.settle(ino)
+    await engine.settle(ino)
+    await meta.aclose()
+
+
+async def _read_into(engine: DataEngine, ino: int, out: list[bytes]) -> None:
+    out.append(await read(engine, ino, 0, 32 * K))

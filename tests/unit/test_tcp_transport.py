@@ -513,3 +513,90 @@ async def test_bulk_transfers_overlap_in_order_each_under_its_own_token() -> Non
             nursery.cancel_scope.cancel()
     finally:
         await server.aclose()
+
+
+# -- posted writes (TcpTransport.post_write; memfs.data posts a write-lease holder's) --
+
+
+class Completions(list[Exception | None]):
+    """Completion callbacks' results, with a wait for the first *n*."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.changed = trio.Event()
+
+    def append(self, result: Exception | None) -> None:
+        super().append(result)
+        self.changed.set()
+
+    async def wait_for(self, n: int) -> None:
+        while len(self) < n:
+            self.changed = trio.Event()
+            await self.changed.wait()
+
+
+async def test_posted_writes_of_one_key_land_in_order_and_complete_unwatched() -> None:
+    """Writes posted with one key go over one connection: a server applies them in
+    order, so the last one posted wins, with two connections per server.  Nobody
+    waits for them, yet every completion callback runs (the drainer takes the
+    answers), and waiting for the last handle of a channel waits for the rest."""
+    big = 1 << 20
+    async with memory_server(1, 4 * big) as port, open_tcp_transport(
+        [VolumeAddr("tcp", "127.0.0.1", port, 0)], SECRET, connections_per_server=2,
+    ) as t:
+        assert t.posts_writes
+        results = Completions()
+        handles = []
+        for key in (7, 8):  # both slots of the server
+            base = (key - 7) * 2 * big
+            for i in range(40):
+                # a small write right after a large one over the same bytes: on
+                # another connection it would often land first
+                for data in (bytes([i]) * big, bytes([100 + i]) * 4096):
+                    h = await t.post_write(0, base, data, key, results.append)
+                    if h is not None:
+                        handles.append(h)
+        assert handles, "nothing was posted: every write waited for its answer"
+        assert len({h.channel for h in handles}) == 2
+        with trio.fail_after(5):
+            await results.wait_for(len(handles))
+        assert results == [None] * len(handles)
+        for key in (7, 8):
+            got = bytes(await t.read(0, (key - 7) * 2 * big, big))
+            assert got == bytes([139]) * 4096 + bytes([39]) * (big - 4096)
+        # waiting for the last handle needs no drainer: it receives itself
+        h = await t.post_write(0, 0, b"last", 7, results.append)
+        if h is not None:
+            await h.wait()
+        assert results[-1] is None and bytes(await t.read(0, 0, 4)) == b"last"
+
+
+async def test_posted_write_failures_reach_the_callback(caplog: pytest.LogCaptureFixture) -> None:
+    """A posted write the server refuses, or never answers, is reported through its
+    callback (within io_timeout), never silently dropped, with nobody waiting."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]
+    release = trio.Event()
+
+    async def script(stream: trio.SocketStream) -> None:
+        h, _ = await recv_frame(stream)  # refused
+        await stream.send_all(wire.frame(Kind.ERROR, h.req_id, wire.encode_error(errno.ESTALE, "fenced")))
+        await recv_frame(stream)  # never answered
+        await release.wait()
+
+    async with fake_memd(script) as vol, open_tcp_transport(
+        [vol], SECRET, connections_per_server=1, io_timeout=0.3
+    ) as t:
+        results = Completions()
+        with trio.fail_after(2):
+            first = await t.post_write(0, 0, b"a" * 100, 1, results.append)
+            assert first is not None
+            await results.wait_for(1)
+            assert isinstance(results[0], TransportError) and "fenced" in str(results[0])
+            start = trio.current_time()
+            second = await t.post_write(0, 0, b"b" * 100, 1, results.append)
+            assert second is not None
+            await second.wait()
+        assert len(results) == 2 and isinstance(results[1], TransportError)
+        assert "did not answer within 0.3s" in str(results[1])
+        assert 0.25 < trio.current_time() - start < 1.5
+        release.set()
