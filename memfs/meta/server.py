@@ -101,6 +101,9 @@ REPLY_QUEUE = 64
 CALL_WAIT = 3.0
 #: calls a client may queue behind one that waits (for a recall, the backing directory)
 MAX_QUEUED = 4096
+#: after a restart, calls wait at most this long (and at most a lease term) for the
+#: clients of the run before to register again and replay what they had not sent
+RECOVERY_WAIT = 3.0
 #: a sequential writer's preallocation is capped at this many bytes past its write
 MAX_AHEAD = 64 << 20
 #: methods whose reply carries state a client may cache under its lease (see _holds)
@@ -264,6 +267,11 @@ class MetaServer:
         #: after a restart, until --grace has passed: sessions of the previous run may
         #: come back and report what they wrote (their write leases died with it)
         self._recovering = False
+        #: set once calls may run after a restart: every session of the run before
+        #: registered again (replaying its unsent creates, unlinks and sizes), or
+        #: the recovery window passed (see _recovery_window)
+        self._recovered = trio.Event()
+        self._recovered.set()
         self._nursery: trio.Nursery | None = None
         #: lease_term 0: clients cache nothing (every call goes to the server)
         self.leases = LeaseTable(term=lease_term, recall_timeout=recall_timeout,
@@ -338,6 +346,7 @@ class MetaServer:
         if sid in self.store.this_run or sid in self.store.eligible:
             self.store.session_gone(sid)
             self._journal_session(SESSION_GONE, sid)
+            self._check_recovered()
 
     def _journal_session(self, kind: str, *args: Any) -> None:
         if self.journal is not None:
@@ -381,6 +390,9 @@ class MetaServer:
                     self._journal_session(NEW_RUN)
                     self._recovering = True
                     nursery.start_soon(self._end_recovery)
+                    if self.leases.term > 0 and self.store.eligible:
+                        self._recovered = trio.Event()
+                        nursery.start_soon(self._recovery_window)
                 self.port = listeners[0].getsockname()[1]
                 for sock in listeners:
                     nursery.start_soon(self._accept, sock)
@@ -425,6 +437,28 @@ class MetaServer:
         await trio.sleep(self.session_grace)
         for ino in orphans:
             await self._release_ino(ino)
+
+    async def _recovery_window(self) -> None:
+        """After a restart: hold calls until the clients of the run before are back,
+        at most a lease term (and RECOVERY_WAIT, well within a client's call timeout).
+
+        A client held creates, unlinks and sizes under its leases that the server had
+        not heard of when it died; it replays them when it registers again.  Until
+        then another client would see the directory without them, or an older size
+        (Lustre's MDS waits for its clients in the same way: its recovery window).
+        A client that does not come back in time (dead, cut off) replays them later.
+        """
+        with trio.move_on_after(min(self.leases.term, self.session_grace, RECOVERY_WAIT)):
+            await self._recovered.wait()
+        if not self._recovered.is_set():
+            log.info("recovery window over: %d client(s) of the previous run not back",
+                     len(self.store.eligible - self.store.this_run))
+            self._recovered.set()
+
+    def _check_recovered(self) -> None:
+        if not self._recovered.is_set() and self.store.eligible <= self.store.this_run:
+            log.info("every client of the previous run is back")
+            self._recovered.set()
 
     async def _end_recovery(self) -> None:
         """After a restart, once --grace has passed: preallocation that no client
@@ -643,6 +677,8 @@ class MetaServer:
             return value[0] == "control"
         if isinstance(parsed, codec.UnknownMethod):
             return False
+        if not self._recovered.is_set():
+            return True
         m, args = parsed
         if self.meta is not self.store and m.name in ("map_read", "map_write", "allocate_ahead"):
             return True
@@ -741,6 +777,8 @@ class MetaServer:
         ):
             # FUSE never asks this; the store would walk (or list) every chunk of the range.
             return Kind.ERROR, wire.encode_error(errno.EINVAL, "offset or length out of range")
+        if not self._recovered.is_set():
+            await self._recovered.wait()  # bounded: see _recovery_window
         session = conn.session
         first = True
         fenced_before = self._fence_seq
@@ -1173,6 +1211,7 @@ class MetaServer:
         self._journal_destroys()
         if claimed:
             log.info("%s: session re-registered %d open inodes (%d gone)", conn.peer, len(claimed), len(lost))
+        self._check_recovered()
         if ops is not None:
             return [sorted(lost), failed, s.token, refused_ops]
         return [sorted(lost), failed, s.token]

@@ -1050,3 +1050,61 @@ async def test_an_evicted_client_and_the_server_both_forget_its_reserved_numbers
         assert _children(server, d.ino)[b"f"] == f.ino and not a.write_errors
         assert not left & set(a.creates.inos)
         assert not left & server.store.delegated.get(a.session, set())
+
+
+async def test_a_restarted_server_waits_for_its_clients_a_bounded_time(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """After a restart (journal) calls wait until every client of the run before has
+    registered again (its unsent creates, unlinks and sizes replayed first), but a
+    client that never comes back holds them up for the recovery window only
+    (a lease term here), not for --grace and never for good."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]  # the mds goes away
+    from tests.unit.test_journal import POOL as JPOOL
+    from tests.unit.test_journal import SECRET as JSECRET
+
+    term = 1.0
+    journal = Journal(tmp_path)
+    store = await journal.open(JPOOL)
+    async with trio.open_nursery() as outer:
+        first_run = trio.CancelScope()
+
+        async def run(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+            with first_run:
+                async with trio.open_nursery() as n:
+                    server = MetaServer(store, JSECRET, None, journal, lease_term=term, session_grace=30)
+                    task_status.started(await n.start(server.serve, "127.0.0.1", 0))
+                    await trio.sleep_forever()
+
+        port = await outer.start(run)
+        async with open_remote_meta("127.0.0.1", port, JSECRET) as b:
+            async with open_remote_meta("127.0.0.1", port, JSECRET) as dead:
+                await dead.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
+                await b.getattr(ROOT)
+                first_run.cancel()  # the mds dies with both sessions registered
+                await trio.sleep(0.05)
+            # (dead's session is in the journal; it never registers again)
+            journal.close()
+            journal2 = Journal(tmp_path)
+            try:
+                store2 = await journal2.open(JPOOL)
+                async with trio.open_nursery() as n2:
+                    server2 = MetaServer(store2, JSECRET, None, journal2, lease_term=term,
+                                         session_grace=30)
+                    b.port = await n2.start(server2.serve, "127.0.0.1", 0)
+                    started = trio.current_time()
+                    with trio.fail_after(10):
+                        while True:
+                            try:
+                                await b.getattr(ROOT)
+                                break
+                            except FsError:
+                                await trio.sleep(0.05)
+                    waited = trio.current_time() - started
+                    assert term * 0.8 <= waited <= term + 2.0, waited
+                    assert server2._recovered.is_set()
+                    assert server2.store.eligible, "the grace (30 s) has not ended"
+                    n2.cancel_scope.cancel()
+            finally:
+                journal2.close()
+        outer.cancel_scope.cancel()
