@@ -6,7 +6,8 @@ create, stat and remove 20,000 empty files in one directory (one process) and
 split over 2 directories (two processes in parallel).
 
 Runs alternate the filesystems and the table shows medians, because this kind
-of machine is noisy.  Needs root (mounting tmpfs and memfs) and fio; bindfs
+of machine is noisy.  The data cases also run memfs with ``-o direct_io`` (file
+data kept out of the page cache; ``--no-direct-io`` leaves it out).  Needs root (mounting tmpfs and memfs) and fio; bindfs
 (Debian's) is measured when installed (``make bench-fs`` installs it), and
 ``--chart PNG`` draws the ratios to tmpfs (matplotlib).
 
@@ -39,6 +40,10 @@ FIO_CASES = [
     ("rand write 16K", "randwrite", "16k", 0.25),
     ("rand read 16K", "randread", "16k", 0.25),
 ]
+
+
+#: memfs with -o direct_io (data cases only: metadata does not touch file data)
+DIO = "memfs direct_io"
 
 
 @contextmanager
@@ -165,13 +170,14 @@ def chart(results: dict[str, dict[str, dict[str, float]]], path: str, title: str
 
     cases = [(section, key) for section in ("data", "meta") if section in results
              for key in results[section]["memfs"]]
-    others = [fs for fs in ("memfs", "bindfs") if all(fs in results[s] for s, _ in cases)]
+    others = [fs for fs in ("memfs", DIO, "bindfs") if any(fs in results[s] for s, _ in cases)]
     fig, ax = plt.subplots(figsize=(11, 4.8))
     width = 0.8 / len(others)
     for n, fs in enumerate(others):
-        ratios = [results[s][fs][k] / results[s]["tmpfs"][k] for s, k in cases]
-        bars = ax.bar([i + n * width for i in range(len(cases))], ratios, width, label=fs)
-        ax.bar_label(bars, labels=[f"{r:.2f}" for r in ratios], fontsize=7, rotation=90,
+        at = [(i, results[s][fs][k] / results[s]["tmpfs"][k])
+              for i, (s, k) in enumerate(cases) if fs in results[s]]
+        bars = ax.bar([i + n * width for i, _ in at], [r for _, r in at], width, label=fs)
+        ax.bar_label(bars, labels=[f"{r:.2f}" for _, r in at], fontsize=7, rotation=90,
                      padding=2)
     ax.set_xticks([i + width * (len(others) - 1) / 2 for i in range(len(cases))],
                   [k for _, k in cases], rotation=30, ha="right", fontsize=8)
@@ -198,6 +204,8 @@ def main() -> int:
     ap.add_argument("--skip-data", action="store_true")
     ap.add_argument("--skip-meta", action="store_true")
     ap.add_argument("--no-bindfs", action="store_true", help="leave bindfs out")
+    ap.add_argument("--no-direct-io", action="store_true",
+                    help="leave out the data cases of memfs with -o direct_io")
     ap.add_argument("--chart", metavar="PNG", help="draw the ratios to tmpfs here")
     args = ap.parse_args()
     if os.geteuid() != 0 or shutil.which("fio") is None:
@@ -214,6 +222,8 @@ def main() -> int:
     def mount(fs: str) -> object:
         if fs == "memfs":
             return mounted_memfs(base / "memfs", args.pool, args.memfs_opt)
+        if fs == DIO:
+            return mounted_memfs(base / "memfs", args.pool, [*args.memfs_opt, "-o", "direct_io"])
         if fs == "bindfs":
             return mounted_bindfs(base / "bindfs", args.pool)
         return mounted_tmpfs(base / "tmpfs", args.pool)
@@ -231,7 +241,8 @@ def main() -> int:
                                 f.unlink()
                     return out
 
-            results["data"] = median_runs(args.rounds, filesystems, data_round)
+            dio = [] if args.no_direct_io else [DIO]
+            results["data"] = median_runs(args.rounds, filesystems + dio, data_round)
         if not args.skip_meta:
             def meta_round(fs: str) -> dict[str, float]:
                 with mount(fs) as root:  # type: ignore[attr-defined]
@@ -274,6 +285,14 @@ def main() -> int:
                 b = results[section]["bindfs"][key]
                 row += f" {b:.0f} | {b / tmp[key]:.2f} | {mem[key] / b:.2f} |"
             print(row)
+        if section == "data" and DIO in results[section]:
+            print(f"\n| {section} | memfs -o direct_io {unit} | memfs/tmpfs | goal | vs memfs |"
+                  f"\n|---|---:|---:|---|---:|")
+            for key, v in results[section][DIO].items():
+                ratio = v / tmp[key] if tmp[key] else float("nan")
+                goal = goals.get(key)
+                verdict = f">= {goal} {'ok' if ratio >= goal else 'MISSED'}" if goal else ""
+                print(f"| {key} | {v:.0f} | {ratio:.2f} | {verdict} | {v / mem[key]:.2f} |")
     if args.chart:
         chart(results, args.chart, title)
         print(f"\nchart: {args.chart}")

@@ -18,7 +18,9 @@ a recall, which any other session's access to the file causes, waits for the
 data; this node's own reads and truncates of the file, its fsync and its
 release wait for them first.  A posted write that failed fails the file's next
 write or fsync with EIO, once (as a local filesystem reports writeback errors:
-not at close); its bytes are lost, as the failed write's would have been.
+not at close; one still unreported at a close is logged and dropped).  Its bytes
+may be lost, or land in part; a late frame is refused once the mds has fenced
+this client's lease token (see ARCHITECTURE, "Fencing").
 
 Copies: a read that falls in one contiguous extent returns the transport's view
 of volume memory (no copy in Python; libfuse copies it into the reply).  Other
@@ -87,6 +89,23 @@ class DataEngine:
         if not out.count:
             del self._posted[ino]
         raise FsError(errno.EIO, f"inode {ino}: a write failed after it returned: {err}")
+
+    async def release(self, ino: int) -> None:
+        """A handle of *ino* is closed: its posted writes reach the memory servers
+        first (the last release ends the write lease); a failure no write or fsync
+        reported is logged and dropped here, not left for a later opener."""
+        await self.wait_posted(ino)
+        out = self._posted.get(ino)
+        if out is not None and not out.count and out.error is not None:
+            del self._posted[ino]
+            log.error("inode %d: a write failed after it returned, and no write or fsync "
+                      "after it reported it before this close: %s", ino, out.error)
+
+    async def drain(self) -> None:
+        """Until every write posted so far is answered (or failed): before the transport
+        closes at unmount, so that a write(2) that returned is not dropped."""
+        for ino in list(self._posted):
+            await self.wait_posted(ino)
 
     async def wait_posted(self, ino: int) -> None:
         """Until the writes of *ino* posted so far are answered; a failure stays to be

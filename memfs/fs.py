@@ -40,6 +40,10 @@ log = logging.getLogger(__name__)
 #: for this mount is stale from now on; it takes no lock (unlike FUSE_NOTIFY_INVAL_ENTRY,
 #: which takes the directory's lock, even with FUSE_EXPIRE_ONLY)
 _NOTIFY_INC_EPOCH = struct.pack("<IiQ", 16, 8, 0)
+#: INIT flag (kernel 6.6, protocol 7.39): files opened with FOPEN_DIRECT_IO may still be
+#: mapped MAP_SHARED (the kernel keeps such mappings coherent with direct I/O); a raw
+#: flag libfuse 3.14 does not know, asked for through memfs's pyfuse3 patch 0003
+FUSE_DIRECT_IO_ALLOW_MMAP = 1 << 36
 
 #: set in the file handle of an open by any uid but 0: its writes take set-ID bits away
 #: (memfs stands in for the kernel there, see Operations.init_connection)
@@ -133,6 +137,7 @@ class Operations(pyfuse3.Operations):
         data: DataEngine,
         *,
         writeback_cache: bool = False,
+        direct_io: bool = False,
         keep_cache: bool = True,
         attr_timeout: float = 1.0,
         entry_timeout: float = 1.0,
@@ -144,6 +149,8 @@ class Operations(pyfuse3.Operations):
         self.meta = meta
         self.data = data
         self.enable_writeback_cache = writeback_cache
+        #: every open file bypasses the page cache (FOPEN_DIRECT_IO)
+        self.direct_io = direct_io
         self.keep_cache = keep_cache
         self.attr_timeout = attr_timeout
         self.entry_timeout = entry_timeout
@@ -154,6 +161,8 @@ class Operations(pyfuse3.Operations):
         self.negotiated: dict[str, int] | None = None
         #: the kernel left clearing set-ID bits and capabilities to us (KILLPRIV_V2)
         self.drops_privileges = False
+        #: with direct_io, MAP_SHARED mappings work (FUSE_DIRECT_IO_ALLOW_MMAP)
+        self.shared_mmap = False
         self._dir_handles: dict[int, list[tuple[bytes, Attr | None]]] = {}
         self._dir_inodes: dict[int, int] = {}
         self._next_dh = itertools.count(1)
@@ -229,6 +238,10 @@ class Operations(pyfuse3.Operations):
         trip).  The kernel's precise test for the writer (``CAP_FSETID``) does not
         reach us through libfuse 3.14; memfs takes uid 0 for it (see
         :meth:`_privileged`).
+
+        With ``-o direct_io`` (every file opened with FOPEN_DIRECT_IO: reads and
+        writes go straight between the application's buffer and the daemon, no
+        page cache) FUSE_DIRECT_IO_ALLOW_MMAP keeps MAP_SHARED mappings working.
         """
         if self.pages_follow_changes:
             conn.want &= ~pyfuse3.FUSE_CAP_AUTO_INVAL_DATA
@@ -238,6 +251,9 @@ class Operations(pyfuse3.Operations):
         if killpriv_v2 and conn.kernel_flags & killpriv_v2:
             conn.extra_flags |= killpriv_v2
             self.drops_privileges = True
+        if self.direct_io and killpriv_v2 and conn.kernel_flags & FUSE_DIRECT_IO_ALLOW_MMAP:
+            conn.extra_flags |= FUSE_DIRECT_IO_ALLOW_MMAP
+            self.shared_mmap = True
         self.negotiated = {"want": conn.want, "max_background": conn.max_background,
                            "extra_flags": conn.extra_flags if killpriv_v2 else 0}
 
@@ -251,6 +267,10 @@ class Operations(pyfuse3.Operations):
             log.info("pyfuse3 %s waits for the event loop before every request (memfs's "
                      "patch 0002 takes queued ones at once: about a third of the CPU per "
                      "small request)", pyfuse3.__version__)
+        if self.direct_io and not self.shared_mmap:
+            log.warning("-o direct_io without FUSE_DIRECT_IO_ALLOW_MMAP (a kernel before 6.6, "
+                        "or pyfuse3 %s without memfs's patch 0003): MAP_SHARED mappings of "
+                        "files fail with ENODEV", pyfuse3.__version__)
         if self.negotiated is not None and not self.drops_privileges:
             log.info("FUSE_HANDLE_KILLPRIV_V2 not in effect (pyfuse3 %s without memfs's "
                      "patch 0003, or a kernel before 5.11): every write(2) is preceded by "
@@ -287,8 +307,10 @@ class Operations(pyfuse3.Operations):
         return e
 
     def _fileinfo(self, ino: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
-        keep = self.meta.keep_cache(ino)
         fh = ino if self._privileged(ctx) else ino | _UNPRIVILEGED
+        if self.direct_io:
+            return pyfuse3.FileInfo(fh=fh, direct_io=True)
+        keep = self.meta.keep_cache(ino)
         return pyfuse3.FileInfo(fh=fh, keep_cache=self.keep_cache if keep is None else keep)
 
     def _privileged(self, ctx: pyfuse3.RequestContext) -> bool:
@@ -504,7 +526,7 @@ class Operations(pyfuse3.Operations):
     async def release(self, fh: int) -> None:
         ino = fh & _INODE
         # Before the last release tells the metadata server we are done writing.
-        await self.data.wait_posted(ino)
+        await self.data.release(ino)
         await self.meta.release(ino)
 
     @_errno_boundary

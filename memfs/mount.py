@@ -50,6 +50,8 @@ class MountOptions:
     pool: PoolConfig
     fuse_options: list[str] = field(default_factory=list)
     writeback_cache: bool = False
+    #: ``-o direct_io``: file data bypasses the kernel's page cache (see fs.Operations)
+    direct_io: bool = False
     attr_timeout: float = 1.0
     # Every embedded operation completes without waiting (memory in this
     # process), so one worker serves requests with the least scheduling per
@@ -86,8 +88,8 @@ def fuse_options(opts: MountOptions) -> set[str]:
     for o in opts.fuse_options:
         if o in IGNORED_FUSE_OPTIONS or not o:
             continue
-        if o in ("writeback_cache", "no_writeback_cache"):
-            continue  # handled by build(); not a libfuse mount option
+        if o in ("writeback_cache", "no_writeback_cache", "direct_io"):
+            continue  # memfs's own (see MountOptions); not libfuse mount options
         out.add(o)
     return out
 
@@ -297,6 +299,7 @@ async def _serve(
         meta,
         data,
         writeback_cache=opts.writeback_cache,
+        direct_io=opts.direct_io,
         # Other nodes change files too: without leases, drop cached pages at every
         # open (close-to-open), and let attributes expire per --attr-timeout.
         keep_cache=opts.mds is None,
@@ -331,6 +334,9 @@ async def _serve(
             await pyfuse3.main(min_tasks=min(fs.IDLE_WORKERS, opts.max_tasks),
                                max_tasks=opts.max_tasks)
             nursery.cancel_scope.cancel()
+        # Posted writes (a cluster client's) reach the memory servers before the
+        # transport closes; each is answered or failed within the transport's deadline.
+        await data.drain()
         sd_notify("STOPPING=1")
     finally:
         # Always unmount: libfuse closes /dev/fuse first (so nothing can wait

@@ -72,11 +72,15 @@ def run(args: argparse.Namespace) -> int:
     if args.secret_file and not args.mds:
         raise UsageError("--secret-file goes with --mds (an embedded pool has no network)")
     options = split_o(args.options)
+    if "direct_io" in options and "writeback_cache" in options:
+        raise UsageError("-o direct_io and -o writeback_cache exclude each other: with "
+                         "direct_io no file data is cached to write back")
     opts = mount.MountOptions(
         mountpoint=mountpoint,
         pool=pool_from_args(args),
         fuse_options=options,
         writeback_cache="writeback_cache" in options,
+        direct_io="direct_io" in options,
         attr_timeout=args.attr_timeout,
         readahead_kib=0 if args.readahead == "0" else parse_size(args.readahead, "--readahead") >> 10,
     )

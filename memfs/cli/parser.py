@@ -56,7 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--chunk-size", default="64K", help="allocation unit (default 64K)")
     m.add_argument("-o", dest="options", action="append", default=[],
                    help="FUSE mount options, comma separated; writeback_cache enables "
-                        "the kernel writeback cache")
+                        "the kernel writeback cache; direct_io keeps file data out of the "
+                        "kernel's page cache (each read and write goes to the daemon, data "
+                        "is in memory once)")
     m.add_argument("--attr-timeout", type=float, default=None,
                    help="seconds the kernel may cache attributes and names (default: a "
                         "day for an embedded pool, where every change goes through this "

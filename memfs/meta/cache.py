@@ -255,6 +255,9 @@ class ClientCache:
             if not n or (here and not self._here):
                 self._unpinned.set()
 
+    def any_pinned(self, inos: list[int]) -> bool:
+        return any(ino in self._pins for ino in inos)
+
     async def wait_unpinned(self, inos: list[int] | None) -> None:
         """Until no transfer holds a map of *inos* (None: no transfer of this process's
         transport runs)."""

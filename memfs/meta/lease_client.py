@@ -135,6 +135,20 @@ class LeaseKeeper:
             if invalidate is not None:
                 self.cache.kernel_inodes.difference_update(inos)
                 await invalidate(inos)
+        if self.cache.any_pinned(inos):
+            # Transfers that used the old chunk maps still run (a memory server slow
+            # to answer posted writes, a long memfs.array transfer): an answer now
+            # would let the change free chunks they may still write.  No answer: the
+            # server evicts us and fences our lease token on the memory servers,
+            # which then refuse those transfers' late frames.
+            log.warning("transfers of %d recalled inode(s) still run after %.1f s: not "
+                        "answering the recall (the metadata server will evict this client)",
+                        len(inos), self.answer_within)
+            for ino, _ in told:
+                if self.answering.get(ino) is done:
+                    del self.answering[ino]
+            done.set()
+            return
         conn.send_recalled(rid, wire.encode(settles))
         if not told:
             return

@@ -457,7 +457,7 @@ class MetaServer:
 
     def _check_recovered(self) -> None:
         if not self._recovered.is_set() and self.store.eligible <= self.store.this_run:
-            log.info("every client of the previous run is back")
+            log.info("every client of the previous run is back (or its session ended)")
             self._recovered.set()
 
     async def _end_recovery(self) -> None:

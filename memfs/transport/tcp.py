@@ -835,16 +835,20 @@ class TcpTransport(Transport):
         src = memoryview(data).cast("B")
         n = len(src)
         self.check_range(volume, offset, n)
+        server, remote = self._map[volume]
+        slot = key % len(server.slots)
         if n > MAX_IO or self._nursery is None:
+            conn = server.slots[slot]
+            last = conn.last_posted if conn is not None else None
+            if conn is not None and last is not None and not last.done:
+                await conn.wait(last)  # on another connection it could overtake them
             await self.write(volume, offset, src)
             return None
-        server, remote = self._map[volume]
         await trio.lowlevel.checkpoint_if_cancelled()
         if server.lost:
             raise TransportError(server.lost)
         now = trio.current_time()
         p = _Pending(None, now + self.io_timeout)
-        slot = key % len(server.slots)
         conn = server.slots[slot]
         head = wire.WRITE.pack(remote, offset)
         if conn is not None and not conn.send_lock.locked() and conn.usable(now):
@@ -868,13 +872,13 @@ class TcpTransport(Transport):
             failure = _failure(server, q)
             done(None if failure is None else TransportError(failure))
 
+        if not conn.draining:
+            self._nursery.start_soon(self._drain, conn)
+            conn.draining = True
         p.on_done = completed
         conn.posted += 1
         conn.posts += 1
         conn.last_posted = p
-        if not conn.draining:
-            conn.draining = True
-            self._nursery.start_soon(self._drain, conn)
         return _PostedWrite(conn, p)
 
     async def _drain(self, conn: _Conn) -> None:

@@ -10,6 +10,7 @@ negotiation is not in effect, e.g. on a plain PyPI pyfuse3.
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import subprocess
 import time
@@ -169,7 +170,7 @@ def test_init_connection(pages_follow_changes: bool, offered: bool) -> None:
     v2 = pyfuse3.FUSE_HANDLE_KILLPRIV_V2
     ops = Operations.__new__(Operations)
     ops.pages_follow_changes, ops.max_background, ops.negotiated = pages_follow_changes, 32, None
-    ops.drops_privileges = False
+    ops.drops_privileges = ops.direct_io = ops.shared_mmap = False
     conn = FakeConn(v2 | 1 if offered else 1)
     ops.init_connection(conn)
     assert bool(conn.want & pyfuse3.FUSE_CAP_AUTO_INVAL_DATA) is not pages_follow_changes
@@ -179,6 +180,40 @@ def test_init_connection(pages_follow_changes: bool, offered: bool) -> None:
     assert ops.drops_privileges is offered
     assert ops.negotiated == {"want": conn.want, "max_background": 32,
                               "extra_flags": conn.extra_flags}
+
+
+@pytest.mark.parametrize("offered", [True, False])
+def test_direct_io_asks_for_shared_mappings(offered: bool) -> None:
+    """With -o direct_io, FUSE_DIRECT_IO_ALLOW_MMAP when the kernel offers it."""
+    v2 = pyfuse3.FUSE_HANDLE_KILLPRIV_V2
+    ops = Operations.__new__(Operations)
+    ops.pages_follow_changes, ops.max_background, ops.negotiated = True, 32, None
+    ops.drops_privileges, ops.direct_io, ops.shared_mmap = False, True, False
+    conn = FakeConn(v2 | (fs.FUSE_DIRECT_IO_ALLOW_MMAP if offered else 0))
+    ops.init_connection(conn)
+    assert conn.extra_flags == v2 | (fs.FUSE_DIRECT_IO_ALLOW_MMAP if offered else 0)
+    assert ops.shared_mmap is offered
+
+
+@pytest.mark.mount
+def test_direct_io_keeps_file_data_out_of_the_page_cache(memfs_mount: Callable[..., Mounted]) -> None:
+    """``-o direct_io``: reads and writes go between the application and the daemon,
+    and no page of the file stays in the page cache (the default keeps them all, see
+    above); MAP_SHARED mappings still work and stay coherent with read and write."""
+    m = memfs_mount("--size", "64M", "-o", "direct_io")
+    path = m / "f"
+    data = os.urandom(1 << 20)
+    path.write_bytes(data)
+    assert path.read_bytes() == data
+    assert resident_pages(path) == 0, "file data went through the page cache"
+    with open(path, "r+b") as f, mmap.mmap(f.fileno(), len(data)) as mm:
+        assert mm[:_PAGE] == data[:_PAGE]
+        os.pwrite(f.fileno(), b"w" * 10, 100)  # a direct write drops the mapped page
+        assert mm[100:110] == b"w" * 10
+        mm[200:210] = b"m" * 10
+        mm.flush()
+        assert os.pread(f.fileno(), 10, 200) == b"m" * 10
+    assert path.read_bytes()[:300] == data[:100] + b"w" * 10 + data[110:200] + b"m" * 10 + data[210:300]
 
 
 @pytest.mark.mount

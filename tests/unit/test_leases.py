@@ -1108,3 +1108,26 @@ async def test_a_restarted_server_waits_for_its_clients_a_bounded_time(
             finally:
                 journal2.close()
         outer.cancel_scope.cancel()
+
+
+async def test_a_recall_is_not_answered_while_old_map_transfers_still_run(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A transfer on the old chunk map that outlasts the answer's deadline (a memory
+    server slow to answer a posted write): the holder does not answer, so the server
+    evicts it (and fences its token) before freeing the chunks, instead of hearing
+    an answer while the transfer may still land."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]
+    term, recall_timeout = 1.0, 0.5
+    async with cluster(2, term=term, recall_timeout=recall_timeout) as (server, (a, b), _):
+        f = await a.mknod(ROOT, b"f", F, 0, 0)
+        await a.open(f.ino)
+        await a.map_write(f.ino, 0, 200_000)
+        await a.release(f.ino)
+        await b.open(f.ino)
+        assert await b.map_read(f.ino, 0, 200_000)
+        with b.io(f.ino):  # outlasts b's answer deadline (0.6 x recall_timeout)
+            with trio.fail_after(recall_timeout + term + 2):
+                await a.truncate(f.ino, 0)
+        assert server.leases.evictions == 1
+        assert any("not answering the recall" in r.getMessage() for r in caplog.records)
