@@ -158,14 +158,20 @@ async def test_unlink_rename_rmdir_reach_other_clients() -> None:
             await b.lookup(ROOT, b"d")
 
 
+async def written_by_a_mapped_by_b(a: RemoteMeta, b: RemoteMeta) -> Any:
+    """A file *a* wrote 200,000 bytes of and closed, open on *b* with its chunk map."""
+    f = await a.mknod(ROOT, b"f", F, 0, 0)
+    await a.open(f.ino)
+    await a.map_write(f.ino, 0, 200_000)
+    await a.release(f.ino)
+    await b.open(f.ino)
+    assert await b.map_read(f.ino, 0, 200_000)
+    return f
+
+
 async def test_truncate_recalls_chunk_maps_and_waits_for_transfers() -> None:
     async with cluster(2) as (server, (a, b), _):
-        f = await a.mknod(ROOT, b"f", F, 0, 0)
-        await a.open(f.ino)
-        await a.map_write(f.ino, 0, 200_000)
-        await a.release(f.ino)
-        await b.open(f.ino)
-        assert await b.map_read(f.ino, 0, 200_000)
+        f = await written_by_a_mapped_by_b(a, b)
         gen = b.generation(f.ino)
         done = trio.Event()
 
@@ -830,6 +836,41 @@ async def test_creates_and_unlinks_applied_before_are_answered_as_done_when_sent
         await a.release(g2.ino)
 
 
+@asynccontextmanager
+async def journaled_server(
+    tmp_path: Any, **server_args: Any,
+) -> AsyncIterator[tuple[int, Journal, Callable[[], object]]]:
+    """A metadata server with a journal in *tmp_path* (the run before a restart):
+    (its port, its journal, a function that kills it)."""
+    from tests.unit.test_journal import POOL as JPOOL
+    from tests.unit.test_journal import SECRET as JSECRET
+
+    journal = Journal(tmp_path)
+    store = await journal.open(JPOOL)
+    scope = trio.CancelScope()
+
+    async def run(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        with scope:
+            async with trio.open_nursery() as n:
+                server = MetaServer(store, JSECRET, None, journal, **server_args)
+                task_status.started(await n.start(server.serve, "127.0.0.1", 0))
+                await trio.sleep_forever()
+
+    async with trio.open_nursery() as outer:
+        yield await outer.start(run), journal, scope.cancel
+        outer.cancel_scope.cancel()
+
+
+async def until_back(call: Callable[[], Awaitable[Any]]) -> Any:
+    """*call*, again while its client reconnects (EIO meanwhile)."""
+    with trio.fail_after(10):
+        while True:
+            try:
+                return await call()
+            except FsError:
+                await trio.sleep(0.05)
+
+
 async def test_an_unlink_replayed_after_an_mds_restart_keeps_the_open_file(
     tmp_path: Any, caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -840,20 +881,7 @@ async def test_an_unlink_replayed_after_an_mds_restart_keeps_the_open_file(
     from tests.unit.test_journal import POOL as JPOOL
     from tests.unit.test_journal import SECRET as JSECRET
 
-    journal = Journal(tmp_path)
-    store = await journal.open(JPOOL)
-    async with trio.open_nursery() as outer:
-        first_run = trio.CancelScope()
-
-        async def run(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-            with first_run:
-                async with trio.open_nursery() as n:
-                    port = await n.start(MetaServer(store, JSECRET, None, journal, session_grace=5).serve,
-                                         "127.0.0.1", 0)
-                    task_status.started(port)
-                    await trio.sleep_forever()
-
-        port = await outer.start(run)
+    async with journaled_server(tmp_path, session_grace=5) as (port, journal, kill):
         async with open_remote_meta("127.0.0.1", port, JSECRET) as a:
             d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
             await a.create(d.ino, b"first", F, 0, 0)
@@ -863,7 +891,7 @@ async def test_an_unlink_replayed_after_an_mds_restart_keeps_the_open_file(
             conn = a._conn
             assert conn is not None and conn._held
             conn._held.clear()  # the mds dies before it arrives
-            first_run.cancel()
+            kill()
             await trio.sleep(0.05)
             journal.close()
             journal2 = Journal(tmp_path)
@@ -874,13 +902,7 @@ async def test_an_unlink_replayed_after_an_mds_restart_keeps_the_open_file(
                     server2 = MetaServer(store2, JSECRET, None, journal2, session_grace=5)
                     a.port = await n2.start(server2.serve, "127.0.0.1", 0)
                     conn.kill("mds restarted")
-                    with trio.fail_after(10):
-                        while True:
-                            try:
-                                await a.getattr(ROOT)
-                                break
-                            except FsError:
-                                await trio.sleep(0.1)
+                    await until_back(lambda: a.getattr(ROOT))
                     i = server2.store.inodes.get(f.ino)
                     assert i is not None and i.nlink == 0 and i.opens == 1 and a.opens.get(f.ino) == 1
                     assert b"f" not in _children(server2, d.ino)
@@ -890,7 +912,6 @@ async def test_an_unlink_replayed_after_an_mds_restart_keeps_the_open_file(
                     n2.cancel_scope.cancel()
             finally:
                 journal2.close()
-        outer.cancel_scope.cancel()
 
 
 async def test_creates_and_unlinks_queued_behind_a_waiting_call_are_seen_by_the_recaller(
@@ -1064,24 +1085,12 @@ async def test_a_restarted_server_waits_for_its_clients_a_bounded_time(
     from tests.unit.test_journal import SECRET as JSECRET
 
     term = 1.0
-    journal = Journal(tmp_path)
-    store = await journal.open(JPOOL)
-    async with trio.open_nursery() as outer:
-        first_run = trio.CancelScope()
-
-        async def run(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-            with first_run:
-                async with trio.open_nursery() as n:
-                    server = MetaServer(store, JSECRET, None, journal, lease_term=term, session_grace=30)
-                    task_status.started(await n.start(server.serve, "127.0.0.1", 0))
-                    await trio.sleep_forever()
-
-        port = await outer.start(run)
+    async with journaled_server(tmp_path, lease_term=term, session_grace=30) as (port, journal, kill):
         async with open_remote_meta("127.0.0.1", port, JSECRET) as b:
             async with open_remote_meta("127.0.0.1", port, JSECRET) as dead:
                 await dead.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
                 await b.getattr(ROOT)
-                first_run.cancel()  # the mds dies with both sessions registered
+                kill()  # the mds dies with both sessions registered
                 await trio.sleep(0.05)
             # (dead's session is in the journal; it never registers again)
             journal.close()
@@ -1093,13 +1102,7 @@ async def test_a_restarted_server_waits_for_its_clients_a_bounded_time(
                                          session_grace=30)
                     b.port = await n2.start(server2.serve, "127.0.0.1", 0)
                     started = trio.current_time()
-                    with trio.fail_after(10):
-                        while True:
-                            try:
-                                await b.getattr(ROOT)
-                                break
-                            except FsError:
-                                await trio.sleep(0.05)
+                    await until_back(lambda: b.getattr(ROOT))
                     waited = trio.current_time() - started
                     assert term * 0.8 <= waited <= term + 2.0, waited
                     assert server2._recovered.is_set()
@@ -1107,7 +1110,6 @@ async def test_a_restarted_server_waits_for_its_clients_a_bounded_time(
                     n2.cancel_scope.cancel()
             finally:
                 journal2.close()
-        outer.cancel_scope.cancel()
 
 
 async def test_a_recall_is_not_answered_while_old_map_transfers_still_run(
@@ -1120,12 +1122,7 @@ async def test_a_recall_is_not_answered_while_old_map_transfers_still_run(
     caplog.expected_warnings = True  # type: ignore[attr-defined]
     term, recall_timeout = 1.0, 0.5
     async with cluster(2, term=term, recall_timeout=recall_timeout) as (server, (a, b), _):
-        f = await a.mknod(ROOT, b"f", F, 0, 0)
-        await a.open(f.ino)
-        await a.map_write(f.ino, 0, 200_000)
-        await a.release(f.ino)
-        await b.open(f.ino)
-        assert await b.map_read(f.ino, 0, 200_000)
+        f = await written_by_a_mapped_by_b(a, b)
         with b.io(f.ino):  # outlasts b's answer deadline (0.6 x recall_timeout)
             with trio.fail_after(recall_timeout + term + 2):
                 await a.truncate(f.ino, 0)
