@@ -126,16 +126,18 @@ class LeaseKeeper:
         page it must drop is locked by a read this daemon is serving, which may
         itself wait for the server): before the server's patience runs out.
         """
+        unpinned = False
         with trio.move_on_after(self.answer_within):
             if created_in and self.creates is not None:
                 conn.flush_held()
                 await self.creates.wait(created_in)
             await self.cache.wait_unpinned(inos)
+            unpinned = True  # (a transfer begun after this used a new map)
             invalidate = self.kernel.invalidator
             if invalidate is not None:
                 self.cache.kernel_inodes.difference_update(inos)
                 await invalidate(inos)
-        if self.cache.any_pinned(inos):
+        if not unpinned and self.cache.any_pinned(inos):
             # Transfers that used the old chunk maps still run (a memory server slow
             # to answer posted writes, a long memfs.array transfer): an answer now
             # would let the change free chunks they may still write.  No answer: the

@@ -1128,3 +1128,27 @@ async def test_a_recall_is_not_answered_while_old_map_transfers_still_run(
                 await a.truncate(f.ino, 0)
         assert server.leases.evictions == 1
         assert any("not answering the recall" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_transfer_begun_after_the_wait_does_not_stop_the_answer(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Only transfers on the old chunk maps keep a recall unanswered: one that began
+    after the holder's wait for them (with a map fetched anew) does not, even if it
+    still runs at the answer's deadline."""
+    term, recall_timeout = 1.0, 0.5
+    async with cluster(2, term=term, recall_timeout=recall_timeout) as (server, (a, b), _):
+        f = await written_by_a_mapped_by_b(a, b)
+        late = b.io(f.ino)
+
+        async def slow_kernel(inos: list[int]) -> None:
+            late.__enter__()  # a new transfer, begun while the kernel drops pages
+            await trio.sleep(recall_timeout)  # past the answer's deadline
+
+        b.invalidator = slow_kernel
+        try:
+            with trio.fail_after(recall_timeout + term + 2):
+                await a.truncate(f.ino, 0)
+        finally:
+            late.__exit__(None, None, None)
+        assert server.leases.evictions == 0
