@@ -91,8 +91,8 @@ class Transport(abc.ABC):
         done: Callable[[Exception | None], None],
     ) -> Posted | None:
         """Store *data* at *offset* of *volume*, perhaps after returning: None if it is
-        done (or a failure raised), else a handle, and *done* is called once when
-        the server has it (None) or it failed (a TransportError).  *data* may be
+        done (or a failure raised; *done* is not called), else a handle, and *done*
+        is called once when the server has it (None) or it failed (a TransportError).  *data* may be
         reused once this returns.  Writes with one *key* to one volume are applied
         in the order posted.  Here: written before returning."""
         await self.write(volume, offset, data)

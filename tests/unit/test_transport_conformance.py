@@ -169,6 +169,28 @@ async def test_write_accepts_any_buffer(transport: Transport) -> None:
     assert await read_bytes(transport, 1, 5000, 500) == data[100:600]
 
 
+async def test_post_write(transport: Transport) -> None:
+    """post_write stores the data like write: done at once (None) or once its handle's
+    wait returns, its completion called exactly once either way; the caller's buffer
+    may be reused as soon as it returns; writes of one key land in order."""
+    results: list[Exception | None] = []
+    handles = []
+    buf = bytearray(pattern(5, 3000))
+    for i in range(20):
+        buf[:4] = i.to_bytes(4, "little")
+        h = await transport.post_write(1, 1000, buf, 42, results.append)
+        buf[:] = b"\xee" * len(buf)  # reused at once: what was posted must not change
+        buf[:] = pattern(5, 3000)
+        if h is not None:
+            handles.append(h)
+    for h in handles:
+        await h.wait()
+    assert results == [None] * len(handles)  # (a write done at once calls nothing)
+    assert transport.posts_writes or not handles
+    assert await read_bytes(transport, 1, 1000, 4) == (19).to_bytes(4, "little")
+    assert await read_bytes(transport, 1, 1004, 2996) == pattern(5, 3000)[4:]
+
+
 async def test_whole_volume(transport: Transport) -> None:
     data = pattern(3, VOLUME_SIZE)
     await transport.write(2, 0, data)
