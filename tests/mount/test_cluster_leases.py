@@ -907,6 +907,28 @@ def test_posted_writes_return_before_the_memory_server_answers(cluster: Cluster)
     cluster.restart("mem1")
 
 
+def test_a_stopping_client_waits_for_its_posted_writes(cluster: Cluster) -> None:
+    """SIGTERM a client daemon while writes it posted wait for a stopped memory server
+    (a writer still has the file open): the daemon stays until they are answered, and
+    the other node then reads every byte.  Had it closed its connections with answers
+    unread, the kernel would have reset them and the server dropped the frames."""
+    c1, c2 = cluster.mnt["c1"], cluster.mnt["c2"]
+    d = c1 / "on-mem1"
+    d.mkdir()
+    os.setxattr(d, "user.memfs.layout", b"stripe_count=1 stripe_offset=0")  # mem1/0
+    pid = daemon_pid(c1)
+    with on_host(cluster, "c1", WRITER, str(d / "f"), "5") as w:
+        assert answer(w, "write 1 65536") == "wrote 65536"
+        with stopped(cluster.servers["mem1"].pid):
+            assert answer(w, "write 4 65536") == "wrote 327680"
+            time.sleep(0.3)  # the size goes to the mds (every ~50 ms)
+            os.kill(pid, signal.SIGTERM)
+            time.sleep(1.0)
+            assert alive(pid), "the daemon left with its writes unanswered"
+        assert wait_gone(pid, 15)
+    assert (c2 / "on-mem1" / "f").read_bytes() == random.Random(5).randbytes(5 * 65536)
+
+
 def answer(proc: subprocess.Popen[bytes], line: str, timeout: float = 30) -> str:
     """Tell *proc* one command and return the one line it answers."""
     tell(proc, line)
