@@ -792,6 +792,19 @@ class TcpTransport(Transport):
         Only a missing connection, a busy one or a frame the socket does not
         take at once needs waits with deadlines.
         """
+        conn, p = await self._send(server, server.next_slot(), kind, head, data, dest)
+        await conn.wait(p)
+        failure = _failure(server, p)
+        if failure is not None:
+            raise TransportError(failure)
+        return p
+
+    async def _send(
+        self, server: _Server, slot: int, kind: Kind, head: bytes,
+        data: memoryview | None, dest: memoryview | None = None,
+    ) -> tuple[_Conn, _Pending]:
+        """Send one request on *server*'s connection *slot* (see :meth:`_call`): the
+        connection it went on and its registered pending reply."""
         await trio.lowlevel.checkpoint_if_cancelled()
         if server.lost:
             raise TransportError(server.lost)
@@ -801,7 +814,6 @@ class TcpTransport(Transport):
             await self._deliver(server)
         now = trio.current_time()
         p = _Pending(dest, now + self.io_timeout)
-        slot = server.next_slot()
         conn = server.slots[slot]
         if conn is not None and not conn.send_lock.locked() and conn.usable(now):
             rest = conn.send(p, kind, head, data)  # no await since the check: nobody cut in
@@ -811,13 +823,8 @@ class TcpTransport(Transport):
                     await conn.finish_send(rest, p.deadline)
                 finally:
                     conn.send_lock.release()
-        else:
-            conn = await self._send_waiting(server, slot, p, kind, head, data)
-        await conn.wait(p)
-        failure = _failure(server, p)
-        if failure is not None:
-            raise TransportError(failure)
-        return p
+            return conn, p
+        return await self._send_waiting(server, slot, p, kind, head, data), p
 
     async def post_write(
         self, volume: int, offset: int, data: Buffer, key: int,
@@ -844,23 +851,7 @@ class TcpTransport(Transport):
                 await conn.wait(last)  # on another connection it could overtake them
             await self.write(volume, offset, src)
             return None
-        await trio.lowlevel.checkpoint_if_cancelled()
-        if server.lost:
-            raise TransportError(server.lost)
-        now = trio.current_time()
-        p = _Pending(None, now + self.io_timeout)
-        conn = server.slots[slot]
-        head = wire.WRITE.pack(remote, offset)
-        if conn is not None and not conn.send_lock.locked() and conn.usable(now):
-            rest = conn.send(p, Kind.WRITE, head, src)  # no await since the check
-            if rest:
-                conn.send_lock.acquire_nowait()
-                try:
-                    await conn.finish_send(rest, p.deadline)
-                finally:
-                    conn.send_lock.release()
-        else:
-            conn = await self._send_waiting(server, slot, p, Kind.WRITE, head, src)
+        conn, p = await self._send(server, slot, Kind.WRITE, wire.WRITE.pack(remote, offset), src)
         if p.done:  # failed at once, or answered while the frame was still going out
             failure = _failure(server, p)
             if failure is not None:
