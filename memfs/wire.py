@@ -16,7 +16,11 @@ Payloads:
 * data requests to ``memfs memd`` use fixed structs (:data:`READ`,
   :data:`WRITE`, :data:`ZERO`; :data:`TOKEN` for SESSION and FENCE); WRITE's
   data follows its struct, READ's reply payload is the raw bytes, so a
-  receiver can ``recv_into`` the destination;
+  receiver can ``recv_into`` the destination; WRITE_QUIET is a WRITE that is
+  not answered unless refused, and SYNC's answer says that every frame before
+  it on that connection was served (a server serves a connection's frames in
+  order), so a client confirms many writes with one answer (a server offers
+  this in its INFO: ``"features": ["quiet-writes"]``);
 * control and metadata messages carry one value in a small tagged binary
   encoding (:func:`encode` / :func:`decode`: None, bool, int64, float, bytes,
   str, list, dict);
@@ -80,6 +84,8 @@ class Kind(enum.IntEnum):
     VERBS_CONNECT = 24  # VERBS_ENDPOINT struct -> OK(verbs accept) or ERROR(ENODEV)
     SESSION = 25  # TOKEN struct: this connection works under that lease token -> OK or ERROR(ESTALE)
     FENCE = 26  # TOKEN struct: close that token's connections, refuse it from now on -> OK
+    WRITE_QUIET = 27  # WRITE struct + data -> no answer; ERROR only if refused
+    SYNC = 28  # -> OK(empty), after every frame sent before it on this connection is served
     # metadata server
     CALL = 30  # value [method, args...] -> OK(value)
     RECALL = 31  # server -> client: value [[ino, [names], revoke_write], ...] (req id: recall id)

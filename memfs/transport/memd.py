@@ -7,9 +7,12 @@ number of clients:
 
 * every connection starts with the HMAC handshake (HELLO, AUTH, WELCOME); a
   client that fails it is dropped before a single request is read;
-* then requests (INFO, READ, WRITE, ZERO, VERBS_CONNECT, SESSION, FENCE) are served in
-  order, one at a time per connection; a client may pipeline them, and each
-  reply carries its request's id;
+* then requests (INFO, READ, WRITE, WRITE_QUIET, SYNC, ZERO, VERBS_CONNECT, SESSION,
+  FENCE) are served in order, one at a time per connection; a client may
+  pipeline them, and each reply carries its request's id.  WRITE_QUIET is not
+  answered unless refused, and SYNC is answered at once: being served in
+  order, its answer confirms every write sent before it (a client's posted
+  writes, confirmed a batch at a time instead of one answer each);
 * with an RDMA device (:mod:`memfs.transport.verbs`; ``memfs memd
   --rdma-device``, by default the first one pyverbs finds) every volume is
   registered once at start for remote reads and writes, and VERBS_CONNECT
@@ -104,7 +107,10 @@ _REQUEST_SIZES = {
     Kind.VERBS_CONNECT: wire.VERBS_ENDPOINT.size,
     Kind.SESSION: wire.TOKEN.size,
     Kind.FENCE: wire.TOKEN.size,
+    Kind.SYNC: 0,
 }
+#: what INFO says this server does beyond the basic requests (see memfs.wire)
+FEATURES = ["quiet-writes"]
 #: fenced tokens remembered (the oldest forgotten first; a token is 63 random bits,
 #: and a client that meets a forgotten one has long since re-registered)
 FENCED_KEPT = 1 << 16
@@ -166,7 +172,8 @@ class MemoryServer:
         self.handshake_timeout = handshake_timeout
         self.max_payload = max_payload
         self._info = wire.encode(
-            {"incarnation": self.incarnation, "volumes": [v.size for v in self.memory.volumes]}
+            {"incarnation": self.incarnation, "volumes": [v.size for v in self.memory.volumes],
+             "features": FEATURES}
         )
         self._views = [self.memory.volume_memory(i) for i in range(n_volumes)]
         #: the RDMA device, once the volumes are registered with it
@@ -416,7 +423,7 @@ class MemoryServer:
         if len(rx) < fixed:
             await rx.fill(fixed)
         args = rx.view(fixed)[wire.HEADER_SIZE :]
-        if kind is Kind.WRITE:
+        if kind is Kind.WRITE or kind is Kind.WRITE_QUIET:
             volume, offset = wire.WRITE.unpack(args)
             rx.consume(fixed)
             n = h.length - wire.WRITE.size
@@ -433,7 +440,8 @@ class MemoryServer:
             got = rx.take_into(dest)
             if got < n:  # the bulk of a large write: straight into the volume
                 await recv_exactly_into(sock, dest[got:])
-            await self._reply(sock, [wire.pack_header(Kind.OK, h.req_id, 0)], state)
+            if kind is Kind.WRITE:
+                await self._reply(sock, [wire.pack_header(Kind.OK, h.req_id, 0)], state)
         elif kind is Kind.READ:
             volume, offset, n = wire.READ.unpack(args)
             rx.consume(fixed)
@@ -460,6 +468,9 @@ class MemoryServer:
             if state.fenced:
                 raise _Drop("its lease token was fenced")
             await self.memory.zero(volume, offset, n)
+            await self._reply(sock, [wire.pack_header(Kind.OK, h.req_id, 0)], state)
+        elif kind is Kind.SYNC:  # every frame before it is served: this connection is in order
+            rx.consume(fixed)
             await self._reply(sock, [wire.pack_header(Kind.OK, h.req_id, 0)], state)
         elif kind is Kind.INFO:
             rx.consume(fixed)
@@ -575,9 +586,9 @@ def _fixed_payload(h: wire.Header) -> int:
     WRITE's data may follow later); :class:`~memfs.wire.WireError` if *h* is no
     well-formed request."""
     kind = h.kind
-    if kind is Kind.WRITE:
+    if kind is Kind.WRITE or kind is Kind.WRITE_QUIET:
         if h.length < wire.WRITE.size:
-            raise wire.WireError(f"WRITE payload of {h.length} bytes")
+            raise wire.WireError(f"{kind.name} payload of {h.length} bytes")
         return wire.WRITE.size
     size = _REQUEST_SIZES.get(kind)
     if size is None:

@@ -21,7 +21,11 @@ Connections and requests:
 * READ replies are received straight into the caller's buffer (a small one
   through the connection's receive buffer); WRITE data is sent straight from
   it with scatter/gather ``sendmsg``.  If a caller gives up while its reply is
-  arriving, the rest lands in a scratch buffer instead.
+  arriving, the rest lands in a scratch buffer instead;
+* posted writes (:meth:`TcpTransport.post_write`) to a server that offers it go
+  as WRITE_QUIET, not answered one by one: the server serves a connection in
+  order, so the answer to any later request there (every 16th write is sent
+  answered; a SYNC where none follows soon) confirms them.
 
 Failures (all :class:`~memfs.errors.TransportError`, EIO to applications):
 
@@ -40,13 +44,14 @@ Failures (all :class:`~memfs.errors.TransportError`, EIO to applications):
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import os
 import socket
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import trio
 import trio.lowlevel
@@ -88,11 +93,24 @@ _REPLY_WORK = 64 << 10
 _IDLE_CHECK = 0.001
 #: a drainer of posted writes takes their answers this often while writes keep coming
 _DRAIN_EVERY = 0.001
+#: posted writes sent unanswered (WRITE_QUIET) in a row, between answered ones
+_QUIET_RUN = 15
+#: a drainer sends a SYNC for quiet writes unconfirmed for longer than this
+_CONFIRM_WITHIN = 0.02
 
 
 def server_name(host: str, port: int) -> str:
     """``host:port`` (``[v6]:port``): how servers are named in messages and incarnations."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class ServerInfo(NamedTuple):
+    """What a memory server's INFO says: its incarnation, volume sizes, and features
+    (``"quiet-writes"``: WRITE_QUIET and SYNC, see :mod:`memfs.wire`)."""
+
+    incarnation: int
+    sizes: list[int]
+    features: frozenset[str]
 
 
 def check_info(info: object) -> tuple[int, list[int]]:
@@ -117,9 +135,9 @@ def check_session_reply(h: wire.Header, payload: bytes | bytearray) -> None:
 
 async def memd_handshake(
     sock: socket.socket, secret: bytes, role: str, token: int = 0
-) -> tuple[int, list[int]]:
-    """HELLO, AUTH, WELCOME, then (with a lease *token*) SESSION and INFO:
-    (incarnation, volume sizes) of a memory server.
+) -> ServerInfo:
+    """HELLO, AUTH, WELCOME, then (with a lease *token*) SESSION and INFO: what a
+    memory server says of itself.
 
     Shared by the tcp and verbs transports (the verbs transport's control
     connection starts the same way).  No deadline here: callers set one.
@@ -150,13 +168,19 @@ async def memd_handshake(
     h, payload = await recv_frame(sock, _INFO_MAX)
     if h.kind is not Kind.OK or h.req_id != _INFO_ID:
         raise wire.WireError(f"unexpected {h.kind.name} reply to INFO")
-    return check_info(wire.decode(payload))
+    info = wire.decode(payload)
+    incarnation, sizes = check_info(info)
+    features = info.get("features", []) if isinstance(info, dict) else []
+    if not isinstance(features, list):
+        raise wire.WireError(f"malformed INFO features {features!r:.200}")
+    return ServerInfo(incarnation, sizes, frozenset(f for f in features if isinstance(f, str)))
 
 
 class _Pending:
     """One request awaiting its reply."""
 
-    __slots__ = ("dest", "deadline", "done", "task", "kind", "payload", "error", "on_done")
+    __slots__ = ("dest", "deadline", "done", "task", "kind", "payload", "error", "on_done",
+                 "req_id", "seq")
 
     def __init__(self, dest: memoryview | None, deadline: float) -> None:
         self.dest = dest  # READ: where the reply's data goes
@@ -168,6 +192,8 @@ class _Pending:
         self.error: str | None = None  # the connection failed before the reply
         #: a posted write's completion (see TcpTransport.post_write): called once, at once
         self.on_done: Callable[[_Pending], None] | None = None
+        self.req_id = 0
+        self.seq = 0  # the frame's place in its connection's stream (_Conn.sent)
 
     def target(self) -> memoryview:
         assert self.dest is not None
@@ -228,12 +254,22 @@ class _Conn:
         self.last_posted: _Pending | None = None
         self.posts = 0
         self.draining = False
+        #: frames handed to the socket so far (each request's seq is its place)
+        self.sent = 0
+        #: WRITE_QUIETs sent and not yet confirmed, in order, how many were sent since
+        #: the last answered request, and that request: the server serves a
+        #: connection's frames in order, so any answer confirms every one sent
+        #: before it (:meth:`_confirm_before`)
+        self.unconfirmed: collections.deque[_Pending] = collections.deque()
+        self.quiet_run = 0
+        self.last_answered: _Pending | None = None
 
     def add(self, p: _Pending) -> int:
         while True:
             self._next_id = (self._next_id + 1) & 0xFFFFFFFF
             if self._next_id > _INFO_ID and self._next_id not in self.pending:
                 self.pending[self._next_id] = p
+                p.req_id = self._next_id
                 return self._next_id
 
     def usable(self, now: float) -> bool:
@@ -273,6 +309,14 @@ class _Conn:
         anyone else sends.  A failed send fails the connection (and so *p*).
         """
         req_id = self.add(p)
+        p.seq = self.sent
+        self.sent += 1
+        if kind is Kind.WRITE_QUIET:
+            self.unconfirmed.append(p)
+            self.quiet_run += 1
+        else:
+            self.last_answered = p
+            self.quiet_run = 0
         self.last_send = p.deadline - self.io_timeout  # when the request started
         length = len(head) + (len(data) if data is not None else 0)
         bufs: list[bytes | memoryview] = [wire.pack_header(kind, req_id, length), head]
@@ -299,6 +343,22 @@ class _Conn:
         if scope.cancelled_caught:
             self.fail(f"memory server {self.server.name} took no data for {self.io_timeout:g}s")
 
+    def covered(self, p: _Pending) -> bool:
+        """Whether a request that is answered went out after *p* (its answer will
+        confirm *p*)."""
+        return self.last_answered is not None and self.last_answered.seq > p.seq
+
+    def _confirm_before(self, seq: int) -> None:
+        """An answer to the request sent *seq*-th came: every WRITE_QUIET sent before it
+        was served (one refused was answered ERROR before it, and is done)."""
+        queue = self.unconfirmed
+        pending = self.pending
+        while queue and queue[0].seq < seq:
+            p = queue.popleft()
+            if not p.done:
+                del pending[p.req_id]
+                p.complete()
+
     def fail(self, reason: str) -> None:
         """Reset: close the socket (waking its receiver), fail every outstanding request."""
         if self.closed:
@@ -307,6 +367,7 @@ class _Conn:
         self.reason = reason
         close_socket(self.sock)
         self.server.drop(self)
+        self.unconfirmed.clear()
         for p in self.pending.values():
             p.error = reason
             p.complete()
@@ -437,6 +498,8 @@ class _Conn:
                     raise wire.WireError(f"unexpected {kind.name} frame")
             p.kind = kind
             del pending[req_id]
+            if self.unconfirmed and self.unconfirmed[0].seq < p.seq:
+                self._confirm_before(p.seq)
             p.complete()
             work += _REPLY_WORK
         return True
@@ -453,9 +516,10 @@ def _failure(server: _Server, p: _Pending) -> str | None:
 
 
 class _PostedWrite(Posted):
-    __slots__ = ("conn", "p")
+    __slots__ = ("transport", "conn", "p")
 
-    def __init__(self, conn: _Conn, p: _Pending) -> None:
+    def __init__(self, transport: TcpTransport, conn: _Conn, p: _Pending) -> None:
+        self.transport = transport
         self.conn = conn
         self.p = p
 
@@ -464,8 +528,7 @@ class _PostedWrite(Posted):
         return self.conn
 
     async def wait(self) -> None:
-        if not self.p.done:
-            await self.conn.wait(self.p)
+        await self.transport._wait_posted(self.conn, self.p)
 
 
 def volume_infos(vmap: Sequence[tuple[Any, int]], addrs: Sequence[VolumeAddr]) -> list[VolumeInfo]:
@@ -493,6 +556,8 @@ class _Server:
         self.incarnation: int | None = None
         self.sizes: list[int] = []
         self.lost: str | None = None
+        #: it offers WRITE_QUIET and SYNC (INFO's features)
+        self.quiet_writes = False
         self._turn = 0
 
     def next_slot(self) -> int:
@@ -687,7 +752,7 @@ class TcpTransport(Transport):
                 f"cannot connect to memory server {server.name}: {exc.strerror or exc}"
             ) from None
         try:
-            incarnation, sizes = await self._handshake(sock)
+            incarnation, sizes, features = await self._handshake(sock)
         except (OSError, wire.WireError) as exc:
             close_socket(sock)
             raise TransportError(f"memory server {server.name}: {exc}") from None
@@ -699,6 +764,7 @@ class TcpTransport(Transport):
             raise TransportError("the tcp transport is closed")
         if not server.sizes:
             server.sizes = sizes
+        server.quiet_writes = "quiet-writes" in features
         if server.incarnation is None:
             server.incarnation = incarnation
         elif incarnation != server.incarnation or server.lost:
@@ -714,7 +780,7 @@ class TcpTransport(Transport):
         log.debug("connected to memory server %s (slot %d)", server.name, slot)
         return conn
 
-    async def _handshake(self, sock: socket.socket) -> tuple[int, list[int]]:
+    async def _handshake(self, sock: socket.socket) -> ServerInfo:
         token = self._token
         got = await memd_handshake(sock, self._secret, ROLE, token)
         if token != self._token:  # a new lease meanwhile: this one names the old
@@ -838,6 +904,13 @@ class TcpTransport(Transport):
         The frame is in the socket when this returns (the caller may reuse
         *data*); a drainer task takes the answers when nobody waits for them, so
         *done* is called within ``io_timeout`` even if nobody does.
+
+        To a server that offers it the frame is a WRITE_QUIET, answered only if
+        refused, but for every ``_QUIET_RUN + 1``-th write: a server serves a
+        connection in order, so that one's answer confirms the ones before it.
+        A memory server sends, and this client receives and parses, one answer
+        per run instead of one per write (and no frame more).  Where no answered
+        request follows soon enough, the drainer (or a waiter) sends a SYNC.
         """
         src = memoryview(data).cast("B")
         n = len(src)
@@ -848,10 +921,15 @@ class TcpTransport(Transport):
             conn = server.slots[slot]
             last = conn.last_posted if conn is not None else None
             if conn is not None and last is not None and not last.done:
-                await conn.wait(last)  # on another connection it could overtake them
+                await self._wait_posted(conn, last)  # on another connection it could overtake them
             await self.write(volume, offset, src)
             return None
-        conn, p = await self._send(server, slot, Kind.WRITE, wire.WRITE.pack(remote, offset), src)
+        kind = Kind.WRITE
+        if server.quiet_writes:
+            c = server.slots[slot]
+            if c is not None and c.quiet_run < _QUIET_RUN:
+                kind = Kind.WRITE_QUIET
+        conn, p = await self._send(server, slot, kind, wire.WRITE.pack(remote, offset), src)
         if p.done:  # failed at once, or answered while the frame was still going out
             failure = _failure(server, p)
             if failure is not None:
@@ -870,19 +948,25 @@ class TcpTransport(Transport):
         conn.posted += 1
         conn.posts += 1
         conn.last_posted = p
-        return _PostedWrite(conn, p)
+        return _PostedWrite(self, conn, p)
 
     async def _drain(self, conn: _Conn) -> None:
         """Take the answers to *conn*'s posted writes that nobody waits for.
 
         While writes keep being posted it looks every ``_DRAIN_EVERY`` and takes
         what has arrived without waiting (one ``recv`` for many answers, none of
-        the writers' time); once they stop, it waits for the last one's answer.
+        the writers' time), and sends a SYNC for quiet writes left unconfirmed
+        longer than ``_CONFIRM_WITHIN`` (a slow writer's); once they stop, it
+        waits for the last one.
         """
         try:
             seen = -1
             while conn.posted and not conn.closed:
                 await trio.sleep(_DRAIN_EVERY)
+                queue = conn.unconfirmed
+                if queue and not conn.covered(queue[-1]) and \
+                        trio.current_time() - queue[0].deadline + self.io_timeout > _CONFIRM_WITHIN:
+                    await self._sync(conn)
                 if conn.posts != seen:
                     seen = conn.posts
                     if not conn.receiving:
@@ -890,9 +974,30 @@ class TcpTransport(Transport):
                     continue
                 last = conn.last_posted
                 if last is not None and not last.done:
-                    await conn.wait(last)
+                    await self._wait_posted(conn, last)
         finally:
             conn.draining = False
+
+    async def _sync(self, conn: _Conn) -> None:
+        """Send a SYNC on *conn* (not waiting for its answer), unless it is closed.
+
+        One that cannot be sent needs no report: the connection failed, and with
+        it the writes it would have confirmed."""
+        if conn.closed:
+            return
+        try:
+            await self._send(conn.server, conn.slot, Kind.SYNC, b"", None)
+        except TransportError as exc:
+            log.debug("no SYNC to memory server %s: %s", conn.server.name, exc)
+
+    async def _wait_posted(self, conn: _Conn, p: _Pending) -> None:
+        """Until posted write *p* is answered or confirmed (a SYNC sent for it if
+        none was since), or failed."""
+        if p.done:
+            return
+        if conn.unconfirmed and not conn.covered(p):
+            await self._sync(conn)
+        await conn.wait(p)
 
     async def _send_waiting(
         self, server: _Server, slot: int, p: _Pending, kind: Kind, head: bytes,

@@ -782,7 +782,7 @@ class VerbsTransport(Transport):
         qp: QueuePair | None = None
         try:
             token = self._token
-            incarnation, sizes = await memd_handshake(sock, self._secret, ROLE, token)
+            incarnation, sizes, _ = await memd_handshake(sock, self._secret, ROLE, token)
             if token != self._token:
                 raise wire.WireError("the lease token changed while connecting")
             qp = self._device.create_qp(self._depth, remote_access=False)

@@ -81,35 +81,50 @@ class Client:
 
 async def test_frames_cut_anywhere() -> None:
     """A pipelined mix of requests, dribbled in random pieces: replies in order,
-    memory as written (a refused WRITE's payload skipped, the stream in step)."""
+    memory as written (a refused WRITE's payload skipped, the stream in step);
+    a WRITE_QUIET is answered only when refused, a SYNC when its turn comes."""
     rng = random.Random(7)
     async with serving() as (server, port):
         c = await Client.connect(port)
         frames, expect = [], []
         shadow = bytearray(1 << 20)
         for i in range(300):
-            op = rng.choice(["write", "write", "read", "bad", "zero", "info"])
+            op = rng.choice(["write", "write", "read", "bad", "zero", "info",
+                             "quiet", "quiet", "quietbad", "sync"])
             n = rng.choice([1, 100, 4096, 16384, 70000, 200_000])
             off = rng.randrange(0, len(shadow) - n)
             if op == "write":
                 data = rng.randbytes(n)
                 shadow[off : off + n] = data
                 frames.append(wire.frame(Kind.WRITE, i, wire.WRITE.pack(1, off) + data))
-                expect.append((Kind.OK, b""))
+                expect.append((i, Kind.OK, b""))
             elif op == "read":
                 frames.append(wire.frame(Kind.READ, i, wire.READ.pack(1, off, n)))
-                expect.append((Kind.OK, bytes(shadow[off : off + n])))
+                expect.append((i, Kind.OK, bytes(shadow[off : off + n])))
             elif op == "bad":  # outside the volume: EINVAL, its data dropped
                 frames.append(wire.frame(Kind.WRITE, i, wire.WRITE.pack(1, SIZE)
                                          + rng.randbytes(n)))
-                expect.append((Kind.ERROR, b""))
+                expect.append((i, Kind.ERROR, b""))
+            elif op == "quiet":  # applied like a WRITE, not answered
+                data = rng.randbytes(n)
+                shadow[off : off + n] = data
+                frames.append(wire.frame(Kind.WRITE_QUIET, i, wire.WRITE.pack(1, off) + data))
+            elif op == "quietbad":  # refused: answered, as a WRITE would be
+                frames.append(wire.frame(Kind.WRITE_QUIET, i, wire.WRITE.pack(1, SIZE - n + 1)
+                                         + rng.randbytes(n)))
+                expect.append((i, Kind.ERROR, b""))
+            elif op == "sync":
+                frames.append(wire.frame(Kind.SYNC, i))
+                expect.append((i, Kind.OK, b""))
             elif op == "zero":
                 shadow[off : off + n] = bytes(n)
                 frames.append(wire.frame(Kind.ZERO, i, wire.ZERO.pack(1, off, n)))
-                expect.append((Kind.OK, b""))
+                expect.append((i, Kind.OK, b""))
             else:
                 frames.append(wire.frame(Kind.INFO, i))
-                expect.append((Kind.OK, server._info))
+                expect.append((i, Kind.OK, server._info))
+        frames.append(wire.frame(Kind.SYNC, 300))  # the last quiet writes are in after it
+        expect.append((300, Kind.OK, b""))
         stream = b"".join(frames)
 
         async def sender() -> None:
@@ -124,7 +139,7 @@ async def test_frames_cut_anywhere() -> None:
         with trio.fail_after(30):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(sender)
-                for i, (kind, payload) in enumerate(expect):
+                for i, kind, payload in expect:
                     h, got = await c.frame()
                     assert (h.kind, h.req_id) == (kind, i)
                     if kind is Kind.ERROR:
@@ -133,6 +148,22 @@ async def test_frames_cut_anywhere() -> None:
                         assert got == payload, i
         assert bytes(server.memory.volume_memory(1)[: len(shadow)]) == bytes(shadow)
         await c.stream.aclose()
+
+
+async def test_quiet_writes_are_offered_and_sync_is_checked(caplog: pytest.LogCaptureFixture) -> None:
+    """INFO says the server takes WRITE_QUIET and SYNC (clients use them only then);
+    a SYNC with a payload is malformed and closes that connection."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]
+    async with serving() as (_, port):
+        c = await Client.connect(port)
+        await c.stream.send_all(wire.frame(Kind.INFO, 5))
+        h, info = await c.frame()
+        assert h.req_id == 5 and "quiet-writes" in wire.decode(info)["features"]
+        await c.stream.send_all(wire.frame(Kind.SYNC, 6, b"x"))
+        with trio.fail_after(5):
+            await c.wait_closed()
+        await c.stream.aclose()
+    assert "SYNC payload of 1 bytes" in caplog.text
 
 
 async def test_large_write_goes_straight_into_the_volume(monkeypatch: pytest.MonkeyPatch) -> None:

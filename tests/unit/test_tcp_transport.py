@@ -47,9 +47,11 @@ Script = Callable[[trio.SocketStream], Awaitable[None]]
 
 
 @asynccontextmanager
-async def fake_memd(script: Script, incarnation: int = 42) -> AsyncIterator[VolumeAddr]:
+async def fake_memd(
+    script: Script, incarnation: int = 42, features: list[str] | None = None
+) -> AsyncIterator[VolumeAddr]:
     """A one-volume memory server on 127.0.0.1 that authenticates each connection,
-    answers INFO, then hands the connection to *script*."""
+    answers INFO (offering *features*), then hands the connection to *script*."""
 
     async def handler(stream: trio.SocketStream) -> None:
         hs = wire.Handshake(SECRET)
@@ -59,7 +61,10 @@ async def fake_memd(script: Script, incarnation: int = 42) -> AsyncIterator[Volu
         await stream.send_all(wire.frame(Kind.WELCOME, 0, hs.welcome()))
         h, _ = await recv_frame(stream)
         assert h.kind is Kind.INFO
-        info = wire.encode({"incarnation": incarnation, "volumes": [SIZE]})
+        offer = {"incarnation": incarnation, "volumes": [SIZE]}
+        if features is not None:
+            offer["features"] = features
+        info = wire.encode(offer)
         await stream.send_all(wire.frame(Kind.OK, h.req_id, info))
         try:
             await script(stream)
@@ -598,5 +603,69 @@ async def test_posted_write_failures_reach_the_callback(caplog: pytest.LogCaptur
             await second.wait()
         assert len(results) == 2 and isinstance(results[1], TransportError)
         assert "did not answer within 0.3s" in str(results[1])
+        assert 0.25 < trio.current_time() - start < 1.5
+        release.set()
+
+
+async def test_quiet_posted_writes_are_confirmed_by_a_later_answer(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """To a server that offers it, posted writes go unanswered (WRITE_QUIET) but for
+    every 16th: its answer confirms the ones before it (a server serves a connection
+    in order).  A refused one is answered ERROR and reported as such; writes left
+    unconfirmed when posting stops get a SYNC from the drainer, unwatched."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]
+    seen: list[Kind] = []
+
+    async def script(stream: trio.SocketStream) -> None:
+        while True:
+            h, _ = await recv_frame(stream)
+            seen.append(h.kind)
+            if len(seen) == 3:
+                assert h.kind is Kind.WRITE_QUIET
+                await stream.send_all(wire.frame(Kind.ERROR, h.req_id,
+                                                 wire.encode_error(errno.EINVAL, "refused")))
+            elif h.kind in (Kind.WRITE, Kind.SYNC):
+                await stream.send_all(wire.frame(Kind.OK, h.req_id))
+
+    async with fake_memd(script, features=["quiet-writes"]) as vol, open_tcp_transport(
+        [vol], SECRET, connections_per_server=1
+    ) as t:
+        results = Completions()
+        with trio.fail_after(5):
+            for i in range(20):
+                assert await t.post_write(0, 0, bytes([i]) * 100, 1, results.append) is not None
+            await results.wait_for(20)
+        assert seen[:20] == [Kind.WRITE_QUIET] * 15 + [Kind.WRITE] + [Kind.WRITE_QUIET] * 4
+        assert seen[20:] == [Kind.SYNC]  # posting stopped: the drainer asked
+        errors = [r for r in results if r is not None]
+        assert len(errors) == 1 and isinstance(errors[0], TransportError)
+        assert "refused" in str(errors[0])
+
+
+async def test_an_unanswered_sync_fails_quiet_writes_within_io_timeout(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A server that takes quiet writes and never confirms them costs io_timeout:
+    waiting for the handle sends a SYNC, and the deadline fails both."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]
+    release = trio.Event()
+
+    async def script(stream: trio.SocketStream) -> None:
+        assert (await recv_frame(stream))[0].kind is Kind.WRITE_QUIET
+        assert (await recv_frame(stream))[0].kind is Kind.SYNC
+        await release.wait()
+
+    async with fake_memd(script, features=["quiet-writes"]) as vol, open_tcp_transport(
+        [vol], SECRET, connections_per_server=1, io_timeout=0.3
+    ) as t:
+        results = Completions()
+        start = trio.current_time()
+        with trio.fail_after(2):
+            h = await t.post_write(0, 0, b"q" * 100, 1, results.append)
+            assert h is not None
+            await h.wait()
+        assert len(results) == 1 and isinstance(results[0], TransportError)
+        assert "did not answer within 0.3s" in str(results[0])
         assert 0.25 < trio.current_time() - start < 1.5
         release.set()
