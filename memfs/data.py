@@ -71,6 +71,8 @@ class DataEngine:
         self.transport = transport
         #: files with posted writes outstanding or a failed one not reported yet
         self._posted: dict[int, _Posted] = {}
+        if transport.posts_writes:  # no size reported ahead of the bytes under it
+            meta.order_sizes_after(self.wait_posted)
 
     @property
     def posts_writes(self) -> bool:

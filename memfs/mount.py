@@ -337,6 +337,7 @@ async def _serve(
         # Posted writes (a cluster client's) reach the memory servers before the
         # transport closes; each is answered or failed within the transport's deadline.
         await data.drain()
+        await meta.sync_all()  # and the sizes this client holds, now that their bytes landed
         sd_notify("STOPPING=1")
     finally:
         # Always unmount: libfuse closes /dev/fuse first (so nothing can wait

@@ -244,6 +244,18 @@ class Meta(abc.ABC):
         map taken under one generation is used only if it is still current inside :meth:`io`."""
         return 0
 
+    def order_sizes_after(self, barrier: Callable[[int], Awaitable[None]]) -> None:  # noqa: B027
+        """*barrier(ino)*: until the bytes of the writes made so far to *ino* are in
+        volume memory (posted writes answered).  A client that reports sizes of its
+        own accord (coalesced, under a write lease) passes it first, so that no
+        size it has reported covers bytes still on their way: were it then cut off
+        (evicted), others would read zeros there.  A no-op where sizes are exact at
+        once."""
+
+    async def sync_all(self) -> None:  # noqa: B027 (a no-op unless a client caches)
+        """At unmount, after the data engine's last transfers: make every size and mtime
+        this client holds exact on the metadata service (:meth:`sync` of each)."""
+
     async def sync(self, ino: int) -> None:  # noqa: B027 (a no-op unless a client caches)
         """fsync: make *ino*'s size and mtime exact on the metadata service (and its
         creation, or for a directory the creates in it, known there)."""

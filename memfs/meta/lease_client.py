@@ -74,6 +74,9 @@ class LeaseKeeper:
         #: a recall is answered within this (below the server's --recall-timeout)
         self.answer_within = RECALL_ANSWER
         self.dirty_wake = trio.Event()
+        #: until the bytes of writes made so far to an inode have landed (posted
+        #: writes answered): passed before a size is reported (Meta.order_sizes_after)
+        self.barrier: Callable[[int], Awaitable[None]] | None = None
 
     def server_patience(self, recall_timeout: float) -> None:
         """The server evicts a client that takes longer than *recall_timeout* to answer."""
@@ -233,7 +236,13 @@ class LeaseKeeper:
                 await self.settle(ino, trim=False)
 
     async def settle(self, ino: int, *, trim: bool) -> None:
-        """Tell the server *ino*'s size and mtime now (and, *trim*, end our write lease)."""
+        """Tell the server *ino*'s size and mtime now (and, *trim*, end our write lease).
+
+        The size is taken, then the bytes of the writes made until then are waited
+        for (:attr:`barrier`), then it is sent: a size the server has is never
+        ahead of its data, as ext4's ``data=ordered``.  (The server keeps only a
+        writer's reports, and sizes only grow: one that turns out older than a
+        recall's answer meanwhile changes nothing.)"""
         cache = self.cache
         d = cache.dirty.get(ino)
         if d is None and not trim:
@@ -241,6 +250,8 @@ class LeaseKeeper:
         if d is None:
             a = cache.attrs.get(ino)
             d = (-1, 0) if a is None else (a.size, a.mtime_ns)
+        if self.barrier is not None:
+            await self.barrier(ino)
         if trim:
             # No more writes without asking; the size stays in ``dirty`` until the
             # server has it (a reconnection in between sends it with the registration).

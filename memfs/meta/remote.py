@@ -44,7 +44,7 @@ import os
 import random
 import stat
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -746,6 +746,9 @@ class RemoteMeta(Meta):
         self._named_token = self.token
         self._on_token = name
 
+    def order_sizes_after(self, barrier: Callable[[int], Awaitable[None]]) -> None:
+        self.leases.barrier = barrier
+
     def recalls_drop_pages(self) -> bool:
         # Under leases every change to a file by another client (map_write,
         # allocate_ahead, truncate, ...) recalls us first, and the recall drops the
@@ -779,6 +782,16 @@ class RemoteMeta(Meta):
         if ino in self.write_errors:
             raise FsError(errno.EIO, f"writes to inode {ino} were lost: this client was evicted "
                                      "by the metadata server (or came back after its --grace)")
+
+    async def sync_all(self) -> None:
+        # Sizes held back (coalesced, or waiting for their bytes to land) would
+        # otherwise be lost with the session.  Bounded: the server may be gone.
+        with trio.move_on_after(self.timeout) as scope:
+            for ino in list(self.cache.dirty):
+                await self.leases.settle(ino, trim=False)
+        if scope.cancelled_caught and self.cache.dirty:
+            log.warning("the sizes of %d file(s) written here did not reach the metadata "
+                        "server before unmounting", len(self.cache.dirty))
 
     async def sync(self, ino: int) -> None:
         self._check_write_error(ino)

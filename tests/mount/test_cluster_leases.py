@@ -909,9 +909,11 @@ def test_posted_writes_return_before_the_memory_server_answers(cluster: Cluster)
 
 def test_a_stopping_client_waits_for_its_posted_writes(cluster: Cluster) -> None:
     """SIGTERM a client daemon while writes it posted wait for a stopped memory server
-    (a writer still has the file open): the daemon stays until they are answered, and
-    the other node then reads every byte.  Had it closed its connections with answers
-    unread, the kernel would have reset them and the server dropped the frames."""
+    (a writer still has the file open): the daemon stays until they are answered, then
+    tells the mds the size it held back (not sent before its bytes landed), and the
+    other node reads every byte.  Had it closed its connections with answers unread,
+    the kernel would have reset them and the server dropped the frames; had it not
+    sent the size at unmount, the other node would see only the first write."""
     c1, c2 = cluster.mnt["c1"], cluster.mnt["c2"]
     d = c1 / "on-mem1"
     d.mkdir()
@@ -921,7 +923,7 @@ def test_a_stopping_client_waits_for_its_posted_writes(cluster: Cluster) -> None
         assert answer(w, "write 1 65536") == "wrote 65536"
         with stopped(cluster.servers["mem1"].pid):
             assert answer(w, "write 4 65536") == "wrote 327680"
-            time.sleep(0.3)  # the size goes to the mds (every ~50 ms)
+            time.sleep(0.3)  # a size report (~50 ms) waits for the bytes under it
             os.kill(pid, signal.SIGTERM)
             time.sleep(1.0)
             assert alive(pid), "the daemon left with its writes unanswered"

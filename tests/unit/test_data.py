@@ -377,6 +377,10 @@ class PinCounting(MetaStore):
     def __init__(self, pool: PoolConfig) -> None:
         super().__init__(pool)
         self.pins: dict[int, int] = {}
+        self.barrier: Callable[[int], Awaitable[None]] | None = None
+
+    def order_sizes_after(self, barrier: Callable[[int], Awaitable[None]]) -> None:
+        self.barrier = barrier
 
     async def map_write(self, ino: int, offset: int, length: int) -> WritePlan:
         plan = await super().map_write(ino, offset, length)
@@ -429,6 +433,31 @@ async def test_posted_writes_pin_their_file_and_report_failures_once(
     with pytest.raises(FsError, match="m:2 is gone"):
         await engine.settle(ino)
     await engine.settle(ino)
+    await meta.aclose()
+
+
+async def test_sizes_are_reported_after_the_posted_writes_under_them() -> None:
+    """An engine whose writes are posted gives the metadata client its barrier for
+    size reports: it passes once the writes made so far are answered."""
+    meta = PinCounting(POOL)
+    engine = DataEngine(meta, PostingTransport(POOL.volumes, POOL.volume_size))
+    transport = engine.transport
+    assert isinstance(transport, PostingTransport) and meta.barrier is not None
+    ino = await create(meta, b"f")
+    await engine.write(ino, 0, b"a" * K)
+    passed = trio.Event()
+
+    async def report() -> None:
+        assert meta.barrier is not None
+        await meta.barrier(ino)
+        passed.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(report)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not passed.is_set(), "a size would have gone ahead of its bytes"
+        transport.answer()
+    assert passed.is_set()
     await meta.aclose()
 
 

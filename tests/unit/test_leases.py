@@ -275,6 +275,45 @@ async def test_write_lease_writes_locally_and_is_glimpsed() -> None:
         await a.release(f.ino)
 
 
+async def test_a_reported_size_is_never_ahead_of_its_bytes() -> None:
+    """A writer's coalesced size report waits until the bytes of the writes made
+    before it have landed (posted writes answered: Meta.order_sizes_after), and
+    then reports the size of that moment, not a later one: were the writer cut
+    off, the server's size would cover nothing that is not in memory."""
+    async with cluster(1) as (server, (a,), _):
+        f = await a.create(ROOT, b"f", F, 0, 0)
+        landed, asked, told = trio.Event(), trio.Event(), trio.Event()
+        waited: list[int] = []
+
+        async def barrier(ino: int) -> None:
+            waited.append(ino)
+            asked.set()
+            await landed.wait()
+
+        a.order_sizes_after(barrier)
+        await a.map_write(f.ino, 0, 4096)  # asks the server: it takes the write lease
+        known = server.store.inodes[f.ino].size
+        await a.map_write(f.ino, 4096, 4096)  # under the lease: the size is ours to tell
+        assert a.cache.dirty[f.ino][0] == 8192
+        settle_write = server.store.settle_write
+
+        async def settled(*args: int) -> None:
+            await settle_write(*args)
+            told.set()
+
+        server.store.settle_write = settled  # type: ignore[method-assign,assignment]
+        with trio.fail_after(5):
+            await asked.wait()  # the coalesced report comes about SETTLE_DELAY later
+            assert waited == [f.ino] and server.store.inodes[f.ino].size == known
+            await a.map_write(f.ino, 8192, 4096)  # written after that size was taken
+            landed.set()
+            await told.wait()
+        assert server.store.inodes[f.ino].size == 8192  # not the later 12288
+        await a.sync(f.ino)  # fsync reports the rest, past the barrier too
+        assert server.store.inodes[f.ino].size == 12288
+        await a.release(f.ino)
+
+
 async def test_preallocation_returns_at_close_and_settles_the_size() -> None:
     async with cluster(1) as (server, (a,), _):
         s0 = await a.statfs()
