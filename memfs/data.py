@@ -53,10 +53,14 @@ ALLOCATE_PIECE = 1 << 20
 class _Posted:
     """The writes of one file that the transport has not had answered yet."""
 
-    __slots__ = ("count", "tails", "error", "hold")
+    __slots__ = ("count", "tails", "error", "hold", "posting", "changed")
 
     def __init__(self) -> None:
         self.count = 0
+        #: writes between their plan (the size is ours from then) and the end of their
+        #: posting, by number, and an event set (and replaced) whenever one ends
+        self.posting: set[int] = set()
+        self.changed: trio.Event | None = None
         #: the last write posted on each channel (waiting for it waits for the others)
         self.tails: dict[object, Posted] = {}
         #: the first failure not reported yet
@@ -71,6 +75,7 @@ class DataEngine:
         self.transport = transport
         #: files with posted writes outstanding or a failed one not reported yet
         self._posted: dict[int, _Posted] = {}
+        self._posts = 0  # writes that began posting, ever (numbers them)
         if transport.posts_writes:  # no size reported ahead of the bytes under it
             meta.order_sizes_after(self.wait_posted)
 
@@ -88,7 +93,7 @@ class DataEngine:
 
     def _report(self, ino: int, out: _Posted) -> None:
         err, out.error = out.error, None
-        if not out.count:
+        if not out.count and not out.posting:
             del self._posted[ino]
         raise FsError(errno.EIO, f"inode {ino}: a write failed after it returned: {err}")
 
@@ -98,7 +103,7 @@ class DataEngine:
         reported is logged and dropped here, not left for a later opener."""
         await self.wait_posted(ino)
         out = self._posted.get(ino)
-        if out is not None and not out.count and out.error is not None:
+        if out is not None and not out.count and not out.posting and out.error is not None:
             del self._posted[ino]
             log.error("inode %d: a write failed after it returned, and no write or fsync "
                       "after it reported it before this close: %s", ino, out.error)
@@ -110,10 +115,18 @@ class DataEngine:
             await self.wait_posted(ino)
 
     async def wait_posted(self, ino: int) -> None:
-        """Until the writes of *ino* posted so far are answered; a failure stays to be
-        reported by :meth:`settle` or the next write."""
+        """Until the writes of *ino* made so far are answered (those still being posted:
+        once they are); a failure stays to be reported by :meth:`settle` or the next
+        write."""
         out = self._posted.get(ino)
-        if out is not None and out.count:
+        if out is None:
+            return
+        begun = set(out.posting)
+        while begun & out.posting:
+            if out.changed is None:
+                out.changed = trio.Event()
+            await out.changed.wait()
+        if out.count:
             for h in list(out.tails.values()):
                 await h.wait()
 
@@ -177,22 +190,36 @@ class DataEngine:
         raise FsError(errno.EIO, f"inode {ino}: its chunk map keeps changing")
 
     async def _post(self, ino: int, plan: WritePlan, src: memoryview, base: int) -> None:
+        # Entries exist exactly while writes are being posted or outstanding, or a
+        # failure is unreported.  Registered before the first await: the size this
+        # write makes is the metadata client's from its plan on, and a size report
+        # waits for the write (wait_posted) however long its posting takes.
+        out = self._posted.get(ino)
+        if out is None:
+            out = self._posted[ino] = _Posted()
+        self._posts += 1
+        me = self._posts
+        out.posting.add(me)
         done = functools.partial(self._posted_done, ino)
-        for e in plan.extents:
-            start = e.offset - base
-            h = await self.transport.post_write(
-                e.volume, e.voffset, src[start : start + e.length], ino, done)
-            if h is None:
-                continue
-            # Entries exist exactly while writes are outstanding or a failure is unreported.
-            out = self._posted.get(ino)
-            if out is None:
-                out = self._posted[ino] = _Posted()
-            if not out.count:
-                out.hold = self.meta.io(ino)
-                out.hold.__enter__()
-            out.count += 1
-            out.tails[h.channel] = h
+        try:
+            for e in plan.extents:
+                start = e.offset - base
+                h = await self.transport.post_write(
+                    e.volume, e.voffset, src[start : start + e.length], ino, done)
+                if h is None:
+                    continue
+                if not out.count:
+                    out.hold = self.meta.io(ino)
+                    out.hold.__enter__()
+                out.count += 1
+                out.tails[h.channel] = h
+        finally:
+            out.posting.discard(me)
+            if out.changed is not None:
+                out.changed.set()
+                out.changed = None
+            if not out.count and not out.posting and out.error is None:
+                del self._posted[ino]
 
     def _posted_done(self, ino: int, err: Exception | None) -> None:
         out = self._posted[ino]
@@ -204,7 +231,7 @@ class DataEngine:
         if not out.count:
             hold, out.hold = out.hold, None
             out.tails.clear()
-            if out.error is None:
+            if out.error is None and not out.posting:
                 del self._posted[ino]
             if hold is not None:
                 hold.__exit__(None, None, None)

@@ -250,12 +250,15 @@ class LeaseKeeper:
         if d is None:
             a = cache.attrs.get(ino)
             d = (-1, 0) if a is None else (a.size, a.mtime_ns)
-        if self.barrier is not None:
-            await self.barrier(ino)
         if trim:
             # No more writes without asking; the size stays in ``dirty`` until the
             # server has it (a reconnection in between sends it with the registration).
             cache.files.pop(ino, None)
+        if self.barrier is not None:
+            gen = cache.generation(ino)
+            await self.barrier(ino)
+            if not trim and cache.generation(ino) != gen:
+                return  # recalled meanwhile: the answer carried the size (and d may be stale)
         try:
             await self.call("settle", ino, d[0], d[1], int(trim))
         except FsError as exc:

@@ -111,6 +111,8 @@ _REQUEST_SIZES = {
 }
 #: what INFO says this server does beyond the basic requests (see memfs.wire)
 FEATURES = ["quiet-writes"]
+#: request kind -> operation in --metrics (a quiet write is a write there)
+_OP_NAMES = {k: k.name.lower() for k in Kind} | {Kind.WRITE_QUIET: "write"}
 #: fenced tokens remembered (the oldest forgotten first; a token is 63 random bits,
 #: and a client that meets a forgotten one has long since re-registered)
 FENCED_KEPT = 1 << 16
@@ -405,7 +407,7 @@ class MemoryServer:
         state.err = None
         state.moved = 0
         await self._serve_one(sock, h, rx, state)
-        op = h.kind.name.lower()
+        op = _OP_NAMES[h.kind]
         obs.observe(op, started, state.err)
         if state.moved:
             obs.moved(op, state.moved)

@@ -180,7 +180,7 @@ class _Pending:
     """One request awaiting its reply."""
 
     __slots__ = ("dest", "deadline", "done", "task", "kind", "payload", "error", "on_done",
-                 "req_id", "seq")
+                 "req_id", "seq", "quiet")
 
     def __init__(self, dest: memoryview | None, deadline: float) -> None:
         self.dest = dest  # READ: where the reply's data goes
@@ -194,6 +194,7 @@ class _Pending:
         self.on_done: Callable[[_Pending], None] | None = None
         self.req_id = 0
         self.seq = 0  # the frame's place in its connection's stream (_Conn.sent)
+        self.quiet = False  # a WRITE_QUIET: done when a later answer confirms it
 
     def target(self) -> memoryview:
         assert self.dest is not None
@@ -256,13 +257,14 @@ class _Conn:
         self.draining = False
         #: frames handed to the socket so far (each request's seq is its place)
         self.sent = 0
-        #: WRITE_QUIETs sent and not yet confirmed, in order, how many were sent since
-        #: the last answered request, and that request: the server serves a
-        #: connection's frames in order, so any answer confirms every one sent
-        #: before it (:meth:`_confirm_before`)
+        #: WRITE_QUIETs sent and not yet confirmed, in order; how many were sent since
+        #: the last answered request, when the first of those was, and that
+        #: request's seq: the server serves a connection's frames in order, so any
+        #: answer confirms every one sent before it (:meth:`_confirm_before`)
         self.unconfirmed: collections.deque[_Pending] = collections.deque()
         self.quiet_run = 0
-        self.last_answered: _Pending | None = None
+        self.quiet_since = 0.0
+        self.last_answered = -1
 
     def add(self, p: _Pending) -> int:
         while True:
@@ -312,10 +314,13 @@ class _Conn:
         p.seq = self.sent
         self.sent += 1
         if kind is Kind.WRITE_QUIET:
+            p.quiet = True
             self.unconfirmed.append(p)
+            if not self.quiet_run:
+                self.quiet_since = p.deadline - self.io_timeout
             self.quiet_run += 1
         else:
-            self.last_answered = p
+            self.last_answered = p.seq
             self.quiet_run = 0
         self.last_send = p.deadline - self.io_timeout  # when the request started
         length = len(head) + (len(data) if data is not None else 0)
@@ -346,7 +351,7 @@ class _Conn:
     def covered(self, p: _Pending) -> bool:
         """Whether a request that is answered went out after *p* (its answer will
         confirm *p*)."""
-        return self.last_answered is not None and self.last_answered.seq > p.seq
+        return self.last_answered > p.seq
 
     def _confirm_before(self, seq: int) -> None:
         """An answer to the request sent *seq*-th came: every WRITE_QUIET sent before it
@@ -963,10 +968,8 @@ class TcpTransport(Transport):
             seen = -1
             while conn.posted and not conn.closed:
                 await trio.sleep(_DRAIN_EVERY)
-                queue = conn.unconfirmed
-                if queue and not conn.covered(queue[-1]) and \
-                        trio.current_time() - queue[0].deadline + self.io_timeout > _CONFIRM_WITHIN:
-                    await self._sync(conn)
+                if conn.quiet_run and trio.current_time() - conn.quiet_since > _CONFIRM_WITHIN:
+                    await self._sync(conn)  # (a SYNC sent ends the run: one per run)
                 if conn.posts != seen:
                     seen = conn.posts
                     if not conn.receiving:
@@ -995,7 +998,7 @@ class TcpTransport(Transport):
         none was since), or failed."""
         if p.done:
             return
-        if conn.unconfirmed and not conn.covered(p):
+        if p.quiet and not conn.covered(p):
             await self._sync(conn)
         await conn.wait(p)
 

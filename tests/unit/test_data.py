@@ -351,11 +351,15 @@ class PostingTransport(LocalTransport):
     def __init__(self, *args: int) -> None:
         super().__init__(*args)
         self.held: list[_Held] = []
+        #: set: posting waits for it (a socket that takes no more for a while)
+        self.slow: trio.Event | None = None
 
     async def post_write(self, volume: int, offset: int, data: Buffer, key: int,
                          done: Callable[[Exception | None], None]) -> Posted | None:
         copy = bytes(data)
         await trio.lowlevel.checkpoint()
+        if self.slow is not None:
+            await self.slow.wait()
 
         def apply() -> None:
             self.volume_memory(volume)[offset : offset + len(copy)] = copy
@@ -456,6 +460,22 @@ async def test_sizes_are_reported_after_the_posted_writes_under_them() -> None:
         nursery.start_soon(report)
         await trio.testing.wait_all_tasks_blocked()
         assert not passed.is_set(), "a size would have gone ahead of its bytes"
+        transport.answer()
+    assert passed.is_set()
+
+    # A write whose posting is still under way (its socket full) counts from its plan
+    # on: the size it made is the client's already.
+    transport.slow = trio.Event()
+    passed = trio.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(engine.write, ino, K, b"b" * K)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not transport.held, "the write is still being posted"
+        nursery.start_soon(report)
+        await trio.testing.wait_all_tasks_blocked()
+        transport.slow.set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(transport.held) == 1 and not passed.is_set()
         transport.answer()
     assert passed.is_set()
     await meta.aclose()

@@ -218,9 +218,10 @@ async def test_frame_deadline(caplog: pytest.LogCaptureFixture) -> None:
 
 
 async def test_fence_shuts_out_a_lease_token(caplog: pytest.LogCaptureFixture) -> None:
-    """FENCE closes every connection that named the token (also one that is in the
-    middle of sending a WRITE), refuses the token from then on, and leaves others
-    alone: no byte of a fenced connection reaches volume memory after the answer."""
+    """FENCE closes every connection that named the token (also ones in the middle of
+    sending a WRITE or a WRITE_QUIET), refuses the token from then on, and leaves
+    others alone: no byte of a fenced connection reaches volume memory after the
+    answer."""
     caplog.expected_warnings = True  # type: ignore[attr-defined]
     t, u = 0x1234, 0x5678
     async with serving() as (server, port):
@@ -230,17 +231,19 @@ async def test_fence_shuts_out_a_lease_token(caplog: pytest.LogCaptureFixture) -
             await c.stream.send_all(wire.frame(Kind.SESSION, 1, wire.TOKEN.pack(token)))
             h, _ = await c.frame()
             assert h.kind is Kind.OK
-        # A large WRITE begun (its header and some data sent), the rest to follow.
+        # Large WRITEs begun (header and some data sent), the rest to follow.
         data = b"\xee" * (1 << 20)
-        frame = wire.frame(Kind.WRITE, 2, wire.WRITE.pack(0, 0) + data)
-        await named_t[0].stream.send_all(frame[: 200 << 10])
+        frames = [wire.frame(kind, 2, wire.WRITE.pack(0, 0) + data)
+                  for kind in (Kind.WRITE, Kind.WRITE_QUIET)]
+        for c, frame in zip(named_t, frames, strict=True):
+            await c.stream.send_all(frame[: 200 << 10])
         await trio.sleep(0.1)
         await fencer.stream.send_all(wire.frame(Kind.FENCE, 3, wire.TOKEN.pack(t)))
         h, _ = await fencer.frame()
         assert h.kind is Kind.OK
         before = bytes(server.memory.volume_memory(0)[: len(data)])
         with trio.fail_after(5):
-            for c in named_t:
+            for c, frame in zip(named_t, frames, strict=True):
                 with pytest.raises((trio.BrokenResourceError, trio.ClosedResourceError, OSError)):
                     await c.stream.send_all(frame[200 << 10 :] + frame)  # the rest, then more
                     await c.stream.send_all(frame)

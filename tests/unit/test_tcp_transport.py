@@ -20,6 +20,7 @@ import trio.testing
 from memfs import wire
 from memfs.config import VolumeAddr
 from memfs.errors import TransportError, UsageError
+from memfs.transport import Posted, tcp
 from memfs.transport.memd import MemoryServer
 from memfs.transport.tcp import MAX_IO, open_tcp_transport
 from memfs.wire import Kind
@@ -608,14 +609,18 @@ async def test_posted_write_failures_reach_the_callback(caplog: pytest.LogCaptur
 
 
 async def test_quiet_posted_writes_are_confirmed_by_a_later_answer(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """To a server that offers it, posted writes go unanswered (WRITE_QUIET) but for
-    every 16th: its answer confirms the ones before it (a server serves a connection
-    in order).  A refused one is answered ERROR and reported as such; writes left
-    unconfirmed when posting stops get a SYNC from the drainer, unwatched."""
+    every 16th: its answer, or any later answer on that connection (an ERROR's, a
+    READ's), confirms the ones before it (a server serves a connection in order),
+    and not before it comes.  A refused one is reported as such.  (The drainer,
+    which would send a SYNC once posting stops, is made too slow to here; the test
+    with a real server above has it confirm writes nobody waits for.)"""
     caplog.expected_warnings = True  # type: ignore[attr-defined]
+    monkeypatch.setattr(tcp, "_DRAIN_EVERY", 60.0)
     seen: list[Kind] = []
+    answer_16th = trio.Event()
 
     async def script(stream: trio.SocketStream) -> None:
         while True:
@@ -625,6 +630,12 @@ async def test_quiet_posted_writes_are_confirmed_by_a_later_answer(
                 assert h.kind is Kind.WRITE_QUIET
                 await stream.send_all(wire.frame(Kind.ERROR, h.req_id,
                                                  wire.encode_error(errno.EINVAL, "refused")))
+            elif len(seen) == 16:
+                assert h.kind is Kind.WRITE
+                await answer_16th.wait()
+                await stream.send_all(wire.frame(Kind.OK, h.req_id))
+            elif h.kind is Kind.READ:
+                await stream.send_all(wire.frame(Kind.OK, h.req_id, b"r" * 10))
             elif h.kind in (Kind.WRITE, Kind.SYNC):
                 await stream.send_all(wire.frame(Kind.OK, h.req_id))
 
@@ -633,28 +644,37 @@ async def test_quiet_posted_writes_are_confirmed_by_a_later_answer(
     ) as t:
         results = Completions()
         with trio.fail_after(5):
+            handles: list[Posted] = []
             for i in range(20):
-                assert await t.post_write(0, 0, bytes([i]) * 100, 1, results.append) is not None
-            await results.wait_for(20)
+                h = await t.post_write(0, 0, bytes([i]) * 100, 1, results.append)
+                assert h is not None
+                handles.append(h)
+            await handles[2].wait()  # the refusal, an answer: it confirms the two before
+            await trio.sleep(0.05)
+            assert len(results) == 3 and results[:2] == [None, None]
+            assert isinstance(results[2], TransportError) and "refused" in str(results[2])
+            answer_16th.set()
+            await handles[15].wait()  # an answered one: no SYNC, its answer confirms
+            assert len(results) == 16 and results[3:] == [None] * 13
+            assert bytes(await t.read(0, 0, 10)) == b"r" * 10  # confirms the last 4
+            assert len(results) == 20 and results[16:] == [None] * 4
         assert seen[:20] == [Kind.WRITE_QUIET] * 15 + [Kind.WRITE] + [Kind.WRITE_QUIET] * 4
-        assert seen[20:] == [Kind.SYNC]  # posting stopped: the drainer asked
-        errors = [r for r in results if r is not None]
-        assert len(errors) == 1 and isinstance(errors[0], TransportError)
-        assert "refused" in str(errors[0])
+        assert seen[20:] == [Kind.READ]  # no SYNC: the READ's answer covered them
 
 
 async def test_an_unanswered_sync_fails_quiet_writes_within_io_timeout(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A server that takes quiet writes and never confirms them costs io_timeout:
-    waiting for the handle sends a SYNC, and the deadline fails both."""
+    waiting for the handle sends a SYNC (the waiter's: the drainer is made too slow
+    to), and the deadline fails both."""
     caplog.expected_warnings = True  # type: ignore[attr-defined]
-    release = trio.Event()
+    monkeypatch.setattr(tcp, "_DRAIN_EVERY", 60.0)
+    seen: list[Kind] = []
 
     async def script(stream: trio.SocketStream) -> None:
-        assert (await recv_frame(stream))[0].kind is Kind.WRITE_QUIET
-        assert (await recv_frame(stream))[0].kind is Kind.SYNC
-        await release.wait()
+        while True:
+            seen.append((await recv_frame(stream))[0].kind)
 
     async with fake_memd(script, features=["quiet-writes"]) as vol, open_tcp_transport(
         [vol], SECRET, connections_per_server=1, io_timeout=0.3
@@ -668,4 +688,4 @@ async def test_an_unanswered_sync_fails_quiet_writes_within_io_timeout(
         assert len(results) == 1 and isinstance(results[0], TransportError)
         assert "did not answer within 0.3s" in str(results[0])
         assert 0.25 < trio.current_time() - start < 1.5
-        release.set()
+        assert seen == [Kind.WRITE_QUIET, Kind.SYNC]
