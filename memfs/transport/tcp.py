@@ -179,14 +179,17 @@ async def memd_handshake(
 class _Pending:
     """One request awaiting its reply."""
 
-    __slots__ = ("dest", "deadline", "done", "task", "kind", "payload", "error", "on_done",
-                 "req_id", "seq", "quiet")
+    __slots__ = ("dest", "deadline", "done", "task", "others", "kind", "payload", "error",
+                 "on_done", "req_id", "seq", "quiet")
 
     def __init__(self, dest: memoryview | None, deadline: float) -> None:
         self.dest = dest  # READ: where the reply's data goes
         self.deadline = deadline  # the connection is reset if no reply came by then
         self.done = False
         self.task: trio.lowlevel.Task | None = None  # asleep in _Conn.wait
+        #: more tasks asleep in _Conn.wait for this one request (a posted write's:
+        #: the drainer and an fsync, say), rare enough for a list made on demand
+        self.others: list[trio.lowlevel.Task] | None = None
         self.kind = Kind.OK
         self.payload = b""
         self.error: str | None = None  # the connection failed before the reply
@@ -201,9 +204,18 @@ class _Pending:
         return self.dest
 
     def wake(self) -> None:
+        """Wake every task asleep for this request (each looks again: done, or it
+        takes over the receiving)."""
         if self.task is not None:
             trio.lowlevel.reschedule(self.task)
             self.task = None
+        if self.others is not None:
+            for task in self.others:
+                trio.lowlevel.reschedule(task)
+            self.others = None
+
+    def sleeping(self) -> bool:
+        return self.task is not None or self.others is not None
 
     def complete(self) -> None:
         self.done = True
@@ -384,14 +396,26 @@ class _Conn:
         On cancellation *p* is abandoned: the rest of its reply goes to scratch.
         """
 
+        me = trio.lowlevel.current_task()
+
         def abort(_: Any) -> trio.lowlevel.Abort:
-            p.task = None
+            if p.task is me:
+                p.task = None
+            elif p.others is not None:
+                p.others.remove(me)
+                if not p.others:
+                    p.others = None
             return trio.lowlevel.Abort.SUCCEEDED
 
         try:
             while not p.done:
                 if self.receiving:
-                    p.task = trio.lowlevel.current_task()
+                    if p.task is None:
+                        p.task = me
+                    elif p.others is None:
+                        p.others = [me]
+                    else:
+                        p.others.append(me)
                     await trio.lowlevel.wait_task_rescheduled(abort)
                 else:
                     await self._receive_until(p)
@@ -417,7 +441,7 @@ class _Conn:
         finally:
             self.receiving = False
             for other in self.pending.values():  # hand the receiving over to a sleeper
-                if other.task is not None:
+                if other.sleeping():
                     other.wake()
                     break
 

@@ -689,3 +689,36 @@ async def test_an_unanswered_sync_fails_quiet_writes_within_io_timeout(
         assert "did not answer within 0.3s" in str(results[0])
         assert 0.25 < trio.current_time() - start < 1.5
         assert seen == [Kind.WRITE_QUIET, Kind.SYNC]
+
+
+async def test_every_task_waiting_for_one_request_is_woken() -> None:
+    """Several tasks may wait for one request (a posted write: the drainer and an
+    fsync): one receives, the others sleep, and the answer wakes them all.  With
+    one sleeper remembered per request, the first was forgotten and slept forever."""
+    answer = trio.Event()
+
+    async def script(stream: trio.SocketStream) -> None:
+        h, _ = await recv_frame(stream)
+        await answer.wait()
+        await stream.send_all(wire.frame(Kind.OK, h.req_id))
+        while True:
+            await recv_frame(stream)
+
+    async with fake_memd(script) as vol, open_tcp_transport(
+        [vol], SECRET, connections_per_server=1
+    ) as t:
+        h = await t.post_write(0, 0, b"w" * 100, 1, lambda _: None)
+        assert h is not None
+        finished: list[int] = []
+
+        async def waiter(k: int) -> None:
+            await h.wait()
+            finished.append(k)
+
+        with trio.fail_after(5):
+            async with trio.open_nursery() as nursery:
+                for k in range(3):  # the first receives, two sleep
+                    nursery.start_soon(waiter, k)
+                await trio.testing.wait_all_tasks_blocked()
+                answer.set()
+        assert sorted(finished) == [0, 1, 2]
