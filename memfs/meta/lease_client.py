@@ -134,6 +134,11 @@ class LeaseKeeper:
             if created_in and self.creates is not None:
                 conn.flush_held()
                 await self.creates.wait(created_in)
+            if self.barrier is not None:
+                # Posted writes confirmed now (a SYNC if need be), not when the
+                # transport's drainer next looks: their pins end sooner.
+                for ino in inos:
+                    await self.barrier(ino)
             await self.cache.wait_unpinned(inos)
             unpinned = True  # (a transfer begun after this used a new map)
             invalidate = self.kernel.invalidator

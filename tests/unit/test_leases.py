@@ -314,6 +314,29 @@ async def test_a_reported_size_is_never_ahead_of_its_bytes() -> None:
         await a.release(f.ino)
 
 
+async def test_a_recall_confirms_the_holders_posted_writes_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Answering a recall, the writer has its posted writes confirmed right away
+    (the barrier: a SYNC if need be) instead of waiting for its transport's drainer
+    to look: another node's stat after a write took ~10 ms that way, ~1 ms now."""
+    monkeypatch.setattr(lease_client, "SETTLE_DELAY", 100.0)  # only the recall reports
+    async with cluster(2) as (server, (a, b), _):
+        f = await a.create(ROOT, b"f", F, 0, 0)
+        asked: list[int] = []
+
+        async def barrier(ino: int) -> None:
+            asked.append(ino)
+
+        a.order_sizes_after(barrier)
+        await a.map_write(f.ino, 0, 4096)
+        await a.map_write(f.ino, 4096, 4096)
+        assert a.cache.dirty[f.ino][0] == 8192 and not asked
+        assert (await b.getattr(f.ino)).size == 8192
+        assert asked == [f.ino]
+        await a.release(f.ino)
+
+
 async def test_preallocation_returns_at_close_and_settles_the_size() -> None:
     async with cluster(1) as (server, (a,), _):
         s0 = await a.statfs()
