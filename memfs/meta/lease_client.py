@@ -244,10 +244,10 @@ class LeaseKeeper:
         """Tell the server *ino*'s size and mtime now (and, *trim*, end our write lease).
 
         The size is taken, then the bytes of the writes made until then are waited
-        for (:attr:`barrier`), then it is sent: a size the server has is never
-        ahead of its data, as ext4's ``data=ordered``.  (The server keeps only a
-        writer's reports, and sizes only grow: one that turns out older than a
-        recall's answer meanwhile changes nothing.)"""
+        for (:attr:`barrier`), then it is sent: a size this client reports is not
+        ahead of its posted writes, as ext4's ``data=ordered``.  (The server keeps
+        only a writer's reports, and sizes only grow; a report that finds the file
+        recalled meanwhile is dropped: the recall's answer carried the size.)"""
         cache = self.cache
         d = cache.dirty.get(ino)
         if d is None and not trim:
