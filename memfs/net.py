@@ -21,6 +21,16 @@ def close_socket(sock: socket.socket) -> None:
         sock.close()
 
 
+def shutdown_socket(sock: socket.socket) -> None:
+    """Shut *sock* down both ways: a thread blocked on it wakes (end of stream,
+    or a broken pipe).  Unlike closing, safe while another thread uses it (its
+    descriptor cannot be reused under that thread)."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # not connected any more, or closed already
+
+
 async def connect(host: str, port: int) -> socket.socket:
     """A connected non-blocking TCP socket with TCP_NODELAY (requests are small frames)."""
     infos = await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)

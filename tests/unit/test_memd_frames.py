@@ -204,6 +204,9 @@ async def test_frame_deadline(caplog: pytest.LogCaptureFixture) -> None:
                 await good.stream.send_all(wire.frame(Kind.READ, 7, wire.READ.pack(1, 0, 10)))
                 h, _ = await good.frame()
                 assert h.kind is Kind.OK
+            # Past greedy's deadline before reading from it: once read, its replies
+            # would be taken (and the next ones given a deadline of their own).
+            await trio.sleep_until(start + 1.0)
             await half.wait_closed()
             await greedy.wait_closed()
         assert trio.current_time() - start > 0.25  # not before the deadline
@@ -215,6 +218,30 @@ async def test_frame_deadline(caplog: pytest.LogCaptureFixture) -> None:
         assert "a reply was not taken within 0.3s" in text
         for c in (idle, half, greedy, good):
             await c.stream.aclose()
+
+
+async def test_stopping_ends_every_connection_thread() -> None:
+    """Each connection is served by a thread on a blocking socket: stopping the
+    server shuts every one down wherever it waits (between frames, in the middle
+    of a frame, in a reply its client does not read), and serve returns."""
+    server = MemoryServer(2, SIZE, SECRET)
+    try:
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                port = await nursery.start(server.serve, "127.0.0.1", 0)
+                idle, half, greedy = [await Client.connect(port) for _ in range(3)]
+                await half.stream.send_all(wire.pack_header(Kind.WRITE, 1, 1000) + b"\0" * 20)
+                await greedy.stream.send_all(b"".join(
+                    wire.frame(Kind.READ, i, wire.READ.pack(0, 0, 4 << 20)) for i in range(16)))
+                await trio.sleep(0.3)  # each thread in its wait
+                assert len(server._live) == 3
+                nursery.cancel_scope.cancel()
+            assert server.connections == 0 and not server._live
+            for c in (idle, half, greedy):
+                await c.wait_closed()
+                await c.stream.aclose()
+    finally:
+        await server.aclose()
 
 
 async def test_fence_shuts_out_a_lease_token(caplog: pytest.LogCaptureFixture) -> None:
