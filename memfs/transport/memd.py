@@ -81,6 +81,7 @@ from memfs.net import shutdown_socket
 from memfs.transport.local import LocalTransport
 from memfs.transport.sockio import (
     Buf,
+    DeadlinePassed,
     PeerClosed,
     RecvBuffer,
     close_socket,
@@ -201,7 +202,10 @@ class MemoryServer:
         self.connections = 0
         #: connections by the lease token they named
         self._by_token: dict[int, set[_ConnState]] = {}
-        #: guards _by_token, fenced and _qps (connection threads and trio change them)
+        #: tokens being fenced: the connections whose transfers a fence waits for
+        self._fencing: dict[int, tuple[_ConnState, ...]] = {}
+        #: guards _by_token, fenced, _fencing, _qps and closing a served socket
+        #: (connection threads and trio change them)
         self._lock = threading.Lock()
         #: sockets whose connection thread runs (shut down when serving stops)
         self._live: set[socket.socket] = set()
@@ -247,7 +251,8 @@ class MemoryServer:
         await self.memory.aclose()
 
     def _close_qp(self, qp: QueuePair) -> None:
-        """Destroy *qp* (under ``_lock`` while connections are served)."""
+        """Destroy *qp* (taken out of ``_qps`` under ``_lock`` first while connections
+        are served)."""
         self._qps.discard(qp)
         try:
             qp.close()
@@ -360,7 +365,7 @@ class MemoryServer:
             log.exception("connection from %s: unexpected error", peer)
         finally:
             self.connections -= 1
-            with self._lock:
+            with self._lock:  # (a fence shuts sockets down under it: never a reused fd)
                 if state.token:
                     mine = self._by_token.get(state.token)
                     if mine is not None:
@@ -369,9 +374,11 @@ class MemoryServer:
                             del self._by_token[state.token]
                 qp, state.qp = state.qp, None
                 if qp is not None:
-                    log.debug("%s: destroying its RDMA queue pair", peer)
-                    self._close_qp(qp)
-            close_socket(sock)
+                    self._qps.discard(qp)
+                close_socket(sock)
+            if qp is not None:
+                log.debug("%s: destroying its RDMA queue pair", peer)
+                self._close_qp(qp)
 
     async def _handshake(self, sock: socket.socket) -> str | None:
         """The client's role once authenticated; None if it left before sending anything."""
@@ -411,6 +418,8 @@ class MemoryServer:
         while True:
             if not len(rx) and not rx.wait_some_by():  # idle between frames: no deadline
                 return
+            if state.fenced:  # a shutdown leaves what had arrived readable: serve none of it
+                raise _Drop("its lease token was fenced")
             state.deadline = math.inf  # all here: only a reply the socket refuses waits
             h = None
             if len(rx) >= wire.HEADER_SIZE:
@@ -422,7 +431,7 @@ class MemoryServer:
                         rx.fill_by(wire.HEADER_SIZE, state.deadline)
                         h = wire.parse_header(rx.view(wire.HEADER_SIZE), limit)
                 self._request(sock, h, rx, state)
-            except TimeoutError:
+            except DeadlinePassed:
                 raise _Drop(f"a frame was not completed within {self.frame_timeout:g}s") from None
 
     def _request(
@@ -549,24 +558,37 @@ class MemoryServer:
         another byte into volume memory: each is marked fenced and shut down
         (which wakes its thread, or ends its transfer), and a transfer into
         volume memory under way has ended (``landing``); its thread checks
-        ``fenced`` before the next.  Their queue pairs are destroyed."""
+        ``fenced`` before the next.  Their queue pairs are destroyed.  A second
+        FENCE of the token while the first still waits for a transfer waits for
+        it too: its answer promises the same.
+        """
+        qps = []
         with self._lock:
-            if token in self.fenced:
-                return
-            self.fenced[token] = None
-            while len(self.fenced) > FENCED_KEPT:
-                del self.fenced[next(iter(self.fenced))]
-            conns = self._by_token.pop(token, set())
-            for st in conns:
-                st.fenced = True
-                if st.qp is not None:
-                    self._close_qp(st.qp)
-                    st.qp = None
-        for st in conns:
-            shutdown_socket(st.sock)
+            conns = self._fencing.get(token)
+            if conns is None:
+                if token in self.fenced:
+                    return
+                self.fenced[token] = None
+                while len(self.fenced) > FENCED_KEPT:
+                    del self.fenced[next(iter(self.fenced))]
+                conns = tuple(self._by_token.pop(token, ()))
+                self._fencing[token] = conns
+                for st in conns:
+                    st.fenced = True
+                    if st.qp is not None:
+                        qps.append(st.qp)
+                        self._qps.discard(st.qp)
+                        st.qp = None
+            for st in conns:  # under the lock: their owners close them under it
+                shutdown_socket(st.sock)
+        for qp in qps:
+            self._close_qp(qp)
         for st in conns:
             with st.landing:
                 pass
+        with self._lock:
+            if self._fencing.get(token) is conns:
+                del self._fencing[token]
         log.info("lease token %x fenced: %d connections shut", token, len(conns))
 
     def _reply(self, sock: socket.socket, bufs: list[Buf], state: _ConnState) -> None:
@@ -576,7 +598,7 @@ class MemoryServer:
             return
         try:
             send_all_by(sock, rest, self._deadline(state))
-        except TimeoutError:
+        except DeadlinePassed:
             raise _Drop(f"a reply was not taken within {self.frame_timeout:g}s") from None
 
     def _error(
@@ -608,8 +630,13 @@ class MemoryServer:
             self._close_qp(qp)
             return errno.EIO, str(exc).encode()
         with self._lock:
-            state.qp = qp
-            self._qps.add(qp)
+            fenced = state.fenced
+            if not fenced:
+                state.qp = qp
+                self._qps.add(qp)
+        if fenced:  # fenced while it was being made: it never serves
+            self._close_qp(qp)
+            raise _Drop("its lease token was fenced")
         set_keepalive(sock)  # a vanished client's queue pair goes with its connection
         log.debug("RDMA queue pair %d connected to %d", qp.endpoint.qpn, peer.qpn)
         return 0, wire.encode_verbs_accept(qp.endpoint, self._verbs_regions)

@@ -23,7 +23,7 @@ only through :func:`close_socket`, which wakes it).
 The functions and methods named ``..._by`` are their twins for a thread that
 serves one connection on a *blocking* socket (the memory server): they try
 with ``MSG_DONTWAIT`` and, only when that would block, wait in ``poll`` until an
-absolute ``time.monotonic()`` deadline (:class:`TimeoutError` then).  Another
+absolute ``time.monotonic()`` deadline (:class:`DeadlinePassed` then).  Another
 thread ends such a wait with ``socket.shutdown`` (never ``close``: the
 descriptor could be reused under the waiting thread).
 """
@@ -49,6 +49,11 @@ Buf = bytes | bytearray | memoryview
 
 class PeerClosed(ConnectionError):
     """The peer closed the connection in the middle of a message."""
+
+
+class DeadlinePassed(Exception):
+    """A ``..._by`` wait reached its deadline (not an ``OSError``: a socket's own
+    ETIMEDOUT, a lost peer, stays one)."""
 
 
 async def recv_some_into(sock: socket.socket, view: memoryview) -> int:
@@ -102,7 +107,7 @@ async def recv_exactly_into(sock: socket.socket, view: memoryview) -> None:
 
 def wait_ready(sock: socket.socket, events: int, deadline: float) -> None:
     """Block this thread until *sock* is ready for *events* (``select.POLLIN``,
-    ``POLLOUT``) or has been shut down; :class:`TimeoutError` at *deadline*
+    ``POLLOUT``) or has been shut down; :class:`DeadlinePassed` at *deadline*
     (``time.monotonic()``; inf: none)."""
     poller = select.poll()
     poller.register(sock, events)
@@ -112,7 +117,7 @@ def wait_ready(sock: socket.socket, events: int, deadline: float) -> None:
         else:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError
+                raise DeadlinePassed
             timeout = math.ceil(left * 1000)
         if poller.poll(timeout):
             return
@@ -285,7 +290,7 @@ class RecvBuffer:
     def fill_by(self, n: int, deadline: float) -> None:
         """Block until *n* bytes are buffered (*n* at most the capacity).
 
-        :class:`PeerClosed` if the stream ends first, :class:`TimeoutError` at
+        :class:`PeerClosed` if the stream ends first, :class:`DeadlinePassed` at
         *deadline*."""
         while self.end - self.start < n:
             if not self._receive_by(n, deadline):

@@ -24,6 +24,7 @@ import trio.testing
 
 from memfs.net import shutdown_socket
 from memfs.transport.sockio import (
+    DeadlinePassed,
     PeerClosed,
     RecvBuffer,
     recv_exactly_into_by,
@@ -112,7 +113,7 @@ def test_skip_and_end_of_stream(pair: tuple[socket.socket, socket.socket]) -> No
 def test_a_thread_waits_until_its_deadline_or_a_shutdown(
     pair: tuple[socket.socket, socket.socket],
 ) -> None:
-    """Half a frame: TimeoutError at the deadline, not before.  A send the peer
+    """Half a frame: DeadlinePassed at the deadline, not before.  A send the peer
     does not take: the same.  A thread blocked between frames (no deadline) or
     in either wait is woken by a shutdown from another thread."""
     ours, peer = pair
@@ -121,11 +122,11 @@ def test_a_thread_waits_until_its_deadline_or_a_shutdown(
     rx = RecvBuffer(ours, 64, socket.MSG_DONTWAIT)
     peer.sendall(b"half")
     start = time.monotonic()
-    with pytest.raises(TimeoutError):
+    with pytest.raises(DeadlinePassed):
         rx.fill_by(8, start + 0.2)
     assert time.monotonic() - start >= 0.19
     start = time.monotonic()
-    with pytest.raises(TimeoutError):
+    with pytest.raises(DeadlinePassed):
         send_all_by(ours, [bytes(1 << 20)], start + 0.2)  # never read
     assert time.monotonic() - start >= 0.19
 
