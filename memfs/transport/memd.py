@@ -68,7 +68,7 @@ import signal
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import trio
 import trio.lowlevel
@@ -77,7 +77,7 @@ from memfs import wire
 from memfs.config import format_size
 from memfs.errors import UsageError
 from memfs.host import mem_available, sd_notify
-from memfs.net import shutdown_socket
+from memfs.net import accept_connections, shutdown_socket
 from memfs.transport.local import LocalTransport
 from memfs.transport.sockio import (
     Buf,
@@ -307,19 +307,10 @@ class MemoryServer:
             close_socket(sock)
 
     async def _accept(self, sock: socket.socket, nursery: trio.Nursery) -> None:
-        while True:
-            try:
-                conn, addr = sock.accept()
-            except BlockingIOError:
-                await trio.lowlevel.wait_readable(sock)
-                continue
-            except OSError as exc:
-                # Out of descriptors or buffers: let connections drain and retry.
-                log.warning("accept failed: %s", exc)
-                await trio.sleep(0.1)
-                continue
+        def serve(conn: socket.socket, addr: tuple[Any, ...]) -> None:
             nursery.start_soon(self._connection, conn, format_addr(*addr[:2]))
-            await trio.lowlevel.checkpoint()
+
+        await accept_connections(sock, serve)
 
     # -- one connection ------------------------------------------------------------
 
