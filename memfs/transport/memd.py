@@ -31,19 +31,9 @@ number of clients:
   it is closed at once (its RDMA queue pair destroyed), and the token is refused
   from then on.  So a transfer the client started under the lost lease cannot
   land after the FENCE is answered (see "Fencing" in docs/ARCHITECTURE.md);
-* each connection, once authenticated, is served by a thread of its own on a
-  blocking socket (the handshake runs in trio): between frames it sleeps in
-  one ``recv``, and a request that arrived whole is served and answered with no
-  other system call, no timer and no event loop in between.  That halves this
-  server's CPU per request against a trio task per connection (an epoll
-  registration and a pass of the scheduler for each one): measured on
-  loopback, 16 KiB reads ~77 -> ~30 us, writes ~40 -> ~22 us (README,
-  "Cluster mode").  The threads share the GIL, but each holds it only to
-  parse a header and start a copy; the copies themselves (``recv_into``,
-  ``sendmsg``) run outside it;
-* a connection may sit idle between frames forever, but a frame that has
-  started must be received, served and answered within ``frame_timeout``
-  (the thread waits in ``poll`` until that deadline);
+* a request that arrived whole is served and answered without a wait or a
+  timer; a connection may sit idle between frames forever, but a frame that
+  has started must be received, served and answered within ``frame_timeout``;
 * anything malformed (bad header, wrong payload size, a frame kind that is not
   a request) is logged and closes that connection only.  A WRITE whose range
   lies outside the volume is answered EINVAL and its payload discarded.
@@ -66,9 +56,8 @@ import math
 import secrets
 import signal
 import socket
-import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import trio
 import trio.lowlevel
@@ -77,19 +66,15 @@ from memfs import wire
 from memfs.config import format_size
 from memfs.errors import UsageError
 from memfs.host import mem_available, sd_notify
-from memfs.net import accept_connections, shutdown_socket
 from memfs.transport.local import LocalTransport
 from memfs.transport.sockio import (
     Buf,
-    DeadlinePassed,
     PeerClosed,
     RecvBuffer,
     close_socket,
     recv_exactly_into,
-    recv_exactly_into_by,
     recv_some_into,
     send_all,
-    send_all_by,
     send_now,
 )
 from memfs.wire import Kind
@@ -110,6 +95,10 @@ SERVED_ROLES = ("tcp", "verbs")
 _AUTH_MAX = 512
 #: a small WRITE (64 KiB of data with its header and struct) arrives in one recv
 _RECV_BUFFER = (64 << 10) + 64
+#: serving a frame costs about as much as moving this many data bytes; a
+#: connection yields to the others after _WORK_PER_CHECKPOINT of work
+_FRAME_WORK = 16 << 10
+_WORK_PER_CHECKPOINT = 256 << 10
 #: the fixed payload of each request kind but WRITE (whose data follows its struct)
 _REQUEST_SIZES = {
     Kind.READ: wire.READ.size,
@@ -136,12 +125,10 @@ class _Drop(Exception):
 class _ConnState:
     """What one connection owns beyond its socket."""
 
-    __slots__ = ("qp", "deadline", "err", "moved", "token", "fenced", "sock", "landing")
+    __slots__ = ("qp", "deadline", "work", "err", "moved", "token", "fenced", "sock")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        #: held while this connection's bytes go into volume memory (FENCE waits for it)
-        self.landing = threading.Lock()
         self.qp: QueuePair | None = None
         #: the lease token the client named (SESSION), 0: none
         self.token = 0
@@ -151,8 +138,10 @@ class _ConnState:
         self.err: int | None = None
         #: bytes the last READ or WRITE moved (for --metrics)
         self.moved = 0
-        #: the current frame's deadline, ``time.monotonic()`` (inf while it needed no wait)
+        #: the current frame's deadline (inf while it needed no wait)
         self.deadline = math.inf
+        #: about how many bytes were served since this connection last let others run
+        self.work = 0
 
 
 def format_addr(host: str, port: int) -> str:
@@ -202,17 +191,6 @@ class MemoryServer:
         self.connections = 0
         #: connections by the lease token they named
         self._by_token: dict[int, set[_ConnState]] = {}
-        #: tokens being fenced: the connections whose transfers a fence waits for
-        self._fencing: dict[int, tuple[_ConnState, ...]] = {}
-        #: guards _by_token, fenced, _fencing, _qps and closing a served socket
-        #: (connection threads and trio change them)
-        self._lock = threading.Lock()
-        #: sockets whose connection thread runs (shut down when serving stops)
-        self._live: set[socket.socket] = set()
-        #: set when serving stops: connections end then without a warning
-        self._stopping = False
-        #: no limit: every connection has a thread of its own
-        self._threads = trio.CapacityLimiter(math.inf)
         #: tokens fenced, oldest first (a dict as an ordered set)
         self.fenced: dict[int, None] = {}
         #: request counters (``memfs memd --metrics``); None: not kept
@@ -251,8 +229,6 @@ class MemoryServer:
         await self.memory.aclose()
 
     def _close_qp(self, qp: QueuePair) -> None:
-        """Destroy *qp* (taken out of ``_qps`` under ``_lock`` first while connections
-        are served)."""
         self._qps.discard(qp)
         try:
             qp.close()
@@ -297,20 +273,21 @@ class MemoryServer:
         try:
             async with trio.open_nursery() as nursery:
                 task_status.started(sock.getsockname()[1])
-                try:
-                    await self._accept(sock, nursery)
-                finally:  # the connection threads return once their sockets are shut down
-                    self._stopping = True
-                    for conn in self._live:
-                        shutdown_socket(conn)
+                while True:
+                    try:
+                        conn, addr = sock.accept()
+                    except BlockingIOError:
+                        await trio.lowlevel.wait_readable(sock)
+                        continue
+                    except OSError as exc:
+                        # Out of descriptors or buffers: let connections drain and retry.
+                        log.warning("accept failed: %s", exc)
+                        await trio.sleep(0.1)
+                        continue
+                    nursery.start_soon(self._connection, conn, format_addr(*addr[:2]))
+                    await trio.lowlevel.checkpoint()
         finally:
             close_socket(sock)
-
-    async def _accept(self, sock: socket.socket, nursery: trio.Nursery) -> None:
-        def serve(conn: socket.socket, addr: tuple[Any, ...]) -> None:
-            nursery.start_soon(self._connection, conn, format_addr(*addr[:2]))
-
-        await accept_connections(sock, serve)
 
     # -- one connection ------------------------------------------------------------
 
@@ -330,46 +307,31 @@ class MemoryServer:
                 log.info("%s connected and left without a word", peer)  # a port probe
                 return
             log.debug("%s authenticated (%s)", peer, role)
-            sock.setblocking(True)
-            self._live.add(sock)
-            try:  # cancelled only once serve_socket has shut the socket down
-                await trio.to_thread.run_sync(self._serve_requests, sock, state,
-                                              limiter=self._threads)
-            finally:
-                self._live.discard(sock)
-            if state.fenced:
-                log.info("connection from %s closed: its lease token was fenced", peer)
-            else:
-                log.debug("%s disconnected", peer)
+            await self._serve_requests(sock, state)
+            log.debug("%s disconnected", peer)
         except (wire.WireError, _Drop) as exc:
             log.warning("closing connection from %s: %s", peer, exc)
-        except (PeerClosed, OSError, trio.ClosedResourceError) as exc:
-            if self._stopping:
-                log.debug("connection from %s closed: the server stops (%s)", peer, exc)
-            elif state.fenced:
+        except PeerClosed as exc:
+            log.warning("connection from %s closed in the middle of a frame (%s)", peer, exc)
+        except (OSError, trio.ClosedResourceError) as exc:
+            if state.fenced:
                 log.info("connection from %s closed: its lease token was fenced", peer)
-            elif isinstance(exc, PeerClosed):
-                log.warning("connection from %s closed in the middle of a frame (%s)", peer, exc)
             else:
                 log.info("connection from %s failed: %s", peer, exc)
         except Exception:
             log.exception("connection from %s: unexpected error", peer)
         finally:
             self.connections -= 1
-            with self._lock:  # (a fence shuts sockets down under it: never a reused fd)
-                if state.token:
-                    mine = self._by_token.get(state.token)
-                    if mine is not None:
-                        mine.discard(state)
-                        if not mine:
-                            del self._by_token[state.token]
-                qp, state.qp = state.qp, None
-                if qp is not None:
-                    self._qps.discard(qp)
-                close_socket(sock)
-            if qp is not None:
+            if state.token:
+                mine = self._by_token.get(state.token)
+                if mine is not None:
+                    mine.discard(state)
+                    if not mine:
+                        del self._by_token[state.token]
+            if state.qp is not None:
                 log.debug("%s: destroying its RDMA queue pair", peer)
-                self._close_qp(qp)
+                self._close_qp(state.qp)
+            close_socket(sock)
 
     async def _handshake(self, sock: socket.socket) -> str | None:
         """The client's role once authenticated; None if it left before sending anything."""
@@ -394,60 +356,63 @@ class MemoryServer:
         await send_all(sock, [wire.frame(Kind.WELCOME, h.req_id, hs.welcome())])
         return role
 
-    # -- in the connection's thread --------------------------------------------------
+    async def _serve_requests(self, sock: socket.socket, state: _ConnState) -> None:
+        """Serve requests in order until the client leaves.
 
-    def _serve_requests(self, sock: socket.socket, state: _ConnState) -> None:
-        """Serve requests in order until the client leaves (this connection's thread).
-
-        The common case is one blocking ``recv`` that brings a whole request (a
-        READ, a small WRITE with its data), served from the receive buffer, and
-        one ``sendmsg`` of its reply.  Only a frame that is still arriving, or a
-        reply the socket does not take at once, waits, under the frame deadline.
+        The common case costs no wait and no timer: a request that has arrived
+        whole (a READ, a small WRITE with its data) is served from the receive
+        buffer and its reply handed to the socket at once.  Only a frame that is
+        still arriving, or a reply the socket does not take, waits, under the
+        frame deadline.
         """
-        rx = RecvBuffer(sock, _RECV_BUFFER, socket.MSG_DONTWAIT)
+        rx = RecvBuffer(sock, _RECV_BUFFER)
         limit = self.max_payload
+        waits = rx.waits
         while True:
-            if not len(rx) and not rx.wait_some_by():  # idle between frames: no deadline
+            if not len(rx) and not await rx.wait_some():  # idle between frames: no deadline
                 return
-            if state.fenced:  # a shutdown leaves what had arrived readable: serve none of it
-                raise _Drop("its lease token was fenced")
-            state.deadline = math.inf  # all here: only a reply the socket refuses waits
+            if rx.waits != waits:  # it waited (and so let others run) since the last checkpoint
+                waits = rx.waits
+                state.work = 0
             h = None
             if len(rx) >= wire.HEADER_SIZE:
                 h = wire.parse_header(rx.view(wire.HEADER_SIZE), limit)
-            try:
-                if h is None or len(rx) < wire.HEADER_SIZE + h.length:
-                    state.deadline = time.monotonic() + self.frame_timeout
+            if h is not None and len(rx) >= wire.HEADER_SIZE + h.length:
+                state.deadline = math.inf  # all here: only a reply the socket refuses waits
+                await self._request(sock, h, rx, state)
+            else:
+                state.deadline = trio.current_time() + self.frame_timeout
+                with trio.move_on_at(state.deadline) as scope:
                     if h is None:
-                        rx.fill_by(wire.HEADER_SIZE, state.deadline)
+                        await rx.fill(wire.HEADER_SIZE)
                         h = wire.parse_header(rx.view(wire.HEADER_SIZE), limit)
-                self._request(sock, h, rx, state)
-            except DeadlinePassed:
-                raise _Drop(f"a frame was not completed within {self.frame_timeout:g}s") from None
+                    await self._request(sock, h, rx, state)
+                if scope.cancelled_caught:
+                    raise _Drop(f"a frame was not completed within {self.frame_timeout:g}s")
+            # A client that pipelines without pause must not starve the others, but a
+            # checkpoint per small frame would cost more than serving it.
+            state.work += _FRAME_WORK
+            if state.work >= _WORK_PER_CHECKPOINT:
+                state.work = 0
+                await trio.lowlevel.checkpoint()
 
-    def _request(
+    async def _request(
         self, sock: socket.socket, h: wire.Header, rx: RecvBuffer, state: _ConnState
     ) -> None:
         """Serve request *h*; counted, timed and its bytes added up with ``--metrics``."""
         obs = self.metrics
         if obs is None:
-            return self._serve_one(sock, h, rx, state)
+            return await self._serve_one(sock, h, rx, state)
         started = time.perf_counter()
         state.err = None
         state.moved = 0
-        self._serve_one(sock, h, rx, state)
+        await self._serve_one(sock, h, rx, state)
         op = _OP_NAMES[h.kind]
         obs.observe(op, started, state.err)
         if state.moved:
             obs.moved(op, state.moved)
 
-    def _deadline(self, state: _ConnState) -> float:
-        """The current frame's deadline, starting it if it had not needed one."""
-        if state.deadline == math.inf:
-            state.deadline = time.monotonic() + self.frame_timeout
-        return state.deadline
-
-    def _serve_one(
+    async def _serve_one(
         self, sock: socket.socket, h: wire.Header, rx: RecvBuffer, state: _ConnState
     ) -> None:
         """Serve request *h* at the head of *rx* and answer it.
@@ -458,27 +423,27 @@ class MemoryServer:
         kind = h.kind
         fixed = wire.HEADER_SIZE + _fixed_payload(h)
         if len(rx) < fixed:
-            rx.fill_by(fixed, self._deadline(state))
+            await rx.fill(fixed)
         args = rx.view(fixed)[wire.HEADER_SIZE :]
         if kind is Kind.WRITE or kind is Kind.WRITE_QUIET:
             volume, offset = wire.WRITE.unpack(args)
             rx.consume(fixed)
             n = h.length - wire.WRITE.size
+            if state.fenced:  # woken before its FENCE, served after it: not a byte more
+                raise _Drop("its lease token was fenced")
             bad = self._check(volume, offset, n)
             if bad:
-                rx.skip_by(n, self._deadline(state))
-                self._error(sock, h.req_id, errno.EINVAL, bad, state)
+                await rx.skip(n)
+                await self._error(sock, h.req_id, errno.EINVAL, bad, state)
                 return
+            state.work += n
             state.moved = n
             dest = self._views[volume][offset : offset + n]
-            with state.landing:
-                if state.fenced:  # woken before its FENCE, served after it: not a byte more
-                    raise _Drop("its lease token was fenced")
-                got = rx.take_into(dest)
-                if got < n:  # the bulk of a large write: straight into the volume
-                    recv_exactly_into_by(sock, dest[got:], self._deadline(state))
+            got = rx.take_into(dest)
+            if got < n:  # the bulk of a large write: straight into the volume
+                await recv_exactly_into(sock, dest[got:])
             if kind is Kind.WRITE:
-                self._reply(sock, [wire.pack_header(Kind.OK, h.req_id, 0)], state)
+                await self._reply(sock, [wire.pack_header(Kind.OK, h.req_id, 0)], state)
         elif kind is Kind.READ:
             volume, offset, n = wire.READ.unpack(args)
             rx.consume(fixed)
@@ -486,10 +451,11 @@ class MemoryServer:
             if not bad and n > self.max_payload:
                 bad = f"read of {n} bytes exceeds the limit of {self.max_payload}"
             if bad:
-                self._error(sock, h.req_id, errno.EINVAL, bad, state)
+                await self._error(sock, h.req_id, errno.EINVAL, bad, state)
                 return
+            state.work += n
             state.moved = n
-            self._reply(
+            await self._reply(
                 sock,
                 [wire.pack_header(Kind.OK, h.req_id, n), self._views[volume][offset : offset + n]],
                 state,
@@ -499,105 +465,84 @@ class MemoryServer:
             rx.consume(fixed)
             bad = self._check(volume, offset, n)
             if bad:
-                self._error(sock, h.req_id, errno.EINVAL, bad, state)
+                await self._error(sock, h.req_id, errno.EINVAL, bad, state)
                 return
-            with state.landing:
-                if state.fenced:
-                    raise _Drop("its lease token was fenced")
-                self.memory.zero_now(volume, offset, n)
-            self._reply(sock, [wire.pack_header(Kind.OK, h.req_id, 0)], state)
+            if state.fenced:
+                raise _Drop("its lease token was fenced")
+            await self.memory.zero(volume, offset, n)
+            await self._reply(sock, [wire.pack_header(Kind.OK, h.req_id, 0)], state)
         elif kind is Kind.SYNC:  # every frame before it is served: this connection is in order
             rx.consume(fixed)
-            self._reply(sock, [wire.pack_header(Kind.OK, h.req_id, 0)], state)
+            await self._reply(sock, [wire.pack_header(Kind.OK, h.req_id, 0)], state)
         elif kind is Kind.INFO:
             rx.consume(fixed)
-            self._reply(sock, [wire.frame(Kind.OK, h.req_id, self._info)], state)
+            await self._reply(sock, [wire.frame(Kind.OK, h.req_id, self._info)], state)
         elif kind is Kind.SESSION:
             (token,) = wire.TOKEN.unpack(args)
             rx.consume(fixed)
-            with self._lock:
-                refused = token in self.fenced
-                if not refused and not state.token and token:
-                    state.token = token
-                    self._by_token.setdefault(token, set()).add(state)
-                elif not refused:
-                    raise wire.WireError("SESSION: a second token, or token 0")
-            if refused:
-                self._error(sock, h.req_id, errno.ESTALE, "this client's lease was taken "
-                            "by the metadata server (evicted): register again", state)
+            if token in self.fenced:
+                await self._error(sock, h.req_id, errno.ESTALE, "this client's lease was taken "
+                                  "by the metadata server (evicted): register again", state)
                 raise _Drop("it named a fenced lease token")
-            self._reply(sock, [wire.pack_header(Kind.OK, h.req_id, 0)], state)
+            if state.token or not token:
+                raise wire.WireError("SESSION: a second token, or token 0")
+            state.token = token
+            self._by_token.setdefault(token, set()).add(state)
+            await self._reply(sock, [wire.pack_header(Kind.OK, h.req_id, 0)], state)
         elif kind is Kind.FENCE:
             (token,) = wire.TOKEN.unpack(args)
             rx.consume(fixed)
             self.fence(token)
-            self._reply(sock, [wire.pack_header(Kind.OK, h.req_id, 0)], state)
+            await self._reply(sock, [wire.pack_header(Kind.OK, h.req_id, 0)], state)
         else:
             assert kind is Kind.VERBS_CONNECT
             peer = wire.decode_verbs_endpoint(bytes(args))
             rx.consume(fixed)
             err, reply = self._verbs_connect(sock, peer, state)
             if err:
-                self._error(sock, h.req_id, err, reply.decode(), state)
+                await self._error(sock, h.req_id, err, reply.decode(), state)
             else:
-                self._reply(sock, [wire.frame(Kind.OK, h.req_id, reply)], state)
+                await self._reply(sock, [wire.frame(Kind.OK, h.req_id, reply)], state)
 
     def fence(self, token: int) -> None:
-        """Shut every connection that named *token* and refuse it from now on.
+        """Close every connection that named *token* and refuse it from now on.
 
-        From any thread.  When this returns, none of those connections can move
-        another byte into volume memory: each is marked fenced and shut down
-        (which wakes its thread, or ends its transfer), and a transfer into
-        volume memory under way has ended (``landing``); its thread checks
-        ``fenced`` before the next.  Their queue pairs are destroyed.  A second
-        FENCE of the token while the first still waits for a transfer waits for
-        it too: its answer promises the same.
-        """
-        qps = []
-        with self._lock:
-            conns = self._fencing.get(token)
-            if conns is None:
-                if token in self.fenced:
-                    return
-                self.fenced[token] = None
-                while len(self.fenced) > FENCED_KEPT:
-                    del self.fenced[next(iter(self.fenced))]
-                conns = tuple(self._by_token.pop(token, ()))
-                self._fencing[token] = conns
-                for st in conns:
-                    st.fenced = True
-                    if st.qp is not None:
-                        qps.append(st.qp)
-                        self._qps.discard(st.qp)
-                        st.qp = None
-            for st in conns:  # under the lock: their owners close them under it
-                shutdown_socket(st.sock)
-        for qp in qps:
-            self._close_qp(qp)
+        No await: when this returns, none of those connections can move another
+        byte into volume memory (sockets closed, queue pairs destroyed; a task
+        already woken with a frame in its buffer checks ``fenced`` first)."""
+        if token in self.fenced:
+            return
+        self.fenced[token] = None
+        while len(self.fenced) > FENCED_KEPT:
+            del self.fenced[next(iter(self.fenced))]
+        conns = self._by_token.pop(token, set())
         for st in conns:
-            with st.landing:
-                pass
-        with self._lock:
-            if self._fencing.get(token) is conns:
-                del self._fencing[token]
-        log.info("lease token %x fenced: %d connections shut", token, len(conns))
+            st.fenced = True
+            if st.qp is not None:
+                self._close_qp(st.qp)
+                st.qp = None
+            close_socket(st.sock)
+        log.info("lease token %x fenced: %d connections closed", token, len(conns))
 
-    def _reply(self, sock: socket.socket, bufs: list[Buf], state: _ConnState) -> None:
+    async def _reply(self, sock: socket.socket, bufs: list[Buf], state: _ConnState) -> None:
         """Send a reply: at once if the socket takes it, else within the frame deadline."""
-        rest = send_now(sock, bufs, socket.MSG_DONTWAIT)
+        rest = send_now(sock, bufs)
         if not rest:
             return
-        try:
-            send_all_by(sock, rest, self._deadline(state))
-        except DeadlinePassed:
-            raise _Drop(f"a reply was not taken within {self.frame_timeout:g}s") from None
+        if state.deadline == math.inf:
+            state.deadline = trio.current_time() + self.frame_timeout
+        with trio.move_on_at(state.deadline) as scope:
+            await send_all(sock, rest)
+        if scope.cancelled_caught:
+            raise _Drop(f"a reply was not taken within {self.frame_timeout:g}s")
 
-    def _error(
+    async def _error(
         self, sock: socket.socket, req_id: int, err: int, message: str, state: _ConnState
     ) -> None:
         state.err = err
         state.moved = 0
-        self._reply(sock, [wire.frame(Kind.ERROR, req_id, wire.encode_error(err, message))], state)
+        await self._reply(sock, [wire.frame(Kind.ERROR, req_id, wire.encode_error(err, message))],
+                          state)
 
     def _verbs_connect(
         self, sock: socket.socket, peer: wire.VerbsEndpoint, state: _ConnState
@@ -620,14 +565,8 @@ class MemoryServer:
             log.warning("VERBS_CONNECT: %s", exc)
             self._close_qp(qp)
             return errno.EIO, str(exc).encode()
-        with self._lock:
-            fenced = state.fenced
-            if not fenced:
-                state.qp = qp
-                self._qps.add(qp)
-        if fenced:  # fenced while it was being made: it never serves
-            self._close_qp(qp)
-            raise _Drop("its lease token was fenced")
+        state.qp = qp
+        self._qps.add(qp)
         set_keepalive(sock)  # a vanished client's queue pair goes with its connection
         log.debug("RDMA queue pair %d connected to %d", qp.endpoint.qpn, peer.qpn)
         return 0, wire.encode_verbs_accept(qp.endpoint, self._verbs_regions)

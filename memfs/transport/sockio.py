@@ -16,24 +16,14 @@ receives ahead, so that one ``recv`` usually brings a whole small frame (or
 several pipelined ones).  Its buffer is small: the bulk of a large payload is
 still received straight into its destination.
 
-None of the async functions sets a deadline; callers wrap them in
+None of these functions sets a deadline; callers wrap them in
 ``trio.fail_after``/``move_on_at`` (a socket can be closed under a waiting task
 only through :func:`close_socket`, which wakes it).
-
-The functions and methods named ``..._by`` are their twins for a thread that
-serves one connection on a *blocking* socket (the memory server): they try
-with ``MSG_DONTWAIT`` and, only when that would block, wait in ``poll`` until an
-absolute ``time.monotonic()`` deadline (:class:`DeadlinePassed` then).  Another
-thread ends such a wait with ``socket.shutdown`` (never ``close``: the
-descriptor could be reused under the waiting thread).
 """
 
 from __future__ import annotations
 
-import math
-import select
 import socket
-import time
 from collections.abc import Iterable, Sequence
 
 import trio
@@ -49,11 +39,6 @@ Buf = bytes | bytearray | memoryview
 
 class PeerClosed(ConnectionError):
     """The peer closed the connection in the middle of a message."""
-
-
-class DeadlinePassed(Exception):
-    """A ``..._by`` wait reached its deadline (not an ``OSError``: a socket's own
-    ETIMEDOUT, a lost peer, stays one)."""
 
 
 async def recv_some_into(sock: socket.socket, view: memoryview) -> int:
@@ -105,62 +90,16 @@ async def recv_exactly_into(sock: socket.socket, view: memoryview) -> None:
         set_rcvlowat(sock, lowat, 0, 0)
 
 
-def wait_ready(sock: socket.socket, events: int, deadline: float) -> None:
-    """Block this thread until *sock* is ready for *events* (``select.POLLIN``,
-    ``POLLOUT``) or has been shut down; :class:`DeadlinePassed` at *deadline*
-    (``time.monotonic()``; inf: none)."""
-    poller = select.poll()
-    poller.register(sock, events)
-    while True:
-        if deadline == math.inf:
-            timeout = None
-        else:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise DeadlinePassed
-            timeout = math.ceil(left * 1000)
-        if poller.poll(timeout):
-            return
-
-
-def recv_exactly_into_by(sock: socket.socket, view: memoryview, deadline: float) -> None:
-    """:func:`recv_exactly_into` for a thread on a blocking socket, until *deadline*."""
-    got, n = 0, len(view)
-    lowat = 1
-    try:
-        while got < n:
-            try:
-                k = sock.recv_into(view[got:], 0, socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                lowat = set_rcvlowat(sock, lowat, n, got)
-                wait_ready(sock, select.POLLIN, deadline)
-                continue
-            if k == 0:
-                raise PeerClosed(f"connection closed after {got} of {n} bytes")
-            got += k
-    finally:
-        set_rcvlowat(sock, lowat, 0, 0)
-
-
-def send_all_by(sock: socket.socket, buffers: Sequence[Buf], deadline: float) -> None:
-    """Send all *buffers* (a :func:`send_now` rest) from a thread, until *deadline*."""
-    rest: Sequence[Buf] = buffers
-    while rest:
-        wait_ready(sock, select.POLLOUT, deadline)
-        rest = send_now(sock, rest, socket.MSG_DONTWAIT)
-
-
-def send_now(sock: socket.socket, buffers: Sequence[Buf], flags: int = 0) -> list[memoryview]:
+def send_now(sock: socket.socket, buffers: Sequence[Buf]) -> list[memoryview]:
     """Send as much of *buffers* as the socket takes without waiting; the unsent rest.
 
     One scatter/gather ``sendmsg`` (no joining copy) of buffers of bytes
-    (memoryviews of format ``B``); an empty list means all was sent.  *flags*:
-    ``MSG_DONTWAIT`` on a blocking socket.  Whoever
+    (memoryviews of format ``B``); an empty list means all was sent.  Whoever
     gets a non-empty rest owns the stream until it has sent it
     (:func:`send_all`): the peer has part of a frame.
     """
     try:
-        sent = sock.sendmsg(buffers, (), flags)
+        sent = sock.sendmsg(buffers)
     except BlockingIOError:
         sent = 0
     if sent == sum(map(len, buffers)):
@@ -187,7 +126,7 @@ async def send_all(sock: socket.socket, buffers: Iterable[Buf]) -> None:
 
 
 class RecvBuffer:
-    """Bytes received ahead from a socket, consumed frame by frame.
+    """Bytes received ahead from a non-blocking socket, consumed frame by frame.
 
     A ``recv`` asks for as much as fits, so a small frame (header, struct and
     data) or several pipelined ones usually arrive in one syscall.  A receive
@@ -195,23 +134,17 @@ class RecvBuffer:
     next one waits for readability first instead of spending a syscall on
     ``EAGAIN``.  Payloads larger than what is buffered are taken with
     :meth:`take_into` and the rest received straight into their destination.
-
-    The tcp transport's tasks receive with :meth:`receive_now` and
-    :meth:`receive_into_now` on a non-blocking socket and wait in trio; a
-    memory server's connection thread gives a blocking socket and *flags*
-    ``MSG_DONTWAIT`` and receives with the ``..._by`` methods.
     """
 
-    __slots__ = ("sock", "flags", "start", "end", "drained", "_buf", "_mv")
+    __slots__ = ("sock", "start", "end", "waits", "drained", "_buf", "_mv")
 
-    def __init__(self, sock: socket.socket, capacity: int, flags: int = 0) -> None:
+    def __init__(self, sock: socket.socket, capacity: int) -> None:
         self.sock = sock
-        #: for every receive but an idle thread's (:meth:`wait_some_by`)
-        self.flags = flags
         self._buf = bytearray(capacity)
         self._mv = memoryview(self._buf)
         self.start = 0  # buffered bytes are _buf[start:end]
         self.end = 0
+        self.waits = 0  # how often a receive waited for the socket (and so let others run)
         #: the socket is presumed empty: the next receive waits for it first.  Only
         #: for a receiver that can wait: one that cannot clears it to try anyway.
         self.drained = False
@@ -238,9 +171,35 @@ class RecvBuffer:
             self.consume(k)
         return k
 
+    async def fill(self, n: int) -> None:
+        """Wait until *n* bytes are buffered (*n* at most the capacity).
+
+        :class:`PeerClosed` if the stream ends first.
+        """
+        while self.end - self.start < n:
+            if not await self._receive(n):
+                raise PeerClosed(f"connection closed after {self.end - self.start} of {n} bytes")
+
+    async def wait_some(self) -> bool:
+        """Wait until something is buffered; False if the peer closed the stream instead."""
+        while self.end == self.start:
+            if not await self._receive(1):
+                return False
+        return True
+
+    async def skip(self, n: int) -> None:
+        """Drop the next *n* bytes of the stream, buffered or not."""
+        while n:
+            if self.end == self.start:
+                await self.fill(1)
+            k = min(n, self.end - self.start)
+            self.consume(k)
+            n -= k
+
     async def wait_readable(self) -> None:
         """Wait until the socket has something to receive (or its end)."""
         await trio.lowlevel.wait_readable(self.sock)
+        self.waits += 1
         self.drained = False
 
     def receive_now(self, n: int) -> int | None:
@@ -253,7 +212,7 @@ class RecvBuffer:
             self._mv[:size] = self._mv[self.start : self.end]
             self.start, self.end = 0, size
         try:
-            k = self.sock.recv_into(self._mv[self.end :], 0, self.flags)
+            k = self.sock.recv_into(self._mv[self.end :])
         except BlockingIOError:
             self.drained = True
             return None
@@ -277,38 +236,10 @@ class RecvBuffer:
             self.drained = True
             return None
 
-    def wait_some_by(self) -> bool:
-        """Block until something is buffered, with no time limit (an idle connection
-        may idle): one plain blocking ``recv``.  False if the peer closed (or another
-        thread shut the socket down)."""
-        if self.end == self.start:
-            self.start = 0
-            self.end = k = self.sock.recv_into(self._mv)
-            self.drained = 0 < k < len(self._buf)
-        return self.end > self.start
-
-    def fill_by(self, n: int, deadline: float) -> None:
-        """Block until *n* bytes are buffered (*n* at most the capacity).
-
-        :class:`PeerClosed` if the stream ends first, :class:`DeadlinePassed` at
-        *deadline*."""
-        while self.end - self.start < n:
-            if not self._receive_by(n, deadline):
-                raise PeerClosed(f"connection closed after {self.end - self.start} of {n} bytes")
-
-    def skip_by(self, n: int, deadline: float) -> None:
-        """Drop the next *n* bytes of the stream, buffered or not, by *deadline*."""
-        while n:
-            if self.end == self.start and not self._receive_by(1, deadline):
-                raise PeerClosed(f"connection closed with {n} bytes to skip")
-            k = min(n, self.end - self.start)
-            self.consume(k)
-            n -= k
-
-    def _receive_by(self, n: int, deadline: float) -> bool:
+    async def _receive(self, n: int) -> bool:
+        """One receive toward *n* buffered bytes; False at the end of the stream."""
         while (k := self.receive_now(n)) is None:
-            wait_ready(self.sock, select.POLLIN, deadline)
-            self.drained = False
+            await self.wait_readable()
         return k > 0
 
 

@@ -552,9 +552,9 @@ async def test_data_bypasses_memd(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[Kind] = []
     orig = MemoryServer._request
 
-    def spy(self: MemoryServer, sock: Any, h: wire.Header, small: Any, state: Any) -> None:
+    async def spy(self: MemoryServer, sock: Any, h: wire.Header, small: Any, state: Any) -> None:
         seen.append(h.kind)
-        orig(self, sock, h, small, state)
+        await orig(self, sock, h, small, state)
 
     monkeypatch.setattr(MemoryServer, "_request", spy)
     async with sim_pool(bounce_size=64 << 10) as p:

@@ -4,34 +4,20 @@
 anywhere by the network (across receives, across the end of its buffer);
 :func:`send_now` sends what the socket takes without waiting and returns the
 exact rest, which :func:`send_all` finishes.  The stream must come out byte
-for byte whatever the cuts.  A memory server's connection thread uses the
-``..._by`` twins on a blocking socket: they must keep the frame deadline and
-wake when another thread shuts the socket down.
+for byte whatever the cuts.
 """
 
 from __future__ import annotations
 
-import math
 import random
 import socket
-import threading
-import time
 from collections.abc import Iterator
 
 import pytest
 import trio
 import trio.testing
 
-from memfs.net import shutdown_socket
-from memfs.transport.sockio import (
-    DeadlinePassed,
-    PeerClosed,
-    RecvBuffer,
-    recv_exactly_into_by,
-    send_all,
-    send_all_by,
-    send_now,
-)
+from memfs.transport.sockio import PeerClosed, RecvBuffer, send_all, send_now
 
 
 @pytest.fixture
@@ -44,118 +30,69 @@ def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
     b.close()
 
 
-def test_frames_cut_anywhere(pair: tuple[socket.socket, socket.socket]) -> None:
-    """Random message sizes sent in random pieces through a 100-byte buffer, taken
-    apart by a thread on a blocking socket as a memory server's are."""
+async def test_frames_cut_anywhere(pair: tuple[socket.socket, socket.socket]) -> None:
+    """Random message sizes sent in random pieces through a 100-byte buffer."""
     ours, peer = pair
-    ours.setblocking(True)
     rng = random.Random(1)
     messages = [rng.randbytes(rng.randrange(1, 300)) for _ in range(200)]
     stream = b"".join(messages)
-    rx = RecvBuffer(ours, 100, socket.MSG_DONTWAIT)
+    rx = RecvBuffer(ours, 100)
 
-    def sender() -> None:
-        pos, srng = 0, random.Random(2)
+    async def sender() -> None:
+        pos = 0
         while pos < len(stream):
-            k = srng.randrange(1, 150)
+            k = rng.randrange(1, 150)
             peer.sendall(stream[pos : pos + k])
             pos += k
-            if srng.random() < 0.3:
-                time.sleep(0.001)
+            if rng.random() < 0.3:
+                await trio.sleep(0.001)
         peer.shutdown(socket.SHUT_WR)
 
-    peer.setblocking(True)
-    t = threading.Thread(target=sender)
-    t.start()
     got = []
-    deadline = time.monotonic() + 30
-    for m in messages:
-        n = len(m)
-        if rng.random() < 0.3:  # between frames, as a server thread idles
-            assert rx.wait_some_by()
-        if n <= 100:  # small: whole in the buffer
-            if rng.random() < 0.5:
-                rx.fill_by(n, deadline)
-                got.append(bytes(rx.view(n)))
-                rx.consume(n)
-            else:
-                rx.fill_by(min(n, 8), deadline)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(sender)
+        for m in messages:
+            n = len(m)
+            if n <= 100:  # small: whole in the buffer
+                if rng.random() < 0.5:
+                    await rx.fill(n)
+                    got.append(bytes(rx.view(n)))
+                    rx.consume(n)
+                else:
+                    await rx.fill(min(n, 8))
+                    out = bytearray(n)
+                    k = rx.take_into(memoryview(out))
+                    if k < n:
+                        await rx.fill(n - k)
+                        rx.take_into(memoryview(out)[k:])
+                    got.append(bytes(out))
+            else:  # large: what is buffered, then straight into the destination
+                await rx.fill(1)
                 out = bytearray(n)
                 k = rx.take_into(memoryview(out))
-                if k < n:
-                    rx.fill_by(n - k, deadline)
-                    rx.take_into(memoryview(out)[k:])
+                while k < n:
+                    r = rx.receive_into_now(memoryview(out)[k:])
+                    if r is None:
+                        await rx.wait_readable()
+                        continue
+                    assert r > 0
+                    k += r
                 got.append(bytes(out))
-        else:  # large: what is buffered, then straight into the destination
-            rx.fill_by(1, deadline)
-            out = bytearray(n)
-            k = rx.take_into(memoryview(out))
-            recv_exactly_into_by(ours, memoryview(out)[k:], deadline)
-            got.append(bytes(out))
-    assert not rx.wait_some_by()  # a clean end between messages
-    t.join()
+        assert not await rx.wait_some()  # a clean end between messages
     assert got == messages
 
 
-def test_skip_and_end_of_stream(pair: tuple[socket.socket, socket.socket]) -> None:
+async def test_skip_and_end_of_stream(pair: tuple[socket.socket, socket.socket]) -> None:
     ours, peer = pair
     rx = RecvBuffer(ours, 16)
     peer.sendall(b"a" * 40 + b"keep" + b"xy")
-    rx.skip_by(40, math.inf)  # more than the buffer holds
-    rx.fill_by(4, math.inf)
+    await rx.skip(40)  # more than the buffer holds
+    await rx.fill(4)
     assert bytes(rx.view(4)) == b"keep"
     rx.consume(4)
     peer.shutdown(socket.SHUT_WR)
     with pytest.raises(PeerClosed, match="after 2 of 6 bytes"):
-        rx.fill_by(6, math.inf)  # the stream ends inside a message
-
-
-def test_a_thread_waits_until_its_deadline_or_a_shutdown(
-    pair: tuple[socket.socket, socket.socket],
-) -> None:
-    """Half a frame: DeadlinePassed at the deadline, not before.  A send the peer
-    does not take: the same.  A thread blocked between frames (no deadline) or
-    in either wait is woken by a shutdown from another thread."""
-    ours, peer = pair
-    ours.setblocking(True)
-    ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-    rx = RecvBuffer(ours, 64, socket.MSG_DONTWAIT)
-    peer.sendall(b"half")
-    start = time.monotonic()
-    with pytest.raises(DeadlinePassed):
-        rx.fill_by(8, start + 0.2)
-    assert time.monotonic() - start >= 0.19
-    start = time.monotonic()
-    with pytest.raises(DeadlinePassed):
-        send_all_by(ours, [bytes(1 << 20)], start + 0.2)  # never read
-    assert time.monotonic() - start >= 0.19
-
-    for wait in ("idle", "receive", "send"):
-        a, b = socket.socketpair()
-        with a, b:
-            rx = RecvBuffer(a, 64, socket.MSG_DONTWAIT)
-            out: list[BaseException | bool] = []
-
-            def blocked(wait: str = wait, a: socket.socket = a, rx: RecvBuffer = rx,
-                        out: list[BaseException | bool] = out) -> None:
-                try:
-                    if wait == "idle":
-                        out.append(rx.wait_some_by())
-                    elif wait == "receive":
-                        rx.fill_by(1, math.inf)
-                    else:
-                        send_all_by(a, [bytes(8 << 20)], math.inf)
-                except (OSError, PeerClosed) as exc:
-                    out.append(exc)
-
-            t = threading.Thread(target=blocked)
-            t.start()
-            time.sleep(0.1)
-            assert t.is_alive(), wait
-            shutdown_socket(a)
-            t.join(5)
-            assert not t.is_alive(), wait
-            assert out and out[0] is not True, (wait, out)
+        await rx.fill(6)  # the stream ends inside a message
 
 
 async def test_short_receive_waits_before_the_next(pair: tuple[socket.socket, socket.socket]) -> None:
@@ -169,8 +106,7 @@ async def test_short_receive_waits_before_the_next(pair: tuple[socket.socket, so
     assert rx.receive_now(1) == 3
     peer.sendall(b"two")
     assert rx.receive_now(4) is None  # presumed empty: wait first
-    await rx.wait_readable()
-    assert rx.receive_now(4) == 3
+    await rx.fill(6)
     assert bytes(rx.view(6)) == b"onetwo"
 
 
