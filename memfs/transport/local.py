@@ -97,6 +97,10 @@ class LocalTransport(Transport):
         self._views[volume][offset : offset + len(src)] = src
 
     async def zero(self, volume: int, offset: int, length: int) -> None:
+        self.zero_now(volume, offset, length)
+
+    def zero_now(self, volume: int, offset: int, length: int) -> None:
+        """:meth:`zero` without an event loop (the memory server's data loop)."""
         self.check_range(volume, offset, length)
         view = self._views[volume]
         end = offset + length

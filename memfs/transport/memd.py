@@ -7,7 +7,10 @@ number of clients:
 
 * every connection starts with the HMAC handshake (HELLO, AUTH, WELCOME); a
   client that fails it is dropped before a single request is read;
-* then requests (INFO, READ, WRITE, WRITE_QUIET, SYNC, ZERO, VERBS_CONNECT, SESSION,
+* then the connection is handed to the data loop (:mod:`memfs.transport.memd_loop`):
+  one thread of memd's own serves every authenticated connection with a plain
+  epoll loop, no trio scheduling per request;
+* requests (INFO, READ, WRITE, WRITE_QUIET, SYNC, ZERO, VERBS_CONNECT, SESSION,
   FENCE) are served in order, one at a time per connection; a client may
   pipeline them, and each reply carries its request's id.  WRITE_QUIET is not
   answered unless refused, and SYNC is answered at once: being served in
@@ -29,8 +32,9 @@ number of clients:
   (SESSION) first; when the mds takes that lease without the client's word
   (evicted, cut off) it sends FENCE with the token: every connection that named
   it is closed at once (its RDMA queue pair destroyed), and the token is refused
-  from then on.  So a transfer the client started under the lost lease cannot
-  land after the FENCE is answered (see "Fencing" in docs/ARCHITECTURE.md);
+  from then on.  The loop's one thread serves the FENCE too, between two requests
+  of the others: a transfer the client started under the lost lease cannot land
+  after the FENCE is answered (see "Fencing" in docs/ARCHITECTURE.md);
 * a request that arrived whole is served and answered without a wait or a
   timer; a connection may sit idle between frames forever, but a frame that
   has started must be received, served and answered within ``frame_timeout``;
@@ -52,11 +56,9 @@ from __future__ import annotations
 import errno
 import faulthandler
 import logging
-import math
 import secrets
 import signal
 import socket
-import time
 from typing import TYPE_CHECKING
 
 import trio
@@ -67,15 +69,13 @@ from memfs.config import format_size
 from memfs.errors import UsageError
 from memfs.host import mem_available, sd_notify
 from memfs.transport.local import LocalTransport
+from memfs.transport.memd_loop import DataLoop, Drop, Link
 from memfs.transport.sockio import (
-    Buf,
     PeerClosed,
-    RecvBuffer,
     close_socket,
     recv_exactly_into,
     recv_some_into,
     send_all,
-    send_now,
 )
 from memfs.wire import Kind
 
@@ -93,42 +93,25 @@ HANDSHAKE_TIMEOUT = 10.0
 SERVED_ROLES = ("tcp", "verbs")
 #: AUTH is 65 bytes plus a short role name; nothing larger is read before it
 _AUTH_MAX = 512
-#: a small WRITE (64 KiB of data with its header and struct) arrives in one recv
-_RECV_BUFFER = (64 << 10) + 64
-#: serving a frame costs about as much as moving this many data bytes; a
-#: connection yields to the others after _WORK_PER_CHECKPOINT of work
-_FRAME_WORK = 16 << 10
-_WORK_PER_CHECKPOINT = 256 << 10
-#: the fixed payload of each request kind but WRITE (whose data follows its struct)
-_REQUEST_SIZES = {
-    Kind.READ: wire.READ.size,
-    Kind.ZERO: wire.ZERO.size,
-    Kind.INFO: 0,
-    Kind.VERBS_CONNECT: wire.VERBS_ENDPOINT.size,
-    Kind.SESSION: wire.TOKEN.size,
-    Kind.FENCE: wire.TOKEN.size,
-    Kind.SYNC: 0,
-}
 #: what INFO says this server does beyond the basic requests (see memfs.wire)
 FEATURES = ["quiet-writes"]
-#: request kind -> operation in --metrics (a quiet write is a write there)
-_OP_NAMES = {k: k.name.lower() for k in Kind} | {Kind.WRITE_QUIET: "write"}
 #: fenced tokens remembered (the oldest forgotten first; a token is 63 random bits,
 #: and a client that meets a forgotten one has long since re-registered)
 FENCED_KEPT = 1 << 16
 
 
-class _Drop(Exception):
-    """End this connection, logging the reason as a warning."""
+_Drop = Drop
 
 
 class _ConnState:
     """What one connection owns beyond its socket."""
 
-    __slots__ = ("qp", "deadline", "work", "err", "moved", "token", "fenced", "sock")
+    __slots__ = ("qp", "err", "moved", "token", "fenced", "sock", "link")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
+        #: where the data loop serves it (once authenticated)
+        self.link: Link | None = None
         self.qp: QueuePair | None = None
         #: the lease token the client named (SESSION), 0: none
         self.token = 0
@@ -138,10 +121,6 @@ class _ConnState:
         self.err: int | None = None
         #: bytes the last READ or WRITE moved (for --metrics)
         self.moved = 0
-        #: the current frame's deadline (inf while it needed no wait)
-        self.deadline = math.inf
-        #: about how many bytes were served since this connection last let others run
-        self.work = 0
 
 
 def format_addr(host: str, port: int) -> str:
@@ -187,14 +166,21 @@ class MemoryServer:
         self._qps: set[QueuePair] = set()
         if rdma is not None:
             self.enable_rdma(rdma)
-        #: clients connected now
-        self.connections = 0
-        #: connections by the lease token they named
+        #: connections in their handshake (trio's); the authenticated ones are the loop's
+        self._handshaking = 0
+        #: serves every authenticated connection, on a thread of its own (memd_loop)
+        self._loop = DataLoop(self)
+        #: connections by the lease token they named (the data loop's thread only)
         self._by_token: dict[int, set[_ConnState]] = {}
         #: tokens fenced, oldest first (a dict as an ordered set)
         self.fenced: dict[int, None] = {}
         #: request counters (``memfs memd --metrics``); None: not kept
         self.metrics: Metrics | None = None
+
+    @property
+    def connections(self) -> int:
+        """Clients connected now."""
+        return self._handshaking + len(self._loop)
 
     def enable_rdma(self, device: RdmaDevice) -> None:
         """Register every volume with *device* (which this server then owns and closes).
@@ -217,6 +203,7 @@ class MemoryServer:
 
     async def aclose(self) -> None:
         """Give the volumes back (after serving has stopped)."""
+        self._loop.dispose()
         for qp in list(self._qps):
             self._close_qp(qp)
         for r in self._regions:
@@ -272,29 +259,37 @@ class MemoryServer:
         """Accept and serve connections on listening *sock* until cancelled; closes it."""
         try:
             async with trio.open_nursery() as nursery:
+                nursery.start_soon(trio.to_thread.run_sync, self._loop.run)
                 task_status.started(sock.getsockname()[1])
-                while True:
-                    try:
-                        conn, addr = sock.accept()
-                    except BlockingIOError:
-                        await trio.lowlevel.wait_readable(sock)
-                        continue
-                    except OSError as exc:
-                        # Out of descriptors or buffers: let connections drain and retry.
-                        log.warning("accept failed: %s", exc)
-                        await trio.sleep(0.1)
-                        continue
-                    nursery.start_soon(self._connection, conn, format_addr(*addr[:2]))
-                    await trio.lowlevel.checkpoint()
+                try:
+                    await self._accept(sock, nursery)
+                finally:  # the loop's thread closes every connection and returns
+                    self._loop.stop()
         finally:
             close_socket(sock)
+
+    async def _accept(self, sock: socket.socket, nursery: trio.Nursery) -> None:
+        while True:
+            try:
+                conn, addr = sock.accept()
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(sock)
+                continue
+            except OSError as exc:
+                # Out of descriptors or buffers: let connections drain and retry.
+                log.warning("accept failed: %s", exc)
+                await trio.sleep(0.1)
+                continue
+            nursery.start_soon(self._connection, conn, format_addr(*addr[:2]))
+            await trio.lowlevel.checkpoint()
 
     # -- one connection ------------------------------------------------------------
 
     async def _connection(self, sock: socket.socket, peer: str) -> None:
-        """Serve one client; whatever it sends, only this connection ends."""
-        state = _ConnState(sock)
-        self.connections += 1
+        """Authenticate one client, then hand it to the data loop; whatever it
+        sends, only this connection ends."""
+        self._handshaking += 1
+        adopted = False
         try:
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -307,31 +302,33 @@ class MemoryServer:
                 log.info("%s connected and left without a word", peer)  # a port probe
                 return
             log.debug("%s authenticated (%s)", peer, role)
-            await self._serve_requests(sock, state)
-            log.debug("%s disconnected", peer)
+            adopted = self._loop.adopt(sock, _ConnState(sock), peer)
         except (wire.WireError, _Drop) as exc:
             log.warning("closing connection from %s: %s", peer, exc)
         except PeerClosed as exc:
             log.warning("connection from %s closed in the middle of a frame (%s)", peer, exc)
         except (OSError, trio.ClosedResourceError) as exc:
-            if state.fenced:
-                log.info("connection from %s closed: its lease token was fenced", peer)
-            else:
-                log.info("connection from %s failed: %s", peer, exc)
+            log.info("connection from %s failed: %s", peer, exc)
         except Exception:
             log.exception("connection from %s: unexpected error", peer)
         finally:
-            self.connections -= 1
-            if state.token:
-                mine = self._by_token.get(state.token)
-                if mine is not None:
-                    mine.discard(state)
-                    if not mine:
-                        del self._by_token[state.token]
-            if state.qp is not None:
-                log.debug("%s: destroying its RDMA queue pair", peer)
-                self._close_qp(state.qp)
-            close_socket(sock)
+            self._handshaking -= 1
+            if not adopted:
+                close_socket(sock)
+
+    def ended(self, state: _ConnState) -> None:
+        """A connection the data loop served has ended (on the loop's thread): its
+        lease token's entry and its queue pair go."""
+        if state.token:
+            mine = self._by_token.get(state.token)
+            if mine is not None:
+                mine.discard(state)
+                if not mine:
+                    del self._by_token[state.token]
+        if state.qp is not None:
+            log.debug("destroying the RDMA queue pair of a connection that ended")
+            self._close_qp(state.qp)
+            state.qp = None
 
     async def _handshake(self, sock: socket.socket) -> str | None:
         """The client's role once authenticated; None if it left before sending anything."""
@@ -356,160 +353,16 @@ class MemoryServer:
         await send_all(sock, [wire.frame(Kind.WELCOME, h.req_id, hs.welcome())])
         return role
 
-    async def _serve_requests(self, sock: socket.socket, state: _ConnState) -> None:
-        """Serve requests in order until the client leaves.
-
-        The common case costs no wait and no timer: a request that has arrived
-        whole (a READ, a small WRITE with its data) is served from the receive
-        buffer and its reply handed to the socket at once.  Only a frame that is
-        still arriving, or a reply the socket does not take, waits, under the
-        frame deadline.
-        """
-        rx = RecvBuffer(sock, _RECV_BUFFER)
-        limit = self.max_payload
-        waits = rx.waits
-        while True:
-            if not len(rx) and not await rx.wait_some():  # idle between frames: no deadline
-                return
-            if rx.waits != waits:  # it waited (and so let others run) since the last checkpoint
-                waits = rx.waits
-                state.work = 0
-            h = None
-            if len(rx) >= wire.HEADER_SIZE:
-                h = wire.parse_header(rx.view(wire.HEADER_SIZE), limit)
-            if h is not None and len(rx) >= wire.HEADER_SIZE + h.length:
-                state.deadline = math.inf  # all here: only a reply the socket refuses waits
-                await self._request(sock, h, rx, state)
-            else:
-                state.deadline = trio.current_time() + self.frame_timeout
-                with trio.move_on_at(state.deadline) as scope:
-                    if h is None:
-                        await rx.fill(wire.HEADER_SIZE)
-                        h = wire.parse_header(rx.view(wire.HEADER_SIZE), limit)
-                    await self._request(sock, h, rx, state)
-                if scope.cancelled_caught:
-                    raise _Drop(f"a frame was not completed within {self.frame_timeout:g}s")
-            # A client that pipelines without pause must not starve the others, but a
-            # checkpoint per small frame would cost more than serving it.
-            state.work += _FRAME_WORK
-            if state.work >= _WORK_PER_CHECKPOINT:
-                state.work = 0
-                await trio.lowlevel.checkpoint()
-
-    async def _request(
-        self, sock: socket.socket, h: wire.Header, rx: RecvBuffer, state: _ConnState
-    ) -> None:
-        """Serve request *h*; counted, timed and its bytes added up with ``--metrics``."""
-        obs = self.metrics
-        if obs is None:
-            return await self._serve_one(sock, h, rx, state)
-        started = time.perf_counter()
-        state.err = None
-        state.moved = 0
-        await self._serve_one(sock, h, rx, state)
-        op = _OP_NAMES[h.kind]
-        obs.observe(op, started, state.err)
-        if state.moved:
-            obs.moved(op, state.moved)
-
-    async def _serve_one(
-        self, sock: socket.socket, h: wire.Header, rx: RecvBuffer, state: _ConnState
-    ) -> None:
-        """Serve request *h* at the head of *rx* and answer it.
-
-        Waits only for bytes not received yet (with the whole frame buffered,
-        none) and for a reply the socket does not take at once.
-        """
-        kind = h.kind
-        fixed = wire.HEADER_SIZE + _fixed_payload(h)
-        if len(rx) < fixed:
-            await rx.fill(fixed)
-        args = rx.view(fixed)[wire.HEADER_SIZE :]
-        if kind is Kind.WRITE or kind is Kind.WRITE_QUIET:
-            volume, offset = wire.WRITE.unpack(args)
-            rx.consume(fixed)
-            n = h.length - wire.WRITE.size
-            if state.fenced:  # woken before its FENCE, served after it: not a byte more
-                raise _Drop("its lease token was fenced")
-            bad = self._check(volume, offset, n)
-            if bad:
-                await rx.skip(n)
-                await self._error(sock, h.req_id, errno.EINVAL, bad, state)
-                return
-            state.work += n
-            state.moved = n
-            dest = self._views[volume][offset : offset + n]
-            got = rx.take_into(dest)
-            if got < n:  # the bulk of a large write: straight into the volume
-                await recv_exactly_into(sock, dest[got:])
-            if kind is Kind.WRITE:
-                await self._reply(sock, [wire.pack_header(Kind.OK, h.req_id, 0)], state)
-        elif kind is Kind.READ:
-            volume, offset, n = wire.READ.unpack(args)
-            rx.consume(fixed)
-            bad = self._check(volume, offset, n)
-            if not bad and n > self.max_payload:
-                bad = f"read of {n} bytes exceeds the limit of {self.max_payload}"
-            if bad:
-                await self._error(sock, h.req_id, errno.EINVAL, bad, state)
-                return
-            state.work += n
-            state.moved = n
-            await self._reply(
-                sock,
-                [wire.pack_header(Kind.OK, h.req_id, n), self._views[volume][offset : offset + n]],
-                state,
-            )
-        elif kind is Kind.ZERO:
-            volume, offset, n = wire.ZERO.unpack(args)
-            rx.consume(fixed)
-            bad = self._check(volume, offset, n)
-            if bad:
-                await self._error(sock, h.req_id, errno.EINVAL, bad, state)
-                return
-            if state.fenced:
-                raise _Drop("its lease token was fenced")
-            await self.memory.zero(volume, offset, n)
-            await self._reply(sock, [wire.pack_header(Kind.OK, h.req_id, 0)], state)
-        elif kind is Kind.SYNC:  # every frame before it is served: this connection is in order
-            rx.consume(fixed)
-            await self._reply(sock, [wire.pack_header(Kind.OK, h.req_id, 0)], state)
-        elif kind is Kind.INFO:
-            rx.consume(fixed)
-            await self._reply(sock, [wire.frame(Kind.OK, h.req_id, self._info)], state)
-        elif kind is Kind.SESSION:
-            (token,) = wire.TOKEN.unpack(args)
-            rx.consume(fixed)
-            if token in self.fenced:
-                await self._error(sock, h.req_id, errno.ESTALE, "this client's lease was taken "
-                                  "by the metadata server (evicted): register again", state)
-                raise _Drop("it named a fenced lease token")
-            if state.token or not token:
-                raise wire.WireError("SESSION: a second token, or token 0")
-            state.token = token
-            self._by_token.setdefault(token, set()).add(state)
-            await self._reply(sock, [wire.pack_header(Kind.OK, h.req_id, 0)], state)
-        elif kind is Kind.FENCE:
-            (token,) = wire.TOKEN.unpack(args)
-            rx.consume(fixed)
-            self.fence(token)
-            await self._reply(sock, [wire.pack_header(Kind.OK, h.req_id, 0)], state)
-        else:
-            assert kind is Kind.VERBS_CONNECT
-            peer = wire.decode_verbs_endpoint(bytes(args))
-            rx.consume(fixed)
-            err, reply = self._verbs_connect(sock, peer, state)
-            if err:
-                await self._error(sock, h.req_id, err, reply.decode(), state)
-            else:
-                await self._reply(sock, [wire.frame(Kind.OK, h.req_id, reply)], state)
-
     def fence(self, token: int) -> None:
         """Close every connection that named *token* and refuse it from now on.
 
-        No await: when this returns, none of those connections can move another
-        byte into volume memory (sockets closed, queue pairs destroyed; a task
-        already woken with a frame in its buffer checks ``fenced`` first)."""
+        From any thread (it runs on the data loop's).  When this returns, none
+        of those connections can move another byte into volume memory: their
+        sockets are closed by the one thread that serves them, between two of
+        its requests, and their queue pairs destroyed."""
+        self._loop.call(lambda: self._fence_now(token))
+
+    def _fence_now(self, token: int) -> None:
         if token in self.fenced:
             return
         self.fenced[token] = None
@@ -521,28 +374,9 @@ class MemoryServer:
             if st.qp is not None:
                 self._close_qp(st.qp)
                 st.qp = None
-            close_socket(st.sock)
+            if st.link is not None:
+                self._loop.close(st.link, "", logging.INFO)
         log.info("lease token %x fenced: %d connections closed", token, len(conns))
-
-    async def _reply(self, sock: socket.socket, bufs: list[Buf], state: _ConnState) -> None:
-        """Send a reply: at once if the socket takes it, else within the frame deadline."""
-        rest = send_now(sock, bufs)
-        if not rest:
-            return
-        if state.deadline == math.inf:
-            state.deadline = trio.current_time() + self.frame_timeout
-        with trio.move_on_at(state.deadline) as scope:
-            await send_all(sock, rest)
-        if scope.cancelled_caught:
-            raise _Drop(f"a reply was not taken within {self.frame_timeout:g}s")
-
-    async def _error(
-        self, sock: socket.socket, req_id: int, err: int, message: str, state: _ConnState
-    ) -> None:
-        state.err = err
-        state.moved = 0
-        await self._reply(sock, [wire.frame(Kind.ERROR, req_id, wire.encode_error(err, message))],
-                          state)
 
     def _verbs_connect(
         self, sock: socket.socket, peer: wire.VerbsEndpoint, state: _ConnState
@@ -581,23 +415,6 @@ class MemoryServer:
         except ValueError as exc:
             return str(exc)
         return None
-
-
-def _fixed_payload(h: wire.Header) -> int:
-    """The payload bytes of request *h* that must be here before serving it (a
-    WRITE's data may follow later); :class:`~memfs.wire.WireError` if *h* is no
-    well-formed request."""
-    kind = h.kind
-    if kind is Kind.WRITE or kind is Kind.WRITE_QUIET:
-        if h.length < wire.WRITE.size:
-            raise wire.WireError(f"{kind.name} payload of {h.length} bytes")
-        return wire.WRITE.size
-    size = _REQUEST_SIZES.get(kind)
-    if size is None:
-        raise wire.WireError(f"unexpected {kind.name} frame")
-    if h.length != size:
-        raise wire.WireError(f"{kind.name} payload of {h.length} bytes")
-    return size
 
 
 # -- the daemon -------------------------------------------------------------------------

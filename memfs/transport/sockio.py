@@ -136,7 +136,7 @@ class RecvBuffer:
     :meth:`take_into` and the rest received straight into their destination.
     """
 
-    __slots__ = ("sock", "start", "end", "waits", "drained", "_buf", "_mv")
+    __slots__ = ("sock", "start", "end", "drained", "_buf", "_mv")
 
     def __init__(self, sock: socket.socket, capacity: int) -> None:
         self.sock = sock
@@ -144,7 +144,6 @@ class RecvBuffer:
         self._mv = memoryview(self._buf)
         self.start = 0  # buffered bytes are _buf[start:end]
         self.end = 0
-        self.waits = 0  # how often a receive waited for the socket (and so let others run)
         #: the socket is presumed empty: the next receive waits for it first.  Only
         #: for a receiver that can wait: one that cannot clears it to try anyway.
         self.drained = False
@@ -171,35 +170,9 @@ class RecvBuffer:
             self.consume(k)
         return k
 
-    async def fill(self, n: int) -> None:
-        """Wait until *n* bytes are buffered (*n* at most the capacity).
-
-        :class:`PeerClosed` if the stream ends first.
-        """
-        while self.end - self.start < n:
-            if not await self._receive(n):
-                raise PeerClosed(f"connection closed after {self.end - self.start} of {n} bytes")
-
-    async def wait_some(self) -> bool:
-        """Wait until something is buffered; False if the peer closed the stream instead."""
-        while self.end == self.start:
-            if not await self._receive(1):
-                return False
-        return True
-
-    async def skip(self, n: int) -> None:
-        """Drop the next *n* bytes of the stream, buffered or not."""
-        while n:
-            if self.end == self.start:
-                await self.fill(1)
-            k = min(n, self.end - self.start)
-            self.consume(k)
-            n -= k
-
     async def wait_readable(self) -> None:
         """Wait until the socket has something to receive (or its end)."""
         await trio.lowlevel.wait_readable(self.sock)
-        self.waits += 1
         self.drained = False
 
     def receive_now(self, n: int) -> int | None:
@@ -235,12 +208,6 @@ class RecvBuffer:
         except BlockingIOError:
             self.drained = True
             return None
-
-    async def _receive(self, n: int) -> bool:
-        """One receive toward *n* buffered bytes; False at the end of the stream."""
-        while (k := self.receive_now(n)) is None:
-            await self.wait_readable()
-        return k > 0
 
 
 async def recv_frame(

@@ -43,6 +43,7 @@ from memfs.config import VolumeAddr, parse_pool_spec
 from memfs.errors import TransportError, UsageError
 from memfs.transport import verbs
 from memfs.transport.memd import MemoryServer
+from memfs.transport.memd_loop import DataLoop
 from memfs.transport.pool import open_pool_transport, pool_scheme
 from memfs.transport.tcp import TcpTransport
 from memfs.transport.verbs import (
@@ -550,13 +551,13 @@ def data(seed: int, n: int) -> bytes:
 async def test_data_bypasses_memd(monkeypatch: pytest.MonkeyPatch) -> None:
     """Reads, writes and zeroing never reach memd's request loop: the device does them."""
     seen: list[Kind] = []
-    orig = MemoryServer._request
+    orig = DataLoop._serve
 
-    async def spy(self: MemoryServer, sock: Any, h: wire.Header, small: Any, state: Any) -> None:
+    def spy(self: DataLoop, link: Any, h: wire.Header, fixed: int) -> int:
         seen.append(h.kind)
-        await orig(self, sock, h, small, state)
+        return orig(self, link, h, fixed)
 
-    monkeypatch.setattr(MemoryServer, "_request", spy)
+    monkeypatch.setattr(DataLoop, "_serve", spy)
     async with sim_pool(bounce_size=64 << 10) as p:
         blob = data(1, 3 * (64 << 10) + 5)
         await p.t.write(1, 7, blob)
