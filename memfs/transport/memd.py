@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import errno
 import faulthandler
+import functools
 import logging
 import secrets
 import signal
@@ -258,8 +259,11 @@ class MemoryServer:
     ) -> None:
         """Accept and serve connections on listening *sock* until cancelled; closes it."""
         try:
+            if self._loop.used:  # served before: a new loop (one that runs now: an error)
+                self._loop = DataLoop(self)
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(trio.to_thread.run_sync, self._loop.run)
+                nursery.start_soon(functools.partial(
+                    trio.to_thread.run_sync, self._loop.run, limiter=trio.CapacityLimiter(1)))
                 task_status.started(sock.getsockname()[1])
                 try:
                     await self._accept(sock, nursery)

@@ -103,7 +103,8 @@ class Link:
     """One authenticated connection and where it is in its current frame."""
 
     __slots__ = ("sock", "fd", "state", "peer", "rx", "bulk", "got", "answer", "skip",
-                 "after_skip", "rest", "deadline", "events", "lowat", "started", "op", "open")
+                 "after_skip", "rest", "deadline", "events", "lowat", "started", "op", "open",
+                 "queued")
 
     def __init__(self, sock: socket.socket, state: _ConnState, peer: str) -> None:
         self.sock = sock
@@ -129,9 +130,30 @@ class Link:
         self.started = 0.0
         self.op = ""
         self.open = True
+        #: in the loop's list of links to serve again next turn
+        self.queued = False
 
     def mid_frame(self) -> bool:
         return bool(self.rest or self.bulk is not None or self.skip or len(self.rx))
+
+
+class _Call:
+    """A function for the loop's thread, and how it went."""
+
+    __slots__ = ("fn", "done", "error")
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn = fn
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.fn()
+        except BaseException as exc:  # raised again in the caller's thread
+            self.error = exc
+        finally:
+            self.done.set()
 
 
 class DataLoop:
@@ -141,10 +163,10 @@ class DataLoop:
         self.server = server
         self._ep = select.epoll()
         self._links: dict[int, Link] = {}
-        #: handed over by other threads, taken by the loop (deques append atomically)
+        #: handed over by other threads, taken by the loop
         self._incoming: collections.deque[Link] = collections.deque()
-        self._calls: collections.deque[tuple[Callable[[], None], threading.Event]] = (
-            collections.deque())
+        #: calls for the loop's thread: (function, done, its exception once done)
+        self._calls: collections.deque[_Call] = collections.deque()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._ep.register(self._wake_r, _IN)
         #: (deadline, tie-breaker, link); stale entries are skipped when they come up
@@ -152,11 +174,15 @@ class DataLoop:
         self._seq = 0
         #: links that stopped with work left (their share used up): served next turn
         self._again: list[Link] = []
+        #: guards _thread, _incoming, _calls, _stopping, _closed and the wake-up pipe;
+        #: re-entrant: a call that runs in place (no loop running) holds it throughout
+        self._lock = threading.RLock()
+        self._thread: threading.Thread | None = None
         self._stopping = False
         self._closed = False
-        #: the thread in run(); with _calls, _incoming and _stopping, under _calls_lock
-        self._thread: threading.Thread | None = None
-        self._calls_lock = threading.Lock()
+        #: set once run() has ended (or never will)
+        self._ended = threading.Event()
+        self.used = False
 
     def __len__(self) -> int:
         return len(self._links) + len(self._incoming)
@@ -166,63 +192,75 @@ class DataLoop:
     def adopt(self, sock: socket.socket, state: _ConnState, peer: str) -> bool:
         """Serve authenticated *sock* (non-blocking) from now on; the loop owns it.
         False if serving has stopped (the caller keeps it)."""
-        with self._calls_lock:
+        with self._lock:
             if self._stopping:
                 return False
             self._incoming.append(Link(sock, state, peer))
-        self._wake()
+            self._wake()
         return True
 
     def call(self, fn: Callable[[], None]) -> None:
-        """Run *fn* on the loop thread and wait for it (at once if this is that thread,
-        or if the loop does not run)."""
-        done = threading.Event()
-        with self._calls_lock:
-            here = self._thread is None or threading.current_thread() is self._thread
-            if not here:
-                self._calls.append((fn, done))
-        if here:
-            fn()
-            return
-        self._wake()
-        done.wait()
+        """Run *fn* on the loop's thread and wait for it; in place if this is that
+        thread or no loop runs.  Its exception is raised here."""
+        with self._lock:
+            if self._thread is None or threading.current_thread() is self._thread:
+                fn()  # (holding the lock: a loop cannot start meanwhile)
+                return
+            call = _Call(fn)
+            self._calls.append(call)
+            self._wake()
+        call.done.wait()
+        if call.error is not None:
+            raise call.error
 
     def stop(self) -> None:
         """End :meth:`run` (it closes every connection); from any thread."""
-        with self._calls_lock:
+        with self._lock:
             self._stopping = True
-        self._wake()
+            self._wake()
 
     def dispose(self) -> None:
-        """Stop, and give back the loop's descriptors now if :meth:`run` is not
-        running (it does when it ends; one that starts later returns at once)."""
-        with self._calls_lock:
+        """Stop, wait for :meth:`run` to end if it runs, give back the descriptors."""
+        with self._lock:
             self._stopping = True
-            if self._thread is None and not self._closed:
+            running = self._thread is not None
+            if not running:
                 self._close_fds()
-        self._wake()
+            self._wake()
+        if running:
+            self._ended.wait(30)
 
     def _close_fds(self) -> None:
-        """(under _calls_lock)"""
+        """(under _lock) Close the loop's descriptors and any connection not served yet."""
+        if self._closed:
+            return
         self._closed = True
+        self._ended.set()
+        while self._incoming:
+            link = self._incoming.popleft()
+            self.server.ended(link.state)
+            link.sock.close()
         self._ep.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
 
     def _wake(self) -> None:
-        with self._calls_lock:  # never a write to a descriptor closed (and reused) since
-            if self._closed:
-                return
-            try:
-                os.write(self._wake_w, b"\0")
-            except BlockingIOError:
-                pass  # full: it will wake anyway
+        """(under _lock: never a write to a descriptor closed, and maybe reused, since)"""
+        if self._closed:
+            return
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:
+            pass  # full: it will wake anyway
 
     # -- the loop ---------------------------------------------------------------------
 
     def run(self) -> None:
-        """Serve until :meth:`stop`; then close every connection."""
-        with self._calls_lock:
+        """Serve until :meth:`stop`; then close every connection.  Once per loop."""
+        with self._lock:
+            if self.used:
+                raise RuntimeError("a memory server's data loop runs once")
+            self.used = True
             if self._closed:  # disposed of before it started
                 return
             self._thread = threading.current_thread()
@@ -235,29 +273,24 @@ class DataLoop:
                         self._woken()
                         continue
                     link = self._links.get(fd)
-                    if link is not None and link not in again:
+                    if link is not None and not link.queued:  # (queued: its turn is below)
                         self._turn(link)
                 for link in again:
+                    link.queued = False
                     if link.open:
                         self._turn(link)
                 self._expire()
         finally:
             for link in list(self._links.values()):
                 self.close(link, "the server stops", logging.DEBUG)
-            with self._calls_lock:  # from now on adopt refuses, a call runs on its caller's thread
+            self._deadlines.clear()
+            self._again.clear()
+            with self._lock:  # from now on adopt refuses, a call runs in place
                 self._stopping = True
                 self._thread = None
-            while self._incoming:
-                link = self._incoming.popleft()
-                self.server.ended(link.state)
-                link.sock.close()
-            while self._calls:
-                fn, done = self._calls.popleft()
-                try:
-                    fn()
-                finally:
-                    done.set()
-            with self._calls_lock:
+                calls, self._calls = self._calls, collections.deque()
+                for call in calls:
+                    call.run()
                 self._close_fds()
 
     def _timeout(self) -> float:
@@ -273,17 +306,21 @@ class DataLoop:
                 pass
         except BlockingIOError:
             pass
-        while self._incoming:
-            link = self._incoming.popleft()
+        with self._lock:
+            incoming, self._incoming = self._incoming, collections.deque()
+            calls, self._calls = self._calls, collections.deque()
+        for link in incoming:
+            try:
+                self._ep.register(link.fd, _IN)
+            except OSError as exc:
+                log.warning("connection from %s: cannot watch it: %s", link.peer, exc)
+                self.server.ended(link.state)
+                link.sock.close()
+                continue
             self._links[link.fd] = link
             link.state.link = link
-            self._ep.register(link.fd, _IN)
-        while self._calls:
-            fn, done = self._calls.popleft()
-            try:
-                fn()
-            finally:
-                done.set()
+        for call in calls:
+            call.run()
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -329,6 +366,8 @@ class DataLoop:
         del self._links[link.fd]
         self._ep.unregister(link.fd)
         link.sock.close()
+        link.bulk = None  # (its deadline entry may stay a while: no view of volume memory)
+        link.rest = []
         self.server.ended(link.state)
 
     def _wait(self, link: Link, events: int) -> None:
@@ -336,7 +375,11 @@ class DataLoop:
         if link.deadline == math.inf and link.mid_frame():
             link.deadline = time.monotonic() + self.server.frame_timeout
             self._seq += 1
-            heapq.heappush(self._deadlines, (link.deadline, self._seq, link))
+            heap = self._deadlines
+            heapq.heappush(heap, (link.deadline, self._seq, link))
+            if len(heap) > 2 * len(self._links) + 64:  # mostly frames long done: rebuild
+                heap[:] = [e for e in heap if e[2].open and e[2].deadline == e[0]]
+                heapq.heapify(heap)
         self._want(link, events)
 
     def _want(self, link: Link, events: int) -> None:
@@ -372,6 +415,7 @@ class DataLoop:
                 k = min(link.skip, len(rx))
                 rx.consume(k)
                 link.skip -= k
+                work += k
                 if not link.skip:
                     self._reply(link, [link.after_skip])
                 continue
@@ -386,6 +430,7 @@ class DataLoop:
                     return self._wait(link, _IN)
                 continue
             work += self._serve(link, h, fixed) + FRAME_WORK
+        link.queued = True
         self._again.append(link)
 
     def _receive(self, link: Link, n: int) -> bool:

@@ -244,6 +244,27 @@ async def test_stopping_ends_every_connection() -> None:
         await server.aclose()
 
 
+async def test_a_server_serves_again_after_a_stop() -> None:
+    """Its data loop runs once; serving again gets a new one (same volumes)."""
+    server = MemoryServer(2, SIZE, SECRET)
+    try:
+        for round_ in range(2):
+            with trio.fail_after(10):
+                async with trio.open_nursery() as nursery:
+                    port = await nursery.start(server.serve, "127.0.0.1", 0)
+                    c = await Client.connect(port)
+                    await c.stream.send_all(wire.frame(Kind.WRITE, 1, wire.WRITE.pack(0, round_)
+                                                       + b"r"))
+                    await c.stream.send_all(wire.frame(Kind.READ, 2, wire.READ.pack(0, 0, 2)))
+                    assert (await c.frame())[0].kind is Kind.OK
+                    h, data = await c.frame()
+                    assert h.req_id == 2 and data == b"r" * (round_ + 1) + b"\0" * (1 - round_)
+                    nursery.cancel_scope.cancel()
+                await c.stream.aclose()
+    finally:
+        await server.aclose()
+
+
 async def test_fence_shuts_out_a_lease_token(caplog: pytest.LogCaptureFixture) -> None:
     """FENCE closes every connection that named the token (also ones in the middle of
     sending a WRITE or a WRITE_QUIET), refuses the token from then on, and leaves
