@@ -2,16 +2,21 @@
 
 Both drive non-blocking stdlib sockets directly from trio (see
 :mod:`memfs.transport.sockio` and :mod:`memfs.meta.conn` for why); connecting,
-listening and closing are the same for both.
+listening, accepting and closing are the same for both.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
+from collections.abc import Callable
+from typing import Any
 
 import trio
 import trio.lowlevel
+
+log = logging.getLogger(__name__)
 
 
 def close_socket(sock: socket.socket) -> None:
@@ -19,6 +24,26 @@ def close_socket(sock: socket.socket) -> None:
     if sock.fileno() >= 0:
         trio.lowlevel.notify_closing(sock)
         sock.close()
+
+
+async def accept_connections(
+    listener: socket.socket, serve: Callable[[socket.socket, tuple[Any, ...]], object]
+) -> None:
+    """Accept on non-blocking *listener* until cancelled, handing each connection
+    and its peer address to *serve* (which starts a task for it).  Out of
+    descriptors or buffers (EMFILE and friends): log, let the pressure pass, retry."""
+    while True:
+        try:
+            sock, addr = listener.accept()
+        except BlockingIOError:
+            await trio.lowlevel.wait_readable(listener)
+            continue
+        except OSError as exc:
+            log.error("accept failed: %s", exc)
+            await trio.sleep(0.1)
+            continue
+        serve(sock, addr)
+        await trio.lowlevel.checkpoint()
 
 
 async def connect(host: str, port: int) -> socket.socket:

@@ -404,20 +404,14 @@ class MetaServer:
 
     async def _accept(self, listener: socket.socket) -> None:
         assert self._nursery is not None
-        while True:
-            try:
-                sock, addr = listener.accept()
-            except BlockingIOError:
-                await trio.lowlevel.wait_readable(listener)
-                continue
-            except OSError as exc:  # EMFILE and friends: let the pressure pass
-                log.error("accept failed: %s", exc)
-                await trio.sleep(0.1)
-                continue
+        nursery = self._nursery
+
+        def serve(sock: socket.socket, addr: tuple[Any, ...]) -> None:
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._nursery.start_soon(self._handle, sock, f"{addr[0]}:{addr[1]}")
-            await trio.lowlevel.checkpoint()
+            nursery.start_soon(self._handle, sock, f"{addr[0]}:{addr[1]}")
+
+        await net.accept_connections(listener, serve)
 
     async def _hold_orphans(self) -> None:
         """After a restart: keep unlinked inodes that clients may still hold open."""

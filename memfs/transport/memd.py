@@ -60,7 +60,7 @@ import logging
 import secrets
 import signal
 import socket
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import trio
 import trio.lowlevel
@@ -69,6 +69,7 @@ from memfs import wire
 from memfs.config import format_size
 from memfs.errors import UsageError
 from memfs.host import mem_available, sd_notify
+from memfs.net import accept_connections
 from memfs.transport.local import LocalTransport
 from memfs.transport.memd_loop import DataLoop, Drop, Link
 from memfs.transport.sockio import (
@@ -273,19 +274,10 @@ class MemoryServer:
             close_socket(sock)
 
     async def _accept(self, sock: socket.socket, nursery: trio.Nursery) -> None:
-        while True:
-            try:
-                conn, addr = sock.accept()
-            except BlockingIOError:
-                await trio.lowlevel.wait_readable(sock)
-                continue
-            except OSError as exc:
-                # Out of descriptors or buffers: let connections drain and retry.
-                log.warning("accept failed: %s", exc)
-                await trio.sleep(0.1)
-                continue
+        def serve(conn: socket.socket, addr: tuple[Any, ...]) -> None:
             nursery.start_soon(self._connection, conn, format_addr(*addr[:2]))
-            await trio.lowlevel.checkpoint()
+
+        await accept_connections(sock, serve)
 
     # -- one connection ------------------------------------------------------------
 
