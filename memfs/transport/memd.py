@@ -102,9 +102,6 @@ FEATURES = ["quiet-writes"]
 FENCED_KEPT = 1 << 16
 
 
-_Drop = Drop
-
-
 class _ConnState:
     """What one connection owns beyond its socket."""
 
@@ -293,13 +290,13 @@ class MemoryServer:
             with trio.move_on_after(self.handshake_timeout) as scope:
                 role = await self._handshake(sock)
             if scope.cancelled_caught:
-                raise _Drop(f"no authentication within {self.handshake_timeout:g}s")
+                raise Drop(f"no authentication within {self.handshake_timeout:g}s")
             if role is None:
                 log.info("%s connected and left without a word", peer)  # a port probe
                 return
             log.debug("%s authenticated (%s)", peer, role)
             adopted = self._loop.adopt(sock, _ConnState(sock), peer)
-        except (wire.WireError, _Drop) as exc:
+        except (wire.WireError, Drop) as exc:
             log.warning("closing connection from %s: %s", peer, exc)
         except PeerClosed as exc:
             log.warning("connection from %s closed in the middle of a frame (%s)", peer, exc)
