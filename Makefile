@@ -5,7 +5,7 @@ MNT    ?= /mnt/memfs
 SIZE   ?= 4G
 MEMFS   = $(VENV)/bin/memfs
 
-.PHONY: install mount umount test lint bench bench-fs bench-tcp bench-bb bench-cluster bench-mds bench-journal bench-array clean
+.PHONY: install mount umount test lint bench bench-fs bench-tcp bench-bb bench-cluster bench-mds bench-memd bench-journal bench-array clean
 
 install: $(VENV)/.installed
 
@@ -70,6 +70,11 @@ bench-bb: install
 # CLUSTER_BENCH_ARGS="--code ../other-checkout": run another checkout's memfs (a baseline).
 bench-cluster: install
 	$(VENV)/bin/python bench/clusterbench.py $(CLUSTER_BENCH_ARGS)
+
+# one memd under P processes x C connections of 16 KiB READs: reads/s, memd CPU per read;
+# MEMD_BENCH_ARGS="--code ../other-checkout" measures another checkout's memd.
+bench-memd: install
+	$(VENV)/bin/python bench/memdbench.py $(MEMD_BENCH_ARGS)
 
 # MDS_BENCH_ARGS="--profile /tmp/mds.txt": also py-spy the mds ($(VENV)/bin/pip install py-spy).
 bench-mds: install
