@@ -108,6 +108,26 @@ def kill(m: Memd, sig: int = signal.SIGKILL) -> None:
     m.proc.send_signal(sig)
     if sig == signal.SIGKILL:
         m.proc.wait(timeout=10)
+    elif sig == signal.SIGSTOP:
+        wait_stopped(m.proc.pid)
+
+
+def wait_stopped(pid: int, timeout: float = 5.0) -> None:
+    """Until every thread of *pid* is stopped.  A SIGSTOP stops a process's threads
+    one after the other (the one that takes the signal stops the others): memd's
+    data loop thread may serve a request that arrives meanwhile."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:
+                continue  # a thread that ended meanwhile
+        if states and all(s in "tT" for s in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} not stopped: {states}"
+        time.sleep(0.001)
 
 
 def server_log_is_clean(m: Memd) -> None:
