@@ -18,19 +18,17 @@ import argparse
 import multiprocessing
 import os
 import random
-import re
 import secrets
-import select
-import signal
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from tcpbench import start_memd, stop_process  # bench/ is the script's directory
 
 REQUEST = 16 << 10
 VOLUME = 256 << 20
@@ -108,28 +106,12 @@ def memd(code: str | None, secret_file: Path) -> Iterator[tuple[int, int]]:
     env = dict(os.environ)
     if code:
         env["PYTHONPATH"] = code
-    p = subprocess.Popen(
-        [sys.executable, "-P", "-m", "memfs", "memd", "--listen", "127.0.0.1:0", "--volumes", "1",
-         "--volume-size", str(VOLUME), "--secret-file", str(secret_file)],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
-    )
+    p, port = start_memd(["--volumes", "1", "--volume-size", str(VOLUME),
+                          "--secret-file", str(secret_file)], env)
     try:
-        assert p.stdout is not None
-        ready, _, _ = select.select([p.stdout], [], [], 60)
-        line = p.stdout.readline() if ready else ""
-        m = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
-        if not m:
-            raise SystemExit(f"memd did not start: {line!r}")
-        yield p.pid, int(m[1])
+        yield p.pid, port
     finally:
-        p.send_signal(signal.SIGTERM)
-        try:
-            p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-        if p.stdout is not None:
-            p.stdout.close()
+        stop_process(p)
 
 
 def run(pid: int, port: int, secret: bytes, procs: int, conns: int,

@@ -108,6 +108,35 @@ def raw_throughput(total: int, span: int = MSG, populate: bool = True) -> float:
 # -- memd + transport ------------------------------------------------------------------
 
 
+def start_memd(args: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], int]:
+    """A ``memfs memd --listen 127.0.0.1:0`` with *args*, once it says it listens:
+    (process, port).  Stop it with :func:`stop_process`."""
+    p = subprocess.Popen(
+        [sys.executable, "-P", "-m", "memfs", "memd", "--listen", "127.0.0.1:0", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+    )
+    assert p.stdout is not None
+    ready, _, _ = select.select([p.stdout], [], [], 60)
+    line = p.stdout.readline() if ready else ""
+    m = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
+    if not m:
+        stop_process(p)
+        raise SystemExit(f"memd did not start: {line!r}")
+    return p, int(m[1])
+
+
+def stop_process(p: subprocess.Popen[str]) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within 10 s; reaped either way."""
+    p.send_signal(signal.SIGTERM)
+    try:
+        p.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+    if p.stdout is not None:
+        p.stdout.close()
+
+
 @contextmanager
 def memd_servers(volume_size: int) -> Iterator[list[int]]:
     """Start the memory servers; yield their ports; always kill and reap them."""
@@ -115,31 +144,14 @@ def memd_servers(volume_size: int) -> Iterator[list[int]]:
     try:
         ports = []
         for _ in range(N_SERVERS):
-            p = subprocess.Popen(
-                [sys.executable, "-m", "memfs", "memd", "--listen", "127.0.0.1:0",
-                 "--volumes", str(VOLUMES_PER_SERVER), "--volume-size", str(volume_size)],
-                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-            )
+            p, port = start_memd(["--volumes", str(VOLUMES_PER_SERVER),
+                                  "--volume-size", str(volume_size)])
             procs.append(p)
-            assert p.stdout is not None
-            ready, _, _ = select.select([p.stdout], [], [], 60)
-            line = p.stdout.readline() if ready else ""
-            m = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
-            if not m:
-                raise SystemExit(f"memd did not start: {line!r}")
-            ports.append(int(m[1]))
+            ports.append(port)
         yield ports
     finally:
         for p in procs:
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-            if p.stdout is not None:
-                p.stdout.close()
+            stop_process(p)
 
 
 async def transport_throughput(ports: list[int], total: int, tasks: int,
@@ -203,14 +215,7 @@ def cluster_mount(ports: list[int]) -> Iterator[str]:
         finally:
             subprocess.run([sys.executable, "-m", "memfs", "umount", mnt], check=False)
     finally:
-        mds.send_signal(signal.SIGTERM)
-        try:
-            mds.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            mds.kill()
-            mds.wait()
-        if mds.stdout is not None:
-            mds.stdout.close()
+        stop_process(mds)
         os.rmdir(mnt)
 
 
