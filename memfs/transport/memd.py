@@ -105,10 +105,9 @@ FENCED_KEPT = 1 << 16
 class _ConnState:
     """What one connection owns beyond its socket."""
 
-    __slots__ = ("qp", "err", "moved", "token", "fenced", "sock", "link")
+    __slots__ = ("qp", "err", "moved", "token", "fenced", "link")
 
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
+    def __init__(self) -> None:
         #: where the data loop serves it (once authenticated)
         self.link: Link | None = None
         self.qp: QueuePair | None = None
@@ -295,7 +294,7 @@ class MemoryServer:
                 log.info("%s connected and left without a word", peer)  # a port probe
                 return
             log.debug("%s authenticated (%s)", peer, role)
-            adopted = self._loop.adopt(sock, _ConnState(sock), peer)
+            adopted = self._loop.adopt(sock, _ConnState(), peer)
         except (wire.WireError, Drop) as exc:
             log.warning("closing connection from %s: %s", peer, exc)
         except PeerClosed as exc:
