@@ -13,7 +13,8 @@ $(VENV)/.installed: pyproject.toml scripts/setup-debian.sh scripts/link-pyverbs.
 		scripts/build-pyfuse3.sh scripts/pyfuse3/0001-init-connection.patch \
 		scripts/pyfuse3/0002-receive-before-waiting.patch \
 		scripts/pyfuse3/0003-extra-init-flags.patch \
-		scripts/pyfuse3/0004-fallocate.patch
+		scripts/pyfuse3/0004-fallocate.patch \
+		scripts/pyfuse3/0005-locks.patch
 	./scripts/setup-debian.sh
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip

@@ -14,6 +14,7 @@ listing never skips or repeats an entry while others create and delete.
 from __future__ import annotations
 
 import errno
+import fcntl
 import functools
 import itertools
 import logging
@@ -29,7 +30,7 @@ import trio
 
 from memfs.data import DataEngine
 from memfs.errors import FsError
-from memfs.meta import NAME_MAX, Attr, Meta, SetAttr
+from memfs.meta import NAME_MAX, Attr, Locks, Meta, SetAttr
 
 if TYPE_CHECKING:
     from memfs.metrics import Metrics
@@ -48,7 +49,13 @@ FUSE_DIRECT_IO_ALLOW_MMAP = 1 << 36
 #: set in the file handle of an open by any uid but 0: its writes take set-ID bits away
 #: (memfs stands in for the kernel there, see Operations.init_connection)
 _UNPRIVILEGED = 1 << 63
-_INODE = _UNPRIVILEGED - 1
+#: a file handle's low bits are its inode; the bits between number the open, so that
+#: each open file has a handle of its own (its cluster-wide locks go at its release)
+_INODE_BITS = 40
+_INODE = (1 << _INODE_BITS) - 1
+_SERIAL = (1 << (63 - _INODE_BITS)) - 1
+#: flock(2) operations as lock types (memfs.meta.Locks)
+_FLOCK_TYPES = {fcntl.LOCK_SH: fcntl.F_RDLCK, fcntl.LOCK_EX: fcntl.F_WRLCK, fcntl.LOCK_UN: fcntl.F_UNLCK}
 #: fallocate(2)'s mode flag (linux/falloc.h; not in Python's os module)
 FALLOC_FL_KEEP_SIZE = 0x01
 
@@ -166,6 +173,11 @@ class Operations(pyfuse3.Operations):
         self._dir_handles: dict[int, list[tuple[bytes, Attr | None]]] = {}
         self._dir_inodes: dict[int, int] = {}
         self._next_dh = itertools.count(1)
+        self._opened = itertools.count(1)
+        #: the kernel's lock requests go to the metadata service (cluster-wide locks)
+        self.cluster_locks = False
+        #: file handle -> lock owners that took cluster-wide locks through it
+        self._lock_owners: dict[int, set[int]] = {}
         self.initialized = trio.Event()
         #: this session's /dev/fuse descriptor, if names can be dropped (see init)
         self._dev_fd: int | None = None
@@ -251,6 +263,11 @@ class Operations(pyfuse3.Operations):
         if killpriv_v2 and conn.kernel_flags & killpriv_v2:
             conn.extra_flags |= killpriv_v2
             self.drops_privileges = True
+        lock_caps = pyfuse3.FUSE_CAP_POSIX_LOCKS | pyfuse3.FUSE_CAP_FLOCK_LOCKS
+        if self.meta.locks() is not None and hasattr(pyfuse3.Operations, "setlk") \
+                and conn.capable & lock_caps == lock_caps:
+            conn.want |= lock_caps
+            self.cluster_locks = True
         if self.direct_io and killpriv_v2 and conn.kernel_flags & FUSE_DIRECT_IO_ALLOW_MMAP:
             conn.extra_flags |= FUSE_DIRECT_IO_ALLOW_MMAP
             self.shared_mmap = True
@@ -271,6 +288,10 @@ class Operations(pyfuse3.Operations):
             log.warning("-o direct_io without FUSE_DIRECT_IO_ALLOW_MMAP (a kernel before 6.6, "
                         "or pyfuse3 %s without memfs's patch 0003): MAP_SHARED mappings of "
                         "files fail with ENODEV", pyfuse3.__version__)
+        if self.meta.locks() is not None and not self.cluster_locks:
+            log.warning("pyfuse3 %s does not forward lock requests (memfs's patch 0005): "
+                        "flock and fcntl locks on this mount hold on this node only",
+                        pyfuse3.__version__)
         if self.negotiated is not None and not self.drops_privileges:
             log.info("FUSE_HANDLE_KILLPRIV_V2 not in effect (pyfuse3 %s without memfs's "
                      "patch 0003, or a kernel before 5.11): every write(2) is preceded by "
@@ -307,7 +328,13 @@ class Operations(pyfuse3.Operations):
         return e
 
     def _fileinfo(self, ino: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
-        fh = ino if self._privileged(ctx) else ino | _UNPRIVILEGED
+        if ino > _INODE:
+            raise FsError(errno.EOVERFLOW, f"inode {ino} does not fit a file handle")
+        fh = ino | (next(self._opened) & _SERIAL) << _INODE_BITS
+        while fh in self._lock_owners:  # (after 2**23 opens) one still holding locks
+            fh = ino | (next(self._opened) & _SERIAL) << _INODE_BITS
+        if not self._privileged(ctx):
+            fh |= _UNPRIVILEGED
         if self.direct_io:
             return pyfuse3.FileInfo(fh=fh, direct_io=True)
         keep = self.meta.keep_cache(ino)
@@ -494,7 +521,7 @@ class Operations(pyfuse3.Operations):
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         ino = fh & _INODE
         if self.drops_privileges:
-            await self._drop_privileges(ino, fh != ino)
+            await self._drop_privileges(ino, bool(fh & _UNPRIVILEGED))
         return await self.data.write(ino, off, buf)
 
     @_errno_boundary
@@ -506,7 +533,7 @@ class Operations(pyfuse3.Operations):
             raise FsError(errno.EOPNOTSUPP, f"fallocate mode {mode:#x} is not supported")
         ino = fh & _INODE
         if self.drops_privileges:
-            await self._drop_privileges(ino, fh != ino)
+            await self._drop_privileges(ino, bool(fh & _UNPRIVILEGED))
         await self.data.allocate(ino, off, length, keep_size=bool(mode & FALLOC_FL_KEEP_SIZE))
 
     async def flush(self, fh: int) -> None:
@@ -525,6 +552,15 @@ class Operations(pyfuse3.Operations):
     @_errno_boundary
     async def release(self, fh: int) -> None:
         ino = fh & _INODE
+        owners = self._lock_owners.pop(fh, None)
+        if owners:
+            # The kernel drops no lock it forwarded when a file closes (flush carries
+            # the owner, but memfs answers no flush): every lock taken through this
+            # open file goes with it.
+            locks = self.meta.locks()
+            assert locks is not None
+            for owner in owners:
+                await locks.unlock(ino, owner)
         # Before the last release tells the metadata server we are done writing.
         await self.data.release(ino)
         await self.meta.release(ino)
@@ -537,6 +573,38 @@ class Operations(pyfuse3.Operations):
         ino = fh & _INODE
         await self.data.settle(ino)
         await self.meta.sync(ino)
+
+    # -- cluster-wide locks (asked for in init_connection where the metadata service
+    #    keeps them; otherwise the kernel keeps locks itself and none come here) --------
+
+    @_errno_boundary
+    async def getlk(self, fh: int, owner: int, lock_type: int, start: int, length: int,
+                    pid: int) -> tuple[int, int, int, int]:
+        return await self._locks().getlk(fh & _INODE, owner, lock_type, start, length, pid)
+
+    @_errno_boundary
+    async def setlk(self, fh: int, owner: int, lock_type: int, start: int, length: int,
+                    pid: int, sleep: bool) -> None:
+        locks = self._locks()
+        if lock_type != fcntl.F_UNLCK:
+            self._lock_owners.setdefault(fh, set()).add(owner)  # before: it may be taken
+        await locks.setlk(fh & _INODE, owner, lock_type, start, length, pid, sleep)
+
+    @_errno_boundary
+    async def flock(self, fh: int, owner: int, op: int) -> None:
+        lock_type = _FLOCK_TYPES.get(op & ~fcntl.LOCK_NB)
+        if lock_type is None:
+            raise FsError(errno.EINVAL, f"flock operation {op:#x}")
+        locks = self._locks()
+        if lock_type != fcntl.F_UNLCK:
+            self._lock_owners.setdefault(fh, set()).add(owner)
+        await locks.flock(fh & _INODE, owner, lock_type, not op & fcntl.LOCK_NB)
+
+    def _locks(self) -> Locks:
+        locks = self.meta.locks()
+        if locks is None:  # never asked for: the kernel keeps locks itself
+            raise FsError(errno.ENOLCK, "locks are kept by the kernel on this mount")
+        return locks
 
     # -- directories ------------------------------------------------------------------
 

@@ -90,6 +90,7 @@ class Kind(enum.IntEnum):
     CALL = 30  # value [method, args...] -> OK(value)
     RECALL = 31  # server -> client: value [[ino, [names], revoke_write], ...] (req id: recall id)
     RECALLED = 32  # client -> server: value [[ino, size, mtime_ns], ...] (settled write leases)
+    UNLOCKED = 33  # server -> client: value [ino]: a lock on it went (its waiters try again)
 
 
 

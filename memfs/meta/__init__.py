@@ -19,7 +19,7 @@ import errno
 import stat
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from memfs.errors import FsError
 
@@ -120,6 +120,23 @@ RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
 #: Extent.volume of bytes that are only in the backing directory
 NOT_RESIDENT = -2
+
+
+class Locks(Protocol):
+    """File locks kept beyond this node (memfs.meta.lock_client): POSIX record locks by
+    (start, length; 0 to the end) as ``struct flock`` has them, flock locks by type
+    (F_RDLCK shared, F_WRLCK exclusive, F_UNLCK); *owner* is the kernel's lock owner.
+    A lock in another owner's way is EAGAIN, or with *wait* waited for."""
+
+    async def getlk(self, ino: int, owner: int, type_: int, start: int, length: int,
+                    pid: int) -> tuple[int, int, int, int]: ...
+
+    async def setlk(self, ino: int, owner: int, type_: int, start: int, length: int, pid: int,
+                    wait: bool) -> None: ...
+
+    async def flock(self, ino: int, owner: int, type_: int, wait: bool) -> None: ...
+
+    async def unlock(self, ino: int, owner: int) -> None: ...
 
 
 class Meta(abc.ABC):
@@ -251,6 +268,11 @@ class Meta(abc.ABC):
         size it has reported covers bytes still on their way: were it then cut off
         (evicted), others would read zeros there.  A no-op where sizes are exact at
         once."""
+
+    def locks(self) -> Locks | None:
+        """Where the kernel's lock requests go (cluster-wide locks: a cluster client);
+        None: the kernel keeps locks itself, per node (one node sees every change)."""
+        return None
 
     async def sync_all(self) -> None:  # noqa: B027 (a no-op unless a client caches)
         """At unmount, after the data engine's last transfers: make every size and mtime

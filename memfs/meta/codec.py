@@ -283,6 +283,20 @@ METHODS: dict[str, Method] = {m.name: m for m in [
        _server_only),
     # an unlink of a file made so (parent, name, ino, time_ns): journaled as the unlink it is
     _m("unlink_at", "int bytes int int", _same, _two_ints, "session", _server_only),
+    # cluster-wide locks (memfs.meta.locks), kept by the server per session, never
+    # journaled: a POSIX lock test (ino, owner, type, start, length, pid -> the lock in
+    # the way as [type, start, length, pid], type F_UNLCK if none), a POSIX lock set
+    # (..., wait: 1 to be told when a lock on the file goes) and a flock (ino, owner,
+    # type, wait); EAGAIN if another owner's lock is in the way.  unlock drops all of
+    # an owner's locks on the file (its open file was released).  Sent again after a
+    # lost connection ("read"): the same lock taken, tested or dropped twice by one
+    # owner is the same as once.
+    _m("getlk", "int int int int int int", _same, lambda v: _ints(v, "lock", 4), "read",
+       _server_only),
+    _m("setlk", "int int int int int int int", _none_to_wire, _none_from_wire, "read",
+       _server_only),
+    _m("flock", "int int int int", _none_to_wire, _none_from_wire, "read", _server_only),
+    _m("unlock", "int int", _none_to_wire, _none_from_wire, "read", _server_only),
 ]}
 
 

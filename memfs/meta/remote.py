@@ -69,6 +69,7 @@ from memfs.meta.cache import ClientCache
 from memfs.meta.conn import MAX_REPLY, ROLE, FrameSocket
 from memfs.meta.creates import CREATE_HOLD, RESERVE, AsyncCreates
 from memfs.meta.lease_client import LeaseKeeper
+from memfs.meta.lock_client import LockClient
 from memfs.net import connect
 from memfs.wire import Kind, WireError
 
@@ -186,11 +187,13 @@ class _Connection:
     def __init__(
         self, fs: FrameSocket, timeout: float, cache: ClientCache,
         on_recall: Callable[[_Connection, int, bytes], None],
+        on_unlocked: Callable[[int], None],
     ) -> None:
         self.fs = fs
         self.timeout = timeout
         self.cache = cache
         self.on_recall = on_recall
+        self.on_unlocked = on_unlocked
         #: idle pings this often keep the lease (and the connection) alive
         self.keepalive = min(KEEPALIVE, cache.term / 4) if cache.term else KEEPALIVE
         self.pending: dict[int, _Pending] = {}
@@ -337,6 +340,9 @@ class _Connection:
                     if h.kind is Kind.RECALL:
                         self.on_recall(self, h.req_id, payload)
                         continue
+                    if h.kind is Kind.UNLOCKED:
+                        self.on_unlocked(codec.check_int(wire.decode(payload)[0], "unlocked inode"))
+                        continue
                     if h.kind not in _REPLY_KINDS:
                         raise WireError(f"unexpected {h.kind.name} frame")
                     p = self.pending.pop(h.req_id, None)
@@ -411,6 +417,8 @@ class RemoteMeta(Meta):
         #: the lease token of the registration our reserved inode numbers came under
         self._inos_token = 0
         self.leases = LeaseKeeper(self.cache, self._call, self, self.creates)
+        #: this client's cluster-wide file locks
+        self.lock_client = LockClient(self.session, self._call)
         #: (inode, map window) -> set once the map_read that will bring it has ended
         self._maps_asked: dict[tuple[int, int], trio.Event] = {}
         #: inodes whose last map_read answer was not cacheable (reads do not wait)
@@ -549,7 +557,8 @@ class RemoteMeta(Meta):
                     log.warning("transfers begun under the old lease token still run")
             self._on_token(self.token)
             self._named_token = self.token
-        return _Connection(fs, self.timeout, self.cache, self.leases.on_recall)
+        return _Connection(fs, self.timeout, self.cache, self.leases.on_recall,
+                           self.lock_client.unlocked)
 
     async def _handshake(self, fs: FrameSocket) -> None:
         hs = wire.Handshake(self.secret)
@@ -596,9 +605,10 @@ class RemoteMeta(Meta):
         while True:
             version = self._opens_version
             claimed = [[ino, n] for ino, n in self.opens.items() if n > 0]
-            call: list[Any] = ["session", self.session, claimed, settles]
-            if ops:
-                call.append([c for _, c in ops])
+            # The locks we hold, after the handles (memfs.meta.lock_client).
+            locks = self.lock_client.claims()
+            call: list[Any] = ["session", self.session, claimed, settles,
+                               [c for _, c in ops], locks]
             await fs.send(
                 wire.frame(Kind.CALL, 1, wire.encode(call))
                 + wire.frame(Kind.CALL, 2, wire.encode(["describe"]))
@@ -616,9 +626,12 @@ class RemoteMeta(Meta):
                     err, msg = wire.decode_error(payload)
                     raise FsError(err, f"metadata server refused registration: {msg}")
                 values.append(wire.decode(payload))
-            answer = codec.check_list(values[0], "registration", 4 if ops else 3)
+            answer = codec.check_list(values[0], "registration", 5)
             gone, refused, token = answer[:3]
             self.token = codec.check_int(token, "lease token")
+            self.lock_client.refused(
+                [codec.check_int(k, "refused lock") for k in codec.check_list(answer[4], "locks")],
+                locks)
             if ops:
                 # [position, errno] of each one refused
                 refused_ops = {codec.check_int(k, "operation"): codec.check_int(err, "errno")
@@ -745,6 +758,9 @@ class RemoteMeta(Meta):
         name(self.token)
         self._named_token = self.token
         self._on_token = name
+
+    def locks(self) -> LockClient:
+        return self.lock_client
 
     def order_sizes_after(self, barrier: Callable[[int], Awaitable[None]]) -> None:
         self.leases.barrier = barrier

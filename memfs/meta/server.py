@@ -15,8 +15,14 @@ Protocol (frames from :mod:`memfs.wire`):
   atomic, because store methods never await.
 * Control calls: ``["describe"]`` (pool volume URLs in order, volume size, chunk
   and stripe size: what a client needs to build its data path),
-  ``["session", id, [[ino, count], ...], [[ino, size, mtime], ...]]`` (answered
-  with the inodes gone and those whose sizes were refused) and ``["ping"]``.
+  ``["session", id, [[ino, count], ...], [[ino, size, mtime], ...], [replayed
+  creates and unlinks], [locks held]]`` (answered with the inodes gone, those whose
+  sizes were refused, the lease token, the replays refused and the locks lost; the
+  last two lists are optional) and ``["ping"]``.
+* File locks (memfs.meta.locks) are kept here for every session and never
+  journaled; a client states its own with each registration, so they survive a
+  restart.  Nobody waits here for a lock: a waiter is refused and sent an
+  UNLOCKED frame when a lock on that file goes.
 
 Open counts belong to client *sessions*, not connections: a client names its
 session (a random id) on every connection and states the handles it holds; the
@@ -69,6 +75,7 @@ from memfs.meta.leases import (
     LeaseTable,
     settles_from_wire,
 )
+from memfs.meta.locks import LockService, valid_lock
 from memfs.meta.store import ANY_EARLIER, MetaStore
 from memfs.wire import Kind, WireError
 
@@ -116,6 +123,13 @@ _LEASED = frozenset({
 MAX_RESERVE = 4096
 
 
+#: cluster-wide lock calls (memfs.meta.locks)
+_LOCK_CALLS = frozenset({"getlk", "setlk", "flock", "unlock"})
+#: with leases off, a client pings every few seconds when idle: silent longer than
+#: this, its locks stand in nobody's way (with leases: silent for a lease term)
+LOCK_SILENCE = 15.0
+
+
 #: calls that may allocate or free a file's chunks (args[0] is the file; sizes go by
 #: truncate, never setattr)
 _CHUNK_CHANGES = frozenset({"map_write", "allocate_ahead", "truncate", "settle"})
@@ -150,6 +164,13 @@ class _Session:
         frame = wire.frame(Kind.RECALL, rid, wire.encode(payload))
         conn.push(frame, 0)
         return True
+
+    def send_unlocked(self, ino: int) -> None:
+        """Tell the client a lock on *ino* went (it waits for one there)."""
+        conn = self.conn
+        if conn is not None and conn.fs is not None and conn.scope is not None \
+                and not conn.scope.cancel_called:
+            conn.push(wire.frame(Kind.UNLOCKED, 0, wire.encode([ino])), 0)
 
     def evict(self, reason: str) -> None:
         conn = self.conn
@@ -288,6 +309,7 @@ class MetaServer:
         self.metrics: Metrics | None = None
         #: grant create leases (``memfs mds --sync-creates`` turns them off)
         self.async_creates = True
+        self.locks = LockService(self._lock_holder_silent, self._evict_sid, self._tell_unlocked)
 
     @property
     def write_leases(self) -> bool:
@@ -342,7 +364,25 @@ class MetaServer:
         if self.store.lost_write(ino, sid, lost) and self.journal is not None:
             self.journal.append(self._t, LOST_WRITE, [ino, sid, int(lost)])
 
+    def _lock_holder_silent(self, sid: bytes) -> bool:
+        s = self._sessions.get(sid)
+        if s is None:
+            return True
+        silence = self.leases.term or LOCK_SILENCE
+        return trio.current_time() - s.last_heard > silence
+
+    def _evict_sid(self, sid: bytes, reason: str) -> None:
+        s = self._sessions.get(sid)
+        if s is not None:
+            s.evict(reason)
+
+    def _tell_unlocked(self, sid: bytes, ino: int) -> None:
+        s = self._sessions.get(sid)
+        if s is not None:
+            s.send_unlocked(ino)
+
     def _session_gone(self, sid: bytes) -> None:
+        self.locks.drop_session(sid)
         if sid in self.store.this_run or sid in self.store.eligible:
             self.store.session_gone(sid)
             self._journal_session(SESSION_GONE, sid)
@@ -810,6 +850,10 @@ class MetaServer:
             elif m.name == "release":
                 await self._release(session, args[0])
                 result = None
+            elif m.name in _LOCK_CALLS:
+                if args[0] not in self.store.inodes:
+                    raise FsError(errno.ENOENT, f"no inode {args[0]}")
+                result = self.locks.call(session.sid, m.name, args)
             elif m.name == "reserve_inos":
                 result = self._reserve_inos(session, args[0])
             elif m.name == "create_at":
@@ -1016,6 +1060,7 @@ class MetaServer:
                 if self.journal is not None:
                     self.journal.append_destroy(ino)
                 self.leases.destroyed(ino)
+                self.locks.table.drop_inode(ino)
             self._destroyed.clear()
 
     async def _control(self, conn: _Conn, value: list[Any]) -> Any:
@@ -1049,7 +1094,7 @@ class MetaServer:
             except Exception:
                 log.exception("%s: control %s failed", conn.peer, op)
                 raise FsError(errno.EIO, "internal error in the metadata server") from None
-        if name == "session" and len(raw) in (2, 3, 4):
+        if name == "session" and len(raw) in (2, 3, 4, 5):
             sid = codec.check_bytes(raw[0], "session id")
             if not 8 <= len(sid) <= 64:
                 raise WireError("session id of a bad length")
@@ -1071,7 +1116,16 @@ class MetaServer:
                 if m.name not in ("create_at", "unlink_at"):
                     raise WireError(f"registration: {m.name} is not replayed")
                 ops.append((m.name, args))
-            return await self._claim_session(conn, sid, claimed, settles, ops)
+            if len(raw) < 5:
+                return await self._claim_session(conn, sid, claimed, settles, ops)
+            locks = [[codec.check_int(x, "lock") for x in codec.check_list(item, "lock", 7)]
+                     for item in codec.check_list(raw[4], "locks")]
+            if any(not valid_lock(*lock) for lock in locks):
+                raise WireError("registration: a malformed lock")
+            answer = await self._claim_session(conn, sid, claimed, settles, ops)
+            # The locks its client holds (memfs.meta.locks): those lost meanwhile are
+            # refused (after the handles: a lock is on an open file).
+            return [*answer, self.locks.reclaim(conn.session.sid, locks)]
         raise WireError(f"malformed {name} call")
 
     # -- sessions and open counts -----------------------------------------------------------

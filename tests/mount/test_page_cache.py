@@ -16,6 +16,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pyfuse3
 import pytest
@@ -154,6 +155,7 @@ def test_request_loop_lingers_and_spins() -> None:
 
 class FakeConn:
     def __init__(self, kernel_flags: int) -> None:
+        self.capable = pyfuse3.FUSE_CAP_POSIX_LOCKS | pyfuse3.FUSE_CAP_FLOCK_LOCKS
         self.want = pyfuse3.FUSE_CAP_AUTO_INVAL_DATA | pyfuse3.FUSE_CAP_ASYNC_READ
         self.max_background = 12
         self.congestion_threshold = 9
@@ -170,7 +172,8 @@ def test_init_connection(pages_follow_changes: bool, offered: bool) -> None:
     v2 = pyfuse3.FUSE_HANDLE_KILLPRIV_V2
     ops = Operations.__new__(Operations)
     ops.pages_follow_changes, ops.max_background, ops.negotiated = pages_follow_changes, 32, None
-    ops.drops_privileges = ops.direct_io = ops.shared_mmap = False
+    ops.drops_privileges = ops.direct_io = ops.shared_mmap = ops.cluster_locks = False
+    ops.meta = SimpleNamespace(locks=lambda: None)  # type: ignore[assignment]
     conn = FakeConn(v2 | 1 if offered else 1)
     ops.init_connection(conn)
     assert bool(conn.want & pyfuse3.FUSE_CAP_AUTO_INVAL_DATA) is not pages_follow_changes
@@ -182,6 +185,22 @@ def test_init_connection(pages_follow_changes: bool, offered: bool) -> None:
                               "extra_flags": conn.extra_flags}
 
 
+@pytest.mark.parametrize("cluster", [True, False])
+def test_lock_requests_are_asked_for_where_the_metadata_service_keeps_locks(cluster: bool) -> None:
+    """A cluster client (its Meta keeps locks) asks the kernel for lock requests
+    (pyfuse3 patch 0005 clears them by default); an embedded mount leaves locks to
+    the kernel."""
+    caps = pyfuse3.FUSE_CAP_POSIX_LOCKS | pyfuse3.FUSE_CAP_FLOCK_LOCKS
+    ops = Operations.__new__(Operations)
+    ops.pages_follow_changes, ops.max_background, ops.negotiated = not cluster, 32, None
+    ops.drops_privileges = ops.direct_io = ops.shared_mmap = ops.cluster_locks = False
+    ops.meta = SimpleNamespace(locks=lambda: object() if cluster else None)  # type: ignore[assignment]
+    conn = FakeConn(0)
+    ops.init_connection(conn)
+    assert conn.want & caps == (caps if cluster else 0)
+    assert ops.cluster_locks is cluster
+
+
 @pytest.mark.parametrize("offered", [True, False])
 def test_direct_io_asks_for_shared_mappings(offered: bool) -> None:
     """With -o direct_io, FUSE_DIRECT_IO_ALLOW_MMAP when the kernel offers it."""
@@ -189,6 +208,7 @@ def test_direct_io_asks_for_shared_mappings(offered: bool) -> None:
     ops = Operations.__new__(Operations)
     ops.pages_follow_changes, ops.max_background, ops.negotiated = True, 32, None
     ops.drops_privileges, ops.direct_io, ops.shared_mmap = False, True, False
+    ops.cluster_locks, ops.meta = False, SimpleNamespace(locks=lambda: None)  # type: ignore[assignment]
     conn = FakeConn(v2 | (fs.FUSE_DIRECT_IO_ALLOW_MMAP if offered else 0))
     ops.init_connection(conn)
     assert conn.extra_flags == v2 | (fs.FUSE_DIRECT_IO_ALLOW_MMAP if offered else 0)

@@ -1,0 +1,162 @@
+"""The metadata server's lock table and lock calls (memfs.meta.locks), and the
+client's waits (memfs.meta.lock_client), without processes or sockets."""
+
+from __future__ import annotations
+
+import errno
+from fcntl import F_RDLCK, F_UNLCK, F_WRLCK
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from memfs.errors import FsError
+from memfs.meta.lock_client import RETRY_EVERY, LockClient
+from memfs.meta.locks import END, FLOCK, POSIX, LockService, LockTable, Owner, valid_lock
+
+A, B = Owner(b"a" * 16, 1), Owner(b"b" * 16, 1)
+A2 = Owner(b"a" * 16, 2)  # another owner (process) on A's node
+
+
+def ranges(t: LockTable, ino: int = 7) -> list[tuple[Any, ...]]:
+    return [(r.owner, r.type, r.start, r.end) for r in t._posix.get(ino, [])]
+
+
+def test_posix_ranges_split_merge_and_conflict_as_in_linux() -> None:
+    t = LockTable()
+    assert t.lock(7, A, F_WRLCK, 0, 100, 1)
+    assert t.lock(7, A, F_UNLCK, 40, 60, 1)  # a hole in the middle
+    assert ranges(t) == [(A, F_WRLCK, 0, 40), (A, F_WRLCK, 60, 100)]
+    assert t.lock(7, A, F_RDLCK, 40, 60, 1)  # fills it with another type: three ranges
+    assert [r[1:] for r in ranges(t)] == [(F_WRLCK, 0, 40), (F_RDLCK, 40, 60), (F_WRLCK, 60, 100)]
+    assert t.lock(7, A, F_WRLCK, 30, 70, 1)  # one type again: merged
+    assert ranges(t) == [(A, F_WRLCK, 0, 100)]
+    assert t.lock(7, A, F_WRLCK, 100, 110, 1)  # touching: merged
+    assert ranges(t) == [(A, F_WRLCK, 0, 110)]
+    # other owners: a write lock excludes any overlap, not neighbours
+    assert not t.lock(7, B, F_RDLCK, 109, 110, 2)
+    assert not t.lock(7, A2, F_RDLCK, 0, 1, 3)  # another process of the same node too
+    assert t.lock(7, B, F_WRLCK, 110, END, 2)
+    assert t.conflicts(7, B, F_RDLCK, 0, 5)[0].owner == A
+    assert not t.conflicts(7, B, F_UNLCK, 0, END)
+    # read locks share; a write lock over them does not go
+    t.lock(7, A, F_UNLCK, 0, END, 1)
+    t.lock(7, B, F_UNLCK, 0, END, 2)
+    assert t.lock(7, A, F_RDLCK, 0, 10, 1) and t.lock(7, B, F_RDLCK, 5, 15, 2)
+    assert not t.lock(7, A, F_WRLCK, 0, 10, 1)  # an upgrade blocked by B's share
+    assert t.lock(7, A, F_WRLCK, 0, 5, 1)  # where B has none
+    assert len(t) == 3
+
+
+def test_flock_is_whole_file_and_apart_from_posix_locks() -> None:
+    t = LockTable()
+    assert t.flock(7, A, F_RDLCK) and t.flock(7, B, F_RDLCK)
+    assert not t.flock(7, A, F_WRLCK)  # upgrade blocked by B's share
+    assert t.flock(7, B, F_UNLCK) and t.flock(7, A, F_WRLCK)
+    assert not t.flock(7, B, F_RDLCK)
+    assert t.lock(7, B, F_WRLCK, 0, END, 2)  # POSIX locks do not see flock locks
+    assert t.holders(7) == {A.sid, B.sid}
+    assert t.unlock(7, A) and not t.unlock(7, A)
+    assert t.flock(7, B, F_WRLCK)
+    assert t.drop_session(B.sid) == {7} and len(t) == 0
+
+
+def test_held_lists_what_reclaim_takes_back() -> None:
+    t = LockTable()
+    t.lock(7, A, F_WRLCK, 0, 10, 1)
+    t.lock(8, A, F_RDLCK, 5, END, 1)
+    t.flock(9, A2, F_WRLCK)
+    t.lock(7, B, F_WRLCK, 10, 20, 2)
+    held = t.held(A.sid)
+    assert sorted(held) == sorted([[POSIX, 7, 1, F_WRLCK, 0, 10, 1], [POSIX, 8, 1, F_RDLCK, 5, END, 1],
+                                   [FLOCK, 9, 2, F_WRLCK, 0, END, 0]])
+    assert all(valid_lock(*x) for x in held)
+    assert not valid_lock(2, 7, 1, F_WRLCK, 0, 1, 0)
+    assert not valid_lock(POSIX, 7, 1, F_UNLCK, 0, 1, 0)
+    assert not valid_lock(POSIX, 7, 1, F_WRLCK, 5, 5, 0)
+
+
+class Fakes:
+    def __init__(self) -> None:
+        self.silent: set[bytes] = set()
+        self.evicted: list[bytes] = []
+        self.told: list[tuple[bytes, int]] = []
+        self.service = LockService(self.silent.__contains__,
+                                   lambda sid, why: self.evicted.append(sid),
+                                   lambda sid, ino: self.told.append((sid, ino)))
+
+
+def test_service_refuses_tells_waiters_and_evicts_silent_holders() -> None:
+    f = Fakes()
+    s = f.service
+    s.call(A.sid, "setlk", [7, 1, F_WRLCK, 0, 0, 100, 0])
+    with pytest.raises(FsError) as e:
+        s.call(B.sid, "setlk", [7, 1, F_RDLCK, 5, 1, 200, 1])  # would wait
+    assert e.value.errno == errno.EAGAIN
+    assert s.call(B.sid, "getlk", [7, 1, F_RDLCK, 0, 0, 200]) == [F_WRLCK, 0, 0, 0]
+    assert s.call(A.sid, "getlk", [7, 9, F_RDLCK, 0, 0, 300]) == [F_WRLCK, 0, 0, 100]  # same node
+    assert s.call(B.sid, "getlk", [7, 1, F_UNLCK, 0, 0, 200])[0] == F_UNLCK
+    s.call(A.sid, "setlk", [7, 1, F_WRLCK, 0, 0, 100, 0])  # A takes more: nobody told
+    assert f.told == []
+    s.call(A.sid, "unlock", [7, 1])
+    assert f.told == [(B.sid, 7)]  # once
+    s.call(A.sid, "unlock", [7, 1])
+    assert f.told == [(B.sid, 7)]
+    # a silent holder is evicted and loses every lock when someone else asks
+    s.call(A.sid, "flock", [7, 1, F_WRLCK, 0])
+    s.call(A.sid, "setlk", [8, 1, F_WRLCK, 0, 0, 100, 0])
+    with pytest.raises(FsError):
+        s.call(B.sid, "flock", [7, 1, F_RDLCK, 1])
+    f.silent.add(A.sid)
+    s.call(B.sid, "flock", [7, 1, F_RDLCK, 1])
+    assert f.evicted == [A.sid] and s.table.held(A.sid) == []
+    with pytest.raises(FsError) as e:
+        s.call(B.sid, "setlk", [7, 1, 99, 0, 0, 1, 0])
+    assert e.value.errno == errno.EINVAL
+
+
+def test_reclaim_makes_a_sessions_locks_exactly_what_it_states() -> None:
+    f = Fakes()
+    s = f.service
+    s.call(A.sid, "setlk", [7, 1, F_WRLCK, 0, 10, 100, 0])
+    s.call(A.sid, "setlk", [9, 1, F_WRLCK, 0, 10, 100, 0])  # dropped: not stated again
+    s.call(B.sid, "setlk", [8, 1, F_WRLCK, 0, 0, 200, 0])
+    claims = [[POSIX, 7, 1, F_WRLCK, 0, 10, 100], [POSIX, 8, 1, F_RDLCK, 0, 1, 100],
+              [FLOCK, 7, 3, F_RDLCK, 0, END, 0]]
+    assert s.reclaim(A.sid, claims) == [1]  # B holds inode 8
+    assert sorted(s.table.held(A.sid)) == sorted([claims[0], claims[2]])
+    assert s.table.held(B.sid) == [[POSIX, 8, 1, F_WRLCK, 0, END, 200]]
+
+
+async def test_a_waiter_asks_again_when_told_and_when_it_times_out(
+        autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.expected_warnings = True  # type: ignore[attr-defined]
+    f = Fakes()
+    s = f.service
+    calls: list[float] = []
+
+    async def call(name: str, *args: int) -> Any:
+        calls.append(trio.current_time())
+        return s.call(B.sid, name, list(args))
+
+    client = LockClient(B.sid, call)
+    s.call(A.sid, "setlk", [7, 1, F_WRLCK, 0, 0, 100, 0])
+    with pytest.raises(FsError):
+        await client.setlk(7, 1, F_WRLCK, 0, 0, 200, False)
+    async with trio.open_nursery() as n:
+        n.start_soon(client.setlk, 7, 1, F_WRLCK, 0, 0, 200, True)
+        await trio.sleep(2.5 * RETRY_EVERY)  # asked again every RETRY_EVERY
+        assert len(calls) == 1 + 3
+        s.call(A.sid, "unlock", [7, 1])
+        client.unlocked(7)  # what the UNLOCKED frame does
+    assert trio.current_time() == pytest.approx(2.5 * RETRY_EVERY)  # at once
+    assert client.claims() == [[POSIX, 7, 1, F_WRLCK, 0, END, 200]]
+    # cancelled while waiting (the kernel's interrupt): nothing taken
+    s.call(A.sid, "flock", [7, 1, F_WRLCK, 0])
+    with trio.move_on_after(0.5):
+        await client.flock(7, 2, F_WRLCK, True)
+    assert s.table.held(B.sid) == [[POSIX, 7, 1, F_WRLCK, 0, END, 200]]
+    client.refused([0], client.claims())  # a claim the server refused: forgotten, logged
+    assert client.claims() == []
+    assert "lost a POSIX lock on inode 7" in caplog.text
