@@ -5,8 +5,9 @@ module that knows about pyfuse3's types.  It holds no storage logic: every call
 is translated to the :class:`memfs.meta.Meta` interface or the
 :class:`memfs.data.DataEngine`.
 
-File handles are inode numbers (open state lives in the metadata service's open
-count), with :data:`_UNPRIVILEGED` set when a uid other than 0 opened the file;
+A file handle is its inode number (open state lives in the metadata service's open
+count) and a number of its own above it (cluster-wide locks go with the open file),
+with :data:`_UNPRIVILEGED` set when a uid other than 0 opened the file;
 directory handles index a snapshot of the entries taken at opendir, so a
 listing never skips or repeats an entry while others create and delete.
 """
@@ -178,6 +179,8 @@ class Operations(pyfuse3.Operations):
         self.cluster_locks = False
         #: file handle -> lock owners that took cluster-wide locks through it
         self._lock_owners: dict[int, set[int]] = {}
+        #: every file handle open (each open has its own)
+        self._open_files: set[int] = set()
         self.initialized = trio.Event()
         #: this session's /dev/fuse descriptor, if names can be dropped (see init)
         self._dev_fd: int | None = None
@@ -330,11 +333,11 @@ class Operations(pyfuse3.Operations):
     def _fileinfo(self, ino: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         if ino > _INODE:
             raise FsError(errno.EOVERFLOW, f"inode {ino} does not fit a file handle")
-        fh = ino | (next(self._opened) & _SERIAL) << _INODE_BITS
-        while fh in self._lock_owners:  # (after 2**23 opens) one still holding locks
-            fh = ino | (next(self._opened) & _SERIAL) << _INODE_BITS
-        if not self._privileged(ctx):
-            fh |= _UNPRIVILEGED
+        flag = 0 if self._privileged(ctx) else _UNPRIVILEGED
+        fh = ino | (next(self._opened) & _SERIAL) << _INODE_BITS | flag
+        while fh in self._open_files:  # (after 2**23 opens of it) one still open
+            fh = ino | (next(self._opened) & _SERIAL) << _INODE_BITS | flag
+        self._open_files.add(fh)
         if self.direct_io:
             return pyfuse3.FileInfo(fh=fh, direct_io=True)
         keep = self.meta.keep_cache(ino)
@@ -552,15 +555,31 @@ class Operations(pyfuse3.Operations):
     @_errno_boundary
     async def release(self, fh: int) -> None:
         ino = fh & _INODE
+        self._open_files.discard(fh)
         owners = self._lock_owners.pop(fh, None)
-        if owners:
-            # The kernel drops no lock it forwarded when a file closes (flush carries
-            # the owner, but memfs answers no flush): every lock taken through this
-            # open file goes with it.
-            locks = self.meta.locks()
-            assert locks is not None
-            for owner in owners:
+        try:
+            if owners:
+                await self._unlock_released(ino, owners)
+        finally:
+            await self._release(ino)
+
+    async def _unlock_released(self, ino: int, owners: set[int]) -> None:
+        """The kernel drops no lock it forwarded when a file closes (flush carries the
+        owner, but memfs answers no flush): the locks taken through this open file go
+        with it, but those of an owner that has locked through another open file of
+        the same inode since (RELEASE comes after the close, maybe after that lock):
+        they go with that one."""
+        locks = self.meta.locks()
+        assert locks is not None
+        for owner in owners:
+            if any(owner in other for fh, other in self._lock_owners.items() if fh & _INODE == ino):
+                continue
+            try:
                 await locks.unlock(ino, owner)
+            except FsError as exc:  # the metadata service drops them with the session
+                log.warning("inode %d: locks of a closed file not dropped: %s", ino, exc)
+
+    async def _release(self, ino: int) -> None:
         # Before the last release tells the metadata server we are done writing.
         await self.data.release(ino)
         await self.meta.release(ino)
@@ -596,9 +615,12 @@ class Operations(pyfuse3.Operations):
         if lock_type is None:
             raise FsError(errno.EINVAL, f"flock operation {op:#x}")
         locks = self._locks()
+        # The open file owns its flock lock: its handle is unique while it is open
+        # (the kernel's owner, its struct file's address, is reused once it is freed,
+        # maybe before the RELEASE that drops the lock arrives).
         if lock_type != fcntl.F_UNLCK:
-            self._lock_owners.setdefault(fh, set()).add(owner)
-        await locks.flock(fh & _INODE, owner, lock_type, not op & fcntl.LOCK_NB)
+            self._lock_owners.setdefault(fh, set()).add(fh)
+        await locks.flock(fh & _INODE, fh, lock_type, not op & fcntl.LOCK_NB)
 
     def _locks(self) -> Locks:
         locks = self.meta.locks()

@@ -86,8 +86,12 @@ class LockClient:
             except FsError as exc:
                 if exc.errno != errno.EAGAIN or not wait:
                     raise
-            with trio.move_on_after(RETRY_EVERY):
-                await freed.wait()
+            try:
+                with trio.move_on_after(RETRY_EVERY):
+                    await freed.wait()
+            finally:
+                if self._freed.get(ino) is freed and not freed.is_set():
+                    del self._freed[ino]  # (another waiter there makes a new one)
 
     def unlocked(self, ino: int) -> None:
         """The server says a lock on *ino* went: its waiters ask again."""

@@ -114,17 +114,19 @@ class LockTable:
                 if o != owner and (type_ == F_WRLCK or t == F_WRLCK)]
 
     def flock(self, ino: int, owner: Owner, type_: int) -> bool:
-        """Take, convert or drop *owner*'s flock lock; False if another owner's is in the way."""
-        if self.flock_conflicts(ino, owner, type_):
-            return False
+        """Take, convert or drop *owner*'s flock lock; False if another owner's is in the
+        way (a conversion refused has lost the lock it had: Linux's flock(2) too)."""
         held = self._flock.setdefault(ino, {})
+        if held.get(owner, type_) != type_:
+            del held[owner]  # a conversion drops the old lock first, as in Linux
+        ok = not self.flock_conflicts(ino, owner, type_)
         if type_ == F_UNLCK:
             held.pop(owner, None)
-        else:
+        elif ok:
             held[owner] = type_
         if not held:
             del self._flock[ino]
-        return True
+        return ok
 
     # -- owners and sessions ------------------------------------------------------------
 
@@ -222,14 +224,14 @@ class LockService:
         if name == "flock":
             type_, wait = args[2], args[3]
             _check_type(type_)
-            if not self._retrying(ino, lambda: self.table.flock(ino, owner, type_)):
+            if not self._retrying(ino, sid, lambda: self.table.flock(ino, owner, type_)):
                 self._refuse(ino, sid, wait)
             if type_ != F_WRLCK:  # an exclusive lock frees nothing
                 self._changed(ino)
             return None
         type_, start, length, pid = args[2:6]
         _check_type(type_)
-        if start < 0 or length < 0:
+        if not 0 <= start < END or length < 0:
             raise FsError(errno.EINVAL, f"lock range {start}+{length} is out of range")
         lo, hi = span(start, length)
         if name == "getlk":
@@ -241,30 +243,39 @@ class LockService:
             r = found[0]
             # A process of another node has no pid here (the kernel shows 0).
             return [r.type, r.start, length_of(r.start, r.end), r.pid if r.owner.sid == sid else 0]
-        if not self._retrying(ino, lambda: self.table.lock(ino, owner, type_, lo, hi, pid)):
+        if not self._retrying(ino, sid, lambda: self.table.lock(ino, owner, type_, lo, hi, pid)):
             self._refuse(ino, sid, args[6])
         if type_ != F_WRLCK:
             self._changed(ino)
         return None
 
-    def reclaim(self, sid: bytes, locks: list[list[int]]) -> list[int]:
+    def reclaim(self, sid: bytes, locks: list[list[int]], exists: Callable[[int], bool]) -> list[int]:
         """Make session *sid*'s locks exactly *locks* (as :meth:`LockTable.held` lists
         them: what its client holds, stated when it registers): the positions of those
         another owner holds now (lost by the client: it was cut off long enough, or the
-        server restarted and another client took them first)."""
+        server restarted and another client took them first) or on files that no
+        longer *exist*."""
         touched = self.table.drop_session(sid)
         refused = []
         for k, (kind, ino, owner, type_, start, end, pid) in enumerate(locks):
             o = Owner(sid, owner)
-            if kind == FLOCK:
-                ok = self._retrying(ino, functools.partial(self.table.flock, ino, o, type_))
+            if not valid_lock(kind, ino, owner, type_, start, end, pid) or not exists(ino):
+                ok = False  # (a lock that makes no sense: refused as well)
+            elif kind == FLOCK:
+                ok = self._retrying(ino, sid, functools.partial(self.table.flock, ino, o, type_))
             else:
-                ok = self._retrying(ino, functools.partial(self.table.lock, ino, o, type_, start, end, pid))
+                ok = self._retrying(ino, sid, functools.partial(self.table.lock, ino, o, type_,
+                                                                 start, end, pid))
             if not ok:
                 refused.append(k)
         for ino in touched:
             self._changed(ino)
         return refused
+
+    def drop_inode(self, ino: int) -> None:
+        """*ino* no longer exists."""
+        self.table.drop_inode(ino)
+        self.waiting.pop(ino, None)
 
     def drop_session(self, sid: bytes) -> None:
         """Session *sid* is gone (expired, unmounted): its locks go."""
@@ -273,14 +284,14 @@ class LockService:
         for sids in self.waiting.values():
             sids.discard(sid)
 
-    def _retrying(self, ino: int, attempt: Callable[[], bool]) -> bool:
-        return attempt() or (self._expire(ino, None) and attempt())
+    def _retrying(self, ino: int, sid: bytes, attempt: Callable[[], bool]) -> bool:
+        return attempt() or (self._expire(ino, sid) and attempt())
 
-    def _expire(self, ino: int, sid: bytes | None) -> bool:
-        """Drop the locks on *ino* of sessions gone silent (evicted); True if any."""
+    def _expire(self, ino: int, sid: bytes) -> bool:
+        """Drop the locks on *ino* of other sessions gone silent (evicted); True if any."""
         dropped = False
         for holder in self.table.holders(ino) - {sid}:
-            if holder is not None and self._stale(holder):
+            if self._stale(holder):
                 self._evict(holder, "it holds a lock another client asked for, and has "
                                     "not been heard from within its lease term")
                 self.drop_session(holder)

@@ -75,7 +75,7 @@ from memfs.meta.leases import (
     LeaseTable,
     settles_from_wire,
 )
-from memfs.meta.locks import LockService, valid_lock
+from memfs.meta.locks import LockService
 from memfs.meta.store import ANY_EARLIER, MetaStore
 from memfs.wire import Kind, WireError
 
@@ -1060,7 +1060,7 @@ class MetaServer:
                 if self.journal is not None:
                     self.journal.append_destroy(ino)
                 self.leases.destroyed(ino)
-                self.locks.table.drop_inode(ino)
+                self.locks.drop_inode(ino)
             self._destroyed.clear()
 
     async def _control(self, conn: _Conn, value: list[Any]) -> Any:
@@ -1120,12 +1120,10 @@ class MetaServer:
                 return await self._claim_session(conn, sid, claimed, settles, ops)
             locks = [[codec.check_int(x, "lock") for x in codec.check_list(item, "lock", 7)]
                      for item in codec.check_list(raw[4], "locks")]
-            if any(not valid_lock(*lock) for lock in locks):
-                raise WireError("registration: a malformed lock")
             answer = await self._claim_session(conn, sid, claimed, settles, ops)
             # The locks its client holds (memfs.meta.locks): those lost meanwhile are
             # refused (after the handles: a lock is on an open file).
-            return [*answer, self.locks.reclaim(conn.session.sid, locks)]
+            return [*answer, self.locks.reclaim(conn.session.sid, locks, self.store.inodes.__contains__)]
         raise WireError(f"malformed {name} call")
 
     # -- sessions and open counts -----------------------------------------------------------
@@ -1164,6 +1162,7 @@ class MetaServer:
             s.generation += 1
             conn.session = s
         s = conn.session
+        s.last_heard = trio.current_time()  # (this frame was read before it was named)
         self._t = self._real_now()
         # A size counts if the session still holds the write lease (cut off for less
         # than its term, or evicted and back before its lease ran out: its chunks are

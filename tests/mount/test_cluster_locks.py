@@ -167,7 +167,8 @@ def test_flock_and_fcntl_locks_hold_across_nodes(cluster: Cluster) -> None:
             y.refused("flock ex nb", "EAGAIN")
             x.ok("flock sh nb")  # downgrade
             y.ok("flock sh nb")
-            x.refused("flock ex nb", "EAGAIN")  # upgrade blocked by the other's share
+            x.refused("flock ex nb", "EAGAIN")  # upgrade blocked by the other's share,
+            y.ok("flock ex nb")  # and x's share is gone (Linux: no deadlocked upgraders)
             y.ok("flock un")
             x.ok("flock ex nb")
             x.ok("flock un")
@@ -246,6 +247,46 @@ def test_a_waiter_is_woken_and_a_signal_ends_its_wait(cluster: Cluster) -> None:
         a.ok("flock un")
         b.ok("flock ex nb")
         b.ok("flock un")
+
+
+MANY_WAITERS = """
+import fcntl, sys, threading, time
+path, n = sys.argv[1], int(sys.argv[2])
+holder = open(path, "r+b")
+fcntl.flock(holder, fcntl.LOCK_EX)
+got = []
+def wait():
+    with open(path, "r+b") as f:
+        fcntl.flock(f, fcntl.LOCK_SH)
+        got.append(1)
+threads = [threading.Thread(target=wait) for _ in range(n)]
+for t in threads:
+    t.start()
+time.sleep(2)  # all of them wait in the daemon now
+t0 = time.monotonic()
+with open(path + ".other", "wb") as f:  # the mount still serves other requests
+    f.write(b"served")
+print("served", round(time.monotonic() - t0, 3), flush=True)
+fcntl.flock(holder, fcntl.LOCK_UN)
+for t in threads:
+    t.join()
+print("got", len(got), flush=True)
+"""
+
+
+def test_waiters_do_not_take_the_daemons_workers(cluster: Cluster) -> None:
+    """More waiters than the daemon has request workers (64): each wait runs in a task
+    of its own, so the node still serves other requests, the holder's unlock among
+    them (with waits in the workers, that node's mount would hang for good)."""
+    c1 = cluster.mnt["c1"]
+    (c1 / "f").write_bytes(b"x")
+    with on_host(cluster, "c1", MANY_WAITERS, str(c1 / "f"), "80") as proc:
+        w = Locker.__new__(Locker)
+        w.proc, w._buf = proc, b""
+        served = w.line(60)
+        assert served.startswith("served") and float(served.split()[1]) < 5, served
+        assert w.line(60) == "got 80"
+    assert (c1 / "f.other").read_bytes() == b"served"
 
 
 def test_locks_go_with_the_open_file(cluster: Cluster) -> None:

@@ -52,7 +52,8 @@ def test_posix_ranges_split_merge_and_conflict_as_in_linux() -> None:
 def test_flock_is_whole_file_and_apart_from_posix_locks() -> None:
     t = LockTable()
     assert t.flock(7, A, F_RDLCK) and t.flock(7, B, F_RDLCK)
-    assert not t.flock(7, A, F_WRLCK)  # upgrade blocked by B's share
+    assert not t.flock(7, A, F_WRLCK)  # upgrade blocked by B's share: A's share is gone
+    assert t.flock(7, B, F_WRLCK)  # (as in Linux, where two upgraders cannot deadlock)
     assert t.flock(7, B, F_UNLCK) and t.flock(7, A, F_WRLCK)
     assert not t.flock(7, B, F_RDLCK)
     assert t.lock(7, B, F_WRLCK, 0, END, 2)  # POSIX locks do not see flock locks
@@ -111,9 +112,18 @@ def test_service_refuses_tells_waiters_and_evicts_silent_holders() -> None:
     f.silent.add(A.sid)
     s.call(B.sid, "flock", [7, 1, F_RDLCK, 1])
     assert f.evicted == [A.sid] and s.table.held(A.sid) == []
-    with pytest.raises(FsError) as e:
-        s.call(B.sid, "setlk", [7, 1, 99, 0, 0, 1, 0])
-    assert e.value.errno == errno.EINVAL
+    for bad in ([7, 1, 99, 0, 0, 1, 0], [7, 1, F_WRLCK, END, 0, 1, 0], [7, 1, F_WRLCK, -1, 0, 1, 0]):
+        with pytest.raises(FsError) as e:
+            s.call(B.sid, "setlk", bad)
+        assert e.value.errno == errno.EINVAL
+    # a session holding a lock in its own way is never evicted for it (a registration
+    # reclaims while its own last word is old)
+    C = b"c" * 16
+    s.call(C, "setlk", [9, 1, F_WRLCK, 20, 10, 1, 0])
+    f.silent.add(B.sid)
+    claims = [[POSIX, 9, 2, F_RDLCK, 0, 10, 1], [POSIX, 9, 2, F_RDLCK, 25, 1, 1]]
+    assert s.reclaim(B.sid, claims, lambda ino: True) == [1]
+    assert f.evicted == [A.sid]
 
 
 def test_reclaim_makes_a_sessions_locks_exactly_what_it_states() -> None:
@@ -124,7 +134,9 @@ def test_reclaim_makes_a_sessions_locks_exactly_what_it_states() -> None:
     s.call(B.sid, "setlk", [8, 1, F_WRLCK, 0, 0, 200, 0])
     claims = [[POSIX, 7, 1, F_WRLCK, 0, 10, 100], [POSIX, 8, 1, F_RDLCK, 0, 1, 100],
               [FLOCK, 7, 3, F_RDLCK, 0, END, 0]]
-    assert s.reclaim(A.sid, claims) == [1]  # B holds inode 8
+    bad = [POSIX, 7, 1, F_WRLCK, END, END, 100]  # makes no sense: refused
+    assert s.reclaim(A.sid, [*claims, bad, [POSIX, 6, 1, F_WRLCK, 0, 1, 0]],
+                     lambda ino: ino != 6) == [1, 3, 4]  # B holds inode 8; 6 is gone
     assert sorted(s.table.held(A.sid)) == sorted([claims[0], claims[2]])
     assert s.table.held(B.sid) == [[POSIX, 8, 1, F_WRLCK, 0, END, 200]]
 
@@ -160,3 +172,66 @@ async def test_a_waiter_asks_again_when_told_and_when_it_times_out(
     client.refused([0], client.claims())  # a claim the server refused: forgotten, logged
     assert client.claims() == []
     assert "lost a POSIX lock on inode 7" in caplog.text
+
+
+class _FakeLocks:
+    def __init__(self, calls: list[tuple[Any, ...]], fail: bool = False) -> None:
+        self.calls, self.fail = calls, fail
+
+    async def setlk(self, ino: int, owner: int, *_: Any) -> None:
+        self.calls.append(("setlk", ino, owner))
+
+    async def flock(self, ino: int, owner: int, *_: Any) -> None:
+        self.calls.append(("flock", ino, owner))
+
+    async def unlock(self, ino: int, owner: int) -> None:
+        self.calls.append(("unlock", ino, owner))
+        if self.fail:
+            raise FsError(errno.EIO, "metadata server gone")
+
+
+def _operations(locks: _FakeLocks, calls: list[tuple[Any, ...]]) -> Any:
+    from memfs.fs import Operations
+
+    class Meta:
+        def locks(self) -> _FakeLocks:
+            return locks
+
+        async def release(self, ino: int) -> None:
+            calls.append(("release", ino))
+
+    class Data:
+        async def release(self, ino: int) -> None:
+            pass
+
+    ops = Operations.__new__(Operations)
+    ops.meta, ops.data = Meta(), Data()  # type: ignore[assignment]
+    ops._lock_owners, ops._open_files = {}, set()
+    return ops
+
+
+async def test_a_released_open_file_drops_only_its_own_locks(caplog: pytest.LogCaptureFixture) -> None:
+    """RELEASE comes after the close, maybe after the process opened the file again
+    and locked through the new open file: that owner's locks stay until the new one
+    is released.  flock locks belong to memfs's handle, not to the kernel's owner
+    (a struct file's address, reused).  A failed unlock still releases the file."""
+    calls: list[tuple[Any, ...]] = []
+    ops = _operations(_FakeLocks(calls), calls)
+    fh1, fh2, fh3 = (5 | n << 40 for n in (1, 2, 3))
+    owner = 0xDEAD
+    await ops.setlk(fh1, owner, F_WRLCK, 0, 0, 1, False)
+    await ops.setlk(fh2, owner, F_WRLCK, 0, 0, 1, False)  # reopened, locked again
+    await ops.flock(fh3, owner, 2)  # LOCK_EX, the kernel's owner
+    await ops.release(fh1)
+    assert ("unlock", 5, owner) not in calls and ("release", 5) in calls
+    await ops.release(fh2)
+    assert calls[-2:] == [("unlock", 5, owner), ("release", 5)]
+    assert ("flock", 5, fh3) in calls
+    await ops.release(fh3)
+    assert calls[-2:] == [("unlock", 5, fh3), ("release", 5)]
+    caplog.expected_warnings = True  # type: ignore[attr-defined]
+    calls.clear()
+    ops = _operations(_FakeLocks(calls, fail=True), calls)
+    await ops.setlk(fh1, owner, F_RDLCK, 0, 0, 1, False)
+    await ops.release(fh1)
+    assert calls[-2:] == [("unlock", 5, owner), ("release", 5)]
