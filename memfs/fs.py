@@ -152,6 +152,7 @@ class Operations(pyfuse3.Operations):
         negative_timeout: float = 1.0,
         pages_follow_changes: bool = False,
         max_background: int = MAX_BACKGROUND,
+        cluster_locks: bool = True,
     ) -> None:
         super().__init__()
         self.meta = meta
@@ -175,6 +176,9 @@ class Operations(pyfuse3.Operations):
         self._dir_inodes: dict[int, int] = {}
         self._next_dh = itertools.count(1)
         self._opened = itertools.count(1)
+        #: ask for the kernel's lock requests where the metadata service keeps locks
+        #: (False: ``-o localflock``, the kernel keeps them per node)
+        self.want_cluster_locks = cluster_locks
         #: the kernel's lock requests go to the metadata service (cluster-wide locks)
         self.cluster_locks = False
         #: file handle -> lock owners that took cluster-wide locks through it
@@ -267,8 +271,8 @@ class Operations(pyfuse3.Operations):
             conn.extra_flags |= killpriv_v2
             self.drops_privileges = True
         lock_caps = pyfuse3.FUSE_CAP_POSIX_LOCKS | pyfuse3.FUSE_CAP_FLOCK_LOCKS
-        if self.meta.locks() is not None and hasattr(pyfuse3.Operations, "setlk") \
-                and conn.capable & lock_caps == lock_caps:
+        if self.want_cluster_locks and self.meta.locks() is not None \
+                and hasattr(pyfuse3.Operations, "setlk") and conn.capable & lock_caps == lock_caps:
             conn.want |= lock_caps
             self.cluster_locks = True
         if self.direct_io and killpriv_v2 and conn.kernel_flags & FUSE_DIRECT_IO_ALLOW_MMAP:
@@ -291,7 +295,7 @@ class Operations(pyfuse3.Operations):
             log.warning("-o direct_io without FUSE_DIRECT_IO_ALLOW_MMAP (a kernel before 6.6, "
                         "or pyfuse3 %s without memfs's patch 0003): MAP_SHARED mappings of "
                         "files fail with ENODEV", pyfuse3.__version__)
-        if self.meta.locks() is not None and not self.cluster_locks:
+        if self.want_cluster_locks and self.meta.locks() is not None and not self.cluster_locks:
             log.warning("pyfuse3 %s does not forward lock requests (memfs's patch 0005): "
                         "flock and fcntl locks on this mount hold on this node only",
                         pyfuse3.__version__)

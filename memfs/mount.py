@@ -52,6 +52,9 @@ class MountOptions:
     writeback_cache: bool = False
     #: ``-o direct_io``: file data bypasses the kernel's page cache (see fs.Operations)
     direct_io: bool = False
+    #: ``-o localflock``: a cluster client leaves locks to its kernel (per node, as on
+    #: an embedded mount; Lustre's option of that name) instead of the mds
+    local_locks: bool = False
     attr_timeout: float = 1.0
     # Every embedded operation completes without waiting (memory in this
     # process), so one worker serves requests with the least scheduling per
@@ -88,7 +91,7 @@ def fuse_options(opts: MountOptions) -> set[str]:
     for o in opts.fuse_options:
         if o in IGNORED_FUSE_OPTIONS or not o:
             continue
-        if o in ("writeback_cache", "no_writeback_cache", "direct_io"):
+        if o in ("writeback_cache", "no_writeback_cache", "direct_io", "localflock"):
             continue  # memfs's own (see MountOptions); not libfuse mount options
         out.add(o)
     return out
@@ -307,6 +310,7 @@ async def _serve(
         attr_timeout=opts.attr_timeout,
         entry_timeout=opts.attr_timeout,
         negative_timeout=opts.attr_timeout,
+        cluster_locks=not opts.local_locks,
     )
     arrays.kernel = ops
     arrays.wait_posted = data.wait_posted

@@ -81,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
         fuse_options=options,
         writeback_cache="writeback_cache" in options,
         direct_io="direct_io" in options,
+        local_locks="localflock" in options,
         attr_timeout=args.attr_timeout,
         readahead_kib=0 if args.readahead == "0" else parse_size(args.readahead, "--readahead") >> 10,
     )

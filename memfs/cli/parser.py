@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="FUSE mount options, comma separated; writeback_cache enables "
                         "the kernel writeback cache; direct_io keeps file data out of the "
                         "kernel's page cache (each read and write goes to the daemon, data "
-                        "is in memory once)")
+                        "is in memory once); localflock keeps a cluster client's flock and "
+                        "fcntl locks on this node (by default they hold across nodes)")
     m.add_argument("--attr-timeout", type=float, default=None,
                    help="seconds the kernel may cache attributes and names (default: a "
                         "day for an embedded pool, where every change goes through this "

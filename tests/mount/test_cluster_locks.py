@@ -359,3 +359,23 @@ def test_locks_survive_an_mds_restart(cluster: Cluster) -> None:
         b.ok("setlk wr 0 0")
     assert not log_lines(cluster, "c1.log", "lost a")
     assert not log_lines(cluster, "c2.log", "lost a")
+
+
+def test_localflock_keeps_a_clients_locks_on_its_node(tmp_path: Path) -> None:
+    """``-o localflock`` (Lustre's option of that name): c1's kernel keeps its locks,
+    which hold between its own processes and mean nothing to c2, whose locks still
+    go to the mds."""
+    mds_args = ["--lease-term", str(LEASE_TERM), "--recall-timeout", str(RECALL_TIMEOUT)]
+    with make_cluster(tmp_path, mds_args, c1_args=("-o", "localflock")) as cluster:
+        c1, c2 = cluster.mnt["c1"], cluster.mnt["c2"]
+        (c1 / "f").write_bytes(b"x")
+        with locker(cluster, "c1", c1 / "f") as a, locker(cluster, "c1", c1 / "f") as a2, \
+                locker(cluster, "c2", c2 / "f") as b, locker(cluster, "c2", c2 / "f") as b2:
+            a.ok("flock ex nb")
+            a2.refused("flock ex nb")  # the kernel's lock, on its node
+            b.ok("flock ex nb")  # c2 knows nothing of it
+            b2.refused("flock ex nb")  # through the mds
+            a.ok("setlk wr 0 0")
+            a2.refused("setlk wr 0 0")
+            b.ok("setlk wr 0 0")
+            b2.refused("setlk rd 0 1")

@@ -173,6 +173,7 @@ def test_init_connection(pages_follow_changes: bool, offered: bool) -> None:
     ops = Operations.__new__(Operations)
     ops.pages_follow_changes, ops.max_background, ops.negotiated = pages_follow_changes, 32, None
     ops.drops_privileges = ops.direct_io = ops.shared_mmap = ops.cluster_locks = False
+    ops.want_cluster_locks = True
     ops.meta = SimpleNamespace(locks=lambda: None)  # type: ignore[assignment]
     conn = FakeConn(v2 | 1 if offered else 1)
     ops.init_connection(conn)
@@ -185,20 +186,25 @@ def test_init_connection(pages_follow_changes: bool, offered: bool) -> None:
                               "extra_flags": conn.extra_flags}
 
 
+@pytest.mark.parametrize("local", [False, True], ids=["", "localflock"])
 @pytest.mark.parametrize("cluster", [True, False])
-def test_lock_requests_are_asked_for_where_the_metadata_service_keeps_locks(cluster: bool) -> None:
+def test_lock_requests_are_asked_for_where_the_metadata_service_keeps_locks(
+        cluster: bool, local: bool) -> None:
     """A cluster client (its Meta keeps locks) asks the kernel for lock requests
-    (pyfuse3 patch 0005 clears them by default); an embedded mount leaves locks to
-    the kernel."""
+    (pyfuse3 patch 0005 clears them by default), unless mounted ``-o localflock``;
+    an embedded mount leaves locks to the kernel."""
     caps = pyfuse3.FUSE_CAP_POSIX_LOCKS | pyfuse3.FUSE_CAP_FLOCK_LOCKS
     ops = Operations.__new__(Operations)
     ops.pages_follow_changes, ops.max_background, ops.negotiated = not cluster, 32, None
     ops.drops_privileges = ops.direct_io = ops.shared_mmap = ops.cluster_locks = False
+    ops.want_cluster_locks = True
     ops.meta = SimpleNamespace(locks=lambda: object() if cluster else None)  # type: ignore[assignment]
+    ops.want_cluster_locks = not local
     conn = FakeConn(0)
     ops.init_connection(conn)
-    assert conn.want & caps == (caps if cluster else 0)
-    assert ops.cluster_locks is cluster
+    forwarded = cluster and not local
+    assert conn.want & caps == (caps if forwarded else 0)
+    assert ops.cluster_locks is forwarded
 
 
 @pytest.mark.parametrize("offered", [True, False])
@@ -209,6 +215,7 @@ def test_direct_io_asks_for_shared_mappings(offered: bool) -> None:
     ops.pages_follow_changes, ops.max_background, ops.negotiated = True, 32, None
     ops.drops_privileges, ops.direct_io, ops.shared_mmap = False, True, False
     ops.cluster_locks, ops.meta = False, SimpleNamespace(locks=lambda: None)  # type: ignore[assignment]
+    ops.want_cluster_locks = True
     conn = FakeConn(v2 | (fs.FUSE_DIRECT_IO_ALLOW_MMAP if offered else 0))
     ops.init_connection(conn)
     assert conn.extra_flags == v2 | (fs.FUSE_DIRECT_IO_ALLOW_MMAP if offered else 0)
