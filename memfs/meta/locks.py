@@ -213,6 +213,8 @@ class LockService:
         self._notify = notify
         #: inode -> sessions refused a lock they wait for (told once when one goes)
         self.waiting: dict[int, set[bytes]] = {}
+        #: sessions evicted for holding a lock while silent
+        self.evictions = 0
 
     def call(self, sid: bytes, name: str, args: list[int]) -> Any:
         """One lock call of session *sid*; FsError EAGAIN, EINVAL."""
@@ -294,6 +296,7 @@ class LockService:
             if self._stale(holder):
                 self._evict(holder, "it holds a lock another client asked for, and has "
                                     "not been heard from within its lease term")
+                self.evictions += 1
                 self.drop_session(holder)
                 dropped = True
         return dropped

@@ -334,6 +334,10 @@ class MetaServer:
             "memfs_mds_recalls_sent": float(self.leases.recalls_sent),
             "memfs_mds_lease_evictions": float(self.leases.evictions),
             "memfs_mds_fences_sent": float(self._fence_seq),
+            # cluster-wide file locks held, sessions told to wait, holders evicted
+            "memfs_mds_locks": float(len(self.locks.table)),
+            "memfs_mds_lock_waiters": float(sum(len(w) for w in self.locks.waiting.values())),
+            "memfs_mds_lock_evictions": float(self.locks.evictions),
             # fences some memory server has not confirmed (memory there is not reused)
             "memfs_mds_fences_unconfirmed": float(
                 len({t for ts in self.fences.pending.values() for t in ts})

@@ -566,6 +566,7 @@ def test_mds_metrics(tmp_path: Path) -> None:
         assert got[("memfs_mds_sessions_connected", ())] == 2
         assert got[("memfs_mds_fences_unconfirmed", ())] == 0
         assert ("memfs_mds_fences_sent", ()) in got
+        assert got[("memfs_mds_locks", ())] == got[("memfs_mds_lock_waiters", ())] == 0
         assert ("memfs_mds_journal_durable_seq", ()) not in got  # no --journal here
 
         # The client mount: requests, and the health of each memory server it uses.

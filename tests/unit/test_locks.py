@@ -111,7 +111,7 @@ def test_service_refuses_tells_waiters_and_evicts_silent_holders() -> None:
         s.call(B.sid, "flock", [7, 1, F_RDLCK, 1])
     f.silent.add(A.sid)
     s.call(B.sid, "flock", [7, 1, F_RDLCK, 1])
-    assert f.evicted == [A.sid] and s.table.held(A.sid) == []
+    assert f.evicted == [A.sid] and s.table.held(A.sid) == [] and s.evictions == 1
     for bad in ([7, 1, 99, 0, 0, 1, 0], [7, 1, F_WRLCK, END, 0, 1, 0], [7, 1, F_WRLCK, -1, 0, 1, 0]):
         with pytest.raises(FsError) as e:
             s.call(B.sid, "setlk", bad)
