@@ -103,10 +103,10 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
 class Locker:
     """A LOCKER process on a client host, told one command at a time."""
 
-    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+    def __init__(self, proc: subprocess.Popen[bytes], *, ready: bool = True) -> None:
         self.proc = proc
         self._buf = b""
-        self.pid = int(self.line().split()[1])  # "ready PID"
+        self.pid = int(self.line().split()[1]) if ready else proc.pid  # "ready PID"
 
     def line(self, timeout: float = 30) -> str:
         assert self.proc.stdout is not None
@@ -281,8 +281,7 @@ def test_waiters_do_not_take_the_daemons_workers(cluster: Cluster) -> None:
     c1 = cluster.mnt["c1"]
     (c1 / "f").write_bytes(b"x")
     with on_host(cluster, "c1", MANY_WAITERS, str(c1 / "f"), "80") as proc:
-        w = Locker.__new__(Locker)
-        w.proc, w._buf = proc, b""
+        w = Locker(proc, ready=False)
         served = w.line(60)
         assert served.startswith("served") and float(served.split()[1]) < 5, served
         assert w.line(60) == "got 80"
@@ -379,3 +378,33 @@ def test_localflock_keeps_a_clients_locks_on_its_node(tmp_path: Path) -> None:
             a2.refused("setlk wr 0 0")
             b.ok("setlk wr 0 0")
             b2.refused("setlk rd 0 1")
+
+
+HDF5_OPEN = """
+import sys, h5py
+try:
+    f = h5py.File(sys.argv[1], sys.argv[2])
+except OSError as exc:
+    print("refused", "unable to lock file" in str(exc), flush=True)
+else:
+    print("opened", int(f["x"][-1]), flush=True)
+"""
+
+
+def test_hdf5_file_locking_holds_across_nodes(cluster: Cluster) -> None:
+    """HDF5 locks a file it opens (flock): a file one node has open for writing cannot
+    be opened for writing, or reading, on another node meanwhile (it could on a
+    filesystem whose locks are per node); once closed, it can."""
+    h5py = pytest.importorskip("h5py")  # (a test dependency: see pyproject.toml)
+    import numpy as np
+
+    c1, c2 = cluster.mnt["c1"], cluster.mnt["c2"]
+    with h5py.File(c1 / "d.h5", "w") as f:
+        f["x"] = np.arange(1000)
+    with h5py.File(c1 / "d.h5", "r+") as f:
+        for mode in ("r+", "r"):
+            with on_host(cluster, "c2", HDF5_OPEN, str(c2 / "d.h5"), mode) as p:
+                assert Locker(p, ready=False).line() == "refused True", mode
+        f["x"][-1] = 7
+    with on_host(cluster, "c2", HDF5_OPEN, str(c2 / "d.h5"), "r+") as p:
+        assert Locker(p, ready=False).line() == "opened 7"
