@@ -15,12 +15,12 @@
 # say why and what they measured.  The source distribution comes from PyPI,
 # pinned by version and sha256; the build is pip's usual one (Cython,
 # libfuse3-dev).  The installed version is
-# 3.5.0+memfs.10, so a rerun with the patches in place does nothing, and memfs
+# 3.5.0+memfs.12, so a rerun with the patches in place does nothing, and memfs
 # still runs on a plain pyfuse3 (it logs that the kernel keeps its defaults).
 set -eu
 VENV=${1:?usage: $0 VENV}
 VERSION=3.5.0
-LOCAL=memfs.10
+LOCAL=memfs.12
 SHA256=88399a9494b88603230bba300f4ba9ad63fece5ed514ca3633d555a0c6a42b24
 HERE=$(cd "$(dirname "$0")" && pwd)
 

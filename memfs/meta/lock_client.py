@@ -36,8 +36,10 @@ class LockClient:
         self._sid = sid
         self._call = call
         self.held = LockTable()
-        #: inode -> set when the server says a lock there went
+        #: inode -> set when the server says a lock there went (while anyone waits there)
         self._freed: dict[int, trio.Event] = {}
+        #: inode -> calls waiting there
+        self._waiters: dict[int, int] = {}
 
     async def getlk(self, ino: int, owner: int, type_: int, start: int, length: int,
                     pid: int) -> tuple[int, int, int, int]:
@@ -59,8 +61,14 @@ class LockClient:
         owner = _signed(owner)
 
         async def attempt() -> None:
-            await self._call("flock", ino, owner, type_, int(wait))
-            self.held.flock(ino, Owner(self._sid, owner), type_)
+            o = Owner(self._sid, owner)
+            try:
+                await self._call("flock", ino, owner, type_, int(wait))
+            except FsError as exc:
+                if exc.errno == errno.EAGAIN:  # a conversion refused drops the old lock
+                    self.held.flock(ino, o, F_UNLCK)
+                raise
+            self.held.flock(ino, o, type_)
 
         await self._until_taken(ino, attempt, wait and type_ != F_UNLCK)
 
@@ -75,23 +83,32 @@ class LockClient:
         Each attempt is shielded: one that reached the server must be heard out, or
         a lock taken there would be held by nobody's knowledge.  Cancellation (the
         kernel's interrupt) ends the waits between attempts."""
-        while True:
-            freed = self._freed.get(ino)
-            if freed is None or freed.is_set():
-                freed = self._freed[ino] = trio.Event()
-            try:
-                with trio.CancelScope(shield=True):
-                    await attempt()
-                return
-            except FsError as exc:
-                if exc.errno != errno.EAGAIN or not wait:
-                    raise
-            try:
+        if not wait:
+            with trio.CancelScope(shield=True):
+                await attempt()
+            return
+        self._waiters[ino] = self._waiters.get(ino, 0) + 1
+        try:
+            while True:
+                freed = self._freed.get(ino)
+                if freed is None or freed.is_set():  # (made before asking: none is missed)
+                    freed = self._freed[ino] = trio.Event()
+                try:
+                    with trio.CancelScope(shield=True):
+                        await attempt()
+                    return
+                except FsError as exc:
+                    if exc.errno != errno.EAGAIN:
+                        raise
                 with trio.move_on_after(RETRY_EVERY):
                     await freed.wait()
-            finally:
-                if self._freed.get(ino) is freed and not freed.is_set():
-                    del self._freed[ino]  # (another waiter there makes a new one)
+        finally:
+            n = self._waiters[ino] - 1
+            if n:
+                self._waiters[ino] = n
+            else:  # the last waiter there: nobody needs telling
+                del self._waiters[ino]
+                self._freed.pop(ino, None)
 
     def unlocked(self, ino: int) -> None:
         """The server says a lock on *ino* went: its waiters ask again."""
@@ -109,8 +126,9 @@ class LockClient:
             if not 0 <= k < len(claims):
                 continue
             kind, ino, owner, type_, start, end, _ = claims[k]
-            log.error("lost a %s lock on inode %d (owner %x, bytes %d-%s): another client took "
-                      "it while this one was cut off from the metadata server",
+            log.error("lost a %s lock on inode %d (owner %x, bytes %d-%s): the metadata server "
+                      "no longer has it for this client (another client took it while this one "
+                      "was cut off, or the file is gone)",
                       "flock" if kind == FLOCK else "POSIX", ino, owner, start,
                       "end" if end >= END else end - 1)
             o = Owner(self._sid, owner)

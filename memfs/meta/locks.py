@@ -113,6 +113,9 @@ class LockTable:
         return [o for o, t in self._flock.get(ino, {}).items()
                 if o != owner and (type_ == F_WRLCK or t == F_WRLCK)]
 
+    def has_flock(self, ino: int, owner: Owner) -> bool:
+        return owner in self._flock.get(ino, ())
+
     def flock(self, ino: int, owner: Owner, type_: int) -> bool:
         """Take, convert or drop *owner*'s flock lock; False if another owner's is in the
         way (a conversion refused has lost the lock it had: Linux's flock(2) too)."""
@@ -226,8 +229,12 @@ class LockService:
         if name == "flock":
             type_, wait = args[2], args[3]
             _check_type(type_)
+            had = self.table.has_flock(ino, owner)
             if not self._retrying(ino, sid, lambda: self.table.flock(ino, owner, type_)):
+                if had:  # a conversion refused: the old lock went
+                    self._changed(ino)
                 self._refuse(ino, sid, wait)
+            self._taken(ino, sid)
             if type_ != F_WRLCK:  # an exclusive lock frees nothing
                 self._changed(ino)
             return None
@@ -247,6 +254,7 @@ class LockService:
             return [r.type, r.start, length_of(r.start, r.end), r.pid if r.owner.sid == sid else 0]
         if not self._retrying(ino, sid, lambda: self.table.lock(ino, owner, type_, lo, hi, pid)):
             self._refuse(ino, sid, args[6])
+        self._taken(ino, sid)
         if type_ != F_WRLCK:
             self._changed(ino)
         return None
@@ -283,8 +291,8 @@ class LockService:
         """Session *sid* is gone (expired, unmounted): its locks go."""
         for ino in self.table.drop_session(sid):
             self._changed(ino)
-        for sids in self.waiting.values():
-            sids.discard(sid)
+        for ino in list(self.waiting):
+            self._taken(ino, sid)
 
     def _retrying(self, ino: int, sid: bytes, attempt: Callable[[], bool]) -> bool:
         return attempt() or (self._expire(ino, sid) and attempt())
@@ -300,6 +308,15 @@ class LockService:
                 self.drop_session(holder)
                 dropped = True
         return dropped
+
+    def _taken(self, ino: int, sid: bytes) -> None:
+        """*sid* got what it asked for on *ino*: it waits there no more (unless
+        another of its calls does: that one is told, and asks again, in vain)."""
+        sids = self.waiting.get(ino)
+        if sids is not None:
+            sids.discard(sid)
+            if not sids:
+                del self.waiting[ino]
 
     def _refuse(self, ino: int, sid: bytes, wait: int) -> None:
         if wait:

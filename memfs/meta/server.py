@@ -1127,6 +1127,7 @@ class MetaServer:
             answer = await self._claim_session(conn, sid, claimed, settles, ops)
             # The locks its client holds (memfs.meta.locks): those lost meanwhile are
             # refused (after the handles: a lock is on an open file).
+            conn.session.last_heard = trio.current_time()  # (the above may have waited)
             return [*answer, self.locks.reclaim(conn.session.sid, locks, self.store.inodes.__contains__)]
         raise WireError(f"malformed {name} call")
 

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import wait_gone
 from tests.mount.test_cluster import Cluster, make_cluster
 from tests.mount.test_cluster_leases import (
     GRACE,
@@ -286,6 +287,23 @@ def test_waiters_do_not_take_the_daemons_workers(cluster: Cluster) -> None:
         assert served.startswith("served") and float(served.split()[1]) < 5, served
         assert w.line(60) == "got 80"
     assert (c1 / "f.other").read_bytes() == b"served"
+
+
+def test_a_stopping_client_ends_its_lock_waits(cluster: Cluster) -> None:
+    """SIGTERM to a client daemon while one of its processes waits for a lock another
+    node holds: the daemon answers the wait (ENOLCK) and exits, instead of waiting
+    for the lock forever."""
+    c1, c2 = cluster.mnt["c1"], cluster.mnt["c2"]
+    (c1 / "f").write_bytes(b"x")
+    with locker(cluster, "c2", c2 / "f") as b, locker(cluster, "c1", c1 / "f") as a:
+        b.ok("flock ex nb")
+        a.send("flock ex")
+        time.sleep(0.5)
+        pid = daemon_pid(c1)
+        os.kill(pid, signal.SIGTERM)
+        assert wait_gone(pid, 15), "the client daemon did not exit"
+        assert a.line(10) == "refused ENOLCK"  # (not EINTR: no signal is pending)
+        b.ok("flock un")
 
 
 def test_locks_go_with_the_open_file(cluster: Cluster) -> None:

@@ -169,6 +169,20 @@ async def test_a_waiter_asks_again_when_told_and_when_it_times_out(
     with trio.move_on_after(0.5):
         await client.flock(7, 2, F_WRLCK, True)
     assert s.table.held(B.sid) == [[POSIX, 7, 1, F_WRLCK, 0, END, 200]]
+    # a refused flock upgrade loses the shared lock (Linux), here and at the server,
+    # whose other waiters are told at once
+    s.call(A.sid, "flock", [7, 1, F_UNLCK, 0])
+    s.call(A.sid, "flock", [7, 1, F_RDLCK, 0])
+    await client.flock(7, 2, F_RDLCK, False)
+    with pytest.raises(FsError):
+        await client.flock(7, 3, F_WRLCK, False)  # B's other open file: refused, not waiting
+    f.told.clear()
+    s.waiting[7] = {b"c" * 16}
+    with pytest.raises(FsError):
+        await client.flock(7, 2, F_WRLCK, False)
+    assert f.told == [(b"c" * 16, 7)]
+    assert [c for c in client.claims() if c[0] == FLOCK] == []
+    assert s.table.holders(7) == {A.sid, B.sid}  # A's share, B's POSIX lock
     client.refused([0], client.claims())  # a claim the server refused: forgotten, logged
     assert client.claims() == []
     assert "lost a POSIX lock on inode 7" in caplog.text
@@ -235,3 +249,33 @@ async def test_a_released_open_file_drops_only_its_own_locks(caplog: pytest.LogC
     await ops.setlk(fh1, owner, F_RDLCK, 0, 0, 1, False)
     await ops.release(fh1)
     assert calls[-2:] == [("unlock", 5, owner), ("release", 5)]
+
+
+async def test_every_waiter_on_a_file_is_woken_by_one_unlock(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """Waiters on one file share one wake-up; one whose wait timed out (and asked
+    again) does not take it away from the others."""
+    f = Fakes()
+    s = f.service
+
+    async def call(name: str, *args: int) -> Any:
+        return s.call(B.sid, name, list(args))
+
+    client = LockClient(B.sid, call)
+    s.call(A.sid, "setlk", [7, 1, F_WRLCK, 0, 0, 100, 0])
+    done: dict[int, float] = {}
+
+    async def wait(owner: int, start: float) -> None:
+        await trio.sleep(start)
+        await client.setlk(7, owner, F_RDLCK, 0, 0, 200, True)
+        done[owner] = trio.current_time()
+
+    async with trio.open_nursery() as n:
+        n.start_soon(wait, 1, 0.0)
+        n.start_soon(wait, 2, 0.5 * RETRY_EVERY)
+        await trio.sleep(1.2 * RETRY_EVERY)  # the first has timed out once
+        s.call(A.sid, "unlock", [7, 1])
+        client.unlocked(7)
+    assert done == {1: pytest.approx(1.2 * RETRY_EVERY), 2: pytest.approx(1.2 * RETRY_EVERY)}
+    assert client._freed == {} and client._waiters == {}
+    assert s.waiting == {}  # both got theirs: nobody left to tell
