@@ -297,6 +297,9 @@ METHODS: dict[str, Method] = {m.name: m for m in [
        _server_only),
     _m("flock", "int int int int", _none_to_wire, _none_from_wire, "read", _server_only),
     _m("unlock", "int int", _none_to_wire, _none_from_wire, "read", _server_only),
+    # the owner no longer waits for a lock on the file (its wait was interrupted):
+    # deadlock detection forgets it
+    _m("unwait", "int int", _none_to_wire, _none_from_wire, "read", _server_only),
 ]}
 
 

@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 
 #: a waiter asks again at least this often (the UNLOCKED frame is only a hint)
 RETRY_EVERY = 1.0
+#: an interrupted waiter tells the server it no longer waits, for at most this long
+UNWAIT_WITHIN = 1.0
 
 
 class LockClient:
@@ -55,7 +57,16 @@ class LockClient:
             await self._call("setlk", ino, owner, type_, start, length, pid, int(wait))
             self.held.lock(ino, Owner(self._sid, owner), type_, lo, hi, pid)
 
-        await self._until_taken(ino, attempt, wait)
+        try:
+            await self._until_taken(ino, attempt, wait)
+        except BaseException:
+            if wait:  # (interrupted, or EDEADLK): deadlock detection must not count it
+                with trio.CancelScope(shield=True), trio.move_on_after(UNWAIT_WITHIN):
+                    try:
+                        await self._call("unwait", ino, owner)
+                    except FsError as exc:
+                        log.debug("inode %d: unwait not sent: %s", ino, exc)
+            raise
 
     async def flock(self, ino: int, owner: int, type_: int, wait: bool) -> None:
         owner = _signed(owner)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import functools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,11 @@ F_RDLCK, F_WRLCK, F_UNLCK = fcntl.F_RDLCK, fcntl.F_WRLCK, fcntl.F_UNLCK
 END = (1 << 63) - 1
 #: lock kinds, as they travel (registration's reclaim list)
 POSIX, FLOCK = 0, 1
+#: a waiter asks again at least every memfs.meta.lock_client.RETRY_EVERY (1 s): one
+#: refused longer ago than this no longer waits (deadlock detection ignores it)
+BLOCKED_FOR = 2.5
+#: owners a deadlock check follows at most (Linux: 10 steps)
+MAX_DEADLOCK_WALK = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,25 +210,36 @@ class LockService:
     lock on that file goes, and asks again.  A lock whose session has not been
     heard from for a while (*stale*: a dead, stopped or cut-off client) does not
     stand in anyone's way: that session is evicted (*evict*) and loses every lock.
+    A POSIX wait that would close a cycle of waits is EDEADLK (:attr:`blocked`).
     """
 
     def __init__(
         self, stale: Callable[[bytes], bool], evict: Callable[[bytes, str], None],
-        notify: Callable[[bytes, int], None],
+        notify: Callable[[bytes, int], None], clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.table = LockTable()
         self._stale = stale
         self._evict = evict
         self._notify = notify
+        self._clock = clock
+        #: POSIX owners refused a lock they wait for -> (inode, the owners in the way,
+        #: when): what deadlock detection follows; an owner that asks again no later
+        #: than BLOCKED_FOR after its last refusal still waits
+        self.blocked: dict[Owner, tuple[int, frozenset[Owner], float]] = {}
         #: inode -> sessions refused a lock they wait for (told once when one goes)
         self.waiting: dict[int, set[bytes]] = {}
         #: sessions evicted for holding a lock while silent
         self.evictions = 0
 
     def call(self, sid: bytes, name: str, args: list[int]) -> Any:
-        """One lock call of session *sid*; FsError EAGAIN, EINVAL."""
+        """One lock call of session *sid*; FsError EAGAIN, EDEADLK, EINVAL."""
         ino, owner = args[0], Owner(sid, args[1])
+        if name == "unwait":
+            if self.blocked.get(owner, (0,))[0] == ino:
+                del self.blocked[owner]
+            return None
         if name == "unlock":
+            self.blocked.pop(owner, None)
             if self.table.unlock(ino, owner):
                 self._changed(ino)
             return None
@@ -253,11 +270,34 @@ class LockService:
             # A process of another node has no pid here (the kernel shows 0).
             return [r.type, r.start, length_of(r.start, r.end), r.pid if r.owner.sid == sid else 0]
         if not self._retrying(ino, sid, lambda: self.table.lock(ino, owner, type_, lo, hi, pid)):
+            if args[6]:
+                self._check_deadlock(ino, owner, type_, lo, hi)
             self._refuse(ino, sid, args[6])
+        self.blocked.pop(owner, None)
         self._taken(ino, sid)
         if type_ != F_WRLCK:
             self._changed(ino)
         return None
+
+    def _check_deadlock(self, ino: int, owner: Owner, type_: int, lo: int, hi: int) -> None:
+        """EDEADLK if an owner in *owner*'s way waits, through others maybe, for
+        *owner* (as Linux's F_SETLKW, across nodes); else *owner* waits from now."""
+        now = self._clock()
+        blockers = frozenset(r.owner for r in self.table.conflicts(ino, owner, type_, lo, hi))
+        seen: set[Owner] = set()
+        todo = list(blockers)
+        while todo and len(seen) < MAX_DEADLOCK_WALK:
+            b = todo.pop()
+            if b == owner:
+                self.blocked.pop(owner, None)
+                raise FsError(errno.EDEADLK, f"inode {ino}: waiting would deadlock")
+            if b in seen:
+                continue
+            seen.add(b)
+            entry = self.blocked.get(b)
+            if entry is not None and now - entry[2] <= BLOCKED_FOR:
+                todo.extend(entry[1])
+        self.blocked[owner] = (ino, blockers, now)
 
     def reclaim(self, sid: bytes, locks: list[list[int]], exists: Callable[[int], bool]) -> list[int]:
         """Make session *sid*'s locks exactly *locks* (as :meth:`LockTable.held` lists
@@ -289,6 +329,8 @@ class LockService:
 
     def drop_session(self, sid: bytes) -> None:
         """Session *sid* is gone (expired, unmounted): its locks go."""
+        for o in [o for o in self.blocked if o.sid == sid]:
+            del self.blocked[o]
         for ino in self.table.drop_session(sid):
             self._changed(ino)
         for ino in list(self.waiting):

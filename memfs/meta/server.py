@@ -124,7 +124,7 @@ MAX_RESERVE = 4096
 
 
 #: cluster-wide lock calls (memfs.meta.locks)
-_LOCK_CALLS = frozenset({"getlk", "setlk", "flock", "unlock"})
+_LOCK_CALLS = frozenset({"getlk", "setlk", "flock", "unlock", "unwait"})
 #: with leases off, a client pings every few seconds when idle: silent longer than
 #: this, its locks stand in nobody's way (with leases: silent for a lease term)
 LOCK_SILENCE = 15.0
@@ -309,7 +309,8 @@ class MetaServer:
         self.metrics: Metrics | None = None
         #: grant create leases (``memfs mds --sync-creates`` turns them off)
         self.async_creates = True
-        self.locks = LockService(self._lock_holder_silent, self._evict_sid, self._tell_unlocked)
+        self.locks = LockService(self._lock_holder_silent, self._evict_sid, self._tell_unlocked,
+                                 trio.current_time)
 
     @property
     def write_leases(self) -> bool:

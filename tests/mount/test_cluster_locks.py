@@ -20,6 +20,7 @@ Short timings (``--lease-term 2 --recall-timeout 1 --grace 5``) keep this quick.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import select
@@ -304,6 +305,36 @@ def test_a_stopping_client_ends_its_lock_waits(cluster: Cluster) -> None:
         assert wait_gone(pid, 15), "the client daemon did not exit"
         assert a.line(10) == "refused ENOLCK"  # (not EINTR: no signal is pending)
         b.ok("flock un")
+
+
+def test_a_wait_that_would_deadlock_is_edeadlk(cluster: Cluster) -> None:
+    """F_SETLKW that would close a cycle of waits fails with EDEADLK, as Linux's does,
+    between nodes and between processes of one node; an interrupted wait is no
+    longer part of any cycle."""
+    c1 = cluster.mnt["c1"]
+    (c1 / "f").write_bytes(b"x" * 10)
+    for host in ("c2", "c1"):  # across nodes, then on one node
+        with locker(cluster, "c1", c1 / "f") as a, \
+                locker(cluster, host, cluster.mnt[host] / "f") as b:
+            a.ok("setlk wr 0 1")
+            b.ok("setlk wr 1 1")
+            a.send("setlkw wr 1 1")  # a waits for b
+            time.sleep(0.3)
+            b.refused("setlkw wr 0 1", errno.errorcode[errno.EDEADLK])  # b would wait for a
+            b.ok("setlk un 1 1")
+            assert a.line(10).startswith("ok "), host  # a got it
+            # a waits for b again, and is interrupted: b may then wait for a
+            a.ok("setlk un 1 1")
+            b.ok("setlk wr 1 1")
+            a.send("alarm 0.5")
+            assert a.line() == "armed"
+            a.send("setlkw wr 1 1")
+            assert a.line(10).startswith("interrupted")
+            b.send("setlkw wr 0 1")
+            time.sleep(0.3)
+            a.ok("setlk un 0 0")
+            assert b.line(10).startswith("ok "), host
+            b.ok("setlk un 0 0")
 
 
 def test_locks_go_with_the_open_file(cluster: Cluster) -> None:

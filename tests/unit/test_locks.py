@@ -13,7 +13,16 @@ import trio.testing
 
 from memfs.errors import FsError
 from memfs.meta.lock_client import RETRY_EVERY, LockClient
-from memfs.meta.locks import END, FLOCK, POSIX, LockService, LockTable, Owner, valid_lock
+from memfs.meta.locks import (
+    BLOCKED_FOR,
+    END,
+    FLOCK,
+    POSIX,
+    LockService,
+    LockTable,
+    Owner,
+    valid_lock,
+)
 
 A, B = Owner(b"a" * 16, 1), Owner(b"b" * 16, 1)
 A2 = Owner(b"a" * 16, 2)  # another owner (process) on A's node
@@ -279,3 +288,42 @@ async def test_every_waiter_on_a_file_is_woken_by_one_unlock(
     assert done == {1: pytest.approx(1.2 * RETRY_EVERY), 2: pytest.approx(1.2 * RETRY_EVERY)}
     assert client._freed == {} and client._waiters == {}
     assert s.waiting == {}  # both got theirs: nobody left to tell
+
+
+def test_a_wait_that_would_deadlock_is_edeadlk() -> None:
+    """F_SETLKW that closes a cycle of waits is EDEADLK, across sessions and within
+    one; a waiter that stopped waiting (unwait, or silent past BLOCKED_FOR) counts
+    no more."""
+    now = [0.0]
+    f = Fakes()
+    s = LockService(f.silent.__contains__, lambda sid, why: None, lambda sid, ino: None,
+                    lambda: now[0])
+    C = b"c" * 16
+    s.call(A.sid, "setlk", [7, 1, F_WRLCK, 0, 1, 1, 0])  # A1 holds byte 0
+    s.call(B.sid, "setlk", [7, 1, F_WRLCK, 1, 1, 2, 0])  # B1 holds byte 1
+    s.call(C, "setlk", [7, 1, F_WRLCK, 2, 1, 3, 0])  # C1 holds byte 2
+
+    def setlkw(sid: bytes, owner: int, start: int) -> int:
+        try:
+            s.call(sid, "setlk", [7, owner, F_WRLCK, start, 1, 9, 1])
+        except FsError as exc:
+            return exc.errno
+        return 0
+
+    assert setlkw(A.sid, 1, 1) == errno.EAGAIN  # A1 waits for B1
+    assert setlkw(B.sid, 1, 2) == errno.EAGAIN  # B1 waits for C1
+    assert setlkw(C, 1, 0) == errno.EDEADLK  # C1 -> A1 -> B1 -> C1
+    assert setlkw(A2.sid, 2, 0) == errno.EAGAIN  # A2 waits for A1: no cycle
+    # B1 stops waiting (interrupted): C1 may wait for A1
+    s.call(B.sid, "unwait", [7, 1])
+    assert setlkw(C, 1, 0) == errno.EAGAIN
+    # ... and a waiter that stopped asking is forgotten after BLOCKED_FOR
+    assert setlkw(B.sid, 1, 2) == errno.EDEADLK  # B1 -> C1 -> A1 -> B1
+    now[0] += BLOCKED_FOR + 0.1
+    assert setlkw(B.sid, 1, 2) == errno.EAGAIN
+    # a lock taken ends the wait; the session's departure too
+    s.call(C, "unlock", [7, 1])
+    assert setlkw(B.sid, 1, 2) == 0
+    assert Owner(B.sid, 1) not in s.blocked
+    s.drop_session(A.sid)
+    assert not any(o.sid == A.sid for o in s.blocked)

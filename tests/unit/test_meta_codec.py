@@ -139,6 +139,7 @@ SAMPLE_ARGS: dict[str, tuple[Any, ...]] = {
     "setlk": (7, 1 << 62, 0, 10, 20, 4242, 1),
     "flock": (7, 5, 1, 0),
     "unlock": (7, 5),
+    "unwait": (7, 5),
 }
 
 
