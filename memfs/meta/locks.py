@@ -222,10 +222,11 @@ class LockService:
         self._evict = evict
         self._notify = notify
         self._clock = clock
-        #: POSIX owners refused a lock they wait for -> (inode, the owners in the way,
-        #: when): what deadlock detection follows; an owner that asks again no later
-        #: than BLOCKED_FOR after its last refusal still waits
-        self.blocked: dict[Owner, tuple[int, frozenset[Owner], float]] = {}
+        #: POSIX owners refused a lock they wait for -> (inode, type, start, end, when):
+        #: what deadlock detection follows (to whoever is in that lock's way now); an
+        #: owner that asks again no later than BLOCKED_FOR after its last refusal
+        #: still waits
+        self.blocked: dict[Owner, tuple[int, int, int, int, float]] = {}
         #: inode -> sessions refused a lock they wait for (told once when one goes)
         self.waiting: dict[int, set[bytes]] = {}
         #: sessions evicted for holding a lock while silent
@@ -235,11 +236,10 @@ class LockService:
         """One lock call of session *sid*; FsError EAGAIN, EDEADLK, EINVAL."""
         ino, owner = args[0], Owner(sid, args[1])
         if name == "unwait":
-            if self.blocked.get(owner, (0,))[0] == ino:
-                del self.blocked[owner]
+            self._unblock(owner, ino)
             return None
         if name == "unlock":
-            self.blocked.pop(owner, None)
+            self._unblock(owner, ino)
             if self.table.unlock(ino, owner):
                 self._changed(ino)
             return None
@@ -273,7 +273,7 @@ class LockService:
             if args[6]:
                 self._check_deadlock(ino, owner, type_, lo, hi)
             self._refuse(ino, sid, args[6])
-        self.blocked.pop(owner, None)
+        self._unblock(owner, ino)
         self._taken(ino, sid)
         if type_ != F_WRLCK:
             self._changed(ino)
@@ -283,9 +283,8 @@ class LockService:
         """EDEADLK if an owner in *owner*'s way waits, through others maybe, for
         *owner* (as Linux's F_SETLKW, across nodes); else *owner* waits from now."""
         now = self._clock()
-        blockers = frozenset(r.owner for r in self.table.conflicts(ino, owner, type_, lo, hi))
         seen: set[Owner] = set()
-        todo = list(blockers)
+        todo = [r.owner for r in self.table.conflicts(ino, owner, type_, lo, hi)]
         while todo and len(seen) < MAX_DEADLOCK_WALK:
             b = todo.pop()
             if b == owner:
@@ -295,9 +294,16 @@ class LockService:
                 continue
             seen.add(b)
             entry = self.blocked.get(b)
-            if entry is not None and now - entry[2] <= BLOCKED_FOR:
-                todo.extend(entry[1])
-        self.blocked[owner] = (ino, blockers, now)
+            if entry is not None and now - entry[4] <= BLOCKED_FOR:
+                # whoever is in its way now (one that let go since is not waited for)
+                w_ino, w_type, w_lo, w_hi, _ = entry
+                todo.extend(r.owner for r in self.table.conflicts(w_ino, b, w_type, w_lo, w_hi))
+        self.blocked[owner] = (ino, type_, lo, hi, now)
+
+    def _unblock(self, owner: Owner, ino: int) -> None:
+        """*owner* no longer waits for a lock on *ino* (it got one, or let go there)."""
+        if self.blocked.get(owner, (0,))[0] == ino:
+            del self.blocked[owner]
 
     def reclaim(self, sid: bytes, locks: list[list[int]], exists: Callable[[int], bool]) -> list[int]:
         """Make session *sid*'s locks exactly *locks* (as :meth:`LockTable.held` lists
@@ -326,6 +332,8 @@ class LockService:
         """*ino* no longer exists."""
         self.table.drop_inode(ino)
         self.waiting.pop(ino, None)
+        for o in [o for o, entry in self.blocked.items() if entry[0] == ino]:
+            del self.blocked[o]
 
     def drop_session(self, sid: bytes) -> None:
         """Session *sid* is gone (expired, unmounted): its locks go."""

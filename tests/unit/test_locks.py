@@ -321,6 +321,18 @@ def test_a_wait_that_would_deadlock_is_edeadlk() -> None:
     assert setlkw(B.sid, 1, 2) == errno.EDEADLK  # B1 -> C1 -> A1 -> B1
     now[0] += BLOCKED_FOR + 0.1
     assert setlkw(B.sid, 1, 2) == errno.EAGAIN
+    # a waiter whose lock was let go (it has not asked again yet) waits for nobody:
+    # no false deadlock (the case Linux never reports, its waiter is woken at once)
+    now[0] += BLOCKED_FOR + 0.1
+    s.call(B.sid, "unlock", [7, 1])  # B1 let byte 1 go
+    assert setlkw(A.sid, 1, 1) == 0  # A1 took byte 1 (it waited for it): A1 holds 0, 1
+    s.call(A.sid, "setlk", [7, 1, F_UNLCK, 1, 1, 1, 0])
+    s.call(B.sid, "setlk", [7, 1, F_WRLCK, 1, 1, 2, 0])
+    assert setlkw(A.sid, 1, 1) == errno.EAGAIN  # A1 waits for B1 (byte 1)
+    s.call(B.sid, "setlk", [7, 1, F_UNLCK, 1, 1, 2, 0])  # B1 lets it go...
+    assert setlkw(B.sid, 1, 0) == errno.EAGAIN  # ...and waits for A1: not a deadlock
+    s.call(A.sid, "unlock", [7, 1])
+    assert setlkw(B.sid, 1, 0) == 0
     # a lock taken ends the wait; the session's departure too
     s.call(C, "unlock", [7, 1])
     assert setlkw(B.sid, 1, 2) == 0
