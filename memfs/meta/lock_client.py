@@ -34,6 +34,9 @@ UNWAIT_WITHIN = 1.0
 
 
 class LockClient:
+    """This client's side of the lock calls (memfs.meta.Locks), for session *sid*,
+    through *call* (a metadata call: RemoteMeta._call)."""
+
     def __init__(self, sid: bytes, call: Callable[..., Awaitable[Any]]) -> None:
         self._sid = sid
         self._call = call
