@@ -35,7 +35,6 @@ import pytest
 from tests.conftest import wait_gone
 from tests.mount.test_cluster import Cluster, make_cluster
 from tests.mount.test_cluster_leases import (
-    GRACE,
     LEASE_TERM,
     RECALL_TIMEOUT,
     SLACK,
@@ -45,9 +44,12 @@ from tests.mount.test_cluster_leases import (
     stopped,
     tell,
 )
+from tests.mount.test_cluster_leases import cluster as leases_cluster
 from tests.mount.test_cluster_leases import pytestmark as lease_marks
 
 pytestmark = lease_marks
+#: the lease tests' cluster (journal, short lease term, recall timeout and grace)
+cluster = leases_cluster
 
 #: memfs.meta.lock_client.RETRY_EVERY: a waiter asks again at least this often
 RETRY = 1.0
@@ -90,16 +92,6 @@ for line in sys.stdin:
     except OSError as exc:
         print("refused", errno.errorcode[exc.errno], flush=True)
 """
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    mds_args = [
-        "--journal", str(tmp_path / "journal"), "--lease-term", str(LEASE_TERM),
-        "--recall-timeout", str(RECALL_TIMEOUT), "--grace", str(GRACE),
-    ]
-    with make_cluster(tmp_path, mds_args) as c:
-        yield c
 
 
 class Locker:
