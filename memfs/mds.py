@@ -182,7 +182,7 @@ async def _scrub(
         try:
             async with open_tcp_transport(as_tcp(pool), secret, io_timeout=INFO_TIMEOUT,
                                           incarnations=server.incarnations,
-                                          fences=server.fences) as t:
+                                          fences=server.fencing.fences) as t:
                 delay = 1.0
                 # The memory this pool's data lives in: remembered (with the journal)
                 # so that a memory server restarted blank is never taken for it.
@@ -210,11 +210,11 @@ async def _fence_courier(
     from memfs.transport.pool import as_tcp
     from memfs.transport.tcp import open_tcp_transport
 
-    assert server.fences is not None
+    assert server.fencing.fences is not None
     async with open_tcp_transport(as_tcp(opts.pool), opts.secret, io_timeout=INFO_TIMEOUT,
-                                  incarnations=server.incarnations, fences=server.fences,
+                                  incarnations=server.incarnations, fences=server.fencing.fences,
                                   connections_per_server=1, lazy=True) as t:
-        with server.fences.delivering(t):
+        with server.fencing.fences.delivering(t):
             task_status.started()
             await trio.sleep_forever()
 
@@ -239,7 +239,7 @@ async def _write_back(
     try:
         async with open_tcp_transport(as_tcp(opts.pool), opts.secret, io_timeout=INFO_TIMEOUT,
                                       incarnations=server.incarnations,
-                                      fences=server.fences) as t:
+                                      fences=server.fencing.fences) as t:
             backed = BackedMeta(store, t, opts.flush, settle=SETTLE, recovered=recovered)
             backed.before_evict = server.recall_inodes
             try:
@@ -306,7 +306,7 @@ async def _main(opts: MdsOptions, journal: Journal | None) -> int:
         from memfs.transport.pool import as_tcp
         from memfs.transport.tcp import Fences, server_name
 
-        server.fences = Fences([server_name(a.host, a.port) for a in as_tcp(opts.pool)])
+        server.fencing.fences = Fences([server_name(a.host, a.port) for a in as_tcp(opts.pool)])
         async with trio.open_nursery() as nursery:
             server.incarnations.update(_load_incarnations(opts.journal_dir))
             nursery.start_soon(_scrub, store, opts.pool, opts.secret, server, opts.journal_dir)

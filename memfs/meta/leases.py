@@ -122,7 +122,7 @@ def settles_from_wire(v: Any) -> list[tuple[int, int, int]]:
 
 
 class Holder(Protocol):
-    """A client session as the lease table sees it (``memfs.meta.server._Session``)."""
+    """A client session as the lease table sees it (``memfs.meta.server_conn.Session``)."""
 
     #: server time (trio clock) the session's last frame arrived
     last_heard: float

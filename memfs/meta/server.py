@@ -39,14 +39,11 @@ records it could depend on are durable.
 
 from __future__ import annotations
 
-import collections
 import errno
 import logging
 import os
-import secrets
 import socket
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -56,7 +53,8 @@ from memfs import net, wire
 from memfs.config import VolumeAddr
 from memfs.errors import FsError, UsageError
 from memfs.meta import Meta, codec
-from memfs.meta.conn import MAX_REPLY, ROLE, FrameSocket
+from memfs.meta.conn import MAX_REPLY, FrameSocket
+from memfs.meta.fencing import Fencing
 from memfs.meta.journal import (
     CREATE_AT,
     GRACE_ENDED,
@@ -76,28 +74,31 @@ from memfs.meta.leases import (
     settles_from_wire,
 )
 from memfs.meta.locks import LockService
+from memfs.meta.server_conn import (
+    HANDSHAKE_MAX_PAYLOAD,
+    CloseConnection,
+    Connection,
+    Parsed,
+    Session,
+    handshake,
+    new_token,
+)
 from memfs.meta.store import ANY_EARLIER, MetaStore
 from memfs.wire import Kind, WireError
 
-#: how long a change waits for memory servers to confirm a fence (then it goes ahead;
-#: a server that has not confirmed gets the fence before anything else is sent to it)
-FENCE_TIMEOUT = 3.0
 #: calls that wait for fences: chunks granted to write, a file's tail cut (its last
 #: chunk kept: a stale write there would show when the file grows again)
 _FENCED_CALLS = frozenset({"map_write", "allocate_ahead", "truncate"})
 
 if TYPE_CHECKING:
     from memfs.metrics import Metrics
-    from memfs.transport.tcp import Fences
 
 log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT = 10.0
 #: clients ping every few seconds when idle; a silent connection is a dead client
 IDLE_TIMEOUT = 120.0
-SEND_TIMEOUT = 30.0
 SESSION_GRACE = 60.0
-HANDSHAKE_MAX_PAYLOAD = 4096
 #: largest map_read/map_write range per call (FUSE sends at most a few MiB)
 MAX_RANGE = 16 << 30
 #: most handles one client may claim on one inode when it re-registers
@@ -106,8 +107,6 @@ REPLY_QUEUE = 64
 #: longest a map_read/map_write waits on the backing directory (a fetch, the dirty cap)
 #: before the client is told to ask again
 CALL_WAIT = 3.0
-#: calls a client may queue behind one that waits (for a recall, the backing directory)
-MAX_QUEUED = 4096
 #: after a restart, calls wait at most this long (and at most a lease term) for the
 #: clients of the run before to register again and replay what they had not sent
 RECOVERY_WAIT = 3.0
@@ -133,116 +132,6 @@ LOCK_SILENCE = 15.0
 #: calls that may allocate or free a file's chunks (args[0] is the file; sizes go by
 #: truncate, never setattr)
 _CHUNK_CHANGES = frozenset({"map_write", "allocate_ahead", "truncate", "settle"})
-
-
-def new_token() -> int:
-    """A lease token: 63 random bits (the value codec carries signed 64-bit integers)."""
-    return secrets.randbits(63) | 1
-
-
-@dataclass(eq=False)
-class _Session:
-    """A client: its open handles and (memfs.meta.leases.Holder) what it caches."""
-
-    sid: bytes
-    opens: dict[int, int] = field(default_factory=dict)
-    #: what it names to the memory servers (SESSION); replaced, and the old one
-    #: fenced, when its leases are taken without its word (see _take_token)
-    token: int = field(default_factory=new_token)
-    #: its token was replaced since it last registered
-    fenced: bool = False
-    conn: _Conn | None = None
-    generation: int = 0
-    last_heard: float = 0.0
-    #: times it has (re-)registered (memfs.meta.leases.Holder)
-    registrations: int = 0
-
-    def send_recall(self, rid: int, payload: list[Any]) -> bool:
-        conn = self.conn
-        if conn is None or conn.fs is None or conn.scope is None or conn.scope.cancel_called:
-            return False
-        frame = wire.frame(Kind.RECALL, rid, wire.encode(payload))
-        conn.push(frame, 0)
-        return True
-
-    def send_unlocked(self, ino: int) -> None:
-        """Tell the client a lock on *ino* went (it waits for one there)."""
-        conn = self.conn
-        if conn is not None and conn.fs is not None and conn.scope is not None \
-                and not conn.scope.cancel_called:
-            conn.push(wire.frame(Kind.UNLOCKED, 0, wire.encode([ino])), 0)
-
-    def evict(self, reason: str) -> None:
-        conn = self.conn
-        if conn is not None and conn.scope is not None:
-            log.warning("%s: evicting the client: %s", conn.peer, reason)
-            conn.scope.cancel()
-
-
-@dataclass(eq=False)
-class _Conn:
-    peer: str
-    session: _Session
-    #: frames waiting for the journal, as (frame, seq that must be durable first); a
-    #: recall waits behind the replies before it, so a client never sees a reply
-    #: that a recall it already handled should have invalidated
-    outbox: collections.deque[tuple[bytes, int]] = field(default_factory=collections.deque)
-    wake: trio.Event = field(default_factory=trio.Event)
-    closing: bool = False
-    fs: FrameSocket | None = None
-    scope: trio.CancelScope | None = None
-    #: calls queued behind one that waits (executed in arrival order)
-    calls: collections.deque[tuple[int, Any, _Parsed]] = field(default_factory=collections.deque)
-    #: replies held back while more calls are already buffered (sent together)
-    deferred: list[bytes] = field(default_factory=list)
-    calls_wake: trio.Event = field(default_factory=trio.Event)
-    busy: bool = False
-    #: the client closed the connection itself (it exited, or dropped it after a
-    #: timeout): it trusts nothing it cached before, so its leases end at once
-    clean_close: bool = False
-
-    def push(self, frame: bytes, needed: int, *, defer: bool = False) -> None:
-        """Send *frame* after everything before it, once journal seq *needed* is durable.
-
-        *defer*: more calls are already here; hold the frame until :meth:`push` is
-        called without it (one send for the batch).
-        """
-        fs = self.fs
-        assert fs is not None
-        if self.outbox or needed:
-            self.push_deferred()
-            self.outbox.append((frame, needed))
-            self.wake.set()
-            return
-        self.deferred.append(frame)
-        if defer and len(self.deferred) < 64:
-            return
-        self.push_deferred()
-
-    def push_deferred(self) -> None:
-        """Send the replies held back by ``defer``."""
-        if not self.deferred:
-            return
-        fs = self.fs
-        assert fs is not None
-        data = self.deferred[0] if len(self.deferred) == 1 else b"".join(self.deferred)
-        self.deferred.clear()
-        try:
-            fs.send_now(data)
-        except trio.BrokenResourceError:
-            if self.scope is not None:
-                self.scope.cancel()
-            return
-        if fs.pending():
-            self.wake.set()
-
-
-#: a parsed call: (method, arguments); None for control calls; an unknown method
-_Parsed = tuple[codec.Method, list[Any]] | None | codec.UnknownMethod
-
-
-class _CloseConnection(Exception):
-    """This connection must end (already logged)."""
 
 
 class MetaServer:
@@ -284,7 +173,7 @@ class MetaServer:
             store.on_clean = self._cleaned
             store.on_backing = self._backing_changed
             store.wait_durable = self._wait_durable
-        self._sessions: dict[bytes, _Session] = {}
+        self._sessions: dict[bytes, Session] = {}
         #: after a restart, until --grace has passed: sessions of the previous run may
         #: come back and report what they wrote (their write leases died with it)
         self._recovering = False
@@ -298,13 +187,8 @@ class MetaServer:
         self.leases = LeaseTable(term=lease_term, recall_timeout=recall_timeout,
                                  settle=self._settle, lost=self._lost_write,
                                  unsaid=self._take_token)
-        #: tokens to fence on the memory servers (set by memfs.mds: shared by its
-        #: transports, which send a server its pending fences before anything else)
-        self.fences: Fences | None = None
-        #: fences not yet answered by every server (nor given up on), by sequence
-        #: number: a write grant waits for those begun before it, not later ones
-        self._fencing: dict[int, trio.Event] = {}
-        self._fence_seq = 0
+        #: fences of tokens whose leases were taken (memfs.mds sets ``fencing.fences``)
+        self.fencing = Fencing()
         #: request counters and latencies (``memfs mds --metrics``); None: not kept
         self.metrics: Metrics | None = None
         #: grant create leases (``memfs mds --sync-creates`` turns them off)
@@ -334,16 +218,13 @@ class MetaServer:
             "memfs_mds_leased_inodes": float(len(self.leases.holders)),
             "memfs_mds_recalls_sent": float(self.leases.recalls_sent),
             "memfs_mds_lease_evictions": float(self.leases.evictions),
-            "memfs_mds_fences_sent": float(self._fence_seq),
+            "memfs_mds_fences_sent": float(self.fencing.seq),
             # cluster-wide file locks held, sessions told to wait, holders evicted
             "memfs_mds_locks": float(len(self.locks.table)),
             "memfs_mds_lock_waiters": float(sum(len(w) for w in self.locks.waiting.values())),
             "memfs_mds_lock_evictions": float(self.locks.evictions),
             # fences some memory server has not confirmed (memory there is not reused)
-            "memfs_mds_fences_unconfirmed": float(
-                len({t for ts in self.fences.pending.values() for t in ts})
-                if self.fences is not None else 0
-            ),
+            "memfs_mds_fences_unconfirmed": float(self.fencing.unconfirmed()),
         }
         if self.journal is not None:
             out["memfs_mds_journal_durable_seq"] = float(self.journal.durable_seq)
@@ -523,15 +404,15 @@ class MetaServer:
     # -- one connection --------------------------------------------------------------------
 
     async def _handle(self, sock: socket.socket, peer: str) -> None:
-        conn = _Conn(peer, self._new_session())
+        conn = Connection(peer, self._new_session(), self)
         conn.session.conn = conn
         fs = FrameSocket(sock, HANDSHAKE_MAX_PAYLOAD)
         try:
-            await self._handshake(fs, peer)
+            await handshake(fs, peer, self.secret, self.handshake_timeout)
             fs.max_payload = wire.MAX_PAYLOAD
             log.debug("%s: client authenticated", peer)
-            await self._serve_conn(conn, fs)
-        except _CloseConnection:
+            await conn.serve(fs)
+        except CloseConnection:
             pass
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             log.info("%s: connection lost: %s", peer, exc)
@@ -541,176 +422,11 @@ class MetaServer:
             fs.close()
             self._detach(conn)
 
-    async def _handshake(self, fs: FrameSocket, peer: str) -> None:
-        hs = wire.Handshake(self.secret)
-        try:
-            with trio.fail_after(self.handshake_timeout):
-                await fs.send(wire.frame(Kind.HELLO, 0, hs.hello()))
-                got = await fs.receive()
-                if got is None:
-                    raise WireError("connection closed before AUTH")
-                h, payload = got
-                if h.kind is not Kind.AUTH:
-                    raise WireError(f"expected AUTH, got {h.kind.name}")
-                role = hs.check_auth(payload)
-                if role != ROLE:
-                    raise WireError(f"role {role!r} is not served here (expected {ROLE!r})")
-                await fs.send(wire.frame(Kind.WELCOME, h.req_id, hs.welcome()))
-        except trio.TooSlowError:
-            log.warning("%s: refused: no authentication within %.0f s", peer, self.handshake_timeout)
-            raise _CloseConnection from None
-        except WireError as exc:
-            log.warning("%s: refused: %s", peer, exc)
-            with trio.move_on_after(1):
-                try:
-                    await fs.send(wire.frame(Kind.ERROR, 0, wire.encode_error(errno.EACCES, str(exc))))
-                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                    pass
-            raise _CloseConnection from None
+    def recalled(self, session: Session, rid: int, payload: Any) -> None:
+        self._t = self._real_now()
+        self.leases.recalled(session, rid, settles_from_wire(payload))
 
-    async def _serve_conn(self, conn: _Conn, fs: FrameSocket) -> None:
-        """Read frames; execute calls in arrival order; reply at once unless a reply must wait.
-
-        A call that may wait (for a recall, or for the backing directory) runs in
-        :meth:`_run_calls` and the calls after it queue behind it, while this task
-        keeps reading: recall acknowledgements must get through meanwhile, or two
-        clients recalling from each other would wait for each other.  Replies wait
-        (in ``conn.outbox``, sent by :meth:`_send_replies`) while the journal
-        records they may reflect are not durable yet, or the socket does not take them.
-        """
-        conn.fs = fs
-        leases = self.leases
-        async with trio.open_nursery() as nursery:
-            conn.scope = nursery.cancel_scope
-            nursery.start_soon(self._send_replies, conn, fs, nursery.cancel_scope)
-            nursery.start_soon(self._run_calls, conn)
-            n = 0
-            try:
-                # One scope whose deadline moves: cheaper than a fail_after per frame.
-                step = min(1.0, self.idle_timeout / 8)
-                with trio.CancelScope(deadline=trio.current_time() + self.idle_timeout) as idle:
-                    while True:
-                        n += 1
-                        if n % 32 == 0:
-                            await trio.lowlevel.checkpoint()  # a pipelining client must not starve others
-                        if not fs.buffered():  # about to wait: from now on, at most this long
-                            # (moved in steps: setting a deadline is not free)
-                            now = trio.current_time()
-                            if now + self.idle_timeout - idle.deadline > step:
-                                idle.deadline = now + self.idle_timeout
-                        got = await fs.receive()
-                        if got is None:
-                            log.debug("%s: client closed the connection", conn.peer)
-                            conn.clean_close = True
-                            break
-                        h, payload = got
-                        conn.session.last_heard = trio.current_time()
-                        if h.kind is Kind.RECALLED:
-                            if conn.calls:
-                                await self._run_made_now(conn)
-                            self._t = self._real_now()
-                            leases.recalled(conn.session, h.req_id, settles_from_wire(wire.decode(payload)))
-                            continue
-                        if h.kind is not Kind.CALL:
-                            raise WireError(f"unexpected {h.kind.name} frame")
-                        value = wire.decode(payload)
-                        parsed = self._parse(value)
-                        if conn.busy or conn.calls or self._may_wait(conn.session, value, parsed):
-                            if len(conn.calls) >= MAX_QUEUED:
-                                raise WireError(f"more than {MAX_QUEUED} calls queued")
-                            conn.calls.append((h.req_id, value, parsed))
-                            conn.calls_wake.set()
-                            conn.push_deferred()  # earlier replies must not wait for it
-                            continue
-                        kind, body = await self._execute(conn, value, parsed)
-                        if not h.req_id:  # no reply wanted
-                            self._unanswered(conn, kind, body)
-                            if not fs.buffered():
-                                conn.push_deferred()
-                            continue
-                        # Replies to calls that came in one read go out in one send.
-                        conn.push(wire.frame(kind, h.req_id, body), self._needed(),
-                                  defer=fs.buffered())
-                if idle.cancelled_caught:
-                    log.info("%s: silent for %.0f s, closing", conn.peer, self.idle_timeout)
-                    raise _CloseConnection
-                # The client is done sending: let the queued calls and last replies go out.
-                while conn.busy or conn.calls:
-                    await conn.calls_wake.wait()
-                conn.closing = True
-                conn.wake.set()
-                conn.calls_wake.set()
-            except WireError as exc:
-                log.warning("%s: protocol error, closing the connection: %s", conn.peer, exc)
-                nursery.cancel_scope.cancel()
-            except _CloseConnection:
-                nursery.cancel_scope.cancel()
-            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                # The client went away (killed, or gave up on us): not an error.  Caught
-                # here, or the nursery would wrap it in a group that _handle logs as one.
-                log.info("%s: connection lost: %s", conn.peer, exc)
-                # A reset comes from the client's kernel: its end is closed (the
-                # process died with frames unread), as good as a clean close.
-                conn.clean_close = isinstance(exc.__cause__, ConnectionResetError)
-                nursery.cancel_scope.cancel()
-
-    async def _run_made_now(self, conn: _Conn) -> None:
-        """Creates and unlinks made under a create lease that wait in this connection's
-        queue (behind a call that waits, for a recall from another client say) run
-        now, before the recall answer that came after them is applied: the client
-        answers a recall once they are answered, or after ``answer_within`` anyway,
-        and the call that recalled must see them.  They never wait (their directory
-        is this session's alone; one that would waits in turn, and the ones after it
-        too) and do not depend on the calls they pass: a call naming one of their
-        files comes after its create, and one before its unlink (a release, a
-        write's allocation, a setattr) works as well on the unlinked file, an orphan
-        until its last release."""
-        calls = list(conn.calls)
-        picked: list[tuple[int, Any, _Parsed]] = []
-        rest: list[tuple[int, Any, _Parsed]] = []
-        for n, item in enumerate(calls):
-            _, value, parsed = item
-            made = isinstance(parsed, tuple) and parsed[0].name in ("create_at", "unlink_at")
-            if (parsed is None and value[0] not in ("ping", "describe")) or (
-                    made and self._may_wait(conn.session, value, parsed)):
-                # A session change, or one of them that must wait: they keep their
-                # order among themselves, so what follows keeps its turn.
-                rest += calls[n:]
-                break
-            (picked if made else rest).append(item)
-        if not picked:
-            return
-        conn.calls.clear()
-        conn.calls.extend(rest)
-        for rid, value, parsed in picked:
-            kind, body = await self._execute(conn, value, parsed)
-            if rid:
-                conn.push(wire.frame(kind, rid, body), self._needed())
-            else:
-                self._unanswered(conn, kind, body)
-
-    @staticmethod
-    def _unanswered(conn: _Conn, kind: Kind, body: bytes) -> None:
-        """A call with request id 0 wants no reply (a client's release); its error is
-        only logged (the client states its open counts again at its next registration)."""
-        if kind is Kind.ERROR:
-            log.debug("%s: a call without reply failed: %s", conn.peer, wire.decode_error(body))
-
-    def _needed(self) -> int:
-        return self.journal.seq if self.journal is not None else 0
-
-    @staticmethod
-    def _parse(value: Any) -> _Parsed:
-        """A call's method and arguments; None for a control call; the UnknownMethod
-        (answered ENOSYS); WireError for anything malformed."""
-        if type(value) is list and value and value[0] in ("describe", "session", "ping", "control"):
-            return None
-        try:
-            return codec.decode_call(value)
-        except codec.UnknownMethod as exc:
-            return exc
-
-    def _may_wait(self, session: _Session, value: Any, parsed: _Parsed) -> bool:
+    def may_wait(self, session: Session, value: Any, parsed: Parsed) -> bool:
         """Could executing this call wait?  Then it must not run in the reading task."""
         if parsed is None:
             return value[0] == "control"
@@ -721,70 +437,16 @@ class MetaServer:
         m, args = parsed
         if self.meta is not self.store and m.name in ("map_read", "map_write", "allocate_ahead"):
             return True
-        if self._fencing and m.name in _FENCED_CALLS:
+        if self.fencing.busy and m.name in _FENCED_CALLS:
             return True
         if not self.leases.holders:
             return False
         items = self._conflicts(session, m.name, args)
         return bool(items) and self.leases.needs_recall(session, items)
 
-    async def _run_calls(self, conn: _Conn) -> None:
-        """Execute the calls that queued (see :meth:`_serve_conn`), in order."""
-        while True:
-            while not conn.calls:
-                if conn.closing:
-                    return
-                conn.calls_wake = trio.Event()
-                await conn.calls_wake.wait()
-            conn.busy = True
-            try:
-                while conn.calls:
-                    rid, value, parsed = conn.calls.popleft()
-                    try:
-                        kind, body = await self._execute(conn, value, parsed)
-                    except WireError as exc:
-                        log.warning("%s: protocol error, closing the connection: %s", conn.peer, exc)
-                        assert conn.scope is not None
-                        conn.scope.cancel()
-                        return
-                    if rid:
-                        conn.push(wire.frame(kind, rid, body), self._needed())
-                    else:
-                        self._unanswered(conn, kind, body)
-            finally:
-                conn.busy = False
-                conn.calls_wake.set()
-
-    async def _send_replies(self, conn: _Conn, fs: FrameSocket, scope: trio.CancelScope) -> None:
-        """Send replies in order, each only once the changes it may reflect are durable."""
-        journal = self.journal
-        try:
-            while True:
-                if conn.outbox:
-                    if journal is not None:
-                        await journal.wait_durable(conn.outbox[0][1])
-                    while conn.outbox and (journal is None or conn.outbox[0][1] <= journal.durable_seq):
-                        fs.send_now(conn.outbox.popleft()[0])
-                if fs.pending():
-                    with trio.fail_after(SEND_TIMEOUT):
-                        await fs.flush()
-                    continue
-                if conn.outbox:
-                    continue
-                if conn.closing:
-                    return
-                await conn.wake.wait()
-                conn.wake = trio.Event()
-        except trio.TooSlowError:
-            log.warning("%s: client does not read its replies, closing", conn.peer)
-            scope.cancel()
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            log.info("%s: connection lost: %s", conn.peer, exc)
-            scope.cancel()
-
     # -- calls ---------------------------------------------------------------------------
 
-    async def _execute(self, conn: _Conn, value: Any, parsed: _Parsed) -> tuple[Kind, bytes]:
+    async def execute(self, conn: Connection, value: Any, parsed: Parsed) -> tuple[Kind, bytes]:
         """Run one (decoded) call; WireError for a malformed one (the connection closes).
         Counted and timed per method when :attr:`metrics` is set."""
         obs = self.metrics
@@ -801,7 +463,7 @@ class MetaServer:
         obs.observe(op, started, wire.decode_error(payload)[0] if kind is Kind.ERROR else None)
         return kind, payload
 
-    async def _execute_call(self, conn: _Conn, value: Any, parsed: _Parsed) -> tuple[Kind, bytes]:
+    async def _execute_call(self, conn: Connection, value: Any, parsed: Parsed) -> tuple[Kind, bytes]:
         if parsed is None:
             try:
                 return Kind.OK, wire.encode(await self._control(conn, value))
@@ -820,7 +482,7 @@ class MetaServer:
             await self._recovered.wait()  # bounded: see _recovery_window
         session = conn.session
         first = True
-        fenced_before = self._fence_seq
+        fenced_before = self.fencing.seq
         while True:
             if self.leases.term > 0:
                 # What conflicts may change while we wait (another call renamed the
@@ -829,12 +491,12 @@ class MetaServer:
                         self.leases.needs_recall(session, items, first=first):
                     await self.leases.recall(session, items)
                     first = False
-                    fenced_before = self._fence_seq  # its evictions' fences too
+                    fenced_before = self.fencing.seq  # its evictions' fences too
             # Chunks granted to write, or a tail cut, only once a client whose leases
             # were taken before (maybe by these recalls) is shut out of the memory
             # servers (not waiting for later fences); then the conflicts again.
-            if not (self._fencing and m.name in _FENCED_CALLS
-                    and await self._fences_done(fenced_before)):
+            if not (self.fencing.busy and m.name in _FENCED_CALLS
+                    and await self.fencing.wait_begun(fenced_before)):
                 break
         self._t = self._real_now()
         if self._recovering and m.name in _CHUNK_CHANGES and self.store.eligible:
@@ -957,7 +619,7 @@ class MetaServer:
         extents = self.store._extents(i, lo, hi)
         return wire.encode(codec.ahead_to_wire((type(plan)(extents), attr)))
 
-    def _conflicts(self, session: _Session | None, name: str, args: list[Any]) -> list[Item]:
+    def _conflicts(self, session: Session | None, name: str, args: list[Any]) -> list[Item]:
         """What other clients must give up before call *name* runs (pre-change state)."""
         store = self.store
         leases = self.leases
@@ -1068,7 +730,7 @@ class MetaServer:
                 self.locks.drop_inode(ino)
             self._destroyed.clear()
 
-    async def _control(self, conn: _Conn, value: list[Any]) -> Any:
+    async def _control(self, conn: Connection, value: list[Any]) -> Any:
         name, *raw = value
         if name == "ping" and not raw:
             return None
@@ -1134,13 +796,13 @@ class MetaServer:
 
     # -- sessions and open counts -----------------------------------------------------------
 
-    def _new_session(self) -> _Session:
-        s = _Session(os.urandom(16))
+    def _new_session(self) -> Session:
+        s = Session(os.urandom(16))
         self._sessions[s.sid] = s
         return s
 
     async def _claim_session(
-        self, conn: _Conn, sid: bytes, claimed: dict[int, int],
+        self, conn: Connection, sid: bytes, claimed: dict[int, int],
         settles: list[tuple[int, int, int]] | None = None,
         ops: list[tuple[str, list[Any]]] | None = None,
     ) -> list[Any]:
@@ -1161,7 +823,7 @@ class MetaServer:
             self._sessions.pop(old.sid, None)
             s = self._sessions.get(sid)
             if s is None:
-                s = self._sessions[sid] = _Session(sid)
+                s = self._sessions[sid] = Session(sid)
             elif s.conn is not None:
                 log.info("%s: session moves here from %s", conn.peer, s.conn.peer)
             s.conn = conn
@@ -1196,7 +858,7 @@ class MetaServer:
         # The same client under an older object (dropped from _sessions with no open
         # handles while it still held a write lease): still its lease.
         olds = {w for w in self.leases.writers.values()
-                if w is not s and isinstance(w, _Session) and w.sid == sid}
+                if w is not s and isinstance(w, Session) and w.sid == sid}
         failed = []
         for ino, size, mtime in settles or ():
             w = self.leases.writers.get(ino)
@@ -1269,7 +931,7 @@ class MetaServer:
             return [sorted(lost), failed, s.token, refused_ops]
         return [sorted(lost), failed, s.token]
 
-    async def _set_opens(self, s: _Session, ino: int, want: int) -> bool:
+    async def _set_opens(self, s: Session, ino: int, want: int) -> bool:
         """Make session *s*'s open count of *ino* *want*; False if it no longer exists."""
         have = s.opens.get(ino, 0)
         there = True
@@ -1290,7 +952,7 @@ class MetaServer:
 
     # -- asynchronous creates (create leases) -------------------------------------------------
 
-    def _reserve_inos(self, session: _Session, count: int) -> int:
+    def _reserve_inos(self, session: Session, count: int) -> int:
         if not self.create_leases:
             raise FsError(errno.EOPNOTSUPP, "this metadata server makes every create itself")
         if not 0 < count <= MAX_RESERVE:
@@ -1300,7 +962,7 @@ class MetaServer:
             self.journal.append(self._t, RESERVE_INOS, [session.sid, first, count])
         return first
 
-    def _create_at(self, session: _Session, args: list[Any]) -> Any:
+    def _create_at(self, session: Session, args: list[Any]) -> Any:
         """A create a client made under its create lease (see memfs.meta.leases): at
         its time, with an inode number reserved for it, and the file open there."""
         parent, name, mode, uid, gid, ino, t = args
@@ -1313,7 +975,7 @@ class MetaServer:
                 self.journal.append(t, CREATE_AT, [session.sid, parent, name, mode, uid, gid, ino])
         return a
 
-    async def _unlink_at(self, session: _Session, args: list[Any]) -> list[int]:
+    async def _unlink_at(self, session: Session, args: list[Any]) -> list[int]:
         """An unlink a client made under its create lease, at its time, of a file it
         made there: journaled as a plain unlink.  One that was applied before (sent
         again after a lost connection) is answered as it is."""
@@ -1330,7 +992,7 @@ class MetaServer:
             self.journal.append(t, "unlink", [parent, name])
         return [ino, t]
 
-    async def _recall_for(self, session: _Session, name: str, args: list[Any]) -> None:
+    async def _recall_for(self, session: Session, name: str, args: list[Any]) -> None:
         """Recall what other sessions hold that call *name* changes."""
         first = True
         while (items := self._conflicts(session, name, args)) and \
@@ -1346,57 +1008,19 @@ class MetaServer:
         every memory server, so that no transfer it began under them lands from now
         on.  Once per registration: the eviction and the forget that follows it
         fence once."""
-        if not isinstance(holder, _Session) or holder.fenced:
+        if not isinstance(holder, Session) or holder.fenced:
             return
         holder.fenced = True
         old, holder.token = holder.token, new_token()
-        if self.fences is None or self._nursery is None:
-            return
-        self.fences.add(old)
-        self._fence_seq += 1
-        self._fencing[self._fence_seq] = trio.Event()
-        self._nursery.start_soon(self._fence, old, self._fence_seq)
+        if self._nursery is not None:
+            self.fencing.begin(self._nursery, old)
 
-    async def _fence(self, token: int, seq: int) -> None:
-        """Have every memory server confirm the fence of *token*, for up to
-        FENCE_TIMEOUT: through the courier (memfs.mds), or any other transport of
-        ours that sends a server something (each delivers pending fences first)."""
-        assert self.fences is not None
-        fences = self.fences
-        try:
-            with trio.move_on_after(FENCE_TIMEOUT):
-                while fences.waiting(token):
-                    if fences.courier is not None:
-                        await fences.courier.deliver_fences()
-                    if fences.waiting(token):
-                        await trio.sleep(0.1)  # no transport yet, or a server down
-            waiting = fences.waiting(token)
-            if waiting:
-                log.warning("lease token %x: memory servers %s have not confirmed its fence "
-                            "within %g s: writes go ahead (those servers get it before "
-                            "anything else, and no memory is reused there until they do)",
-                            token, ", ".join(waiting), FENCE_TIMEOUT)
-            else:
-                log.info("lease token %x fenced on every memory server", token)
-        finally:
-            self._fencing.pop(seq).set()
-
-    async def _fences_done(self, upto: int) -> bool:
-        """Wait for the fences begun up to number *upto* (not later ones) to be answered
-        or given up on; False if there were none.  A client granted chunks to write must
-        not have its bytes overwritten by a transfer of one whose leases were taken
-        before."""
-        started = [ev for seq, ev in self._fencing.items() if seq <= upto]
-        for ev in started:
-            await ev.wait()
-        return bool(started)
-
-    async def _open(self, s: _Session, ino: int) -> Any:
+    async def _open(self, s: Session, ino: int) -> Any:
         attr = await self.store.open(ino)
         s.opens[ino] = s.opens.get(ino, 0) + 1
         return attr
 
-    async def _release(self, s: _Session, ino: int) -> None:
+    async def _release(self, s: Session, ino: int) -> None:
         n = s.opens.get(ino, 0)
         if n <= 0:
             # Never let one client drop another's counts; a re-registration may have
@@ -1419,7 +1043,7 @@ class MetaServer:
         await self.store.release(ino)
         self._journal_destroys()
 
-    def _detach(self, conn: _Conn) -> None:
+    def _detach(self, conn: Connection) -> None:
         s = conn.session
         if s.conn is not conn:
             return  # taken over by a newer connection
@@ -1442,14 +1066,14 @@ class MetaServer:
         assert self._nursery is not None
         self._nursery.start_soon(self._expire, s, s.generation)
 
-    async def _forget_later(self, s: _Session, registrations: int) -> None:
+    async def _forget_later(self, s: Session, registrations: int) -> None:
         await trio.sleep_until(s.last_heard + self.leases.term)
         if s.conn is None and s.registrations == registrations:  # else: back since
             self._t = self._real_now()
             self.leases.forget(s)
             self._journal_destroys()
 
-    async def _expire(self, s: _Session, generation: int) -> None:
+    async def _expire(self, s: Session, generation: int) -> None:
         await trio.sleep(self.session_grace)
         if s.conn is not None or s.generation != generation or self._sessions.get(s.sid) is not s:
             return

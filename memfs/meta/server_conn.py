@@ -1,0 +1,403 @@
+"""A client of the metadata server: its session, its connection, the handshake.
+
+A :class:`Session` is what a client holds (open handles, its lease token) and
+outlives connections; a :class:`Connection` runs one authenticated socket: it
+reads frames, executes calls in arrival order through the server (a
+:class:`Dispatcher`, memfs.meta.server.MetaServer), queues those that may
+wait and the calls behind them, and sends each reply once the journal records
+it may reflect are durable.  What a call means is the server's business.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import logging
+import secrets
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import trio
+import trio.lowlevel
+
+from memfs import wire
+from memfs.meta import codec
+from memfs.meta.conn import ROLE, FrameSocket
+from memfs.wire import Kind, WireError
+
+if TYPE_CHECKING:
+    from memfs.meta.journal import Journal
+
+log = logging.getLogger(__name__)
+
+#: before authentication, payloads above this are refused
+HANDSHAKE_MAX_PAYLOAD = 4096
+#: a client that takes no reply for this long is closed
+SEND_TIMEOUT = 30.0
+#: calls a client may queue behind one that waits (for a recall, the backing directory)
+MAX_QUEUED = 4096
+
+
+#: a parsed call: (method, arguments); None for control calls; an unknown method
+Parsed = tuple[codec.Method, list[Any]] | None | codec.UnknownMethod
+
+
+class CloseConnection(Exception):
+    """This connection must end (already logged)."""
+
+
+def parse_call(value: Any) -> Parsed:
+    """A call's method and arguments; None for a control call; the UnknownMethod
+    (answered ENOSYS); WireError for anything malformed."""
+    if type(value) is list and value and value[0] in ("describe", "session", "ping", "control"):
+        return None
+    try:
+        return codec.decode_call(value)
+    except codec.UnknownMethod as exc:
+        return exc
+
+
+async def handshake(fs: FrameSocket, peer: str, secret: bytes, within: float) -> None:
+    """Authenticate a new connection (HELLO, AUTH, WELCOME) *within* seconds; refused:
+    logged, ERROR(EACCES) sent, :class:`CloseConnection`."""
+    hs = wire.Handshake(secret)
+    try:
+        with trio.fail_after(within):
+            await fs.send(wire.frame(Kind.HELLO, 0, hs.hello()))
+            got = await fs.receive()
+            if got is None:
+                raise WireError("connection closed before AUTH")
+            h, payload = got
+            if h.kind is not Kind.AUTH:
+                raise WireError(f"expected AUTH, got {h.kind.name}")
+            role = hs.check_auth(payload)
+            if role != ROLE:
+                raise WireError(f"role {role!r} is not served here (expected {ROLE!r})")
+            await fs.send(wire.frame(Kind.WELCOME, h.req_id, hs.welcome()))
+    except trio.TooSlowError:
+        log.warning("%s: refused: no authentication within %.0f s", peer, within)
+        raise CloseConnection from None
+    except WireError as exc:
+        log.warning("%s: refused: %s", peer, exc)
+        with trio.move_on_after(1):
+            try:
+                await fs.send(wire.frame(Kind.ERROR, 0, wire.encode_error(errno.EACCES, str(exc))))
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                pass
+        raise CloseConnection from None
+
+
+def new_token() -> int:
+    """A lease token: 63 random bits (the value codec carries signed 64-bit integers)."""
+    return secrets.randbits(63) | 1
+
+
+@dataclass(eq=False)
+class Session:
+    """A client: its open handles and (memfs.meta.leases.Holder) what it caches."""
+
+    sid: bytes
+    opens: dict[int, int] = field(default_factory=dict)
+    #: what it names to the memory servers (SESSION); replaced, and the old one
+    #: fenced, when its leases are taken without its word (MetaServer._take_token)
+    token: int = field(default_factory=new_token)
+    #: its token was replaced since it last registered
+    fenced: bool = False
+    conn: Connection | None = None
+    generation: int = 0
+    last_heard: float = 0.0
+    #: times it has (re-)registered (memfs.meta.leases.Holder)
+    registrations: int = 0
+
+    def send_recall(self, rid: int, payload: list[Any]) -> bool:
+        conn = self.conn
+        if conn is None or conn.fs is None or conn.scope is None or conn.scope.cancel_called:
+            return False
+        frame = wire.frame(Kind.RECALL, rid, wire.encode(payload))
+        conn.push(frame, 0)
+        return True
+
+    def send_unlocked(self, ino: int) -> None:
+        """Tell the client a lock on *ino* went (it waits for one there)."""
+        conn = self.conn
+        if conn is not None and conn.fs is not None and conn.scope is not None \
+                and not conn.scope.cancel_called:
+            conn.push(wire.frame(Kind.UNLOCKED, 0, wire.encode([ino])), 0)
+
+    def evict(self, reason: str) -> None:
+        conn = self.conn
+        if conn is not None and conn.scope is not None:
+            log.warning("%s: evicting the client: %s", conn.peer, reason)
+            conn.scope.cancel()
+
+
+class Dispatcher(Protocol):
+    """What a connection needs of the server that gives its calls meaning."""
+
+    journal: Journal | None
+    #: a connection silent this long is closed (clients ping when idle)
+    idle_timeout: float
+
+    def may_wait(self, session: Session, value: Any, parsed: Parsed) -> bool:
+        """Could executing this call wait?  Then it runs in the connection's queue."""
+        ...
+
+    async def execute(self, conn: Connection, value: Any, parsed: Parsed) -> tuple[Kind, bytes]:
+        """Run one call: the reply's kind and body; WireError for a malformed one."""
+        ...
+
+    def recalled(self, session: Session, rid: int, payload: Any) -> None:
+        """The client answered recall *rid* (*payload*: what it reports with it)."""
+        ...
+
+
+@dataclass(eq=False)
+class Connection:
+    """One connection of a client: its calls run in arrival order (see :meth:`serve`)."""
+
+    peer: str
+    session: Session
+    server: Dispatcher
+    #: frames waiting for the journal, as (frame, seq that must be durable first); a
+    #: recall waits behind the replies before it, so a client never sees a reply
+    #: that a recall it already handled should have invalidated
+    outbox: collections.deque[tuple[bytes, int]] = field(default_factory=collections.deque)
+    wake: trio.Event = field(default_factory=trio.Event)
+    closing: bool = False
+    fs: FrameSocket | None = None
+    scope: trio.CancelScope | None = None
+    #: calls queued behind one that waits (executed in arrival order)
+    calls: collections.deque[tuple[int, Any, Parsed]] = field(default_factory=collections.deque)
+    #: replies held back while more calls are already buffered (sent together)
+    deferred: list[bytes] = field(default_factory=list)
+    calls_wake: trio.Event = field(default_factory=trio.Event)
+    busy: bool = False
+    #: the client closed the connection itself (it exited, or dropped it after a
+    #: timeout): it trusts nothing it cached before, so its leases end at once
+    clean_close: bool = False
+
+    def push(self, frame: bytes, needed: int, *, defer: bool = False) -> None:
+        """Send *frame* after everything before it, once journal seq *needed* is durable.
+
+        *defer*: more calls are already here; hold the frame until :meth:`push` is
+        called without it (one send for the batch).
+        """
+        fs = self.fs
+        assert fs is not None
+        if self.outbox or needed:
+            self.push_deferred()
+            self.outbox.append((frame, needed))
+            self.wake.set()
+            return
+        self.deferred.append(frame)
+        if defer and len(self.deferred) < 64:
+            return
+        self.push_deferred()
+
+    def push_deferred(self) -> None:
+        """Send the replies held back by ``defer``."""
+        if not self.deferred:
+            return
+        fs = self.fs
+        assert fs is not None
+        data = self.deferred[0] if len(self.deferred) == 1 else b"".join(self.deferred)
+        self.deferred.clear()
+        try:
+            fs.send_now(data)
+        except trio.BrokenResourceError:
+            if self.scope is not None:
+                self.scope.cancel()
+            return
+        if fs.pending():
+            self.wake.set()
+
+    def unanswered(self, kind: Kind, body: bytes) -> None:
+        """A call with request id 0 wants no reply (a client's release); its error is
+        only logged (the client states its open counts again at its next registration)."""
+        if kind is Kind.ERROR:
+            log.debug("%s: a call without reply failed: %s", self.peer, wire.decode_error(body))
+
+    def needed(self) -> int:
+        """The journal record a reply sent now must wait for (0: none)."""
+        journal = self.server.journal
+        return journal.seq if journal is not None else 0
+
+    async def serve(self, fs: FrameSocket) -> None:
+        """Read frames; execute calls in arrival order; reply at once unless a reply must wait.
+
+        A call that may wait (for a recall, or for the backing directory) runs in
+        :meth:`_run_calls` and the calls after it queue behind it, while this task
+        keeps reading: recall acknowledgements must get through meanwhile, or two
+        clients recalling from each other would wait for each other.  Replies wait
+        (in ``self.outbox``, sent by :meth:`_send_replies`) while the journal
+        records they may reflect are not durable yet, or the socket does not take them.
+        """
+        self.fs = fs
+        server = self.server
+        async with trio.open_nursery() as nursery:
+            self.scope = nursery.cancel_scope
+            nursery.start_soon(self._send_replies, fs, nursery.cancel_scope)
+            nursery.start_soon(self._run_calls)
+            n = 0
+            try:
+                # One scope whose deadline moves: cheaper than a fail_after per frame.
+                step = min(1.0, server.idle_timeout / 8)
+                with trio.CancelScope(deadline=trio.current_time() + server.idle_timeout) as idle:
+                    while True:
+                        n += 1
+                        if n % 32 == 0:
+                            await trio.lowlevel.checkpoint()  # a pipelining client must not starve others
+                        if not fs.buffered():  # about to wait: from now on, at most this long
+                            # (moved in steps: setting a deadline is not free)
+                            now = trio.current_time()
+                            if now + server.idle_timeout - idle.deadline > step:
+                                idle.deadline = now + server.idle_timeout
+                        got = await fs.receive()
+                        if got is None:
+                            log.debug("%s: client closed the connection", self.peer)
+                            self.clean_close = True
+                            break
+                        h, payload = got
+                        self.session.last_heard = trio.current_time()
+                        if h.kind is Kind.RECALLED:
+                            if self.calls:
+                                await self._run_made_now()
+                            server.recalled(self.session, h.req_id, wire.decode(payload))
+                            continue
+                        if h.kind is not Kind.CALL:
+                            raise WireError(f"unexpected {h.kind.name} frame")
+                        value = wire.decode(payload)
+                        parsed = parse_call(value)
+                        if self.busy or self.calls or server.may_wait(self.session, value, parsed):
+                            if len(self.calls) >= MAX_QUEUED:
+                                raise WireError(f"more than {MAX_QUEUED} calls queued")
+                            self.calls.append((h.req_id, value, parsed))
+                            self.calls_wake.set()
+                            self.push_deferred()  # earlier replies must not wait for it
+                            continue
+                        kind, body = await server.execute(self, value, parsed)
+                        if not h.req_id:  # no reply wanted
+                            self.unanswered(kind, body)
+                            if not fs.buffered():
+                                self.push_deferred()
+                            continue
+                        # Replies to calls that came in one read go out in one send.
+                        self.push(wire.frame(kind, h.req_id, body), self.needed(),
+                                  defer=fs.buffered())
+                if idle.cancelled_caught:
+                    log.info("%s: silent for %.0f s, closing", self.peer, server.idle_timeout)
+                    raise CloseConnection
+                # The client is done sending: let the queued calls and last replies go out.
+                while self.busy or self.calls:
+                    await self.calls_wake.wait()
+                self.closing = True
+                self.wake.set()
+                self.calls_wake.set()
+            except WireError as exc:
+                log.warning("%s: protocol error, closing the connection: %s", self.peer, exc)
+                nursery.cancel_scope.cancel()
+            except CloseConnection:
+                nursery.cancel_scope.cancel()
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                # The client went away (killed, or gave up on us): not an error.  Caught
+                # here, or the nursery would wrap it in a group that the server logs as one.
+                log.info("%s: connection lost: %s", self.peer, exc)
+                # A reset comes from the client's kernel: its end is closed (the
+                # process died with frames unread), as good as a clean close.
+                self.clean_close = isinstance(exc.__cause__, ConnectionResetError)
+                nursery.cancel_scope.cancel()
+
+
+    async def _run_made_now(self) -> None:
+        """Creates and unlinks made under a create lease that wait in this connection's
+        queue (behind a call that waits, for a recall from another client say) run
+        now, before the recall answer that came after them is applied: the client
+        answers a recall once they are answered, or after ``answer_within`` anyway,
+        and the call that recalled must see them.  They never wait (their directory
+        is this session's alone; one that would waits in turn, and the ones after it
+        too) and do not depend on the calls they pass: a call naming one of their
+        files comes after its create, and one before its unlink (a release, a
+        write's allocation, a setattr) works as well on the unlinked file, an orphan
+        until its last release."""
+        server = self.server
+        calls = list(self.calls)
+        picked: list[tuple[int, Any, Parsed]] = []
+        rest: list[tuple[int, Any, Parsed]] = []
+        for n, item in enumerate(calls):
+            _, value, parsed = item
+            made = isinstance(parsed, tuple) and parsed[0].name in ("create_at", "unlink_at")
+            if (parsed is None and value[0] not in ("ping", "describe")) or (
+                    made and server.may_wait(self.session, value, parsed)):
+                # A session change, or one of them that must wait: they keep their
+                # order among themselves, so what follows keeps its turn.
+                rest += calls[n:]
+                break
+            (picked if made else rest).append(item)
+        if not picked:
+            return
+        self.calls.clear()
+        self.calls.extend(rest)
+        for rid, value, parsed in picked:
+            kind, body = await server.execute(self, value, parsed)
+            if rid:
+                self.push(wire.frame(kind, rid, body), self.needed())
+            else:
+                self.unanswered(kind, body)
+
+
+    async def _run_calls(self) -> None:
+        """Execute the calls that queued (see :meth:`serve`), in order."""
+        server = self.server
+        while True:
+            while not self.calls:
+                if self.closing:
+                    return
+                self.calls_wake = trio.Event()
+                await self.calls_wake.wait()
+            self.busy = True
+            try:
+                while self.calls:
+                    rid, value, parsed = self.calls.popleft()
+                    try:
+                        kind, body = await server.execute(self, value, parsed)
+                    except WireError as exc:
+                        log.warning("%s: protocol error, closing the connection: %s", self.peer, exc)
+                        assert self.scope is not None
+                        self.scope.cancel()
+                        return
+                    if rid:
+                        self.push(wire.frame(kind, rid, body), self.needed())
+                    else:
+                        self.unanswered(kind, body)
+            finally:
+                self.busy = False
+                self.calls_wake.set()
+
+
+    async def _send_replies(self, fs: FrameSocket, scope: trio.CancelScope) -> None:
+        """Send replies in order, each only once the changes it may reflect are durable."""
+        journal = self.server.journal
+        try:
+            while True:
+                if self.outbox:
+                    if journal is not None:
+                        await journal.wait_durable(self.outbox[0][1])
+                    while self.outbox and (journal is None or self.outbox[0][1] <= journal.durable_seq):
+                        fs.send_now(self.outbox.popleft()[0])
+                if fs.pending():
+                    with trio.fail_after(SEND_TIMEOUT):
+                        await fs.flush()
+                    continue
+                if self.outbox:
+                    continue
+                if self.closing:
+                    return
+                await self.wake.wait()
+                self.wake = trio.Event()
+        except trio.TooSlowError:
+            log.warning("%s: client does not read its replies, closing", self.peer)
+            scope.cancel()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            log.info("%s: connection lost: %s", self.peer, exc)
+            scope.cancel()
+
