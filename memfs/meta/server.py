@@ -1,5 +1,9 @@
 """The metadata server (``memfs mds``): one :class:`MetaStore` served to many mounts.
 
+This module gives calls their meaning (sessions, leases, locks, recovery);
+:mod:`memfs.meta.server_conn` runs each connection (handshake, frames, order of
+calls and replies) and :mod:`memfs.meta.fencing` the fences of lease tokens.
+
 Protocol (frames from :mod:`memfs.wire`):
 
 * The server sends HELLO; the client must answer AUTH (role ``"meta"``) within
