@@ -15,7 +15,7 @@ import errno
 import logging
 import secrets
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import trio
 import trio.lowlevel
@@ -24,9 +24,6 @@ from memfs import wire
 from memfs.meta import codec
 from memfs.meta.conn import ROLE, FrameSocket
 from memfs.wire import Kind, WireError
-
-if TYPE_CHECKING:
-    from memfs.meta.journal import Journal
 
 log = logging.getLogger(__name__)
 
@@ -131,10 +128,32 @@ class Session:
             conn.scope.cancel()
 
 
+class Durability(Protocol):
+    """What a connection needs of the journal (memfs.meta.journal.Journal)."""
+
+    @property
+    def seq(self) -> int:
+        """The last record appended."""
+        ...
+
+    @property
+    def durable_seq(self) -> int:
+        """The last record on disk."""
+        ...
+
+    async def wait_durable(self, seq: int) -> None:
+        """Until record *seq* is on disk."""
+        ...
+
+
 class Dispatcher(Protocol):
     """What a connection needs of the server that gives its calls meaning."""
 
-    journal: Journal | None
+    @property
+    def journal(self) -> Durability | None:
+        """Replies wait until the records they may reflect are on disk (None: no journal)."""
+        ...
+
     #: a connection silent this long is closed (clients ping when idle)
     idle_timeout: float
 
