@@ -141,6 +141,7 @@ async def open_backend(opts: MountOptions) -> AsyncIterator[Backend]:
         access = PoolAccess("local", fds=tuple(transport.volume_fds()),
                             sizes=tuple(v.size for v in transport.volumes))
         scrubber = Scrubber(store, transport)
+        scrubber.quiesce = fs.replies_written  # read() returns views of this pool
         async with trio.open_nursery() as nursery:
             await nursery.start(scrubber.run)
             yield Backend(store, transport, access, scrubber.hold, scrubber.wait_turn)
@@ -298,6 +299,8 @@ async def _serve(
     arrays: ArrayService,
 ) -> None:
     data = DataEngine(meta, transport)
+    if opts.mds is None:  # read() returns views of pool memory (remote reads: new buffers)
+        data.quiesce = fs.replies_written
     ops = Operations(
         meta,
         data,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 
 import trio
@@ -54,6 +54,11 @@ class Scrubber:
         #: a round waits for holds to end: new ones wait for the round (see wait_turn)
         self._wanting = False
         self._turn = trio.Event()
+        #: waits until no reader still copies out of memory freed before the call;
+        #: False if it gave up (the mount's FUSE layer sets it: its read replies
+        #: are copied from pool memory after read() returned, see
+        #: memfs.fs.replies_written)
+        self.quiesce: Callable[[], Awaitable[bool]] | None = None
         store.reclaimer = self.drain
         store.on_dirty = self.poke
 
@@ -128,6 +133,11 @@ class Scrubber:
                 if self.store.wait_durable is not None:
                     # The records that freed these chunks first (see MetaStore).
                     await self.store.wait_durable()
+                if self.quiesce is not None and not await self.quiesce():
+                    # Replies still copying out of them: they stay dirty for now.
+                    self.store.return_dirty(batch)
+                    failed.update({vol: "read replies not written" for vol, _ in batch})
+                    break
                 bad = await self._zero(batch)
             except BaseException:
                 # Cancelled (a waiting call gave up, its connection dropped):

@@ -13,6 +13,7 @@ import ctypes
 import mmap
 import os
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -298,3 +299,73 @@ def test_embedded_kernel_keeps_names_and_attributes(
         assert after > before  # expired: looked up again
     else:
         assert after == before, "the kernel asked the daemon again"
+
+
+def reply_thread_switches(pid: int) -> dict[int, int]:
+    """pyfuse3's reply threads in *pid* (patch 0006 names them) and how often each has
+    been switched out: once per wait for work, so it grows only with replies written."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            if (task / "comm").read_text().strip() != "pyfuse3-reply":
+                continue
+            status = (task / "status").read_text().splitlines()
+        except FileNotFoundError:  # a thread that just ended
+            continue
+        out[int(task.name)] = sum(int(line.split(":")[1]) for line in status
+                                  if line.split(":")[0].endswith("ctxt_switches"))
+    return out
+
+
+@pytest.mark.mount
+def test_large_read_replies_are_written_by_reply_threads(
+    memfs_mount: Callable[..., Mounted],
+) -> None:
+    """The kernel's copy of a large read's reply happens on pyfuse3's reply threads
+    (patch 0006), a small one's in the request loop; the bytes are right either way,
+    with files being truncated and removed meanwhile (freed memory is zeroed only
+    after the replies reading it are written: fs.replies_written)."""
+    m = memfs_mount("--size", "256M")
+    path = m / "f"
+    data = os.urandom(64 << 20)
+    path.write_bytes(data)
+    threads = reply_thread_switches(m.pid)
+    assert len(threads) == fs.REPLY_THREADS
+
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)  # READ requests of exactly 16 KiB
+    try:
+        buf = mmap.mmap(-1, 16 << 10)
+        for off in range(0, len(data), 4 << 20):
+            assert os.preadv(fd, [buf], off + 12288) == 16 << 10
+            assert buf[:] == data[off + 12288 : off + 12288 + (16 << 10)]
+    finally:
+        os.close(fd)
+    assert reply_thread_switches(m.pid) == threads, "a small reply went to a thread"
+
+    churn_path = m / "churn"
+    stop = time.monotonic() + 2
+
+    def churn() -> None:  # frees and reuses memory while the reads run
+        while time.monotonic() < stop:
+            churn_path.write_bytes(b"\x5a" * (8 << 20))
+            os.truncate(churn_path, 4096)
+            churn_path.unlink()
+
+    churner = threading.Thread(target=churn)
+    churner.start()
+    try:
+        rounds = 0
+        while time.monotonic() < stop or rounds < 2:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # READs again
+                got = b"".join(os.pread(fd, 1 << 20, off) for off in range(0, len(data), 1 << 20))
+            finally:
+                os.close(fd)
+            assert got == data, f"round {rounds}: wrong bytes read"
+            rounds += 1
+    finally:
+        churner.join()
+    after = reply_thread_switches(m.pid)
+    assert after.keys() == threads.keys()
+    assert sum(after.values()) > sum(threads.values()), "no reply was written by a thread"

@@ -170,3 +170,76 @@ async def test_one_dead_volume_does_not_keep_the_others_dirty(
         nursery.cancel_scope.cancel()
     assert caplog.text.count("cannot zero freed chunks of volume 0") == 1, caplog.text
     await transport.aclose()
+
+
+class RecordingZero(LocalTransport):
+    """Records every zeroing (what a reply still copying out of the memory would see)."""
+
+    def __init__(self, *args: int) -> None:
+        super().__init__(*args)
+        self.zeroed: list[tuple[int, int, int]] = []
+
+    async def zero(self, volume: int, offset: int, length: int) -> None:
+        self.zeroed.append((volume, offset, length))
+        await super().zero(volume, offset, length)
+
+
+async def test_freed_memory_is_zeroed_only_after_read_replies_are_written(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A FUSE read's reply is copied out of pool memory by a pyfuse3 thread after
+    read() returned (memfs.fs.replies_written): freed memory stays as it was, and
+    is handed to no one, until the replies submitted before are written; replies
+    that are never written (the mount going away) leave it dirty."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]
+    store = MetaStore(POOL)
+    transport = RecordingZero(POOL.volumes, POOL.volume_size)
+    scrubber = Scrubber(store, transport)
+    engine = DataEngine(store, transport)
+    written = trio.Event()
+    answers: list[bool] = []
+
+    async def quiesce() -> bool:
+        with trio.move_on_after(5):
+            await written.wait()
+        answers.append(written.is_set())
+        return written.is_set()
+
+    scrubber.quiesce = quiesce
+    await filled_then_freed(store, engine)
+    dirty = store.dirty_chunks
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(scrubber.drain)
+        await trio.sleep(1)
+        # taken for the round, but neither zeroed nor allocatable
+        assert transport.zeroed == [] and all(a.free == 0 for a in store.allocators)
+        written.set()
+    assert answers and all(answers) and transport.zeroed and store.dirty_chunks == 0
+
+    written = trio.Event()  # never written this time
+    await filled_then_freed(store, engine)
+    await scrubber.drain()
+    assert answers[-1] is False
+    assert store.dirty_chunks == dirty  # kept, not zeroed, not lost
+    assert "read replies not written" in caplog.text
+    await transport.aclose()
+
+
+async def test_a_truncate_zeroes_the_tail_after_read_replies_are_written() -> None:
+    store = MetaStore(POOL)
+    transport = RecordingZero(POOL.volumes, POOL.volume_size)
+    engine = DataEngine(store, transport)
+    events: list[str] = []
+
+    async def quiesce() -> bool:
+        events.append(f"quiesce with {len(transport.zeroed)} zeroed")
+        return False  # gave up: the tail is zeroed all the same
+
+    engine.quiesce = quiesce
+    ino = (await store.mknod(ROOT, b"f", stat.S_IFREG | 0o644, 0, 0)).ino
+    await engine.write(ino, 0, b"\xff" * 8 * K)
+    await engine.truncate(ino, 100)
+    assert events == ["quiesce with 0 zeroed"] and transport.zeroed
+    await engine.truncate(ino, 8 * K)
+    assert bytes(await engine.read(ino, 0, 8 * K)) == b"\xff" * 100 + bytes(8 * K - 100)
+    await transport.aclose()
