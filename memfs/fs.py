@@ -130,7 +130,10 @@ SPIN = 20e-6
 #: which was nearly all of a 1 MiB read's time in the one request loop; two threads
 #: copy on both CPUs while the loop takes the next request.  fio 2 jobs of 1 MiB
 #: sequential reads, fresh mounts, 4 alternating pairs: 715-3,277 (median ~1,460)
-#: -> 3,416-3,692 MiB/s.
+#: -> 3,416-3,692 MiB/s.  Not with ``-o direct_io``: there no page-cache folio lock
+#: holds a WRITE of the same bytes back until the reply is copied, so a read would no
+#: longer be atomic against a write (and its 1 MiB reads, copied straight into the
+#: reader's buffer, did not gain: 3,893 -> 3,764 MiB/s).
 REPLY_THREADS = 2
 #: shorter replies are written by the loop itself: handing one over and waking a
 #: thread cost more than the copy (16 KiB random reads through one thread: 256-290
@@ -141,7 +144,7 @@ REPLY_POLL = 100e-6
 REPLY_PATIENCE = 5.0
 
 
-def tune_request_loop(workers: int, *, cluster: bool) -> None:
+def tune_request_loop(workers: int, *, cluster: bool, direct_io: bool = False) -> None:
     """How pyfuse3's workers wait between requests (see :data:`LINGER`, :data:`SPIN`);
     a pyfuse3 without memfs's patch 0002 has neither knob."""
     linger = LINGER if workers == 1 else SPIN if cluster else 0.0
@@ -150,7 +153,7 @@ def tune_request_loop(workers: int, *, cluster: bool) -> None:
     if hasattr(pyfuse3, "SPIN"):
         pyfuse3.SPIN = SPIN
     if hasattr(pyfuse3, "REPLY_THREADS"):
-        pyfuse3.REPLY_THREADS = REPLY_THREADS
+        pyfuse3.REPLY_THREADS = 0 if direct_io else REPLY_THREADS
         pyfuse3.REPLY_MIN = REPLY_MIN
 
 

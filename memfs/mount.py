@@ -337,7 +337,8 @@ async def _serve(
             nursery.start_soon(_watch_signals)
             if opts.readahead_kib:
                 nursery.start_soon(_tune_after_init, ops, opts)
-            fs.tune_request_loop(opts.max_tasks, cluster=opts.mds is not None)
+            fs.tune_request_loop(opts.max_tasks, cluster=opts.mds is not None,
+                                 direct_io=opts.direct_io)
             await pyfuse3.main(min_tasks=min(fs.IDLE_WORKERS, opts.max_tasks),
                                max_tasks=opts.max_tasks)
             nursery.cancel_scope.cancel()

@@ -803,7 +803,10 @@ def test_interrupted_umount_leaves_a_daemon_that_can_still_be_reached(tmp_path: 
         data = os.urandom(4 << 20)  # does not fit: write-back fails with ENOSPC, retried
         (mnt / "big.bin").write_bytes(data)
 
-        umount = subprocess.Popen([*MEMFS, "umount", str(mnt)], stderr=subprocess.PIPE, text=True)
+        # SIGINT as at a terminal, even if this suite was started with it ignored
+        # (a background job of a shell without job control: `(make test &)`)
+        umount = subprocess.Popen([*MEMFS, "umount", str(mnt)], stderr=subprocess.PIPE, text=True,
+                                  preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         _wait_until(lambda: not is_mounted(str(mnt)), what="the FUSE unmount")
         time.sleep(0.3)
         umount.send_signal(signal.SIGINT)  # Ctrl-C

@@ -141,17 +141,22 @@ def test_request_loop_lingers_and_spins() -> None:
     ppoll, polling without sleeping at first; a cluster client's several workers only
     poll, briefly, since a worker lingering might not see another's reply; on a
     ``--backing`` mount (several workers, write-back threads) they do neither."""
-    before = pyfuse3.LINGER, pyfuse3.SPIN
+    before = pyfuse3.LINGER, pyfuse3.SPIN, pyfuse3.REPLY_THREADS, pyfuse3.REPLY_MIN
     try:
         fs.tune_request_loop(1, cluster=False)
         assert (pyfuse3.LINGER, pyfuse3.SPIN) == (fs.LINGER, fs.SPIN)
         assert 0 < fs.SPIN < fs.LINGER
+        assert (pyfuse3.REPLY_THREADS, pyfuse3.REPLY_MIN) == (fs.REPLY_THREADS, fs.REPLY_MIN)
         fs.tune_request_loop(4, cluster=True)
         assert (pyfuse3.LINGER, pyfuse3.SPIN) == (fs.SPIN, fs.SPIN)
+        assert pyfuse3.REPLY_THREADS == fs.REPLY_THREADS > 0
         fs.tune_request_loop(16, cluster=False)
         assert pyfuse3.LINGER == 0.0
+        # direct I/O: no folio lock holds a write of the same bytes back meanwhile
+        fs.tune_request_loop(1, cluster=False, direct_io=True)
+        assert pyfuse3.REPLY_THREADS == 0
     finally:
-        pyfuse3.LINGER, pyfuse3.SPIN = before
+        pyfuse3.LINGER, pyfuse3.SPIN, pyfuse3.REPLY_THREADS, pyfuse3.REPLY_MIN = before
 
 
 class FakeConn:
@@ -242,6 +247,9 @@ def test_direct_io_keeps_file_data_out_of_the_page_cache(memfs_mount: Callable[.
         mm.flush()
         assert os.pread(f.fileno(), 10, 200) == b"m" * 10
     assert path.read_bytes()[:300] == data[:100] + b"w" * 10 + data[110:200] + b"m" * 10 + data[210:300]
+    # replies copied by threads after the loop went on would not be atomic against
+    # writes here (nothing holds a write of the same bytes back meanwhile)
+    assert reply_thread_switches(m.pid) == {}
 
 
 @pytest.mark.mount
