@@ -501,6 +501,7 @@ async def test_a_stale_read_is_read_again(tmp_path: Path, overlaps: bool) -> Non
         data = np.arange(1 << 17, dtype="f8")  # 1 MiB
         moves = [0]
         gen = [0]
+        begun: list[int] = []  # the file offset of each copy begun
 
         def bump() -> int:
             return gen[0]
@@ -510,6 +511,7 @@ async def test_a_stale_read_is_read_again(tmp_path: Path, overlaps: bool) -> Non
         class Recalling(FailingMover):
             def begin(self, *args: Any, write: bool) -> _Copy:
                 moves[0] += 1
+                begun.append(args[1])
                 if moves[0] == 2:
                     gen[0] += 1  # recalled while the second piece moves
                 return super().begin(*args, write=write)
@@ -529,8 +531,13 @@ async def test_a_stale_read_is_read_again(tmp_path: Path, overlaps: bool) -> Non
         await blocking(work)
         # 4 pieces; overlapping, the recall came while the first two were begun and not
         # yet done (the second begins before the first is waited for): both are read
-        # again; in turn, the first was done already
-        assert moves[0] == (6 if overlaps else 5)
+        # again; in turn, the first was done already.  The third piece's map was asked
+        # for before the second began: whether the daemon answered it before or after
+        # the recall is a race between two threads, so it may be read once or twice.
+        base = min(begun)
+        times = [begun.count(base + k * (256 << 10)) for k in range(4)]
+        assert times[:2] == ([2, 2] if overlaps else [1, 2]), begun
+        assert times[2] in (1, 2) and times[3] == 1 and len(begun) == sum(times), begun
 
 
 async def test_a_transfer_blocks_other_requests_and_scrubbing(tmp_path: Path) -> None:
