@@ -76,9 +76,9 @@ class DataEngine:
         #: files with posted writes outstanding or a failed one not reported yet
         self._posted: dict[int, _Posted] = {}
         self._posts = 0  # writes that began posting, ever (numbers them)
-        #: waits until no reader still copies out of pool memory read() returned
-        #: (set by the mount's FUSE layer; see memfs.fs.replies_written)
-        self.quiesce: Callable[[], Awaitable[bool]] | None = None
+        #: waits, without yielding, until no reader still copies out of pool memory
+        #: read() returned (set by the mount's FUSE layer: memfs.fs.replies_written_now)
+        self.quiesce: Callable[[], bool] | None = None
         if transport.posts_writes:  # no size reported ahead of the bytes under it
             meta.order_sizes_after(self.wait_posted)
 
@@ -296,9 +296,10 @@ class DataEngine:
             await self.wait_posted(ino)  # a zeroing could overtake them
         ranges = await self.meta.truncate(ino, size)
         if ranges and self.quiesce is not None:
-            # A read's reply may still be copying the tail out (fs.replies_written).
-            # Zeroed even if that wait gives up: bytes past EOF must read as zeros.
-            await self.quiesce()
+            # A read's reply may still be copying the tail out (fs.replies_written_now).
+            # No await from here to the zeroing: nothing may free and reuse the chunk
+            # meanwhile.  Zeroed even if the wait gives up: past EOF must read as zeros.
+            self.quiesce()
         with self.meta.io(ino):  # a transfer: a new lease token waits for it (cluster)
             for vol, voff, n in ranges:
                 await self.transport.zero(vol, voff, n)

@@ -143,6 +143,8 @@ REPLY_MIN = 64 << 10
 #: how often :func:`replies_written` looks, and how long it waits at most
 REPLY_POLL = 100e-6
 REPLY_PATIENCE = 5.0
+#: how long :func:`replies_written_now` holds the event loop at most
+REPLY_PATIENCE_NOW = 1.0
 
 
 def tune_request_loop(workers: int, *, cluster: bool, direct_io: bool = False) -> None:
@@ -166,10 +168,11 @@ async def replies_written() -> bool:
     thread copies from after read() has returned: memory freed meanwhile (a
     truncate, an unlink) must not be zeroed or handed to another file before
     that copy is done, or the reader would get zeros or another file's bytes.
-    The scrubber and a truncate's zeroing wait here first.  A reply is written
+    A reply is written
     within microseconds (a MiB in under a millisecond); one that is not within
     the patience means the kernel stopped taking replies (the mount is going
-    away).
+    away).  The scrubber waits here (the chunks it took are neither free nor
+    allocatable meanwhile); a truncate uses :func:`replies_written_now`.
     """
     if not hasattr(pyfuse3, "reply_count"):
         return True
@@ -178,6 +181,21 @@ async def replies_written() -> bool:
         while written < submitted:
             await trio.sleep(REPLY_POLL)
             written = pyfuse3.reply_count()[1]
+    return written >= submitted
+
+
+def replies_written_now() -> bool:
+    """:func:`replies_written` without yielding to the event loop (it sleeps the
+    thread: the reply threads need no GIL): for a truncate, between the metadata
+    change and zeroing the tail, where no other task may free or reuse that
+    memory meanwhile.  At most :data:`REPLY_PATIENCE_NOW`."""
+    if not hasattr(pyfuse3, "reply_count"):
+        return True
+    submitted, written = pyfuse3.reply_count()
+    deadline = time.monotonic() + REPLY_PATIENCE_NOW
+    while written < submitted and time.monotonic() < deadline:
+        time.sleep(REPLY_POLL)
+        written = pyfuse3.reply_count()[1]
     return written >= submitted
 
 class Operations(pyfuse3.Operations):

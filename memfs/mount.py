@@ -300,7 +300,7 @@ async def _serve(
 ) -> None:
     data = DataEngine(meta, transport)
     if opts.mds is None:  # read() returns views of pool memory (remote reads: new buffers)
-        data.quiesce = fs.replies_written
+        data.quiesce = fs.replies_written_now
     ops = Operations(
         meta,
         data,

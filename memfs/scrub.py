@@ -134,9 +134,10 @@ class Scrubber:
                     # The records that freed these chunks first (see MetaStore).
                     await self.store.wait_durable()
                 if self.quiesce is not None and not await self.quiesce():
-                    # Replies still copying out of them: they stay dirty for now.
+                    # Replies still copying out of them (the mount is going away):
+                    # they stay dirty, for a later round (no volume is at fault).
                     self.store.return_dirty(batch)
-                    failed.update({vol: "read replies not written" for vol, _ in batch})
+                    log.warning("freed chunks not zeroed yet: read replies not written")
                     break
                 bad = await self._zero(batch)
             except BaseException:

@@ -330,7 +330,8 @@ def test_large_read_replies_are_written_by_reply_threads(
     memfs_mount: Callable[..., Mounted],
 ) -> None:
     """The kernel's copy of a large read's reply happens on pyfuse3's reply threads
-    (patch 0006), a small one's in the request loop; the bytes are right either way,
+    (patch 0006), a small one's and an O_DIRECT one's in the request loop; the bytes
+    are right either way,
     with files being truncated and removed meanwhile (freed memory is zeroed only
     after the replies reading it are written: fs.replies_written)."""
     m = memfs_mount("--size", "256M")
@@ -340,15 +341,27 @@ def test_large_read_replies_are_written_by_reply_threads(
     threads = reply_thread_switches(m.pid)
     assert len(threads) == fs.REPLY_THREADS
 
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)  # READ requests of exactly 16 KiB
-    try:
-        buf = mmap.mmap(-1, 16 << 10)
-        for off in range(0, len(data), 4 << 20):
-            assert os.preadv(fd, [buf], off + 12288) == 16 << 10
-            assert buf[:] == data[off + 12288 : off + 12288 + (16 << 10)]
+    fd = os.open(path, os.O_RDONLY)
+    try:  # no readahead: READ requests of 16 KiB through the page cache
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        for off in range(12288, len(data), 4 << 20):
+            assert os.pread(fd, 16 << 10, off) == data[off : off + (16 << 10)]
     finally:
         os.close(fd)
     assert reply_thread_switches(m.pid) == threads, "a small reply went to a thread"
+    # O_DIRECT: the kernel reads into the reader's buffer with no page-cache folio
+    # locked, so a write of the same bytes could come while a thread copied the reply:
+    # the loop writes those itself, whatever their size
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        buf = mmap.mmap(-1, 1 << 20)
+        for off in range(0, len(data), 4 << 20):
+            assert os.preadv(fd, [buf], off) == 1 << 20
+            assert buf[:] == data[off : off + (1 << 20)]
+    finally:
+        os.close(fd)
+    assert reply_thread_switches(m.pid) == threads, "an O_DIRECT reply went to a thread"
 
     churn_path = m / "churn"
     stop = time.monotonic() + 2
