@@ -168,11 +168,11 @@ async def replies_written() -> bool:
     thread copies from after read() has returned: memory freed meanwhile (a
     truncate, an unlink) must not be zeroed or handed to another file before
     that copy is done, or the reader would get zeros or another file's bytes.
-    A reply is written
-    within microseconds (a MiB in under a millisecond); one that is not within
-    the patience means the kernel stopped taking replies (the mount is going
-    away).  The scrubber waits here (the chunks it took are neither free nor
-    allocatable meanwhile); a truncate uses :func:`replies_written_now`.
+    A reply is written within microseconds (a MiB in under a millisecond); one
+    that is not within the patience means the kernel stopped taking replies
+    (the mount is going away).  The scrubber waits here (the chunks it took are
+    neither free nor allocatable meanwhile); a truncate uses
+    :func:`replies_written_now`.
     """
     if not hasattr(pyfuse3, "reply_count"):
         return True
@@ -197,6 +197,7 @@ def replies_written_now() -> bool:
         time.sleep(REPLY_POLL)
         written = pyfuse3.reply_count()[1]
     return written >= submitted
+
 
 class Operations(pyfuse3.Operations):
     supports_dot_lookup = True

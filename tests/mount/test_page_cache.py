@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pyfuse3
 import pytest
@@ -157,6 +158,22 @@ def test_request_loop_lingers_and_spins() -> None:
         assert pyfuse3.REPLY_THREADS == 0
     finally:
         pyfuse3.LINGER, pyfuse3.SPIN, pyfuse3.REPLY_THREADS, pyfuse3.REPLY_MIN = before
+
+
+async def test_replies_written_waits_for_the_mark_then_gives_up(
+    monkeypatch: pytest.MonkeyPatch, autojump_clock: Any,
+) -> None:
+    """Memory read() returned is reused only once every reply submitted before is
+    written (pyfuse3.reply_count's mark), or after the patience: False then."""
+    seen = iter([(5, 3), (5, 4), (5, 5)])
+    monkeypatch.setattr(pyfuse3, "reply_count", lambda: next(seen), raising=False)
+    assert await fs.replies_written()
+    seen = iter([(5, 3), (7, 4), (7, 5)])  # later replies do not count
+    assert fs.replies_written_now()
+    monkeypatch.setattr(pyfuse3, "reply_count", lambda: (5, 4), raising=False)
+    assert not await fs.replies_written()  # a reply that is never written
+    monkeypatch.setattr(fs, "REPLY_PATIENCE_NOW", 0.01)
+    assert not fs.replies_written_now()
 
 
 class FakeConn:
