@@ -669,6 +669,65 @@ async def test_quiet_posted_writes_are_confirmed_by_a_later_answer(
         assert seen[20:] == [Kind.READ]  # no SYNC: the READ's answer covered them
 
 
+async def test_quiet_writes_of_readonly_data_go_out_with_the_next_frame(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Quiet writes of read-only data (a FUSE write's ``bytes``) are held back and
+    go out in one ``sendmsg`` with the next frame on their connection, in order:
+    a READ's here, or the drainer's flush, or at once once ``CORK_BYTES`` are
+    held.  A writable buffer goes out at once (its owner may change it after
+    ``post_write`` returns)."""
+    monkeypatch.setattr(tcp, "_DRAIN_EVERY", 60.0)
+    seen: list[tuple[Kind, bytes]] = []
+    arrived = trio.Event()
+
+    async def script(stream: trio.SocketStream) -> None:
+        nonlocal arrived
+        while True:
+            h, payload = await recv_frame(stream)
+            seen.append((h.kind, payload[wire.WRITE.size:] if h.kind is not Kind.READ else b""))
+            arrived.set()
+            arrived = trio.Event()
+            if h.kind is Kind.READ:
+                await stream.send_all(wire.frame(Kind.OK, h.req_id, b"r" * 10))
+
+    async def settled() -> None:
+        await trio.sleep(0.05)
+
+    async with fake_memd(script, features=["quiet-writes"]) as vol, open_tcp_transport(
+        [vol], SECRET, connections_per_server=1
+    ) as t:
+        with trio.fail_after(5):
+            for i in range(3):
+                assert await t.post_write(0, 0, bytes([i]) * 100, 1, lambda _: None)
+            await settled()
+            assert seen == []  # held back
+            assert bytes(await t.read(0, 0, 10)) == b"r" * 10
+            assert seen == [(Kind.WRITE_QUIET, bytes([i]) * 100) for i in range(3)] + [(Kind.READ, b"")]
+            del seen[:]
+            await t.post_write(0, 0, bytearray(b"w" * 100), 1, lambda _: None)
+            await arrived.wait()
+            assert seen == [(Kind.WRITE_QUIET, b"w" * 100)]  # writable: sent at once
+            del seen[:]
+            big = bytes(tcp.CORK_BYTES // 2)
+            await t.post_write(0, 0, big, 1, lambda _: None)
+            await settled()
+            assert seen == []
+            await t.post_write(0, 0, big, 1, lambda _: None)  # past CORK_BYTES: both go
+            while len(seen) < 2:
+                await arrived.wait()
+            assert [k for k, _ in seen] == [Kind.WRITE_QUIET] * 2
+    del seen[:]
+    monkeypatch.setattr(tcp, "_DRAIN_EVERY", 0.01)
+    async with fake_memd(script, features=["quiet-writes"]) as vol, open_tcp_transport(
+        [vol], SECRET, connections_per_server=1
+    ) as t:
+        with trio.fail_after(5):
+            await t.post_write(0, 0, b"late", 1, lambda _: None)  # the drainer sends it
+            await arrived.wait()
+            assert seen[0] == (Kind.WRITE_QUIET, b"late")
+
+
 async def test_an_unanswered_sync_fails_quiet_writes_within_io_timeout(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
