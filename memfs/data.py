@@ -36,6 +36,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager
 
+import numpy as np
 import trio
 
 from memfs.errors import FsError, SpaceBusy
@@ -157,15 +158,24 @@ class DataEngine:
                 return bytes(e.length)
             return await self.transport.read(e.volume, e.voffset, e.length)
         total = extents[-1].offset + extents[-1].length - offset
-        buf = bytearray(total)  # zero-filled: holes need no work
-        view = memoryview(buf)
+        # Not zero-filled (a memset of every byte): holes and gaps are zeroed here,
+        # the rest is read into it, or it is dropped with the error.
+        buf = np.empty(total, np.uint8)
+        pos = offset
+        for e in extents:
+            if e.offset > pos:
+                buf[pos - offset : e.offset - offset] = 0
+            if e.volume < 0:
+                buf[e.offset - offset : e.offset - offset + e.length] = 0
+            pos = e.offset + e.length
+        view = buf.data
         data = [e for e in extents if e.volume >= 0]
         if self.transport.concurrent and len({e.volume for e in data}) > 1:
             await _concurrently([functools.partial(self._readinto, e, view, offset) for e in data])
         else:
             for e in data:
                 await self._readinto(e, view, offset)
-        return buf
+        return view
 
     async def _readinto(self, e: Extent, view: memoryview, base: int) -> None:
         start = e.offset - base
