@@ -93,7 +93,8 @@ class Transport(abc.ABC):
         """Store *data* at *offset* of *volume*, perhaps after returning: None if it is
         done (or a failure raised; *done* is not called), else a handle, and *done*
         is called once when the server has it (None) or it failed (a TransportError).  *data* may be
-        reused once this returns.  Writes with one *key* to one volume are applied
+        reused once this returns (``bytes`` cannot be: a transport may hold on to
+        those until the write is done).  Writes with one *key* to one volume are applied
         in the order posted.  Here: written before returning."""
         await self.write(volume, offset, data)
         return None

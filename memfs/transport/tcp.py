@@ -25,8 +25,8 @@ Connections and requests:
 * posted writes (:meth:`TcpTransport.post_write`) to a server that offers it go
   as WRITE_QUIET, not answered one by one: the server serves a connection in
   order, so the answer to any later request there (every 16th write is sent
-  answered; a SYNC where none follows soon) confirms them.  Quiet writes of read-only
-  data (a FUSE write's ``bytes``) are held back and go out with the next frame
+  answered; a SYNC where none follows soon) confirms them.  Quiet writes of
+  ``bytes`` (a FUSE write's, immutable) are held back and go out with the next frame
   on their connection (up to ``CORK_BYTES``, or at the drainer's next look):
   one ``sendmsg`` and one wake-up of the server for a run of small writes.
 
@@ -99,7 +99,7 @@ _IDLE_CHECK = 0.001
 #: (each look is a wake-up of the client: 1 ms cost it ~10% more CPU per 16 KiB
 #: random write than 4 ms, with quiet writes answered one in 16)
 _DRAIN_EVERY = 0.004
-#: quiet writes of read-only data held back on a connection, at most this many bytes in
+#: quiet writes of ``bytes`` held back on a connection, at most this many bytes in
 #: all (see TcpTransport.post_write)
 CORK_BYTES = 256 << 10
 #: posted writes sent unanswered (WRITE_QUIET) in a row, between answered ones
@@ -352,7 +352,7 @@ class _Conn:
         bufs: list[bytes | memoryview] = [wire.pack_header(kind, req_id, length), head]
         if data is not None:
             bufs.append(data)
-            if (kind is Kind.WRITE_QUIET and data.readonly
+            if (kind is Kind.WRITE_QUIET and isinstance(data.obj, bytes)
                     and self.corked_bytes + length < CORK_BYTES):
                 self.corked += bufs
                 self.corked_bytes += length
@@ -377,7 +377,8 @@ class _Conn:
         with trio.CancelScope(shield=True, deadline=deadline) as scope:
             try:
                 await send_all(self.sock, rest)
-            except OSError as exc:
+            except (OSError, trio.ClosedResourceError) as exc:
+                # (closed under us: failed already, by the watchdog or a new session)
                 self.fail(f"lost connection to memory server {self.server.name}: {exc}")
         if scope.cancelled_caught:
             self.fail(f"memory server {self.server.name} took no data for {self.io_timeout:g}s")
@@ -975,7 +976,7 @@ class TcpTransport(Transport):
         server applies them in the order posted (and answers them in that order:
         waiting for the last one posted on a connection waits for all before it).
         The frame is in the socket when this returns (the caller may reuse
-        *data*), unless *data* is read-only (below); a drainer task takes the answers when nobody waits for them, so
+        *data*), unless it is ``bytes`` (below); a drainer task takes the answers when nobody waits for them, so
         *done* is called within ``io_timeout`` even if nobody does.
 
         To a server that offers it the frame is a WRITE_QUIET, answered only if
@@ -985,12 +986,12 @@ class TcpTransport(Transport):
         per run instead of one per write (and no frame more).  Where no answered
         request follows soon enough, the drainer (or a waiter) sends a SYNC.
 
-        A WRITE_QUIET of read-only *data* (a FUSE write's ``bytes``) is also held
-        back, up to ``CORK_BYTES`` a connection, and goes out with the next frame
-        there (the run's answered write, a SYNC, a READ) or the drainer's next
-        look: one ``sendmsg`` and one wake-up of the server for several writes.
-        Its owner must leave it unchanged until it is done; the frame is not in
-        the socket when this returns.  Anything that waits for it sends first.
+        A WRITE_QUIET of *data* that is a view of ``bytes`` (a FUSE write's: nobody
+        can change it) is also held back, up to ``CORK_BYTES`` a connection, and
+        goes out with the next frame there (the run's answered write, a SYNC, a
+        READ) or at the drainer's next look: one ``sendmsg`` and one wake-up of
+        the server for several writes.  Its frame is not in the socket when this
+        returns; anything that waits for the write sends first.
         """
         src = memoryview(data).cast("B")
         n = len(src)

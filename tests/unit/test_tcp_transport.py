@@ -8,6 +8,7 @@ any order; a server that never answers costs ``io_timeout``, not forever.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -669,14 +670,14 @@ async def test_quiet_posted_writes_are_confirmed_by_a_later_answer(
         assert seen[20:] == [Kind.READ]  # no SYNC: the READ's answer covered them
 
 
-async def test_quiet_writes_of_readonly_data_go_out_with_the_next_frame(
+async def test_quiet_writes_of_bytes_go_out_with_the_next_frame(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Quiet writes of read-only data (a FUSE write's ``bytes``) are held back and
-    go out in one ``sendmsg`` with the next frame on their connection, in order:
-    a READ's here, or the drainer's flush, or at once once ``CORK_BYTES`` are
-    held.  A writable buffer goes out at once (its owner may change it after
-    ``post_write`` returns)."""
+    """Quiet writes of ``bytes`` (a FUSE write's) are held back and go out in one
+    ``sendmsg`` with the next frame on their connection, in order: a READ's
+    here, or at the drainer's next look, or at once once ``CORK_BYTES`` are
+    held.  Other buffers, read-only views of a bytearray too, go out at once:
+    their owner may change them after ``post_write`` returns."""
     monkeypatch.setattr(tcp, "_DRAIN_EVERY", 60.0)
     seen: list[tuple[Kind, bytes]] = []
     arrived = trio.Event()
@@ -704,10 +705,11 @@ async def test_quiet_writes_of_readonly_data_go_out_with_the_next_frame(
             assert seen == []  # held back
             assert bytes(await t.read(0, 0, 10)) == b"r" * 10
             assert seen == [(Kind.WRITE_QUIET, bytes([i]) * 100) for i in range(3)] + [(Kind.READ, b"")]
-            del seen[:]
-            await t.post_write(0, 0, bytearray(b"w" * 100), 1, lambda _: None)
-            await arrived.wait()
-            assert seen == [(Kind.WRITE_QUIET, b"w" * 100)]  # writable: sent at once
+            for mutable in (bytearray(b"w" * 100), memoryview(bytearray(b"v" * 100)).toreadonly()):
+                del seen[:]
+                await t.post_write(0, 0, mutable, 1, lambda _: None)
+                await arrived.wait()
+                assert seen == [(Kind.WRITE_QUIET, bytes(mutable))]  # sent at once
             del seen[:]
             big = bytes(tcp.CORK_BYTES // 2)
             await t.post_write(0, 0, big, 1, lambda _: None)
@@ -719,13 +721,45 @@ async def test_quiet_writes_of_readonly_data_go_out_with_the_next_frame(
             assert [k for k, _ in seen] == [Kind.WRITE_QUIET] * 2
     del seen[:]
     monkeypatch.setattr(tcp, "_DRAIN_EVERY", 0.01)
+    monkeypatch.setattr(tcp, "_CONFIRM_WITHIN", 60.0)  # no SYNC: the look itself sends
     async with fake_memd(script, features=["quiet-writes"]) as vol, open_tcp_transport(
         [vol], SECRET, connections_per_server=1
     ) as t:
         with trio.fail_after(5):
-            await t.post_write(0, 0, b"late", 1, lambda _: None)  # the drainer sends it
-            await arrived.wait()
-            assert seen[0] == (Kind.WRITE_QUIET, b"late")
+            # While writes keep coming (no SYNC then), each look sends what is held.
+            for i in range(12):  # (fewer than the 16 of a quiet run)
+                await t.post_write(0, 0, bytes([i]) * 10, 1, lambda _: None)
+                await trio.sleep(0.005)
+            assert seen and seen[0] == (Kind.WRITE_QUIET, bytes(10))
+
+
+async def test_a_server_that_stops_reading_fails_held_writes_not_the_transport(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A memory server that takes no more data, with writes held back and a flush
+    of them stuck half sent: the deadline fails the connection, and with it the
+    writes (EIO to their writers), and the transport goes on (it once died of the
+    drainer's send finding its socket closed under it)."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]
+    stop = trio.Event()
+
+    async def script(stream: trio.SocketStream) -> None:
+        await stop.wait()  # reads nothing
+
+    async with fake_memd(script, features=["quiet-writes"]) as vol, open_tcp_transport(
+        [vol], SECRET, connections_per_server=1, io_timeout=0.5
+    ) as t:
+        results = Completions()
+        with trio.fail_after(10):
+            with trio.move_on_after(1.5):
+                while True:
+                    with contextlib.suppress(TransportError):  # refused: the connection failed
+                        await t.post_write(0, 0, bytes(16 << 10), 1, results.append)
+                    await trio.sleep(0.0005)
+            await results.wait_for(1)
+        assert isinstance(results[0], TransportError)
+        assert "did not answer" in str(results[0]) or "took no data" in str(results[0])
+        stop.set()
 
 
 async def test_an_unanswered_sync_fails_quiet_writes_within_io_timeout(
