@@ -491,6 +491,8 @@ class _Conn:
     def poll(self) -> bool:
         """Take replies that have arrived, for a caller that cannot wait: True if it
         stopped with more to take (its share of work done, see receive_available)."""
+        if self.closed:  # (its requests failed with it: nothing to take)
+            return False
         self._rx.drained = False  # a hint for receivers that wait, so maybe stale
         try:
             return self.receive_available()
