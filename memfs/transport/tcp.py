@@ -26,9 +26,9 @@ Connections and requests:
   as WRITE_QUIET, not answered one by one: the server serves a connection in
   order, so the answer to any later request there (every 16th write is sent
   answered; a SYNC where none follows soon) confirms them.  Quiet writes of
-  ``bytes`` (a FUSE write's, immutable) are held back and go out with the next frame
-  on their connection (up to ``CORK_BYTES``, or at the drainer's next look):
-  one ``sendmsg`` and one wake-up of the server for a run of small writes.
+  ``bytes`` (a FUSE write's, immutable) are held back and go out with the next
+  frame on their connection (up to ``CORK_BYTES``, or at the drainer's next
+  look): one ``sendmsg`` and one wake-up of the server for a run of them.
 
 Failures (all :class:`~memfs.errors.TransportError`, EIO to applications):
 
@@ -978,8 +978,9 @@ class TcpTransport(Transport):
         server applies them in the order posted (and answers them in that order:
         waiting for the last one posted on a connection waits for all before it).
         The frame is in the socket when this returns (the caller may reuse
-        *data*), unless it is ``bytes`` (below); a drainer task takes the answers when nobody waits for them, so
-        *done* is called within ``io_timeout`` even if nobody does.
+        *data*), unless it is ``bytes`` (below); a drainer task takes the answers
+        when nobody waits for them, so *done* is called within ``io_timeout``
+        even if nobody does.
 
         To a server that offers it the frame is a WRITE_QUIET, answered only if
         refused, but for every ``_QUIET_RUN + 1``-th write: a server serves a
