@@ -129,8 +129,8 @@ SPIN = 20e-6
 #: kernel copies a reply into the page cache (or the reader's buffer) in that write,
 #: which was nearly all of a 1 MiB read's time in the one request loop; two threads
 #: copy on both CPUs while the loop takes the next request.  fio 2 jobs of 1 MiB
-#: sequential reads, fresh mounts, 4 alternating pairs: 715-3,277 (median ~1,460)
-#: -> 3,416-3,692 MiB/s.  Not with ``-o direct_io``: there no page-cache folio lock
+#: sequential reads, fresh mounts, alternating: 551, 2,680, 1,035 -> 3,011, 3,324,
+#: 2,909 MiB/s (docs/ARCHITECTURE.md, "Reply threads").  Not with ``-o direct_io``: there no page-cache folio lock
 #: holds a WRITE of the same bytes back until the reply is copied, so a read would no
 #: longer be atomic against a write (and its 1 MiB reads, copied straight into the
 #: reader's buffer, did not gain: 3,893 -> 3,764 MiB/s).
