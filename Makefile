@@ -15,7 +15,8 @@ $(VENV)/.installed: pyproject.toml scripts/setup-debian.sh scripts/link-pyverbs.
 		scripts/pyfuse3/0003-extra-init-flags.patch \
 		scripts/pyfuse3/0004-fallocate.patch \
 		scripts/pyfuse3/0005-locks.patch \
-		scripts/pyfuse3/0006-reply-threads.patch
+		scripts/pyfuse3/0006-reply-threads.patch \
+		scripts/pyfuse3/0007-passthrough.patch
 	./scripts/setup-debian.sh
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
