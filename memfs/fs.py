@@ -31,7 +31,8 @@ import trio
 
 from memfs.data import DataEngine
 from memfs.errors import FsError
-from memfs.meta import NAME_MAX, Attr, Locks, Meta, SetAttr
+from memfs.meta import NAME_MAX, Attr, Locks, Meta, SetAttr, set_ids_to_drop
+from memfs.passthrough import BackingFiles
 
 if TYPE_CHECKING:
     from memfs.metrics import Metrics
@@ -46,6 +47,12 @@ _NOTIFY_INC_EPOCH = struct.pack("<IiQ", 16, 8, 0)
 #: mapped MAP_SHARED (the kernel keeps such mappings coherent with direct I/O); a raw
 #: flag libfuse 3.14 does not know, asked for through memfs's pyfuse3 patch 0003
 FUSE_DIRECT_IO_ALLOW_MMAP = 1 << 36
+
+#: INIT flag (kernel 6.9, protocol 7.40): opens may name a backing file that the kernel
+#: then reads and writes itself (memfs's pyfuse3 patch 0007; memfs.passthrough)
+FUSE_PASSTHROUGH = 1 << 37
+#: the xattr whose removal a write by an unprivileged process implies
+_CAPABILITY = b"security.capability"
 
 #: set in the file handle of an open by any uid but 0: its writes take set-ID bits away
 #: (memfs stands in for the kernel there, see Operations.init_connection)
@@ -201,11 +208,15 @@ def replies_written_now() -> bool:
 
 class Operations(pyfuse3.Operations):
     supports_dot_lookup = True
+    #: ``-o passthrough``: regular files' bytes live in backing files (memfs.passthrough)
+    backing: BackingFiles | None = None
+    #: FUSE_PASSTHROUGH was asked for at INIT (the first open finds out if it took)
+    passthrough_asked = False
 
     def __init__(
         self,
         meta: Meta,
-        data: DataEngine,
+        data: DataEngine | BackingFiles,
         *,
         writeback_cache: bool = False,
         direct_io: bool = False,
@@ -220,6 +231,8 @@ class Operations(pyfuse3.Operations):
         super().__init__()
         self.meta = meta
         self.data = data
+        self.backing = data if isinstance(data, BackingFiles) else None
+        self.passthrough_asked = False
         self.enable_writeback_cache = writeback_cache
         #: every open file bypasses the page cache (FOPEN_DIRECT_IO)
         self.direct_io = direct_io
@@ -321,6 +334,9 @@ class Operations(pyfuse3.Operations):
         reach us through libfuse 3.14; memfs takes uid 0 for it (see
         :meth:`_privileged`).
 
+        With ``-o passthrough`` FUSE_PASSTHROUGH (a raw flag too, patch 0007): opens
+        may hand a file's backing file to the kernel (:mod:`memfs.passthrough`).
+
         With ``-o direct_io`` (every file opened with FOPEN_DIRECT_IO: reads and
         writes go straight between the application's buffer and the daemon, no
         page cache) FUSE_DIRECT_IO_ALLOW_MMAP keeps MAP_SHARED mappings working.
@@ -338,6 +354,10 @@ class Operations(pyfuse3.Operations):
                 and hasattr(pyfuse3.Operations, "setlk") and conn.capable & lock_caps == lock_caps:
             conn.want |= lock_caps
             self.cluster_locks = True
+        if self.backing is not None and killpriv_v2 and conn.kernel_flags & FUSE_PASSTHROUGH \
+                and hasattr(pyfuse3.FileInfo(), "backing_id"):
+            conn.extra_flags |= FUSE_PASSTHROUGH
+            self.passthrough_asked = True
         if self.direct_io and killpriv_v2 and conn.kernel_flags & FUSE_DIRECT_IO_ALLOW_MMAP:
             conn.extra_flags |= FUSE_DIRECT_IO_ALLOW_MMAP
             self.shared_mmap = True
@@ -366,7 +386,17 @@ class Operations(pyfuse3.Operations):
             log.info("FUSE_HANDLE_KILLPRIV_V2 not in effect (pyfuse3 %s without memfs's "
                      "patch 0003, or a kernel before 5.11): every write(2) is preceded by "
                      "a GETXATTR of security.capability", pyfuse3.__version__)
-        self._dev_fd = _epoch_capable_fuse_fd()
+        session_fd = _session_fuse_fd()
+        if self.backing is not None:
+            if self.passthrough_asked and session_fd is not None:
+                self.backing.dev_fd = session_fd  # until the first open finds it refused
+            else:
+                log.warning("-o passthrough not in effect (%s): the daemon serves every "
+                            "read and write of files in their backing files",
+                            "no single /dev/fuse descriptor" if self.passthrough_asked else
+                            f"pyfuse3 {pyfuse3.__version__} without memfs's patch 0007, or a "
+                            "kernel without FUSE passthrough (6.9+, CONFIG_FUSE_PASSTHROUGH)")
+        self._dev_fd = _epoch_capable(session_fd)
         if self._dev_fd is not None:
             self.meta.names_invalidator = self.forget_names
         self.initialized.set()
@@ -374,6 +404,8 @@ class Operations(pyfuse3.Operations):
     def _entry(self, a: Attr, parent: int = 0, name: bytes = b"") -> pyfuse3.EntryAttributes:
         """What the kernel gets of *a* (found as *name* in *parent*, if given): cached as
         long as the metadata service says (a cluster client: what its lease covers)."""
+        if self.backing is not None:
+            a = self.backing.overlay(a)
         e = pyfuse3.EntryAttributes()
         e.st_ino = a.ino
         e.generation = 0
@@ -396,6 +428,51 @@ class Operations(pyfuse3.Operations):
         e.st_mtime_ns = a.mtime_ns
         e.st_ctime_ns = a.ctime_ns
         return e
+
+    async def _open_file(self, a: Attr, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        """The handle of an open of *a* (counted open in the metadata service already,
+        released here if this fails)."""
+        backing_id = None
+        if self.backing is not None and stat.S_ISREG(a.mode):
+            try:
+                self.backing.opened(a.ino)  # until its release
+                try:
+                    backing_id = await self._backing_id(a, flags, ctx)
+                except BaseException:
+                    self.backing.released(a.ino)
+                    raise
+            except BaseException:
+                await self._release(a.ino)
+                raise
+        fi = self._fileinfo(a.ino, ctx)
+        if backing_id is not None:
+            # The kernel refuses KEEP_CACHE with passthrough (the pages are the backing
+            # file's); a negative id: passthrough for mmap only, reads and writes come here.
+            fi.keep_cache = False
+            fi.backing_id = abs(backing_id)
+            fi.direct_io = backing_id < 0
+        return fi
+
+    async def _backing_id(self, a: Attr, flags: int, ctx: pyfuse3.RequestContext) -> int | None:
+        """Which backing file the kernel reads and writes for this open of *a*
+        (``-o passthrough``), negated if its reads and writes must come to this daemon
+        all the same: an unprivileged writer of a file with set-ID bits or file
+        capabilities, which its writes take away (KILLPRIV_V2 made that ours, and a
+        write the kernel passes through never reaches us).  None: no passthrough."""
+        assert self.backing is not None
+        bid = self.backing.backing_id(a.ino)
+        if bid is None:
+            return None
+        if flags & os.O_ACCMODE != os.O_RDONLY and not self._privileged(ctx):
+            if set_ids_to_drop(a.mode):
+                return -bid
+            try:
+                await self.meta.getxattr(a.ino, _CAPABILITY)
+                return -bid
+            except FsError as exc:
+                if exc.errno != errno.ENODATA:
+                    raise
+        return bid
 
     def _fileinfo(self, ino: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         if ino > _INODE:
@@ -476,7 +553,11 @@ class Operations(pyfuse3.Operations):
             atime_ns=attr.st_atime_ns if fields.update_atime else None,
             mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
         )
-        return self._entry(await self.meta.setattr(inode, changes))
+        a = await self.meta.setattr(inode, changes)
+        if self.backing is not None and (fields.update_atime or fields.update_mtime) \
+                and stat.S_ISREG(a.mode):
+            self.backing.set_times(inode, a.atime_ns, a.mtime_ns)  # what stat shows
+        return self._entry(a)
 
     @_errno_boundary
     async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
@@ -556,7 +637,7 @@ class Operations(pyfuse3.Operations):
                 await self._drop_privileges(a.ino, not self._privileged(ctx))
                 await self.data.truncate(a.ino, 0)
             a = await self.meta.open(a.ino)
-        return self._fileinfo(a.ino, ctx), self._entry(a, parent_inode, name)
+        return await self._open_file(a, flags, ctx), self._entry(a, parent_inode, name)
 
     @_errno_boundary
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
@@ -581,7 +662,7 @@ class Operations(pyfuse3.Operations):
             except BaseException:
                 await self.meta.release(inode)
                 raise
-        return self._fileinfo(inode, ctx)
+        return await self._open_file(a, flags, ctx)
 
     @_errno_boundary
     async def read(self, fh: int, off: int, size: int) -> Any:
@@ -623,6 +704,8 @@ class Operations(pyfuse3.Operations):
     async def release(self, fh: int) -> None:
         ino = fh & _INODE
         self._open_files.discard(fh)
+        if self.backing is not None:
+            self.backing.released(ino)
         owners = self._lock_owners.pop(fh, None)
         try:
             if owners:
@@ -757,11 +840,14 @@ class Operations(pyfuse3.Operations):
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
         s = await self.meta.statfs()
         out = pyfuse3.StatvfsData()
-        out.f_bsize = s.block_size
-        out.f_frsize = s.block_size
-        out.f_blocks = s.blocks
-        out.f_bfree = s.blocks_free
-        out.f_bavail = s.blocks_free
+        block_size, blocks, blocks_free = s.block_size, s.blocks, s.blocks_free
+        if self.backing is not None:  # the pool is the backing files' tmpfs
+            block_size, blocks, blocks_free = self.backing.space()
+        out.f_bsize = block_size
+        out.f_frsize = block_size
+        out.f_blocks = blocks
+        out.f_bfree = blocks_free
+        out.f_bavail = blocks_free
         out.f_files = s.files
         out.f_ffree = s.files_free
         out.f_favail = s.files_free
@@ -803,14 +889,9 @@ class Operations(pyfuse3.Operations):
         await self.meta.removexattr(inode, name)
 
 
-def _epoch_capable_fuse_fd() -> int | None:
-    """This process's one /dev/fuse descriptor if the kernel takes FUSE_NOTIFY_INC_EPOCH.
-
-    pyfuse3 exposes neither libfuse's session fd nor this notification (libfuse 3.14
-    predates it), but a notification is one write(2) of a header to the session fd,
-    atomic beside libfuse's own replies.  Not found, or more than one, or an older
-    kernel (EINVAL): None, and cluster clients give the kernel no names to cache.
-    """
+def _session_fuse_fd() -> int | None:
+    """This process's one /dev/fuse descriptor: the session's (pyfuse3 does not expose
+    it); None if there is none or more than one."""
     try:
         rdev = os.stat("/dev/fuse").st_rdev
         fds = os.listdir("/proc/self/fd")
@@ -825,11 +906,24 @@ def _epoch_capable_fuse_fd() -> int | None:
         if stat.S_ISCHR(st.st_mode) and st.st_rdev == rdev:
             found.append(int(name))
     if len(found) != 1:
-        log.debug("kernel name invalidation off: %d /dev/fuse descriptors", len(found))
+        log.debug("%d /dev/fuse descriptors: not knowing the session's", len(found))
+        return None
+    return found[0]
+
+
+def _epoch_capable(fd: int | None) -> int | None:
+    """*fd* (the session's /dev/fuse descriptor) if the kernel takes FUSE_NOTIFY_INC_EPOCH.
+
+    libfuse 3.14 predates this notification, but it is one write(2) of a header to
+    the session fd, atomic beside libfuse's own replies.  No fd or an older kernel
+    (EINVAL): None, and cluster clients give the kernel no names to cache.
+    """
+    if fd is None:
+        log.debug("kernel name invalidation off: the session's descriptor is unknown")
         return None
     try:
-        os.write(found[0], _NOTIFY_INC_EPOCH)  # harmless: nothing is cached yet
+        os.write(fd, _NOTIFY_INC_EPOCH)  # harmless: nothing is cached yet
     except OSError as exc:
         log.info("kernel name invalidation off (kernel before 6.16?): %s", exc)
         return None
-    return found[0]
+    return fd

@@ -8,6 +8,7 @@ runs, so a daemon that fails never leaves a dead mount behind.
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import functools
 import logging
@@ -33,6 +34,7 @@ from memfs.host import mem_available, sd_notify, tune_malloc
 from memfs.meta import Meta
 from memfs.meta.remote import open_remote_meta
 from memfs.meta.store import MetaStore
+from memfs.passthrough import BackingFiles
 from memfs.scrub import Scrubber
 from memfs.transport import Transport
 from memfs.transport.local import LocalTransport
@@ -52,6 +54,9 @@ class MountOptions:
     writeback_cache: bool = False
     #: ``-o direct_io``: file data bypasses the kernel's page cache (see fs.Operations)
     direct_io: bool = False
+    #: ``-o passthrough``: files' bytes in backing files the kernel reads and writes
+    #: itself (embedded only; memfs.passthrough)
+    passthrough: bool = False
     #: ``-o localflock``: a cluster client leaves locks to its kernel (per node, as on
     #: an embedded mount; Lustre's option of that name) instead of the mds
     local_locks: bool = False
@@ -91,7 +96,7 @@ def fuse_options(opts: MountOptions) -> set[str]:
     for o in opts.fuse_options:
         if o in IGNORED_FUSE_OPTIONS or not o:
             continue
-        if o in ("writeback_cache", "no_writeback_cache", "direct_io", "localflock"):
+        if o in ("writeback_cache", "no_writeback_cache", "direct_io", "localflock", "passthrough"):
             continue  # memfs's own (see MountOptions); not libfuse mount options
         out.add(o)
     return out
@@ -217,6 +222,23 @@ def run(opts: MountOptions, ready: Callable[[], None] | None = None) -> int:
 
 
 async def _main(opts: MountOptions, ready: Callable[[], None] | None) -> None:
+    backing = None
+    if opts.passthrough:  # before any nursery: its UsageError is what the user reads
+        try:
+            backing = BackingFiles(opts.pool.size)
+        except OSError as exc:
+            raise UsageError(f"-o passthrough: cannot make the backing files' tmpfs (it needs "
+                             f"CAP_SYS_ADMIN): {exc.strerror}") from None
+    try:
+        await _run_backend(opts, ready, backing)
+    finally:
+        if backing is not None:
+            backing.close()
+
+
+async def _run_backend(
+    opts: MountOptions, ready: Callable[[], None] | None, backing: BackingFiles | None,
+) -> None:
     async with open_backend(opts) as backend, trio.open_nursery() as background:
         meta, transport = backend.meta, backend.transport
         backed: BackedMeta | None = None
@@ -232,7 +254,12 @@ async def _main(opts: MountOptions, ready: Callable[[], None] | None) -> None:
             # Writers may wait for write-back (the dirty cap) and reads for the backing
             # directory: other requests must not queue behind them.
             opts.max_tasks = max(opts.max_tasks, 16)
-        arrays = ArrayService(meta, backend.access, scrub_hold=backend.scrub_hold,
+        access = backend.access
+        if opts.passthrough:  # the pool's volumes hold no file's bytes
+            access = dataclasses.replace(access, why_not=(
+                "files live in backing files (-o passthrough): the mount's file I/O is the "
+                "way to them"))
+        arrays = ArrayService(meta, access, scrub_hold=backend.scrub_hold,
                               scrub_turn=backend.scrub_turn)
         await background.start(arrays.run)
         if opts.control_path is not None:
@@ -240,9 +267,13 @@ async def _main(opts: MountOptions, ready: Callable[[], None] | None) -> None:
 
             await background.start(
                 functools.partial(serve_control, opts.control_path, meta, sessions=arrays.session))
-        metrics = _start_metrics(opts, meta, transport, backed, background)
+        if backing is not None:
+            assert isinstance(meta, MetaStore), "passthrough is embedded, without --backing"
+            backing.meta = meta
+            meta.on_destroy = backing.forget
+        metrics = _start_metrics(opts, meta, transport, backed, backing, background)
         try:
-            await _serve(opts, meta, transport, ready, arrays)
+            await _serve(opts, meta, transport, ready, arrays, backing)
         finally:
             if metrics is not None:
                 fs.OBSERVER = None
@@ -263,7 +294,7 @@ async def _main(opts: MountOptions, ready: Callable[[], None] | None) -> None:
 
 def _start_metrics(
     opts: MountOptions, meta: Meta, transport: Transport, backed: BackedMeta | None,
-    nursery: trio.Nursery,
+    backing: BackingFiles | None, nursery: trio.Nursery,
 ) -> Metrics | None:
     """``--metrics``: requests counted at the FUSE boundary, pool and burst-buffer
     numbers refreshed in the background."""
@@ -276,9 +307,12 @@ def _start_metrics(
 
     async def fill() -> dict[str, float]:
         st = await meta.statfs()
+        block_size, blocks, blocks_free = st.block_size, st.blocks, st.blocks_free
+        if backing is not None:
+            block_size, blocks, blocks_free = backing.space()
         out = {
-            "memfs_pool_bytes": float(st.blocks * st.block_size),
-            "memfs_pool_free_bytes": float(st.blocks_free * st.block_size),
+            "memfs_pool_bytes": float(blocks * block_size),
+            "memfs_pool_free_bytes": float(blocks_free * block_size),
             "memfs_files": float(st.files - st.files_free),
         }
         if backed is not None:
@@ -296,11 +330,15 @@ def _start_metrics(
 
 async def _serve(
     opts: MountOptions, meta: Meta, transport: Transport, ready: Callable[[], None] | None,
-    arrays: ArrayService,
+    arrays: ArrayService, backing: BackingFiles | None,
 ) -> None:
-    data = DataEngine(meta, transport)
-    if opts.mds is None:  # read() returns views of pool memory (remote reads: new buffers)
-        data.quiesce = fs.replies_written_now
+    data: DataEngine | BackingFiles
+    if backing is not None:
+        data = backing
+    else:
+        data = DataEngine(meta, transport)
+        if opts.mds is None:  # read() returns views of pool memory (remote reads: new buffers)
+            data.quiesce = fs.replies_written_now
     ops = Operations(
         meta,
         data,

@@ -116,6 +116,8 @@ class PoolAccess:
     #: cluster: the mount's lease token now (its transfers are made under the mount's
     #: leases; memory servers refuse the token once the mds fenced it)
     lease_token: Callable[[], int] | None = None
+    #: why no process may have direct access (the pool holds no file's bytes), if so
+    why_not: str | None = None
 
     def describe(self) -> dict[str, Any]:
         if self.kind == "local":
@@ -145,6 +147,8 @@ def may_access(peer: Peer, access: PoolAccess) -> str | None:
     its secret opens all of it: only root and the daemon's user (who started it
     with that secret) get it.
     """
+    if access.why_not is not None:
+        return access.why_not
     if access.kind == "local" or peer.uid in (0, os.geteuid()):
         return None
     return (f"uid {peer.uid} is not root or the user of this mount's daemon, who alone "

@@ -75,12 +75,15 @@ def run(args: argparse.Namespace) -> int:
     if "direct_io" in options and "writeback_cache" in options:
         raise UsageError("-o direct_io and -o writeback_cache exclude each other: with "
                          "direct_io no file data is cached to write back")
+    if "passthrough" in options:
+        check_passthrough(args, options)
     opts = mount.MountOptions(
         mountpoint=mountpoint,
         pool=pool_from_args(args),
         fuse_options=options,
         writeback_cache="writeback_cache" in options,
         direct_io="direct_io" in options,
+        passthrough="passthrough" in options,
         local_locks="localflock" in options,
         attr_timeout=args.attr_timeout,
         readahead_kib=0 if args.readahead == "0" else parse_size(args.readahead, "--readahead") >> 10,
@@ -104,6 +107,24 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"cannot open log file {args.log}: {exc.strerror}") from None
         return mount.run(opts)
     return daemonize(opts, args)
+
+
+def check_passthrough(args: argparse.Namespace, options: list[str]) -> None:
+    """``-o passthrough`` (memfs.passthrough): what it cannot go with, said before mounting."""
+    if args.mds:
+        raise UsageError("-o passthrough goes with an embedded pool: a cluster mount's files "
+                         "live on the memory servers, which the kernel cannot read itself")
+    if args.backing is not None:
+        raise UsageError("-o passthrough does not go with --backing (write-back reads files "
+                         "from pool volumes)")
+    for other in ("writeback_cache", "direct_io"):
+        if other in options:
+            raise UsageError(f"-o passthrough and -o {other} exclude each other (the kernel "
+                             "reads and writes the backing files itself, through their own "
+                             "page cache)")
+    if os.geteuid() != 0:
+        raise UsageError("-o passthrough needs root: the kernel takes backing files only "
+                         "from a process with CAP_SYS_ADMIN")
 
 
 def check_no_daemon(mountpoint: str) -> None:

@@ -58,7 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="FUSE mount options, comma separated; writeback_cache enables "
                         "the kernel writeback cache; direct_io keeps file data out of the "
                         "kernel's page cache (each read and write goes to the daemon, data "
-                        "is in memory once); localflock keeps a cluster client's flock and "
+                        "is in memory once); passthrough (embedded, root) keeps each file's "
+                        "bytes in a backing file on a private tmpfs that the kernel reads and "
+                        "writes itself, without the daemon; localflock keeps a cluster client's flock and "
                         "fcntl locks on this node (by default they hold across nodes)")
     m.add_argument("--attr-timeout", type=float, default=None,
                    help="seconds the kernel may cache attributes and names (default: a "

@@ -245,6 +245,22 @@ def test_direct_io_asks_for_shared_mappings(offered: bool) -> None:
     assert ops.shared_mmap is offered
 
 
+@pytest.mark.parametrize("offered", [True, False])
+def test_passthrough_is_asked_for_with_backing_files(offered: bool) -> None:
+    """With -o passthrough (backing files), FUSE_PASSTHROUGH when the kernel offers it."""
+    v2 = pyfuse3.FUSE_HANDLE_KILLPRIV_V2
+    ops = Operations.__new__(Operations)
+    ops.pages_follow_changes, ops.max_background, ops.negotiated = True, 32, None
+    ops.drops_privileges = ops.direct_io = ops.shared_mmap = ops.cluster_locks = False
+    ops.meta = SimpleNamespace(locks=lambda: None)  # type: ignore[assignment]
+    ops.want_cluster_locks = True
+    ops.backing = SimpleNamespace()  # type: ignore[assignment]
+    conn = FakeConn(v2 | (fs.FUSE_PASSTHROUGH if offered else 0))
+    ops.init_connection(conn)
+    assert conn.extra_flags == v2 | (fs.FUSE_PASSTHROUGH if offered else 0)
+    assert ops.passthrough_asked is offered
+
+
 @pytest.mark.mount
 def test_direct_io_keeps_file_data_out_of_the_page_cache(memfs_mount: Callable[..., Mounted]) -> None:
     """``-o direct_io``: reads and writes go between the application and the daemon,

@@ -366,11 +366,12 @@ async def test_statfs_past_the_nominal_inode_count() -> None:
     """
     pool = PoolConfig(size=16 << 20, volumes=2)
     store = MetaStore(pool)
-    ops = Operations(store, DataEngine(store, LocalTransport(pool.volumes, pool.volume_size)))
+    data = DataEngine(store, LocalTransport(pool.volumes, pool.volume_size))
+    ops = Operations(store, data)
     nominal = (await store.statfs()).files
     root = store.inodes[1]
     store.inodes.update((10**9 + k, root) for k in range(nominal))
     st = await ops.statfs(None)  # type: ignore[arg-type]  # ctx is not used
     assert st.f_ffree == st.f_favail == 0
     assert st.f_files >= len(store.inodes)
-    await ops.data.transport.aclose()
+    await data.transport.aclose()

@@ -1,0 +1,141 @@
+"""``-o passthrough`` (memfs.passthrough): the kernel reads and writes files' backing
+files itself.  Real mounts; the daemon's request counters (``--metrics``) show which
+requests still reach it.  The POSIX suite runs on such a mount too
+(tests/mount/test_posix.py, ``[passthrough]``)."""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import stat
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import Mounted
+from tests.mount.test_metrics import free_port, http_get, samples
+from tests.mount.test_posix import NOBODY, in_child
+
+MEMFS = [sys.executable, "-m", "memfs"]
+pytestmark = pytest.mark.mount
+
+
+def requests(port: int, op: str) -> float:
+    got = samples(http_get(f"http://127.0.0.1:{port}/metrics"))
+    return got.get(("memfs_requests_total", (("op", op),)), 0.0)
+
+
+def test_reads_and_writes_do_not_reach_the_daemon(memfs_mount: Callable[..., Mounted]) -> None:
+    port = free_port()
+    m = memfs_mount("--size", "64M", "-o", "passthrough", "--metrics", f"127.0.0.1:{port}")
+    data = os.urandom(64 * 16384)
+    f = m / "f"
+    fd = os.open(f, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        for i in range(64):  # 16 KiB at a time, backwards: no request may merge them
+            off = (63 - i) * 16384
+            assert os.pwrite(fd, data[off:off + 16384], off) == 16384
+        assert os.fstat(fd).st_size == len(data)
+        with mmap.mmap(fd, len(data)) as mm:  # the mapping is the backing file's too
+            assert mm[:16384] == data[:16384]
+            mm[0:4] = b"MMAP"
+    finally:
+        os.close(fd)
+    fd = os.open(f, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    assert f.read_bytes() == b"MMAP" + data[4:]
+    st = os.stat(f)
+    assert st.st_size == len(data) and st.st_blocks * 512 >= len(data)
+    assert requests(port, "create") >= 1
+    assert requests(port, "write") == 0 and requests(port, "read") == 0
+    vfs = os.statvfs(m.path)
+    assert vfs.f_blocks * vfs.f_frsize == 64 << 20
+    assert (vfs.f_blocks - vfs.f_bfree) * vfs.f_frsize >= len(data)
+
+    # An unprivileged writer of a set-user-ID file: its writes come to the daemon,
+    # which takes the bit away (the kernel leaves that to memfs, KILLPRIV_V2).
+    s = m / "s"
+    s.write_bytes(b"x")
+    os.chown(s, NOBODY, NOBODY)
+    os.chmod(s, 0o4755)
+
+    def append() -> None:
+        with open("s", "ab") as out:
+            out.write(b"by nobody")
+
+    assert in_child(append, cwd=m.path, uid=NOBODY) == 0
+    assert requests(port, "write") >= 1
+    assert stat.S_IMODE(os.stat(s).st_mode) == 0o755
+    assert s.read_bytes() == b"xby nobody"
+
+
+def test_a_full_pool_is_enospc_at_write(memfs_mount: Callable[..., Mounted]) -> None:
+    m = memfs_mount("--size", "16M", "-o", "passthrough")
+    start = os.statvfs(m.path).f_bfree
+    keep = os.urandom(1 << 20)
+    (m / "keep").write_bytes(keep)
+    fd = os.open(m / "fill", os.O_CREAT | os.O_WRONLY, 0o644)
+    try:
+        with pytest.raises(OSError) as full:
+            for _ in range(32):
+                os.write(fd, b"z" * (1 << 20))
+        assert full.value.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+    assert (m / "keep").read_bytes() == keep
+    os.unlink(m / "fill")
+    os.unlink(m / "keep")
+    assert os.statvfs(m.path).f_bfree == start
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--mds", "127.0.0.1:1"], "embedded pool"),
+    (["--backing", "BACKING"], "--backing"),
+    (["-o", "writeback_cache"], "exclude each other"),
+    (["-o", "direct_io"], "exclude each other"),
+])
+def test_what_passthrough_does_not_go_with(tmp_path: Path, args: list[str], says: str) -> None:
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    (tmp_path / "backing").mkdir()
+    args = [str(tmp_path / "backing") if a == "BACKING" else a for a in args]
+    r = subprocess.run([*MEMFS, "mount", str(mnt), "-o", "passthrough", *args],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and says in r.stderr, r.stderr
+    assert not os.path.ismount(mnt)
+
+
+def test_arrays_go_through_the_mount(memfs_mount: Callable[..., Mounted]) -> None:
+    """memfs.array on such a mount: no direct access (the pool's volumes hold no file's
+    bytes), so its calls are the mount's file I/O, which the kernel passes through."""
+    import numpy as np
+
+    from memfs import array
+
+    m = memfs_mount("--size", "64M", "-o", "passthrough")
+    arr = np.arange(1 << 20, dtype=np.float64).reshape(1024, 1024)
+    array.save(m / "a.npy", arr)
+    assert np.array_equal(np.load(m / "a.npy"), arr)
+    assert np.array_equal(array.load(m / "a.npy"), arr)
+    with array.open(m / "a.npy", "r+") as af:
+        assert not af.direct
+        af[3:5] = -arr[3:5]
+    want = arr.copy()
+    want[3:5] *= -1
+    assert np.array_equal(np.load(m / "a.npy"), want)
+
+
+def test_without_cap_sys_admin_it_says_so(tmp_path: Path) -> None:
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    r = subprocess.run(["setpriv", "--bounding-set=-sys_admin", "--inh-caps=-sys_admin",
+                        *MEMFS, "mount", str(mnt), "--size", "16M", "-o", "passthrough",
+                        "--log", str(tmp_path / "log")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "CAP_SYS_ADMIN" in r.stderr, r.stderr
+    assert not os.path.ismount(mnt)
