@@ -7,7 +7,9 @@ split over 2 directories (two processes in parallel).
 
 Runs alternate the filesystems and the table shows medians, because this kind
 of machine is noisy.  The data cases also run memfs with ``-o direct_io`` (file
-data kept out of the page cache; ``--no-direct-io`` leaves it out).  Needs root (mounting tmpfs and memfs) and fio; bindfs
+data kept out of the page cache; ``--no-direct-io`` leaves it out), and every
+case memfs with ``-o passthrough`` (the kernel reads and writes files' backing
+files itself; ``--no-passthrough`` leaves it out).  Needs root (mounting tmpfs and memfs) and fio; bindfs
 (Debian's) is measured when installed (``make bench-fs`` installs it), and
 ``--chart PNG`` draws the ratios to tmpfs (matplotlib).
 
@@ -44,6 +46,7 @@ FIO_CASES = [
 
 #: memfs with -o direct_io (data cases only: metadata does not touch file data)
 DIO = "memfs direct_io"
+PT = "memfs passthrough"
 
 
 @contextmanager
@@ -170,7 +173,7 @@ def chart(results: dict[str, dict[str, dict[str, float]]], path: str, title: str
 
     cases = [(section, key) for section in ("data", "meta") if section in results
              for key in results[section]["memfs"]]
-    others = [fs for fs in ("memfs", DIO, "bindfs") if any(fs in results[s] for s, _ in cases)]
+    others = [fs for fs in ("memfs", PT, DIO, "bindfs") if any(fs in results[s] for s, _ in cases)]
     fig, ax = plt.subplots(figsize=(11, 4.8))
     width = 0.8 / len(others)
     for n, fs in enumerate(others):
@@ -206,6 +209,8 @@ def main() -> int:
     ap.add_argument("--no-bindfs", action="store_true", help="leave bindfs out")
     ap.add_argument("--no-direct-io", action="store_true",
                     help="leave out the data cases of memfs with -o direct_io")
+    ap.add_argument("--no-passthrough", action="store_true",
+                    help="leave out memfs with -o passthrough")
     ap.add_argument("--chart", metavar="PNG", help="draw the ratios to tmpfs here")
     args = ap.parse_args()
     if os.geteuid() != 0 or shutil.which("fio") is None:
@@ -224,10 +229,13 @@ def main() -> int:
             return mounted_memfs(base / "memfs", args.pool, args.memfs_opt)
         if fs == DIO:
             return mounted_memfs(base / "memfs", args.pool, [*args.memfs_opt, "-o", "direct_io"])
+        if fs == PT:
+            return mounted_memfs(base / "memfs", args.pool, [*args.memfs_opt, "-o", "passthrough"])
         if fs == "bindfs":
             return mounted_bindfs(base / "bindfs", args.pool)
         return mounted_tmpfs(base / "tmpfs", args.pool)
 
+    pt = [] if args.no_passthrough else [PT]
     try:
         if not args.skip_data:
             def data_round(fs: str) -> dict[str, float]:
@@ -242,7 +250,7 @@ def main() -> int:
                     return out
 
             dio = [] if args.no_direct_io else [DIO]
-            results["data"] = median_runs(args.rounds, filesystems + dio, data_round)
+            results["data"] = median_runs(args.rounds, filesystems + pt + dio, data_round)
         if not args.skip_meta:
             def meta_round(fs: str) -> dict[str, float]:
                 with mount(fs) as root:  # type: ignore[attr-defined]
@@ -252,7 +260,7 @@ def main() -> int:
                             out[f"{phase} ({dirs} dir{'s' if dirs > 1 else ''})"] = v
                     return out
 
-            results["meta"] = median_runs(args.rounds, filesystems, meta_round)
+            results["meta"] = median_runs(args.rounds, filesystems + pt, meta_round)
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
@@ -285,14 +293,20 @@ def main() -> int:
                 b = results[section]["bindfs"][key]
                 row += f" {b:.0f} | {b / tmp[key]:.2f} | {mem[key] / b:.2f} |"
             print(row)
-        if section == "data" and DIO in results[section]:
-            print(f"\n| {section} | memfs -o direct_io {unit} | memfs/tmpfs | goal | vs memfs |"
-                  f"\n|---|---:|---:|---|---:|")
-            for key, v in results[section][DIO].items():
+        for variant in (PT, DIO):
+            if variant not in results[section]:
+                continue
+            print(f"\n| {section} | {variant} {unit} | /tmpfs | goal | vs memfs |"
+                  f"{' vs bindfs |' if bindfs else ''}\n|---|---:|---:|---|---:|"
+                  f"{'---:|' if bindfs else ''}")
+            for key, v in results[section][variant].items():
                 ratio = v / tmp[key] if tmp[key] else float("nan")
                 goal = goals.get(key)
                 verdict = f">= {goal} {'ok' if ratio >= goal else 'MISSED'}" if goal else ""
-                print(f"| {key} | {v:.0f} | {ratio:.2f} | {verdict} | {v / mem[key]:.2f} |")
+                row = f"| {key} | {v:.0f} | {ratio:.2f} | {verdict} | {v / mem[key]:.2f} |"
+                if bindfs:
+                    row += f" {v / results[section]['bindfs'][key]:.2f} |"
+                print(row)
     if args.chart:
         chart(results, args.chart, title)
         print(f"\nchart: {args.chart}")
