@@ -51,8 +51,6 @@ FUSE_DIRECT_IO_ALLOW_MMAP = 1 << 36
 #: INIT flag (kernel 6.9, protocol 7.40): opens may name a backing file that the kernel
 #: then reads and writes itself (memfs's pyfuse3 patch 0007; memfs.passthrough)
 FUSE_PASSTHROUGH = 1 << 37
-#: the xattr whose removal a write by an unprivileged process implies
-_CAPABILITY = b"security.capability"
 
 #: set in the file handle of an open by any uid but 0: its writes take set-ID bits away
 #: (memfs stands in for the kernel there, see Operations.init_connection)
@@ -354,8 +352,9 @@ class Operations(pyfuse3.Operations):
                 and hasattr(pyfuse3.Operations, "setlk") and conn.capable & lock_caps == lock_caps:
             conn.want |= lock_caps
             self.cluster_locks = True
-        if self.backing is not None and killpriv_v2 and conn.kernel_flags & FUSE_PASSTHROUGH \
-                and hasattr(pyfuse3.FileInfo(), "backing_id"):
+        # Only with KILLPRIV_V2: set-ID bits are then ours to clear (see _backing_id).
+        if self.backing is not None and self.drops_privileges \
+                and conn.kernel_flags & FUSE_PASSTHROUGH and hasattr(pyfuse3.FileInfo(), "backing_id"):
             conn.extra_flags |= FUSE_PASSTHROUGH
             self.passthrough_asked = True
         if self.direct_io and killpriv_v2 and conn.kernel_flags & FUSE_DIRECT_IO_ALLOW_MMAP:
@@ -432,6 +431,11 @@ class Operations(pyfuse3.Operations):
     async def _open_file(self, a: Attr, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         """The handle of an open of *a* (counted open in the metadata service already,
         released here if this fails)."""
+        try:
+            fi = self._fileinfo(a.ino, ctx)
+        except BaseException:
+            await self._release(a.ino)
+            raise
         backing_id = None
         if self.backing is not None and stat.S_ISREG(a.mode):
             try:
@@ -442,9 +446,9 @@ class Operations(pyfuse3.Operations):
                     self.backing.released(a.ino)
                     raise
             except BaseException:
+                self._open_files.discard(fi.fh)
                 await self._release(a.ino)
                 raise
-        fi = self._fileinfo(a.ino, ctx)
         if backing_id is not None:
             # The kernel refuses KEEP_CACHE with passthrough (the pages are the backing
             # file's); a negative id: passthrough for mmap only, reads and writes come here.
@@ -456,22 +460,17 @@ class Operations(pyfuse3.Operations):
     async def _backing_id(self, a: Attr, flags: int, ctx: pyfuse3.RequestContext) -> int | None:
         """Which backing file the kernel reads and writes for this open of *a*
         (``-o passthrough``), negated if its reads and writes must come to this daemon
-        all the same: an unprivileged writer of a file with set-ID bits or file
-        capabilities, which its writes take away (KILLPRIV_V2 made that ours, and a
-        write the kernel passes through never reaches us).  None: no passthrough."""
+        all the same: an unprivileged writer of a file with set-ID bits, which its
+        writes take away (KILLPRIV_V2 made that ours, and the kernel sends nothing for
+        a write it passes through; file capabilities it still removes with a
+        REMOVEXATTR).  None: no passthrough."""
         assert self.backing is not None
         bid = self.backing.backing_id(a.ino)
         if bid is None:
             return None
-        if flags & os.O_ACCMODE != os.O_RDONLY and not self._privileged(ctx):
-            if set_ids_to_drop(a.mode):
-                return -bid
-            try:
-                await self.meta.getxattr(a.ino, _CAPABILITY)
-                return -bid
-            except FsError as exc:
-                if exc.errno != errno.ENODATA:
-                    raise
+        if flags & os.O_ACCMODE != os.O_RDONLY and not self._privileged(ctx) \
+                and set_ids_to_drop(a.mode):
+            return -bid
         return bid
 
     def _fileinfo(self, ino: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
@@ -555,8 +554,9 @@ class Operations(pyfuse3.Operations):
         )
         a = await self.meta.setattr(inode, changes)
         if self.backing is not None and (fields.update_atime or fields.update_mtime) \
-                and stat.S_ISREG(a.mode):
-            self.backing.set_times(inode, a.atime_ns, a.mtime_ns)  # what stat shows
+                and stat.S_ISREG(a.mode):  # the backing file keeps what stat shows
+            self.backing.set_times(inode, a.atime_ns if fields.update_atime else None,
+                                   a.mtime_ns if fields.update_mtime else None)
         return self._entry(a)
 
     @_errno_boundary
@@ -568,6 +568,12 @@ class Operations(pyfuse3.Operations):
         self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
         a = await self.meta.mknod(parent_inode, name, mode, ctx.uid, ctx.gid, rdev=rdev)
+        if self.backing is not None and stat.S_ISREG(a.mode):
+            try:
+                self.backing.create(a.ino)
+            except BaseException:
+                await self.meta.unlink(parent_inode, name)
+                raise
         return self._entry(a, parent_inode, name)
 
     @_errno_boundary
@@ -637,6 +643,13 @@ class Operations(pyfuse3.Operations):
                 await self._drop_privileges(a.ino, not self._privileged(ctx))
                 await self.data.truncate(a.ino, 0)
             a = await self.meta.open(a.ino)
+        else:
+            if self.backing is not None:  # a create that failed (no backing file) leaves no file
+                try:
+                    return await self._open_file(a, flags, ctx), self._entry(a, parent_inode, name)
+                except FsError:
+                    await self.meta.unlink(parent_inode, name)
+                    raise
         return await self._open_file(a, flags, ctx), self._entry(a, parent_inode, name)
 
     @_errno_boundary
@@ -659,6 +672,7 @@ class Operations(pyfuse3.Operations):
             try:
                 await self._drop_privileges(inode, not self._privileged(ctx))
                 await self.data.truncate(inode, 0)
+                a = await self.meta.getattr(inode)  # set-ID bits gone, maybe
             except BaseException:
                 await self.meta.release(inode)
                 raise

@@ -9,6 +9,7 @@ runs, so a daemon that fails never leaves a dead mount behind.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import faulthandler
 import functools
 import logging
@@ -34,7 +35,7 @@ from memfs.host import mem_available, sd_notify, tune_malloc
 from memfs.meta import Meta
 from memfs.meta.remote import open_remote_meta
 from memfs.meta.store import MetaStore
-from memfs.passthrough import BackingFiles
+from memfs.passthrough import BackingFiles, raise_fd_limit
 from memfs.scrub import Scrubber
 from memfs.transport import Transport
 from memfs.transport.local import LocalTransport
@@ -138,7 +139,9 @@ async def open_backend(opts: MountOptions) -> AsyncIterator[Backend]:
             yield backend
         return
     check_memory(opts.pool)
-    transport = LocalTransport(opts.pool.volumes, opts.pool.volume_size)
+    # -o passthrough: files live in backing files; the volumes stay untouched (no memory)
+    transport = LocalTransport(opts.pool.volumes, opts.pool.volume_size,
+                               populate=not opts.passthrough)
     try:
         # The root directory belongs to whoever mounts (root: 0/0, as before), so a
         # user's own mount is theirs to chmod and chown, like a tmpfs they mounted.
@@ -227,8 +230,10 @@ async def _main(opts: MountOptions, ready: Callable[[], None] | None) -> None:
         try:
             backing = BackingFiles(opts.pool.size)
         except OSError as exc:
-            raise UsageError(f"-o passthrough: cannot make the backing files' tmpfs (it needs "
-                             f"CAP_SYS_ADMIN): {exc.strerror}") from None
+            needs = " (it needs CAP_SYS_ADMIN)" if exc.errno == errno.EPERM else ""
+            raise UsageError(f"-o passthrough: cannot make the backing files' tmpfs{needs}: "
+                             f"{exc.strerror}") from None
+        raise_fd_limit()  # a descriptor per file open on the mount
     try:
         await _run_backend(opts, ready, backing)
     finally:
@@ -389,5 +394,7 @@ async def _serve(
         # Always unmount: libfuse closes /dev/fuse first (so nothing can wait
         # on us any more) and skips the umount if the kernel already dropped
         # it.  Never stat the mountpoint here: no one is left to answer.
+        if backing is not None:
+            backing.dev_fd = None  # closed with the session: the kernel drops the ids
         pyfuse3.close(unmount=True)
         log.info("unmounted %s", opts.mountpoint)

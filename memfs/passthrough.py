@@ -73,7 +73,8 @@ def private_tmpfs(size: int) -> int:
     descriptor (the instance goes when the last reference to it does)."""
     fsfd = _check(_libc.syscall(_SYS_FSOPEN, b"tmpfs", _FSOPEN_CLOEXEC), "fsopen(tmpfs)")
     try:
-        for key, value in ((b"size", str(size).encode()), (b"mode", b"0700")):
+        # nr_inodes 0: no limit of its own on files (the metadata store counts them)
+        for key, value in ((b"size", str(size).encode()), (b"nr_inodes", b"0"), (b"mode", b"0700")):
             _check(_libc.syscall(_SYS_FSCONFIG, fsfd, _FSCONFIG_SET_STRING, key, value, 0),
                    f"fsconfig({key.decode()})")
         _check(_libc.syscall(_SYS_FSCONFIG, fsfd, _FSCONFIG_CMD_CREATE, None, None, 0),
@@ -83,7 +84,7 @@ def private_tmpfs(size: int) -> int:
         os.close(fsfd)
 
 
-def _raise_fd_limit() -> None:
+def raise_fd_limit() -> None:
     """As many descriptors as this process may have (root: the kernel's ``nr_open``)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:
@@ -115,7 +116,6 @@ class BackingFiles:
         #: the metadata store (set once it is open): truncate tells it the new size
         self.meta: Meta | None = None
         self.root = private_tmpfs(size)
-        _raise_fd_limit()  # a descriptor per file open on the mount
         #: inode -> [descriptor of its backing file, opens of it now]
         self._open: dict[int, list[int]] = {}
         #: inode -> the kernel's id of its backing file, while it is open
@@ -139,6 +139,11 @@ class BackingFiles:
             return os.open(str(ino), os.O_RDWR | os.O_CLOEXEC | os.O_CREAT, 0o600, dir_fd=self.root)
         except OSError as exc:
             raise FsError(exc.errno or errno.EIO, f"inode {ino}: backing file: {exc.strerror}") from None
+
+    def create(self, ino: int) -> None:
+        """*ino* is a new regular file (mknod): its backing file is born with it, so the
+        times a stat shows do not jump at its first open."""
+        os.close(self._file(ino))
 
     def opened(self, ino: int) -> None:
         """An open of *ino* begins (:meth:`released` ends it): its descriptor stays."""
@@ -182,7 +187,9 @@ class BackingFiles:
             try:
                 bid = fcntl.ioctl(self.dev_fd, FUSE_DEV_IOC_BACKING_OPEN, arg, True)
             except OSError as exc:
-                if exc.errno != errno.EPERM:
+                # Falling back is only right before any open was passed through: the
+                # kernel answers an open of such an inode without its id with EIO.
+                if exc.errno != errno.EPERM or self._ids:
                     raise FsError(exc.errno or errno.EIO, f"inode {ino}: the kernel refused "
                                   f"its backing file: {exc.strerror}") from None
                 log.warning("-o passthrough not in effect (the kernel refused a backing file: "
@@ -232,10 +239,13 @@ class BackingFiles:
         finally:
             os.close(fd)
 
-    def set_times(self, ino: int, atime_ns: int, mtime_ns: int) -> None:
-        """utimensat on the file: the backing file keeps the times a stat shows."""
+    def set_times(self, ino: int, atime_ns: int | None, mtime_ns: int | None) -> None:
+        """utimensat on the file: the backing file keeps the times a stat shows (None:
+        the one not set keeps its value, which only the backing file knows)."""
         with self._fd(ino) as fd:
-            os.utime(fd, ns=(atime_ns, mtime_ns))
+            st = os.fstat(fd)
+            os.utime(fd, ns=(st.st_atime_ns if atime_ns is None else atime_ns,
+                             st.st_mtime_ns if mtime_ns is None else mtime_ns))
 
     def space(self) -> tuple[int, int, int]:
         """(block size, blocks, free blocks) of the backing tmpfs: the pool."""

@@ -29,8 +29,10 @@ _ZEROS = memoryview(bytes(1 << 20))
 class LocalTransport(Transport):
     concurrent = False  # memcpy in this thread: nothing to overlap
 
-    def __init__(self, n_volumes: int, volume_size: int) -> None:
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    def __init__(self, n_volumes: int, volume_size: int, *, populate: bool = True) -> None:
+        """*populate* False: pages are allocated when first touched (a pool that holds
+        no file's bytes, ``-o passthrough``, then costs no memory)."""
+        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
         self._fds: list[int] = []
         self._maps: list[mmap.mmap] = []
         self._views: list[memoryview] = []

@@ -5,12 +5,15 @@ requests still reach it.  The POSIX suite runs on such a mount too
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
 import stat
+import struct
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,6 +25,36 @@ from tests.mount.test_posix import NOBODY, in_child
 
 MEMFS = [sys.executable, "-m", "memfs"]
 pytestmark = pytest.mark.mount
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_AT_FDCWD = -100
+_AT_STATX_FORCE_SYNC = 0x2000  # ask the filesystem, not the kernel's cached attributes
+_STATX_BASIC_STATS = 0x7FF
+_UTIME_OMIT = (1 << 30) - 2
+
+
+def statx_times(path: Path) -> tuple[int, int, int]:
+    """(atime, mtime, ctime) in ns as the daemon says now (embedded mounts let the
+    kernel cache attributes for a day: os.stat would show the kernel's copy)."""
+    buf = ctypes.create_string_buffer(256)
+    if _libc.statx(_AT_FDCWD, os.fsencode(path), _AT_STATX_FORCE_SYNC, _STATX_BASIC_STATS, buf):
+        raise OSError(ctypes.get_errno(), "statx")
+
+    def ts(off: int) -> int:
+        sec, nsec = struct.unpack_from("<qI", buf.raw, off)
+        return sec * 10**9 + nsec
+
+    return ts(64), ts(112), ts(96)  # stx_atime, stx_mtime, stx_ctime
+
+
+def utimens(path: Path, atime_ns: int | None, mtime_ns: int | None) -> None:
+    """utimensat(2) that may leave one of the two alone (UTIME_OMIT)."""
+    def spec(ns: int | None) -> tuple[int, int]:
+        return (0, _UTIME_OMIT) if ns is None else divmod(ns, 10**9)
+
+    times = (ctypes.c_long * 4)(*spec(atime_ns), *spec(mtime_ns))
+    if _libc.utimensat(_AT_FDCWD, os.fsencode(path), times, 0):
+        raise OSError(ctypes.get_errno(), "utimensat")
 
 
 def requests(port: int, op: str) -> float:
@@ -139,3 +172,39 @@ def test_without_cap_sys_admin_it_says_so(tmp_path: Path) -> None:
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "CAP_SYS_ADMIN" in r.stderr, r.stderr
     assert not os.path.ismount(mnt)
+
+
+def test_times_are_the_backing_files_and_move_only_as_asked(memfs_mount: Callable[..., Mounted]) -> None:
+    """Writes and reads do not reach the daemon: the times a stat shows are the
+    backing file's, set there by utimensat field by field, and a file made by mknod
+    has its backing file from birth (its times do not jump at its first open)."""
+    m = memfs_mount("--size", "16M", "-o", "passthrough")
+    f = m / "f"
+    f.write_bytes(b"data")
+    time.sleep(0.05)
+    with open(f, "ab") as out:
+        out.write(b"more")  # the mtime moves without the daemon
+    atime, mtime, _ = statx_times(f)
+    assert mtime > atime
+    utimens(f, 10**18, None)  # touch -a: the mtime stays
+    assert statx_times(f)[:2] == (10**18, mtime)
+    utimens(f, None, 2 * 10**18)  # touch -m: the atime stays
+    assert statx_times(f)[:2] == (10**18, 2 * 10**18)
+    assert os.stat(f).st_size == 8
+
+    n = m / "n"
+    os.mknod(n, stat.S_IFREG | 0o644)
+    born = statx_times(n)
+    time.sleep(0.05)
+    os.close(os.open(n, os.O_RDONLY))
+    assert statx_times(n) == born
+
+
+def test_the_pool_volumes_cost_no_memory(memfs_mount: Callable[..., Mounted]) -> None:
+    """The files' bytes are in the backing tmpfs: the pool's volumes, which hold none,
+    are not populated (they would double what the mount takes)."""
+    m = memfs_mount("--size", "256M", "-o", "passthrough")
+    (m / "f").write_bytes(os.urandom(1 << 20))
+    status = Path(f"/proc/{m.pid}/status").read_text()
+    shmem_kib = int(next(x for x in status.splitlines() if x.startswith("RssShmem:")).split()[1])
+    assert shmem_kib < 32 << 10, status
