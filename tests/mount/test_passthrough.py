@@ -208,3 +208,70 @@ def test_the_pool_volumes_cost_no_memory(memfs_mount: Callable[..., Mounted]) ->
     status = Path(f"/proc/{m.pid}/status").read_text()
     shmem_kib = int(next(x for x in status.splitlines() if x.startswith("RssShmem:")).split()[1])
     assert shmem_kib < 32 << 10, status
+
+
+def test_opens_and_closes_racing_on_one_file_never_fail(memfs_mount: Callable[..., Mounted]) -> None:
+    """The kernel wants one backing file per inode while any open exists, and drops
+    it before the last RELEASE: threads opening, writing, mapping and closing one
+    file (and a second link to it) at once must never see EIO, and the bytes stay
+    the writers'."""
+    import threading
+
+    m = memfs_mount("--size", "64M", "-o", "passthrough")
+    f = m / "f"
+    f.write_bytes(bytes(1 << 16))
+    os.link(f, m / "g")
+    errors: list[BaseException] = []
+    stop = time.monotonic() + 3
+
+    def worker(k: int) -> None:
+        name = m / ("f" if k % 2 else "g")
+        try:
+            while time.monotonic() < stop:
+                fd = os.open(name, os.O_RDWR)
+                try:
+                    os.pwrite(fd, bytes([k]) * 4096, k * 4096)
+                    with mmap.mmap(fd, 1 << 16) as mm:
+                        assert mm[k * 4096:(k + 1) * 4096] == bytes([k]) * 4096
+                finally:
+                    os.close(fd)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(1, 7)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    data = f.read_bytes()
+    for k in range(1, 7):
+        assert data[k * 4096:(k + 1) * 4096] == bytes([k]) * 4096
+
+
+def test_a_kernel_that_refuses_backing_files_leaves_the_daemon_serving(tmp_path: Path) -> None:
+    """In a user namespace the daemon may mount (and make its tmpfs) but the kernel
+    takes backing files only from CAP_SYS_ADMIN in the initial namespace: the first
+    open's EPERM turns passthrough off with a warning, and the daemon reads and writes
+    the backing files itself."""
+    mnt, log = tmp_path / "mnt", tmp_path / "log"
+    mnt.mkdir()
+    memfs = " ".join(MEMFS)
+    script = f"""
+set -e
+trap '{memfs} umount {mnt} >/dev/null 2>&1 || true' EXIT
+{memfs} mount {mnt} --size 16M -o passthrough --log {log}
+head -c 100000 /dev/urandom > {tmp_path}/data
+cp {tmp_path}/data {mnt}/f
+cmp {tmp_path}/data {mnt}/f
+echo appended >> {mnt}/f
+test "$(stat -c %s {mnt}/f)" = 100009
+echo ok
+"""
+    r = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script],
+                       capture_output=True, text=True, timeout=120)
+    if r.returncode != 0 and "unshare" in r.stderr:
+        pytest.skip(f"no user namespaces here: {r.stderr.strip()}")
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+    text = log.read_text()
+    assert "passthrough not in effect" in text and "Traceback" not in text, text
