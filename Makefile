@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV   ?= .venv
 MNT    ?= /mnt/memfs
 SIZE   ?= 4G
+# more `memfs mount` arguments, e.g. MOUNT_ARGS="-o passthrough"
+MOUNT_ARGS ?=
 MEMFS   = $(VENV)/bin/memfs
 
 .PHONY: install mount umount test lint bench bench-fs bench-tcp bench-bb bench-cluster bench-mds bench-memd bench-journal bench-array clean
@@ -27,7 +29,7 @@ $(VENV)/.installed: pyproject.toml scripts/setup-debian.sh scripts/link-pyverbs.
 
 mount: install
 	@mkdir -p $(MNT)
-	$(MEMFS) mount $(MNT) --size $(SIZE)
+	$(MEMFS) mount $(MNT) --size $(SIZE) $(MOUNT_ARGS)
 	@echo "memfs is mounted at $(MNT)"
 	@head -c 64M /dev/urandom > /tmp/memfs-demo.$$$$ && \
 	  cp /tmp/memfs-demo.$$$$ $(MNT)/demo.bin && \

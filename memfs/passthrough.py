@@ -38,7 +38,6 @@ import stat
 import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import replace
 
 from memfs.errors import FsError
 from memfs.meta import Attr, Meta
@@ -223,8 +222,8 @@ class BackingFiles:
         st = self._stat(a.ino)
         if st is None:
             return a
-        return replace(a, size=st.st_size, blocks=st.st_blocks, atime_ns=st.st_atime_ns,
-                       mtime_ns=st.st_mtime_ns, ctime_ns=max(a.ctime_ns, st.st_ctime_ns))
+        return Attr(a.ino, a.mode, a.nlink, a.uid, a.gid, a.rdev, st.st_size, st.st_blocks,
+                    st.st_atime_ns, st.st_mtime_ns, max(a.ctime_ns, st.st_ctime_ns))
 
     @contextmanager
     def _fd(self, ino: int) -> Iterator[int]:
