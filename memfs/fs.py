@@ -672,7 +672,8 @@ class Operations(pyfuse3.Operations):
             try:
                 await self._drop_privileges(inode, not self._privileged(ctx))
                 await self.data.truncate(inode, 0)
-                a = await self.meta.getattr(inode)  # set-ID bits gone, maybe
+                if self.backing is not None:  # set-ID bits gone, maybe: _backing_id looks
+                    a = await self.meta.getattr(inode)
             except BaseException:
                 await self.meta.release(inode)
                 raise

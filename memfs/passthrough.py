@@ -11,12 +11,12 @@ the bytes are in memory once (the backing file's pages are both the page
 cache and the storage).  ``ENOSPC`` comes from tmpfs at ``write(2)``.
 
 The daemon keeps the namespace, modes, owners, xattrs and links in its
-metadata store as before; size, blocks, mtime and ctime of a regular file
-are the backing file's (:meth:`BackingFiles.overlay`), since writes no longer
-pass through the daemon.  Where the daemon itself must see a write (an
-unprivileged writer of a file with set-ID bits or capabilities, which the
-write must clear), the open is ``FOPEN_DIRECT_IO`` with the same backing file
-(mmap still goes to it) and the daemon reads and writes the backing file.
+metadata store as before; size, blocks and times of a regular file are the
+backing file's (:meth:`BackingFiles.overlay`), since reads and writes no
+longer pass through the daemon.  Where the daemon itself must see a write
+(an unprivileged writer of a file with set-ID bits, which the write must
+clear), the open is ``FOPEN_DIRECT_IO`` with the same backing file (mmap
+still goes to it) and the daemon reads and writes the backing file.
 Without passthrough (the kernel or pyfuse3 cannot) every open is served that
 way: slower, still correct.
 
@@ -90,7 +90,7 @@ def raise_fd_limit() -> None:
         with open("/proc/sys/fs/nr_open") as f:
             most = int(f.read())
         resource.setrlimit(resource.RLIMIT_NOFILE, (most, most))
-    except (OSError, ValueError):  # not root: up to the hard limit
+    except (OSError, ValueError):  # without CAP_SYS_RESOURCE: up to the hard limit
         if soft < hard:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
