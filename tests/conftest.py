@@ -9,6 +9,7 @@ temporary directory, so a crashed test cannot leave one behind.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -166,3 +167,17 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         fields = line.split()
         if len(fields) > 2 and fields[2] == "fuse.memfs" and fields[1].startswith(base + "/"):
             subprocess.run(["fusermount3", "-u", "-z", fields[1]], capture_output=True)
+    # Pid files, logs and control sockets of this run's mounts: a daemon a test
+    # killed leaves its own behind (they piled up by the thousand in /run/memfs).
+    from memfs.cli.runtime import control_dir, instance_name, runtime_dir
+
+    prefix = instance_name(base) + "-"
+    for directory in {runtime_dir(), control_dir()}:
+        try:
+            names = os.listdir(directory)
+        except OSError:
+            continue
+        for name in names:
+            if name.startswith(prefix):
+                with contextlib.suppress(OSError):
+                    os.unlink(directory / name)
