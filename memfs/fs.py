@@ -230,7 +230,6 @@ class Operations(pyfuse3.Operations):
         self.meta = meta
         self.data = data
         self.backing = data if isinstance(data, BackingFiles) else None
-        self.passthrough_asked = False
         self.enable_writeback_cache = writeback_cache
         #: every open file bypasses the page cache (FOPEN_DIRECT_IO)
         self.direct_io = direct_io
@@ -628,10 +627,12 @@ class Operations(pyfuse3.Operations):
     async def create(
         self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        created = False
         try:
             a = await self.meta.create(
                 parent_inode, name, stat.S_IFREG | (mode & 0o7777), ctx.uid, ctx.gid
             )
+            created = True
         except FsError as exc:
             # Lost a race with another creator: O_CREAT without O_EXCL opens it.
             if exc.errno != errno.EEXIST or flags & os.O_EXCL:
@@ -643,14 +644,12 @@ class Operations(pyfuse3.Operations):
                 await self._drop_privileges(a.ino, not self._privileged(ctx))
                 await self.data.truncate(a.ino, 0)
             a = await self.meta.open(a.ino)
-        else:
-            if self.backing is not None:  # a create that failed (no backing file) leaves no file
-                try:
-                    return await self._open_file(a, flags, ctx), self._entry(a, parent_inode, name)
-                except FsError:
-                    await self.meta.unlink(parent_inode, name)
-                    raise
-        return await self._open_file(a, flags, ctx), self._entry(a, parent_inode, name)
+        try:
+            return await self._open_file(a, flags, ctx), self._entry(a, parent_inode, name)
+        except FsError:
+            if created and self.backing is not None:  # no backing file: no new file either
+                await self.meta.unlink(parent_inode, name)
+            raise
 
     @_errno_boundary
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:

@@ -253,26 +253,26 @@ class BackingFiles:
 
     # -- the requests that reach the daemon (the DataEngine interface) ------------------
 
+    @contextmanager
+    def _io(self, ino: int, what: str) -> Iterator[int]:
+        """:meth:`_fd` for one call, whose OSError becomes the request's FsError."""
+        with self._fd(ino) as fd:
+            try:
+                yield fd
+            except OSError as exc:
+                raise FsError(exc.errno or errno.EIO, f"inode {ino}: {what}: {exc.strerror}") from None
+
     async def read(self, ino: int, offset: int, size: int) -> bytes:
-        try:
-            with self._fd(ino) as fd:
-                return os.pread(fd, size, offset)
-        except OSError as exc:
-            raise FsError(exc.errno or errno.EIO, f"inode {ino}: read: {exc.strerror}") from None
+        with self._io(ino, "read") as fd:
+            return os.pread(fd, size, offset)
 
     async def write(self, ino: int, offset: int, buf: bytes) -> int:
-        try:
-            with self._fd(ino) as fd:
-                return os.pwrite(fd, buf, offset)
-        except OSError as exc:
-            raise FsError(exc.errno or errno.EIO, f"inode {ino}: write: {exc.strerror}") from None
+        with self._io(ino, "write") as fd:
+            return os.pwrite(fd, buf, offset)
 
     async def truncate(self, ino: int, size: int) -> None:
-        try:
-            with self._fd(ino) as fd:
-                os.ftruncate(fd, size)
-        except OSError as exc:
-            raise FsError(exc.errno or errno.EIO, f"inode {ino}: truncate: {exc.strerror}") from None
+        with self._io(ino, "truncate") as fd:
+            os.ftruncate(fd, size)
         assert self.meta is not None
         await self.meta.truncate(ino, size)
 
