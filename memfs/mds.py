@@ -193,7 +193,7 @@ async def _scrub(
                     server.incarnations.update(known)
                 await Scrubber(store, t).run()
         except FsError as exc:
-            store.reclaimer = None
+            store.space.reclaimer = None
             log.warning("memory servers unreachable, freed space waits: %s", exc.args[1])
         await trio.sleep(delay)
         delay = min(delay * 2, 30.0)

@@ -59,8 +59,8 @@ class Scrubber:
         #: are copied from pool memory after read() returned, see
         #: memfs.fs.replies_written)
         self.quiesce: Callable[[], Awaitable[bool]] | None = None
-        store.reclaimer = self.drain
-        store.on_dirty = self.poke
+        store.space.reclaimer = self.drain
+        store.space.on_dirty = self.poke
 
     @contextmanager
     def hold(self) -> Iterator[None]:
@@ -126,7 +126,7 @@ class Scrubber:
                 await self._wait_unheld()
             if waited.cancelled_caught:
                 break
-            batch = self.store.take_dirty(BATCH, skip=failed)
+            batch = self.store.space.take_dirty(BATCH, skip=failed)
             if not batch:
                 break
             try:
@@ -136,7 +136,7 @@ class Scrubber:
                 if self.quiesce is not None and not await self.quiesce():
                     # Replies still copying out of them (the mount is going away):
                     # they stay dirty, for a later round (no volume is at fault).
-                    self.store.return_dirty(batch)
+                    self.store.space.return_dirty(batch)
                     log.warning("freed chunks not zeroed yet: read replies not written")
                     break
                 bad = await self._zero(batch)
@@ -144,19 +144,19 @@ class Scrubber:
                 # Cancelled (a waiting call gave up, its connection dropped):
                 # the batch stays dirty, or it would be lost to every round
                 # after (neither dirty nor allocatable).  Zeroed again later.
-                self.store.return_dirty(batch)
+                self.store.space.return_dirty(batch)
                 raise
             if bad:
-                self.store.return_dirty([c for c in batch if c[0] in bad])
+                self.store.space.return_dirty([c for c in batch if c[0] in bad])
                 batch = [c for c in batch if c[0] not in bad]
                 failed.update(bad)
-            self.store.put_clean(batch)
+            self.store.space.put_clean(batch)
             await trio.lowlevel.checkpoint()  # let FUSE requests in between rounds
         for vol, msg in failed.items():
             if vol not in skipped and self._failing.get(vol) != msg:  # once, not every retry
                 log.warning("cannot zero freed chunks of volume %d yet: %s", vol, msg)
         for vol in set(self._failing) - set(failed):
-            if not self.store.allocators[vol].dirty:
+            if not self.store.space.allocators[vol].dirty:
                 log.info("freed chunks of volume %d are being zeroed again", vol)
         self._failing = failed
 
@@ -200,10 +200,10 @@ class Scrubber:
         """Scrub in the background whenever chunks are freed."""
         task_status.started()
         while True:
-            if not self.store.dirty_chunks:
+            if not self.store.space.dirty_chunks:
                 await self._wake.wait()
                 self._wake = trio.Event()
-            before = self.store.dirty_chunks
+            before = self.store.space.dirty_chunks
             await self._drain(retry=True)
-            if self.store.dirty_chunks >= before:  # no progress: transport trouble
+            if self.store.space.dirty_chunks >= before:  # no progress: transport trouble
                 await trio.sleep(RETRY_DELAY)

@@ -66,7 +66,7 @@ class BackedMeta(Meta):
         self.errors = ErrorLog(wallclock)
         self.mirror = NamespaceMirror(self.dirside, self.errors)
         self.residency = Residency(surface, transport, self.dirside, self.mirror, self.errors)
-        total, _ = store.space()
+        total, _ = store.space.totals()
         dirty_max = cfg.dirty_max if cfg.dirty_max is not None else total * store.chunk_size // 2
         #: cluster mode with a journal: the state replay rebuilt, and where to record
         self.recovered = recovered
@@ -402,7 +402,7 @@ class BackedMeta(Meta):
         must not stall them; the counts are those of a moment, roughly."""
         s = self.store
         cs = s.chunk_size
-        total, free = s.space()
+        total, free = s.space.totals()
         tracker = self.tracker
         resident = evicted = pinned_chunks = 0
         for n, i in enumerate(list(s.inodes.values())):

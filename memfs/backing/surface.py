@@ -56,6 +56,13 @@ class InodeView(Protocol):
         """Bytes below this offset whose chunk is missing live only in DIR."""
 
 
+class SpaceTotals(Protocol):
+    """How full the pool is (:class:`memfs.meta.space.ChunkSpace`)."""
+
+    def totals(self) -> tuple[int, int]:
+        """(chunks in the pool, chunks free or reclaimable)."""
+
+
 class BackingStore(Protocol):
     """The store calls of the burst buffer: the namespace, residency, adoption."""
 
@@ -75,8 +82,8 @@ class BackingStore(Protocol):
     # data: where a file's bytes are, and which are only in DIR
     def extents(self, ino: int, offset: int, length: int) -> list[Extent]: ...
     def missing(self, ino: int, offset: int, length: int) -> list[int]: ...
-    def space(self) -> tuple[int, int]:
-        """(chunks in the pool, chunks free or reclaimable)."""
+    @property
+    def space(self) -> SpaceTotals: ...
 
     # residency: fetch (reserve, write, install), give back, evict
     def reserve(self, ino: int, ks: list[int]) -> list[tuple[int, int, int]]: ...

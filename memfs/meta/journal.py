@@ -185,7 +185,7 @@ def dump_state(
         # (Dirty order only decides scrub order; which chunks become clean, and in
         # what order, is journaled with each CLEAN record.)
         "allocators": [
-            [a.next, list(a.freed), sorted([*a.dirty, *a.scrubbing])] for a in store.allocators
+            [a.next, list(a.freed), sorted([*a.dirty, *a.scrubbing])] for a in store.space.allocators
         ],
         "inodes": inodes,
         "reserved": sorted([vol, voff] for vol, voff in store.reserved),
@@ -214,9 +214,9 @@ def load_state(state: Any, pool: PoolConfig) -> MetaStore:
         spec = _spec_from(state["default_spec"])
         assert spec is not None
         store.default_spec = spec
-        if len(state["allocators"]) != len(store.allocators):
+        if len(state["allocators"]) != len(store.space.allocators):
             raise JournalError("snapshot has the wrong number of volumes")
-        for a, (nxt, freed, dirty) in zip(store.allocators, state["allocators"], strict=True):
+        for a, (nxt, freed, dirty) in zip(store.space.allocators, state["allocators"], strict=True):
             a.next = nxt
             a.freed = list(freed)  # format 4: a heap already
             # Older journals were written allocating last-in-first-out: replay them so.
@@ -425,7 +425,7 @@ async def apply_record(
             return
         if method == CLEAN:
             flat = [codec.check_int(x, "chunk") for x in raw]
-            store.put_clean(list(zip(flat[0::2], flat[1::2], strict=True)))
+            store.space.put_clean(list(zip(flat[0::2], flat[1::2], strict=True)))
             return
         m = codec.METHODS.get(method)
         if m is None or not (m.mutates or method == "map_read"):
@@ -504,7 +504,7 @@ class Journal:
         self.pool = pool
         self.extension = extension
         store, seq = await self._recover(pool)
-        for a in store.allocators:  # the snapshot written below allocates lowest first
+        for a in store.space.allocators:  # the snapshot written below allocates lowest first
             a.use_lowest_first()
         self.seq = self.durable_seq = seq
         state = dump_state(store, seq, pool, self.fsid, self._extension_state())

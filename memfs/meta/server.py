@@ -174,7 +174,7 @@ class MetaServer:
         self._destroyed: list[int] = []
         store.on_destroy = self._destroyed.append
         if journal is not None:
-            store.on_clean = self._cleaned
+            store.space.on_clean = self._cleaned
             store.on_backing = self._backing_changed
             store.wait_durable = self._wait_durable
         self._sessions: dict[bytes, Session] = {}
@@ -744,7 +744,7 @@ class MetaServer:
                 "fsid": self.fsid,
                 "volumes": [str(v) for v in self.pool] if self.pool else [],
                 "n_volumes": s.n_volumes,
-                "volume_size": s.allocators[0].n_chunks * s.chunk_size,
+                "volume_size": s.space.allocators[0].n_chunks * s.chunk_size,
                 "chunk_size": s.chunk_size,
                 "stripe_size": s.default_spec.stripe_size,
                 # memory server "host:port" -> incarnation the pool's data lives in

@@ -14,15 +14,14 @@ the chunk holding the new EOF for the caller to zero.
 from __future__ import annotations
 
 import errno
-import heapq
 import logging
 import stat
 import time
-from collections.abc import Awaitable, Callable, Container
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from memfs.config import PoolConfig
-from memfs.errors import FsError, SpaceBusy, UsageError
+from memfs.errors import FsError, UsageError
 from memfs.layout import LAYOUT_XATTR, Layout, LayoutSpec
 from memfs.meta import (
     CAPABILITY_XATTR,
@@ -39,6 +38,7 @@ from memfs.meta import (
     add_run,
     set_ids_to_drop,
 )
+from memfs.meta.space import ChunkSpace
 
 log = logging.getLogger(__name__)
 
@@ -134,69 +134,6 @@ class Watcher(Protocol):
 ANY_EARLIER = b"*"
 
 
-class VolumeAllocator:
-    """Chunks of one volume: a bump pointer, a min-heap of clean freed chunks, and
-    the dirty chunks (freed, not yet zeroed by the scrubber).
-
-    Only clean chunks are handed out, so a newly allocated chunk reads as zeros
-    and no writer ever has to zero anything: two clients writing disjoint parts
-    of one fresh chunk cannot undo each other.
-
-    Freed chunks go out lowest first, so a run of allocations on a volume gets
-    ascending, mostly adjacent chunks that merge into one extent: one transfer
-    per stripe unit instead of one per chunk.  (A last-in-first-out list handed
-    a file's freed chunks back in descending order: after any deletion, a 1 MiB
-    read became 16 requests to the memory server.)  ``lowest_first`` is off only
-    while a journal written under that old rule is replayed.
-    """
-
-    __slots__ = ("chunk_size", "n_chunks", "next", "freed", "dirty", "scrubbing", "lowest_first")
-
-    def __init__(self, n_chunks: int, chunk_size: int) -> None:
-        self.chunk_size = chunk_size
-        self.n_chunks = n_chunks
-        self.next = 0
-        self.freed: list[int] = []
-        self.dirty: dict[int, None] = {}  # an ordered set of chunk numbers
-        self.scrubbing: set[int] = set()  # taken by the scrubber, not yet back
-        self.lowest_first = True
-
-    @property
-    def free(self) -> int:
-        """Chunks that can be allocated now."""
-        return self.n_chunks - self.next + len(self.freed)
-
-    @property
-    def reclaimable(self) -> int:
-        """Freed chunks that become allocatable once scrubbed."""
-        return len(self.dirty) + len(self.scrubbing)
-
-    def alloc(self) -> int:
-        if self.freed:
-            idx = heapq.heappop(self.freed) if self.lowest_first else self.freed.pop()
-            return idx * self.chunk_size
-        if self.next >= self.n_chunks:
-            raise FsError(errno.ENOSPC)
-        self.next += 1
-        return (self.next - 1) * self.chunk_size
-
-    def release(self, voffset: int) -> None:
-        self.dirty[voffset // self.chunk_size] = None
-
-    def put_free(self, idx: int) -> None:
-        """Chunk *idx* holds zeros: allocatable."""
-        if self.lowest_first:
-            heapq.heappush(self.freed, idx)
-        else:
-            self.freed.append(idx)
-
-    def use_lowest_first(self) -> None:
-        """From now on hand out freed chunks lowest first (after an old journal's replay)."""
-        if not self.lowest_first:
-            heapq.heapify(self.freed)
-            self.lowest_first = True
-
-
 def _check_name(name: bytes) -> None:
     if len(name) > NAME_MAX:
         raise FsError(errno.ENAMETOOLONG)
@@ -213,10 +150,8 @@ class MetaStore(Meta):
         self.chunk_size = pool.chunk_size
         self.n_volumes = pool.volumes
         self.default_spec = LayoutSpec(-1, pool.stripe_size, -1)
-        self.allocators = [
-            VolumeAllocator(pool.volume_size // pool.chunk_size, pool.chunk_size)
-            for _ in range(pool.volumes)
-        ]
+        #: the pool's chunks: free, allocated, or freed and waiting to be zeroed
+        self.space = ChunkSpace(pool)
         self.inodes: dict[int, Inode] = {}
         self._next_ino = ROOT_INO
         #: the clock every timestamp comes from; the metadata server injects one that
@@ -228,13 +163,6 @@ class MetaStore(Meta):
         #: applied with :meth:`destroy` (open counts, which decide when an unlinked
         #: inode dies, are not journaled)
         self.defer_destroy = False
-        #: zeroes dirty chunks and hands them back (the scrubber); None: freed space
-        #: stays unusable, which is safe, until something that can zero it attaches
-        self.reclaimer: Callable[[], Awaitable[None]] | None = None
-        #: called when chunks become dirty (wakes the scrubber)
-        self.on_dirty: Callable[[], None] | None = None
-        #: called with chunks put back clean (the journal records it)
-        self.on_clean: Callable[[list[tuple[int, int]]], None] | None = None
         #: write-back to a backing directory (memfs.backing) follows changes through this
         self.watcher: Watcher | None = None
         #: chunks reserved for a fetch from the backing directory, not yet installed:
@@ -319,10 +247,8 @@ class MetaStore(Meta):
         assert inode.layout is not None
         cs = self.chunk_size
         doomed = [k for k in inode.chunks if k >= keep_below]
-        for k in doomed:
-            self.allocators[inode.layout.volume_of_chunk(k, cs)].release(inode.chunks.pop(k))
-        if doomed and self.on_dirty is not None:
-            self.on_dirty()
+        self.space.release([(inode.layout.volume_of_chunk(k, cs), inode.chunks.pop(k))
+                            for k in doomed])
 
     def _drop_link(self, inode: Inode, now: int) -> None:
         inode.nlink -= 1
@@ -849,13 +775,8 @@ class MetaStore(Meta):
             raise FsError(errno.ENODATA)
         i.ctime_ns = self.now()
 
-    def space(self) -> tuple[int, int]:
-        """(chunks in the pool, chunks free or reclaimable)."""
-        return (sum(a.n_chunks for a in self.allocators),
-                sum(a.free + a.reclaimable for a in self.allocators))
-
     async def statfs(self) -> StatFs:
-        total, free = self.space()
+        total, free = self.space.totals()
         per = self.chunk_size // 4096
         # Inodes are not limited (beyond daemon memory); the count shown must only
         # never go negative (statvfs fields are unsigned: df would get EIO).
@@ -1047,20 +968,7 @@ class MetaStore(Meta):
         assert i.layout is not None
         cs = self.chunk_size
         vols = [i.layout.volume_of_chunk(k, cs) for k in ks]
-        need: dict[int, int] = {}
-        for vol in vols:
-            need[vol] = need.get(vol, 0) + 1
-        self._check_space(need)
-        return [(k, vol, self.allocators[vol].alloc()) for k, vol in zip(ks, vols, strict=True)]
-
-    def _check_space(self, need: dict[int, int]) -> None:
-        """ENOSPC (or SpaceBusy) unless each volume has the chunks *need* asks of it."""
-        for vol, n in need.items():
-            a = self.allocators[vol]
-            if a.free < n:
-                if a.free + a.reclaimable >= n:
-                    raise SpaceBusy()
-                raise FsError(errno.ENOSPC)
+        return list(zip(ks, vols, self.space.take(vols), strict=True))
 
     # -- data that lives in a backing directory (memfs.flush) ----------------------
 
@@ -1100,7 +1008,7 @@ class MetaStore(Meta):
         self.reserved.discard((volume, voffset))
         i = self.inodes.get(ino)
         if i is None or i.chunks is None or k in i.chunks or k * self.chunk_size >= i.backed:
-            self._release(volume, voffset)
+            self.space.release([(volume, voffset)])
             return False
         i.chunks[k] = voffset
         return True
@@ -1110,19 +1018,13 @@ class MetaStore(Meta):
         if self.on_backing is not None:
             self.on_backing(UNRESERVE, [volume, voffset])
         self.reserved.discard((volume, voffset))
-        self._release(volume, voffset)
+        self.space.release([(volume, voffset)])
 
     def release_reserved(self) -> None:
         """Recovery: fetches that were under way died with the server; their chunks
         (maybe partly written) go to the scrubber."""
-        for volume, voffset in sorted(self.reserved):
-            self._release(volume, voffset)
+        self.space.release(sorted(self.reserved))
         self.reserved.clear()
-
-    def _release(self, volume: int, voffset: int) -> None:
-        self.allocators[volume].release(voffset)
-        if self.on_dirty is not None:
-            self.on_dirty()
 
     def evict(self, ino: int) -> int:
         """Drop the pool copy of clean file *ino*: its data is in the backing directory.
@@ -1196,55 +1098,8 @@ class MetaStore(Meta):
             i.gid = gid
 
 
-    @property
-    def dirty_chunks(self) -> int:
-        return sum(len(a.dirty) for a in self.allocators)
-
-    def take_dirty(self, limit: int, skip: Container[int] = ()) -> list[tuple[int, int]]:
-        """Up to *limit* dirty chunks as (volume, voffset), now owned by the scrubber.
-
-        None from the volumes in *skip* (the scrubber cannot zero them right now).
-        Shared out over the volumes: they are zeroed in parallel, and a slow one
-        does not hold up the others' turn.
-        """
-        out: list[tuple[int, int]] = []
-        vols = [(vol, a) for vol, a in enumerate(self.allocators) if a.dirty and vol not in skip]
-        share = max(1, limit // len(vols)) if vols else 0
-        for vol, a in vols:
-            for _ in range(min(share, limit - len(out), len(a.dirty))):
-                idx = next(iter(a.dirty))
-                del a.dirty[idx]
-                a.scrubbing.add(idx)
-                out.append((vol, idx * self.chunk_size))
-        return out
-
-    def put_clean(self, chunks: list[tuple[int, int]]) -> None:
-        """Chunks that now hold zeros become allocatable (in the order given)."""
-        for vol, voff in chunks:
-            a = self.allocators[vol]
-            idx = voff // self.chunk_size
-            if idx in a.scrubbing:
-                a.scrubbing.discard(idx)
-            else:  # journal replay: never taken
-                del a.dirty[idx]
-            a.put_free(idx)
-        if self.on_clean is not None and chunks:
-            self.on_clean(chunks)
-
-    def return_dirty(self, chunks: list[tuple[int, int]]) -> None:
-        """The scrubber could not zero these: they stay dirty."""
-        for vol, voff in chunks:
-            a = self.allocators[vol]
-            a.scrubbing.discard(voff // self.chunk_size)
-            a.dirty[voff // self.chunk_size] = None
-
-    def recycle_unzeroed(self) -> None:
-        """Metadata-only use (no data plane, e.g. tests): dirty chunks become clean as they are."""
-        self.put_clean(self.take_dirty(1 << 62))
-
     async def reclaim(self) -> None:
-        if self.reclaimer is not None:
-            await self.reclaimer()
+        await self.space.reclaim()
 
     async def aclose(self) -> None:
         self.inodes.clear()

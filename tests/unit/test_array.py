@@ -224,7 +224,7 @@ async def test_a_waiting_scrubber_round_goes_before_new_transfers(tmp_path: Path
         async def map_b() -> None:
             mb, _ = await b.call("array.map", {"h": rb["h"], "offset": 0, "length": 1 << 20,
                                                "write": True})
-            order.append(f"mapped with {d.store.dirty_chunks} dirty")
+            order.append(f"mapped with {d.store.space.dirty_chunks} dirty")
             await b.call("array.done", {"h": rb["h"], "t": mb["t"]})
 
         async with trio.open_nursery() as nursery:
@@ -234,7 +234,7 @@ async def test_a_waiting_scrubber_round_goes_before_new_transfers(tmp_path: Path
             await trio.sleep(0.05)
             assert order == []  # ... and b waits for the round
             await a.call("array.done", {"h": ra["h"], "t": ma_["t"]})
-        assert "mapped with 0 dirty" in order and d.store.dirty_chunks == 0
+        assert "mapped with 0 dirty" in order and d.store.space.dirty_chunks == 0
         await a.aclose()
         await b.aclose()
 
@@ -554,21 +554,21 @@ async def test_a_transfer_blocks_other_requests_and_scrubbing(tmp_path: Path) ->
             assert info.value.errno == errno.EBUSY
         # Chunks freed meanwhile are not zeroed (and so not handed out again) ...
         await d.store.truncate(r["ino"], 0)
-        assert d.store.dirty_chunks == 64
+        assert d.store.space.dirty_chunks == 64
         with trio.move_on_after(0.5):
             await d.scrubber.drain()
-        assert d.store.dirty_chunks == 64
+        assert d.store.space.dirty_chunks == 64
         # ... until the transfer ends.
         await blocking(functools.partial(s.call, "x", "array.done", h=r["h"], t=m["t"]))
         with trio.fail_after(5):
             await d.scrubber.drain()
-        assert d.store.dirty_chunks == 0
+        assert d.store.space.dirty_chunks == 0
         await blocking(s.close)
 
 
 async def test_a_session_that_ends_leaves_nothing(tmp_path: Path) -> None:
     async with daemon(tmp_path) as d:
-        free = d.store.space()
+        free = d.store.space.totals()
 
         def leave() -> None:
             s = d.session()
@@ -577,7 +577,7 @@ async def test_a_session_that_ends_leaves_nothing(tmp_path: Path) -> None:
 
         await blocking(leave)
         with trio.fail_after(5):
-            while d.names() or d.store.space() != free:
+            while d.names() or d.store.space.totals() != free:
                 await trio.sleep(0.01)
                 await d.scrubber.drain()
         assert not [n for n in d.names() if TEMP_TAG in n]
@@ -585,7 +585,7 @@ async def test_a_session_that_ends_leaves_nothing(tmp_path: Path) -> None:
 
 async def test_enospc_at_create_leaves_no_file(tmp_path: Path) -> None:
     async with daemon(tmp_path) as d:
-        free = d.store.space()
+        free = d.store.space.totals()
         s = await blocking(d.session)
         with pytest.raises(OSError) as info:
             await blocking(lambda: s.call("/mnt/x.npy", "array.create", path="x.npy",
@@ -594,7 +594,7 @@ async def test_enospc_at_create_leaves_no_file(tmp_path: Path) -> None:
         await blocking(s.close)
         with trio.fail_after(5):
             await d.scrubber.drain()
-        assert d.names() == [] and d.store.space() == free
+        assert d.names() == [] and d.store.space.totals() == free
 
 
 async def test_large_arrays_get_large_stripes_unless_the_directory_says(tmp_path: Path) -> None:

@@ -62,9 +62,9 @@ async def mds(jdir: Path, backing: Path, transport: LocalTransport, *, delay: fl
         store = await journal.open(POOL, bj)
 
         async def recycle() -> None:  # no scrubber here: freed chunks reused as they are
-            store.recycle_unzeroed()
+            store.space.recycle_unzeroed()
 
-        store.reclaimer = recycle
+        store.space.reclaimer = recycle
         async with trio.open_nursery() as nursery:
             server = MetaServer(store, SECRET, None, journal, session_grace=0.2)
             backed = BackedMeta(store, transport, cfg, recovered=bj)

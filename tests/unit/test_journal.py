@@ -348,16 +348,16 @@ async def test_scrubbed_chunks_replay_exactly(tmp_path: Path) -> None:
         await workload(meta, seed=7, steps=600)  # frees plenty of chunks
         await leave(server, meta)
         store = server.store
-        assert store.dirty_chunks > 10
-        store.put_clean(store.take_dirty(7))  # what the scrubber does, in part
-        out_with_scrubber = store.take_dirty(3)  # and a batch in flight at the "crash"
+        assert store.space.dirty_chunks > 10
+        store.space.put_clean(store.space.take_dirty(7))  # what the scrubber does, in part
+        out_with_scrubber = store.space.take_dirty(3)  # and a batch in flight at the "crash"
         before = state(store)
         async with open_remote_meta("127.0.0.1", server.port, SECRET) as other:
             await other.getattr(ROOT)  # the reply waits until the CLEAN record is durable
     after = await recovered(tmp_path)
     assert state(after) == before
     # The in-flight batch came back dirty, not clean.
-    dirty_after = {(v, i * POOL.chunk_size) for v, a in enumerate(after.allocators) for i in a.dirty}
+    dirty_after = {(v, i * POOL.chunk_size) for v, a in enumerate(after.space.allocators) for i in a.dirty}
     assert set(out_with_scrubber) <= dirty_after
 
 
@@ -368,7 +368,7 @@ async def test_freed_chunks_go_out_lowest_first() -> None:
     a = await store.mknod(ROOT, b"a", stat.S_IFREG | 0o600, 0, 0)
     await store.map_write(a.ino, 0, 2 * M)
     await store.unlink(ROOT, b"a")
-    store.recycle_unzeroed()
+    store.space.recycle_unzeroed()
     b = await store.mknod(ROOT, b"b", stat.S_IFREG | 0o600, 0, 0)
     await store.map_write(b.ino, 0, 2 * M)
     extents = await store.map_read(b.ino, 0, 2 * M)
@@ -384,10 +384,10 @@ async def test_old_journal_replays_last_in_first_out(tmp_path: Path) -> None:
         snap = read_snapshot(only(tmp_path, "snapshot"))
         snap["format"] = 3  # as the old code wrote it, and allocating as it did:
         write_snapshot(tmp_path, snap["seq"], snap)
-        for a in server.store.allocators:
+        for a in server.store.space.allocators:
             a.lowest_first = False
         await workload(meta, seed=11, steps=400)
-        server.store.recycle_unzeroed()
+        server.store.space.recycle_unzeroed()
         await workload(meta, seed=12, steps=400)  # allocates from the freed lists
         await leave(server, meta)
         before = state(server.store)
@@ -399,7 +399,7 @@ async def test_old_journal_replays_last_in_first_out(tmp_path: Path) -> None:
     assert [(n, sorted(f), d) for n, f, d in got["allocators"]] == [
         (n, sorted(f), d) for n, f, d in before["allocators"]
     ]
-    assert all(a.lowest_first for a in after.allocators)
+    assert all(a.lowest_first for a in after.space.allocators)
     assert read_snapshot(only(tmp_path, "snapshot"))["format"] == SNAPSHOT_FORMAT
 
 

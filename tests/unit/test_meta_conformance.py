@@ -61,9 +61,9 @@ def metadata_only(pool: PoolConfig) -> MetaStore:
     store = MetaStore(pool)
 
     async def recycle() -> None:
-        store.recycle_unzeroed()
+        store.space.recycle_unzeroed()
 
-    store.reclaimer = recycle
+    store.space.reclaimer = recycle
     return store
 
 

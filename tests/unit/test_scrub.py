@@ -38,10 +38,10 @@ async def test_background_scrub_zeroes_freed_chunks() -> None:
     async with trio.open_nursery() as nursery:
         await nursery.start(Scrubber(store, transport).run)
         extents = await filled_then_freed(store, engine)
-        assert store.dirty_chunks or all(a.free for a in store.allocators)
+        assert store.space.dirty_chunks or all(a.free for a in store.space.allocators)
         with trio.fail_after(5):
             await trio.testing.wait_all_tasks_blocked()  # the scrubber went back to waiting
-        assert store.dirty_chunks == 0 and not any(a.scrubbing for a in store.allocators)
+        assert store.space.dirty_chunks == 0 and not any(a.scrubbing for a in store.space.allocators)
         nursery.cancel_scope.cancel()
     for vol in range(POOL.volumes):
         assert bytes(await transport.read(vol, 0, POOL.volume_size)) == bytes(POOL.volume_size)
@@ -57,7 +57,7 @@ async def test_write_waits_for_scrub_when_only_freed_space_is_left() -> None:
     Scrubber(store, transport)  # on demand only
     engine = DataEngine(store, transport)
     await filled_then_freed(store, engine)
-    assert all(a.free == 0 for a in store.allocators)
+    assert all(a.free == 0 for a in store.space.allocators)
     g = (await store.mknod(ROOT, b"g", stat.S_IFREG | 0o644, 0, 0)).ino
     await engine.write(g, 100, b"x")  # SpaceBusy -> reclaim -> retry
     await engine.truncate(g, 4 * K)  # extend: the rest of the chunk must read as zeros
@@ -79,12 +79,12 @@ async def test_unzeroable_chunks_stay_dirty_and_are_never_handed_out(
     Scrubber(store, transport)
     engine = DataEngine(store, transport)
     await filled_then_freed(store, engine)
-    dirty = store.dirty_chunks
+    dirty = store.space.dirty_chunks
     g = (await store.mknod(ROOT, b"g", stat.S_IFREG | 0o644, 0, 0)).ino
     with pytest.raises(FsError) as info:
         await engine.write(g, 0, b"x")
     assert info.value.errno == errno.ENOSPC
-    assert store.dirty_chunks == dirty  # returned, not lost, not recycled
+    assert store.space.dirty_chunks == dirty  # returned, not lost, not recycled
     assert "cannot zero" in caplog.text
     await transport.aclose()
 
@@ -109,16 +109,16 @@ async def test_a_cancelled_round_returns_its_batch(autojump_clock: trio.testing.
     scrubber = Scrubber(store, transport)
     engine = DataEngine(store, transport)
     await filled_then_freed(store, engine)
-    dirty = store.dirty_chunks
+    dirty = store.space.dirty_chunks
     assert dirty
     with trio.move_on_after(1):
         await scrubber.drain()
-    assert not any(a.scrubbing for a in store.allocators), "the taken batch was lost"
-    assert store.dirty_chunks == dirty
+    assert not any(a.scrubbing for a in store.space.allocators), "the taken batch was lost"
+    assert store.space.dirty_chunks == dirty
     transport.gate.set()
     await scrubber.drain()
     s = await store.statfs()
-    assert store.dirty_chunks == 0 and s.blocks_free == s.blocks
+    assert store.space.dirty_chunks == 0 and s.blocks_free == s.blocks
     await transport.aclose()
 
 
@@ -166,7 +166,7 @@ async def test_one_dead_volume_does_not_keep_the_others_dirty(
             await engine.write(g, 0, b"y" * POOL.volume_size)  # all of volume 1 again
         await trio.sleep(2.5)  # a few retry rounds of the background scrubber
         assert bytes(await engine.read(g, 0, POOL.volume_size)) == b"y" * POOL.volume_size
-        assert store.allocators[0].reclaimable == POOL.volume_size // POOL.chunk_size
+        assert store.space.allocators[0].reclaimable == POOL.volume_size // POOL.chunk_size
         nursery.cancel_scope.cancel()
     assert caplog.text.count("cannot zero freed chunks of volume 0") == 1, caplog.text
     await transport.aclose()
@@ -207,20 +207,20 @@ async def test_freed_memory_is_zeroed_only_after_read_replies_are_written(
 
     scrubber.quiesce = quiesce
     await filled_then_freed(store, engine)
-    dirty = store.dirty_chunks
+    dirty = store.space.dirty_chunks
     async with trio.open_nursery() as nursery:
         nursery.start_soon(scrubber.drain)
         await trio.sleep(1)
         # taken for the round, but neither zeroed nor allocatable
-        assert transport.zeroed == [] and all(a.free == 0 for a in store.allocators)
+        assert transport.zeroed == [] and all(a.free == 0 for a in store.space.allocators)
         written.set()
-    assert answers and all(answers) and transport.zeroed and store.dirty_chunks == 0
+    assert answers and all(answers) and transport.zeroed and store.space.dirty_chunks == 0
 
     written = trio.Event()  # never written this time
     await filled_then_freed(store, engine)
     await scrubber.drain()
     assert answers[-1] is False
-    assert store.dirty_chunks == dirty  # kept, not zeroed, not lost
+    assert store.space.dirty_chunks == dirty  # kept, not zeroed, not lost
     assert "read replies not written" in caplog.text
     assert not scrubber._failing  # no volume is at fault: the next round tries them all
     await transport.aclose()
