@@ -51,8 +51,9 @@ is applied.
 Everything here runs in the server's trio loop; methods that do not await are
 atomic.  The wait for acknowledgements is the only await: while an inode is
 being recalled, state about it that is sent out is marked not cacheable
-(:meth:`register` returns False), and such a receiver is recalled again before
-the change is applied (it may be using the old chunk map for one transfer).
+(:meth:`register` returns False); a receiver of a chunk map then is recalled
+again before the change is applied (it may be using the old map for one
+transfer), a receiver of anything else holds nothing and is not.
 """
 
 from __future__ import annotations
@@ -178,8 +179,17 @@ class LeaseTable:
 
     # -- granting ------------------------------------------------------------------------
 
-    def register(self, holder: Holder, inos: Iterable[int]) -> bool:
-        """*holder* is being sent the state of *inos*; True if it may cache it."""
+    def register(self, holder: Holder, inos: Iterable[int], *, transfer: bool = False) -> bool:
+        """*holder* is being sent the state of *inos*; True if it may cache it.
+
+        While an inode is being recalled, what is sent of it is not cacheable, and
+        the receiver holds nothing after it (its kernel gets no time to cache it
+        either) unless it is a chunk map (*transfer*): that one is used for a
+        transfer that the change must wait for, so its receiver is asked again.
+        (Marking every receiver touched let a client that stats a file in a loop
+        hold off another's chmod of it for as long as the loop ran: each recall
+        made its next stat a call, which asked for another recall.)
+        """
         cacheable = True
         recalling = self._recalling
         for ino in inos:
@@ -191,9 +201,11 @@ class LeaseTable:
                 if mine is None:
                     mine = self._inos_of[holder] = set()
                 mine.add(ino)
-            hs[holder] = True
             if ino in recalling:
                 cacheable = False
+                hs[holder] = transfer or hs.get(holder, False)
+            else:
+                hs[holder] = True
         return cacheable
 
     def grant_write(self, holder: Holder, ino: int) -> bool:

@@ -164,7 +164,7 @@ OnReply = Callable[[Kind, bytes], None]
 
 
 class _Pending:
-    __slots__ = ("event", "kind", "payload", "lost", "on_ok", "on_fail", "sent")
+    __slots__ = ("event", "kind", "payload", "lost", "on_ok", "on_fail", "sent", "recalls")
 
     def __init__(self, on_ok: OnReply | None, sent: float, on_fail: OnReply | None = None) -> None:
         self.event = trio.Event()
@@ -174,11 +174,16 @@ class _Pending:
         self.on_ok = on_ok
         self.on_fail = on_fail
         self.sent = sent
+        #: the connection's count of recalls handled when the reply was read
+        self.recalls = 0
 
 
 #: reply kinds of a call that succeeded
 _OK_KINDS = frozenset({Kind.OK, Kind.OK_CACHE, Kind.OK_WRITE})
 _REPLY_KINDS = _OK_KINDS | {Kind.ERROR, Kind.ERROR_CACHE}
+#: what a cacheable reply kind becomes when a recall came between reading the reply
+#: and its caller's turn (see _Connection.recalls)
+_NOT_CACHEABLE = {Kind.OK_CACHE: Kind.OK, Kind.OK_WRITE: Kind.OK, Kind.ERROR_CACHE: Kind.ERROR}
 
 
 class _Connection:
@@ -197,6 +202,14 @@ class _Connection:
         #: idle pings this often keep the lease (and the connection) alive
         self.keepalive = min(KEEPALIVE, cache.term / 4) if cache.term else KEEPALIVE
         self.pending: dict[int, _Pending] = {}
+        #: RECALL frames handled so far.  The reader hands a reply to its caller and
+        #: goes on reading: a RECALL right behind the reply (the server granted, then
+        #: took back) is handled before the caller runs, and the caller would then
+        #: cache what the recall has just dropped, where the server no longer thinks
+        #: it is held (never recalled again: stale for good; a write lease whose
+        #: preallocated chunks were freed).  A reply read before a recall that its
+        #: caller sees after it is therefore not cacheable (_roundtrip).
+        self.recalls = 0
         self.dead = False
         self.reason = "closed"
         self._next_id = 1
@@ -338,6 +351,7 @@ class _Connection:
                         return
                     h, payload = got
                     if h.kind is Kind.RECALL:
+                        self.recalls += 1
                         self.on_recall(self, h.req_id, payload)
                         continue
                     if h.kind is Kind.UNLOCKED:
@@ -350,7 +364,7 @@ class _Connection:
                         continue  # the caller gave up on it (timeout, or a ping)
                     if cache.term:
                         cache.renew(p.sent)
-                    p.kind, p.payload = h.kind, payload
+                    p.kind, p.payload, p.recalls = h.kind, payload, self.recalls
                     if h.kind in _OK_KINDS:
                         if p.on_ok is not None:
                             p.on_ok(h.kind, payload)
@@ -693,6 +707,8 @@ class RemoteMeta(Meta):
                 if not p.event.is_set():  # cancelled from outside: the reply is not wanted
                     conn.pending.pop(rid, None)
             if not p.lost:
+                if p.recalls != conn.recalls and p.kind in _NOT_CACHEABLE:
+                    return _NOT_CACHEABLE[p.kind], p.payload  # (callers cache with no await)
                 return p.kind, p.payload
             if trio.current_time() >= deadline:
                 break

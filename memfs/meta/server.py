@@ -122,6 +122,9 @@ _LEASED = frozenset({
     "rename", "readlink", "readdir", "readdirplus", "open", "map_read", "map_write",
     "allocate_ahead", "getxattr", "create_at", "unlink_at",
 })
+#: methods whose reply is a chunk map that the client transfers with at once, even
+#: when it may not cache it (see LeaseTable.register)
+_MAPS = frozenset({"map_read", "map_write", "allocate_ahead"})
 #: most inode numbers one reserve_inos call hands a session
 MAX_RESERVE = 4096
 
@@ -592,7 +595,8 @@ class MetaServer:
             return Kind.ERROR, wire.encode_error(errno.EOVERFLOW, "reply too large")
         kind = Kind.OK
         if m.name in _LEASED and self.leases.term > 0:
-            if self.leases.register(session, self._holds(m.name, args, result)):
+            if self.leases.register(session, self._holds(m.name, args, result),
+                                    transfer=m.name in _MAPS):
                 kind = Kind.OK_CACHE
                 if (m.name == "allocate_ahead" and self.write_leases
                         and self.leases.grant_write(session, args[0])):

@@ -628,6 +628,37 @@ async def test_lease_table_bounds_with_a_virtual_clock(
     assert len(good.got) == 2 and good.got[-1] == [[5, [b"n"], False]]
 
 
+async def test_only_chunk_maps_sent_during_a_recall_are_asked_for_again(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """State sent while an inode is being recalled is not cacheable.  A chunk map is
+    used for one transfer, which the change must wait for: its receiver is asked
+    again.  Anything else leaves its receiver holding nothing: asking again would let
+    a client that keeps asking hold the change off for as long as it asks."""
+    table = LeaseTable(term=4.0, recall_timeout=2.0)
+    asked = 0
+
+    async def answer_asking(rid: int) -> None:
+        nonlocal asked
+        asked += 1
+        if asked == 1:  # its next stat comes in while the recall is under way
+            assert not table.register(reader, [7])
+        elif asked == 2:
+            assert not table.register(reader, [7], transfer=True)
+        await trio.sleep(0.01)
+        table.recalled(reader, rid, [])
+
+    reader = _Fake(table, answer_asking)
+    assert table.register(reader, [7])
+    await table.recall(None, [Item(7)])
+    assert asked == 1 and table.holders[7] == {reader: False}
+    assert table.register(reader, [7])  # no recall under way: cacheable again
+    asked = 1
+    await table.recall(None, [Item(7)])
+    assert asked == 3, "the receiver of a map during the recall was asked once more"
+
+
+
 # -- create leases: asynchronous creates (memfs.meta.creates) ----------------------------
 
 
