@@ -131,6 +131,12 @@ class LeaseKeeper:
         """
         unpinned = False
         with trio.move_on_after(self.answer_within):
+            # A reply read just before this RECALL woke its caller in the step that
+            # started this task, and trio runs the two in either order: let the
+            # caller run first.  A truncate's caller pins the inode for zeroing its
+            # tail as soon as it runs (reads and writes instead find the generation
+            # moved and ask again), so the pin is there to be waited for below.
+            await trio.lowlevel.checkpoint()
             if created_in and self.creates is not None:
                 conn.flush_held()
                 await self.creates.wait(created_in)

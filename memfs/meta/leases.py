@@ -51,9 +51,10 @@ is applied.
 Everything here runs in the server's trio loop; methods that do not await are
 atomic.  The wait for acknowledgements is the only await: while an inode is
 being recalled, state about it that is sent out is marked not cacheable
-(:meth:`register` returns False); a receiver of a chunk map then is recalled
-again before the change is applied (it may be using the old map for one
-transfer), a receiver of anything else holds nothing and is not.
+(:meth:`register` returns False); a receiver of a chunk map (or of a
+truncate's tail to zero) then is recalled again before the change is applied
+(it may be using the old map for one transfer), a receiver of anything else
+holds nothing and is not.
 """
 
 from __future__ import annotations
@@ -184,8 +185,9 @@ class LeaseTable:
 
         While an inode is being recalled, what is sent of it is not cacheable, and
         the receiver holds nothing after it (its kernel gets no time to cache it
-        either) unless it is a chunk map (*transfer*): that one is used for a
-        transfer that the change must wait for, so its receiver is asked again.
+        either) unless it names chunks the receiver transfers to (*transfer*: a
+        chunk map, a truncate's tail to zero): the change must wait for that
+        transfer, so its receiver is asked again.
         (Marking every receiver touched let a client that stats a file in a loop
         hold off another's chmod of it for as long as the loop ran: each recall
         made its next stat a call, which asked for another recall.)

@@ -122,9 +122,10 @@ _LEASED = frozenset({
     "rename", "readlink", "readdir", "readdirplus", "open", "map_read", "map_write",
     "allocate_ahead", "getxattr", "create_at", "unlink_at",
 })
-#: methods whose reply is a chunk map that the client transfers with at once, even
-#: when it may not cache it (see LeaseTable.register)
-_MAPS = frozenset({"map_read", "map_write", "allocate_ahead"})
+#: methods whose reply names chunks that the client transfers to at once, even when
+#: it may not cache the reply (see LeaseTable.register): chunk maps, and the tail of
+#: the last chunk that a shrinking truncate leaves for the caller to zero
+_MAPS = frozenset({"map_read", "map_write", "allocate_ahead", "truncate"})
 #: most inode numbers one reserve_inos call hands a session
 MAX_RESERVE = 4096
 

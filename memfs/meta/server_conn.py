@@ -282,6 +282,8 @@ class Connection:
                             if self.calls:
                                 await self._run_made_now()
                             server.recalled(self.session, h.req_id, wire.decode(payload))
+                            if not fs.buffered():  # replies held back for more input
+                                self.push_deferred()
                             continue
                         if h.kind is not Kind.CALL:
                             raise WireError(f"unexpected {h.kind.name} frame")

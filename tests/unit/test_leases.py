@@ -17,9 +17,11 @@ from typing import Any
 import pytest
 import trio
 
+from memfs import wire
 from memfs.config import PoolConfig
 from memfs.errors import FsError
 from memfs.meta import SetAttr, codec, lease_client
+from memfs.meta.cache import ClientCache
 from memfs.meta.journal import Journal
 from memfs.meta.leases import Item, LeaseTable
 from memfs.meta.remote import RemoteMeta, open_remote_meta
@@ -187,6 +189,80 @@ async def test_truncate_recalls_chunk_maps_and_waits_for_transfers() -> None:
                 assert b.generation(f.ino) != gen
         assert done.is_set()
         assert await b.map_read(f.ino, 0, 200_000) == []
+
+
+async def test_a_truncate_made_during_a_recall_is_waited_for_by_that_change() -> None:
+    """A shrinking truncate's reply names the tail of its last chunk, which the caller
+    then zeroes on a memory server: a transfer.  Made while another client's change
+    is recalling the file, it leaves its caller to be asked again before that change
+    is applied (else a later change could free and reuse the chunk under the zeroing)."""
+    async with cluster(3) as (server, (a, b, c), _):
+        f = await written_by_a_mapped_by_b(a, b)
+        async with trio.open_nursery() as nursery:
+            with b.io(f.ino):  # b's answer to c's recall waits for this transfer
+                nursery.start_soon(c.setattr, f.ino, SetAttr(mode=0o600))
+                await trio.sleep(0.2)
+                assert f.ino in server.leases._recalling
+                assert await a.truncate(f.ino, 100_000), "a tail inside a chunk to zero"
+                gen = a.generation(f.ino)
+                await trio.sleep(0.1)
+            # b answers now; c's change must ask a again before it is applied
+        assert a.generation(f.ino) != gen, "the truncating client was not asked again"
+        assert (await b.getattr(f.ino)).mode & 0o777 == 0o600
+
+
+async def test_a_recall_right_behind_a_truncate_reply_waits_for_its_zeroing() -> None:
+    """The truncate's caller and the recall's answering task become runnable in one
+    step (reply and RECALL read together); trio runs them in either order.  The
+    answer must wait for the zeroing the caller begins as soon as it runs."""
+
+    class Channel:
+        def __init__(self) -> None:
+            self.answered = trio.Event()
+            self.at = 0.0
+
+        def send_recalled(self, rid: int, payload: bytes) -> None:
+            self.at = trio.current_time()
+            self.answered.set()
+
+        def flush_held(self) -> None:
+            pass
+
+        async def delivered(self) -> bool:
+            return True
+
+    class NoKernel:
+        invalidator: lease_client.Invalidator | None = None
+        names_invalidator: Callable[[], None] | None = None
+
+        def write_lost(self, inos: list[int]) -> None:
+            pass
+
+    async def no_call(*args: Any) -> None:
+        raise AssertionError("no call expected")
+
+    async def truncate_caller(reply: trio.Event, zeroed: list[float]) -> None:
+        await reply.wait()
+        with cache.pinned(5):  # DataEngine.truncate: no await before this
+            await trio.sleep(0.01)
+            zeroed.append(trio.current_time())
+
+    cache = ClientCache(chunk_size=64 << 10, term=4.0)
+    keeper = lease_client.LeaseKeeper(cache, no_call, NoKernel())
+    recall = wire.encode([[5, [], False]])
+    async with trio.open_nursery() as nursery:
+        keeper.tasks = nursery
+        for r in range(20):  # either order, many times
+            chan = Channel()
+            reply = trio.Event()
+            zeroed: list[float] = []
+            nursery.start_soon(truncate_caller, reply, zeroed)
+            await trio.sleep(0.001)
+            reply.set()  # the reader: the reply, then the RECALL, in one step
+            keeper.on_recall(chan, r, recall)
+            with trio.fail_after(5):
+                await chan.answered.wait()
+            assert zeroed and chan.at >= zeroed[0], f"round {r}: answered before the zeroing"
 
 
 async def test_reads_of_one_map_window_at_once_ask_the_server_once(

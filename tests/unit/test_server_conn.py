@@ -146,6 +146,19 @@ async def test_recall_answers_are_read_while_a_call_waits() -> None:
         assert await replies(client, 1) == [(1, Kind.OK, 1)]
 
 
+async def test_a_reply_read_with_a_recall_answer_goes_out_without_waiting_for_more() -> None:
+    """Replies to calls that came in one read go out in one send, after the last of
+    them; a recall answer that ended such a read must not leave the reply waiting
+    for the client's next frame (a keepalive a second later, when it has nothing
+    else to say)."""
+    server = FakeServer()
+    async with connection(server) as (client, _):
+        await client.send(call(1, 1) + wire.frame(Kind.RECALLED, 9, wire.encode([])))
+        with trio.fail_after(2):
+            await server.recall_came.wait()
+            assert await replies(client, 1) == [(1, Kind.OK, 1)]
+
+
 async def test_a_reply_waits_for_the_journal_records_before_it() -> None:
     journal = FakeJournal()
     journal.seq = 5  # a change the reply may reflect
