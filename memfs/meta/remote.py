@@ -896,17 +896,22 @@ class RemoteMeta(Meta):
         drop: after the first, the case of almost every write."""
         cache = self.cache
         if cache.term:
-            a = cache.attr(ino) or await self.getattr(ino)
-            if stat.S_ISDIR(a.mode):
-                return False
-            known, cap = cache.xattr(ino, CAPABILITY_XATTR)  # no exception per write
-            if not known:
+            if cache.attr(ino) is None:
+                await self.getattr(ino)
+            if not cache.xattr(ino, CAPABILITY_XATTR)[0]:  # no exception per write
                 try:
-                    cap = await self.getxattr(ino, CAPABILITY_XATTR)
+                    await self.getxattr(ino, CAPABILITY_XATTR)
                 except FsError as exc:
                     if exc.errno != errno.ENODATA:
                         raise
-            if cap is None and not (set_ids and set_ids_to_drop(a.mode)):
+            # Decided from the cache only, after the awaits: a change by another node
+            # meanwhile (a chmod u+s) recalled what we had; without both under our
+            # lease the server decides.
+            a = cache.attr(ino)
+            known, cap = cache.xattr(ino, CAPABILITY_XATTR)
+            if a is not None and stat.S_ISDIR(a.mode):
+                return False
+            if a is not None and known and cap is None and not (set_ids and set_ids_to_drop(a.mode)):
                 return False
         dropped = bool(await self._call("drop_privileges", ino, int(set_ids)))
         if dropped:

@@ -265,6 +265,24 @@ async def test_a_recall_right_behind_a_truncate_reply_waits_for_its_zeroing() ->
             assert zeroed and chan.at >= zeroed[0], f"round {r}: answered before the zeroing"
 
 
+async def test_privileges_are_dropped_after_a_chmod_that_came_while_looking() -> None:
+    """A write by a non-root process must clear set-ID bits however recent: a client
+    that looked at the mode, then waited for the capability xattr while another node
+    added S_ISUID, must not decide from the mode it saw first."""
+    async with cluster(2) as (server, (a, b), _):
+        f = await a.mknod(ROOT, b"f", F | 0o111, 0, 0)
+        await b.getattr(f.ino)  # b caches the mode, not the xattr
+        original = b.getxattr
+
+        async def chmod_meanwhile(ino: int, name: bytes) -> bytes:
+            await a.setattr(ino, SetAttr(mode=0o4755))  # recalls b's attributes
+            return await original(ino, name)
+
+        b.getxattr = chmod_meanwhile  # type: ignore[method-assign]
+        assert await b.drop_privileges(f.ino, True)
+        assert server.store.inodes[f.ino].mode & 0o7777 == 0o755
+
+
 async def test_reads_of_one_map_window_at_once_ask_the_server_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
