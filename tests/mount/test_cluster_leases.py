@@ -390,9 +390,12 @@ def test_calls_racing_recalls_leave_nothing_stale(cluster: Cluster) -> None:
     """A reply that grants a lease and the recall that takes it back can be read in one
     go: the reply's caller then runs after the recall was handled.  Caching the reply
     then would leave the node stale for good (the mds thinks it holds nothing and never
-    asks again).  One node keeps asking (stat, lookup of a name not there yet) while
-    the other changes it: after each change returns, the asking node's next call sees
-    it.  (Before the fix, 58 of 58 batches of chmods left the other node stale.)"""
+    asks again).  One node keeps stat'ing a file while the other chmods it; then a
+    lookup of a name not there yet is answered with the recall of the other node's
+    create of it right behind (forced by stopping the mds, then the looking daemon):
+    after each change returns, the other node's next call sees it.  (Before the fix,
+    the first batch of chmods left the other node stale, and so did a forced lookup
+    within 2 rounds.)"""
     c1, c2 = cluster.mnt["c1"], cluster.mnt["c2"]
     (c1 / "f").write_bytes(b"x")
     os.mkdir(c1 / "d")
@@ -403,14 +406,27 @@ def test_calls_racing_recalls_leave_nothing_stale(cluster: Cluster) -> None:
                 os.chmod(c1 / "f", mode)
             assert stat.S_IMODE(os.stat(c2 / "f").st_mode) == mode, f"batch {batch}"
     assert calls[0] > 100, "the other node hardly asked: this tested nothing"
-    for r in range(8):
-        name = f"n{r}"
-        with hammered(functools.partial(os.stat, c2 / "d" / name), pause=0.0005) as calls:
-            time.sleep(0.05)
-            (c1 / "d" / name).write_bytes(b"n")
-        assert (c2 / "d" / name).exists(), f"round {r}: a lookup cached the name as absent"
-        assert calls[0] > 5
-    assert log_lines(cluster, "mds.log", " WARNING ", " ERROR ") == []
+    # A lookup answered "absent" with the recall of another node's create of that name
+    # right behind it in the socket (forced: the mds and then the looking daemon are
+    # stopped while the lookup and the create go out).
+    os.listdir(c2 / "d")  # c2 holds the directory: its lookups may be cached
+    looker_pid, mds_pid = daemon_pid(c2), cluster.servers["mds"].pid
+    for r in range(4):
+        name = c2 / "d" / f"n{r}"
+        looker = threading.Thread(target=os.path.exists, args=(name,))
+        creator = threading.Thread(target=(c1 / "d" / f"n{r}").write_bytes, args=(b"n",))
+        with stopped(mds_pid):
+            looker.start()
+            time.sleep(0.05)  # the lookup waits in the mds's socket
+            os.kill(looker_pid, signal.SIGSTOP)
+        with stopped(looker_pid, already=True):
+            time.sleep(0.05)  # the mds answered it: "absent, cacheable"
+            creator.start()
+            time.sleep(0.05)  # the create's recall of c2 follows that answer
+        creator.join(10)
+        looker.join(10)
+        assert name.exists(), f"round {r}: a lookup cached the name as absent"
+    assert log_lines(cluster, "mds.log", " ERROR ") == []
 
 
 def test_appends_while_another_node_stats_lose_nothing(cluster: Cluster) -> None:
