@@ -8,6 +8,14 @@ themselves.  When the pool is full, whole clean files are evicted, least
 recently used first (files named by a live stage-in ticket last), after the
 clients that cache their chunk maps let go (``before_evict``, cluster mode).
 Writers that would take dirty data past the cap wait for write-back.
+
+A full pool answers ENOSPC only when no room is on its way.  One task evicts
+at a time, and a task that waited for its turn first tries again (the one
+before it may have made room: two evicting at once chose the same victims,
+and the loser, finding them gone, gave up).  When nothing can be evicted but
+something in flight will make it possible (another fetch installing its
+chunks, a transfer ending, write-back cleaning a dirty file), the call waits
+for that, for at most ``ROOM_WAIT`` seconds.
 """
 
 from __future__ import annotations
@@ -36,6 +44,9 @@ log = logging.getLogger(__name__)
 
 #: bytes moved per step of a copy or a fetch (a read waits for at most this much)
 STEP = 1 << 20
+#: how long a call that needs room waits for fetches, transfers or write-back in
+#: flight to make some, before ENOSPC (the mds answers its clients "not yet" sooner)
+ROOM_WAIT = 30.0
 T = TypeVar("T")
 
 
@@ -66,6 +77,9 @@ class Residency:
         #: process, across awaits): never evicted under it
         self.busy: collections.Counter[int] = collections.Counter()
         self._fetching: dict[tuple[int, int], trio.Event] = {}
+        self._evicting = trio.Lock()  # one eviction at a time
+        self.evictions = 0  # evictions that freed something (a task that waited retries)
+        self._settled = trio.Event()  # a fetch or transfer ended: room may be evictable
         self.fetched_bytes = 0
         self.evicted_bytes = 0
 
@@ -79,6 +93,7 @@ class Residency:
             self.busy[ino] -= 1
             if self.busy[ino] <= 0:
                 del self.busy[ino]
+                self._settle()
 
     def touch(self, ino: int) -> None:
         lru = self.lru
@@ -117,18 +132,56 @@ class Residency:
 
     async def with_room(self, fn: Callable[[], Awaitable[T]], protect: int = 0) -> T:
         """Run store call *fn*; on a full pool evict clean data, scrub, and retry.
-        *protect*: a file that must keep its pool data (the one being written)."""
-        for _ in range(16):
+        *protect*: a file that must keep its pool data (the one being written).
+        ENOSPC when nothing can be evicted and nothing in flight will change that
+        (or not within ``ROOM_WAIT``)."""
+        deadline = trio.current_time() + ROOM_WAIT
+        for _ in range(64):
+            seen = self.evictions
             try:
                 return await fn()
             except SpaceBusy:
                 await self.store.reclaim()
+                continue
             except FsError as exc:
                 if exc.errno != errno.ENOSPC:
                     raise
-                if not await self.evict(STEP // self.chunk_size * 4, protect):
+                async with self._evicting:
+                    if self.evictions != seen:
+                        continue  # evicted by the task before us: try the room it made
+                    if await self.evict(STEP // self.chunk_size * 4, protect):
+                        continue
+                if not self._room_coming(protect) or trio.current_time() >= deadline:
                     raise
+            with trio.move_on_at(deadline):
+                await self._wait_settled()
         raise FsError(errno.ENOSPC)
+
+    def _room_coming(self, protect: int) -> bool:
+        """Will something in flight make clean data evictable?  A fetch between its
+        reserve and install, a transfer on another file, a dirty file that write-back
+        has not failed on."""
+        tracker = self.tracker
+        assert tracker is not None
+        return (bool(self.store.reserved)
+                or any(ino != protect for ino in self.busy)
+                or any(ino != protect and not d.failures for ino, d in tracker.dirty.items()))
+
+    def _settle(self) -> None:
+        self._settled.set()
+        self._settled = trio.Event()
+
+    async def _wait_settled(self) -> None:
+        """Until a fetch or transfer ends, or write-back cleans a file (which this
+        wait makes urgent, as a writer waiting on the dirty cap does)."""
+        tracker = self.tracker
+        assert tracker is not None
+        async with trio.open_nursery() as nursery:
+            async def first(wait: Callable[[], Awaitable[None]]) -> None:
+                await wait()
+                nursery.cancel_scope.cancel()
+            nursery.start_soon(first, self._settled.wait)
+            nursery.start_soon(first, tracker.wait_cleaned)
 
     async def evict(self, want: int, protect: int = 0) -> bool:
         """Evict clean files, least recently used first, until *want* chunks are freed."""
@@ -180,6 +233,7 @@ class Residency:
             if freed >= want:
                 break
         if freed:
+            self.evictions += 1
             await self.store.reclaim()
         return freed > 0
 
@@ -302,9 +356,11 @@ class Residency:
         except BaseException:
             for _, vol, voff in placed:
                 self.store.unreserve(vol, voff)
+            self._settle()
             raise
         for k, vol, voff in placed:
             self.store.install(ino, k, vol, voff)
+        self._settle()
         self.fetched_bytes += n
         self.touch(ino)
 

@@ -9,6 +9,7 @@ the burst buffer changes files only through the store's methods.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Protocol
 
 from memfs.meta import Attr, Extent, WritePlan
@@ -86,6 +87,9 @@ class BackingStore(Protocol):
     def space(self) -> SpaceTotals: ...
 
     # residency: fetch (reserve, write, install), give back, evict
+    @property
+    def reserved(self) -> AbstractSet[tuple[int, int]]:
+        """(volume, voffset) of chunks reserved by fetches not yet installed."""
     def reserve(self, ino: int, ks: list[int]) -> list[tuple[int, int, int]]: ...
     def install(self, ino: int, k: int, volume: int, voffset: int) -> bool: ...
     def unreserve(self, volume: int, voffset: int) -> None: ...

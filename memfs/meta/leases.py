@@ -172,6 +172,9 @@ class LeaseTable:
         self.writers: dict[int, Holder] = {}
         self._inos_of: dict[Holder, set[int]] = {}
         self._recalling: dict[int, int] = {}
+        #: ino -> the session whose change of it is under way, and how many
+        #: (memfs.meta.gates: a change that may wait after its recall)
+        self._changing: dict[int, tuple[Holder, int]] = {}
         self._waiting: dict[int, _Waiting] = {}
         self._next_rid = 1
         #: counters for status and tests
@@ -194,6 +197,7 @@ class LeaseTable:
         """
         cacheable = True
         recalling = self._recalling
+        changing = self._changing
         for ino in inos:
             hs = self.holders.get(ino)
             if hs is None:
@@ -203,16 +207,31 @@ class LeaseTable:
                 if mine is None:
                     mine = self._inos_of[holder] = set()
                 mine.add(ino)
-            if ino in recalling:
+            if ino in recalling or (ino in changing and changing[ino][0] is not holder):
                 cacheable = False
                 hs[holder] = transfer or hs.get(holder, False)
             else:
                 hs[holder] = True
         return cacheable
 
+    def begin_change(self, holder: Holder, ino: int) -> None:
+        """*holder*'s change of *ino* is under way and may wait before it is applied:
+        until :meth:`end_change`, what other sessions are sent of *ino* is not cacheable
+        (they would keep the state from before the change)."""
+        h, n = self._changing.get(ino, (holder, 0))
+        assert h is holder, "one session's change at a time (memfs.meta.gates)"
+        self._changing[ino] = (holder, n + 1)
+
+    def end_change(self, holder: Holder, ino: int) -> None:
+        h, n = self._changing[ino]
+        if n > 1:
+            self._changing[ino] = (h, n - 1)
+        else:
+            del self._changing[ino]
+
     def grant_write(self, holder: Holder, ino: int) -> bool:
         """Make *holder* the writer of *ino* if no other session has its state."""
-        if ino in self._recalling:
+        if ino in self._recalling or ino in self._changing:
             return False
         w = self.writers.get(ino)
         if w is not None:

@@ -59,6 +59,7 @@ from memfs.errors import FsError, UsageError
 from memfs.meta import Meta, codec
 from memfs.meta.conn import MAX_REPLY, FrameSocket
 from memfs.meta.fencing import Fencing
+from memfs.meta.gates import ChangeGates
 from memfs.meta.journal import (
     CREATE_AT,
     GRACE_ENDED,
@@ -126,6 +127,9 @@ _LEASED = frozenset({
 #: it may not cache the reply (see LeaseTable.register): chunk maps, and the tail of
 #: the last chunk that a shrinking truncate leaves for the caller to zero
 _MAPS = frozenset({"map_read", "map_write", "allocate_ahead", "truncate"})
+#: with a backing directory: calls that may wait inside their change, run under the
+#: file's gate (memfs.meta.gates)
+_GATED = frozenset({"map_read", "map_write", "allocate_ahead", "truncate"})
 #: most inode numbers one reserve_inos call hands a session
 MAX_RESERVE = 4096
 
@@ -195,6 +199,7 @@ class MetaServer:
         self.leases = LeaseTable(term=lease_term, recall_timeout=recall_timeout,
                                  settle=self._settle, lost=self._lost_write,
                                  unsaid=self._take_token)
+        self.gates = ChangeGates(self.leases)
         #: fences of tokens whose leases were taken (memfs.mds sets ``fencing.fences``)
         self.fencing = Fencing()
         #: request counters and latencies (``memfs mds --metrics``); None: not kept
@@ -443,7 +448,7 @@ class MetaServer:
         if not self._recovered.is_set():
             return True
         m, args = parsed
-        if self.meta is not self.store and m.name in ("map_read", "map_write", "allocate_ahead"):
+        if self.meta is not self.store and m.name in _GATED:
             return True
         if self.fencing.busy and m.name in _FENCED_CALLS:
             return True
@@ -488,6 +493,25 @@ class MetaServer:
             return Kind.ERROR, wire.encode_error(errno.EINVAL, "offset or length out of range")
         if not self._recovered.is_set():
             await self._recovered.wait()  # bounded: see _recovery_window
+        session = conn.session
+        if self.meta is self.store or m.name not in _GATED:
+            return await self._run_call(conn, value, m, args)
+        # Through a backing directory the call may wait between its recall and its
+        # change: one session's at a time (memfs.meta.gates).
+        change = m.name != "map_read"
+        try:
+            await self.gates.enter(session, args[0], change=change,
+                                   deadline=trio.current_time() + CALL_WAIT)
+        except FsError as exc:
+            return Kind.ERROR, wire.encode_error(exc.errno, exc.args[1])
+        try:
+            return await self._run_call(conn, value, m, args)
+        finally:
+            self.gates.leave(session, args[0], change=change)
+
+    async def _run_call(
+        self, conn: Connection, value: Any, m: codec.Method, args: list[Any],
+    ) -> tuple[Kind, bytes]:
         session = conn.session
         first = True
         fenced_before = self.fencing.seq

@@ -356,3 +356,121 @@ def test_backing_with_journal_restart_keeps_space(tmp_path: Path) -> None:
         wait_used(c1, start, 15)
         assert used(c2) == start
         assert_no_traceback(cluster)
+
+
+# -- a full pool under churn ----------------------------------------------------------------
+
+BLOCK = 4096
+
+
+def tagged(name: str, gen: int, size: int) -> bytes:
+    """*size* bytes of 4 KiB blocks, each naming its file, generation and place."""
+    out = []
+    for k in range(size // BLOCK):
+        tag = f"<{name}|g{gen:06d}|b{k:06d}>".encode()
+        out.append((tag * (BLOCK // len(tag) + 1))[:BLOCK])
+    return b"".join(out)
+
+
+def direct_read(path: Path, size: int) -> bytes:
+    """The whole file with O_DIRECT (no page cache of this node in the way)."""
+    import mmap
+
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        buf = mmap.mmap(-1, size + BLOCK)
+        n = os.preadv(fd, [buf], 0)
+        return bytes(buf[:n])
+    finally:
+        os.close(fd)
+
+
+def test_reads_and_writes_through_a_full_pool_under_churn(tmp_path: Path) -> None:
+    """A pool kept full (files read from DIR, rewritten, and filler files written, all
+    at once from two nodes) makes room by eviction: no read or write answers ENOSPC,
+    and a read that begins after a rewrite's close sees all of it.
+
+    Found by a review (a 64 MiB pool, 16 files of 4 MiB): reads answered ENOSPC
+    when two fetches evicted at once (the second found its victims gone), and a read
+    right after another node's rewrite came out short: the write had waited for
+    room after recalling the reader's lease, and the reader had asked (and cached)
+    the old size meanwhile (memfs.meta.gates)."""
+    import threading
+
+    back = tmp_path / "backing"
+    back.mkdir()
+    names = [f"f{n}" for n in range(8)]
+    size = 2 * MiB
+    for name in names:
+        (back / name).write_bytes(tagged(name, 0, size))
+    committed = dict.fromkeys(names, 0)  # generation whose close returned
+    started = dict.fromkeys(names, 0)  # generation being written
+    lock = threading.Lock()
+    problems: list[str] = []
+    counts = {"reads": 0, "rewrites": 0, "fills": 0}
+    stop = threading.Event()
+
+    def guarded(fn: Any, *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception as exc:  # noqa: BLE001 - reported by the test below
+            problems.append(f"{fn.__name__}: {exc!r}")
+            stop.set()
+
+    def reader(mnt: Path, seed: int) -> None:
+        rng = random.Random(seed)
+        while not stop.is_set():
+            name = rng.choice(names)
+            with lock:
+                lo = committed[name]
+            data = direct_read(mnt / name, size)
+            with lock:
+                hi = started[name]
+            counts["reads"] += 1
+            if lo == hi and data != tagged(name, lo, size):
+                problems.append(f"{name}: {len(data)} bytes, not generation {lo}'s {size}")
+                stop.set()
+
+    def rewriter(mnt: Path) -> None:
+        rng = random.Random(1)
+        while not stop.is_set():
+            name = rng.choice(names)
+            with lock:
+                gen = started[name] = started[name] + 1
+            trunc = os.O_TRUNC if rng.random() < 0.5 else 0
+            fd = os.open(mnt / name, os.O_WRONLY | trunc)
+            try:
+                data = tagged(name, gen, size)
+                assert os.pwrite(fd, data, 0) == len(data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            with lock:
+                committed[name] = gen
+            counts["rewrites"] += 1
+            time.sleep(rng.random() * 0.2)
+
+    def filler(mnt: Path) -> None:
+        n = 0
+        while not stop.is_set():
+            (mnt / f"x{n % 12}").write_bytes(bytes([n % 256]) * size)
+            n += 1
+            counts["fills"] += 1
+            time.sleep(0.05)
+
+    with make_cluster(tmp_path, ["--backing", str(back), "--flush-delay", "0.2"],
+                      volume_size="8M") as cluster:  # a 32 MiB pool
+        c1, c2 = cluster.mnt["c1"], cluster.mnt["c2"]
+        threads = [threading.Thread(target=guarded, args=a) for a in (
+            (reader, c2, 1), (reader, c2, 2), (reader, c2, 3), (reader, c1, 4),
+            (rewriter, c1), (filler, c1))]
+        for t in threads:
+            t.start()
+        stop.wait(30)
+        stop.set()
+        for t in threads:
+            t.join(120)
+        assert not problems, problems
+        assert counts["reads"] > 100 and counts["rewrites"] > 20, counts
+        assert status(c1)["evicted_files"] > 0, "nothing was evicted: the pool is too large"
+        assert_no_traceback(cluster)

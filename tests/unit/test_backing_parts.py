@@ -30,7 +30,9 @@ from memfs.backing.tickets import TICKET_TTL, WALK_STEP
 from memfs.backing.tracker import ChangeTracker
 from memfs.config import FlushConfig, PoolConfig
 from memfs.data import DataEngine
+from memfs.errors import FsError
 from memfs.meta.store import MetaStore
+from memfs.scrub import Scrubber
 from memfs.transport.local import LocalTransport
 
 K, M = 1 << 10, 1 << 20
@@ -192,7 +194,9 @@ async def backed(tmp_path: Path, **cfg: object) -> AsyncIterator[tuple[BackedMet
     backing = tmp_path / "dir"
     backing.mkdir(exist_ok=True)  # noqa: ASYNC240 - a local mkdir
     transport = LocalTransport(POOL.volumes, POOL.size // POOL.volumes)
-    b = BackedMeta(MetaStore(POOL), transport,
+    store = MetaStore(POOL)
+    Scrubber(store, transport)  # zeroes freed chunks on demand (reclaim), as a mount's does
+    b = BackedMeta(store, transport,
                    FlushConfig(str(backing), fsync=False, **cfg),  # type: ignore[arg-type]
                    clock=trio.current_time, wallclock=trio.current_time)
     await b.load()
@@ -390,6 +394,105 @@ async def test_files_in_use_by_a_transfer_are_not_evicted(tmp_path: Path) -> Non
             assert b.store.inodes[ino["a"]].chunks and not b.store.inodes[ino["b"]].chunks
         assert await b.residency.evict(1 << 20)
         assert not b.store.inodes[ino["a"]].chunks
+
+
+async def pin_full(b: BackedMeta, data: DataEngine, chunks: int) -> None:
+    """Fill *chunks* of the pool with data that can never be evicted: files in a tree
+    excluded from write-back (``user.memfs.flush=off``), pinned."""
+    d = await b.mknod(ROOT, b"scratch", DIR, 0, 0)
+    await b.setxattr(d.ino, b"user.memfs.flush", b"off")
+    inos = []
+    for n in range(-(-chunks // 16)):
+        f = await b.mknod(d.ino, b"p%d" % n, REG, 0, 0)
+        await data.write(f.ino, 0, b"p" * min(M, (chunks - 16 * n) * 64 * K))
+        inos.append(f.ino)
+    with trio.fail_after(30):
+        while not b.tracker.pinned.issuperset(inos):  # noqa: ASYNC110
+            await trio.sleep(0.01)
+    assert not b.tracker.dirty
+
+
+async def test_evictions_at_once_do_not_fail_each_other(tmp_path: Path) -> None:
+    """Two fetches finding the pool full at once both get room.  They used to evict
+    together: both chose the same least recently used files, the first freed them
+    while the second waited for their readers to let go (cluster: a recall), and
+    the second, finding them gone, answered ENOSPC to a read."""
+    backing = tmp_path / "dir"
+    backing.mkdir()
+    names = [f"f{n}" for n in range(8)] + ["x", "y"]
+    for name in names:  # 8 MiB: the pool's size
+        (backing / name).write_bytes(name.encode() * (M // len(name)))
+    async with backed(tmp_path, delay=0.0, workers=1) as (b, data):
+        ino = {n: b.store.resolve(n.encode()).ino for n in names}
+        for n in names[:8]:
+            await data.read(ino[n], 0, M)  # the pool is full of clean data
+        assert b.store.space.totals()[1] == 0
+
+        async def recall(victims: list[int]) -> None:
+            await trio.sleep(0.1)  # clients letting go of cached maps take a while
+
+        b.residency.before_evict = recall
+        got: dict[str, bytes] = {}
+
+        async def read(n: str) -> None:
+            got[n] = await data.read(ino[n], 0, M)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read, "x")
+            nursery.start_soon(read, "y")
+        assert got == {"x": b"x" * M, "y": b"y" * M}
+
+
+async def test_a_fetch_waits_for_room_another_fetch_is_about_to_make(tmp_path: Path) -> None:
+    """Nothing is evictable while the only clean data is still being fetched (reserved,
+    not installed): a second fetch waits for it instead of answering ENOSPC."""
+    backing = tmp_path / "dir"
+    backing.mkdir()
+    for name in ("a", "b"):
+        (backing / name).write_bytes(name.encode() * M)
+    async with backed(tmp_path, delay=0.0, workers=1, dirty_max=8 * M) as (b, data):
+        await pin_full(b, data, 128 - 16)  # room for one STEP of a fetch
+        ino = {n: b.store.resolve(n.encode()).ino for n in ("a", "b")}
+        gate = trio.Event()
+        real = b.residency.transport.write
+
+        async def slow_write(vol: int, voff: int, buf: memoryview) -> None:
+            await gate.wait()  # "a" has reserved all the room, and is transferring
+            await real(vol, voff, buf)
+
+        b.residency.transport.write = slow_write  # type: ignore[method-assign,assignment]
+        got: dict[str, bytes] = {}
+
+        async def read(n: str) -> None:
+            got[n] = await data.read(ino[n], 0, M)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read, "a")
+            with trio.fail_after(5):
+                while not b.store.reserved:  # noqa: ASYNC110
+                    await trio.sleep(0.001)
+            nursery.start_soon(read, "b")
+            await trio.sleep(1)  # "b" found no room, nothing to evict, and waits
+            assert not got
+            gate.set()
+        assert got == {"a": b"a" * M, "b": b"b" * M}
+        assert not b.store.inodes[ino["a"]].chunks  # evicted to make room for "b"
+
+
+async def test_a_pool_full_for_good_answers_enospc_at_once(tmp_path: Path) -> None:
+    """Nothing evictable and nothing in flight: ENOSPC without waiting, nothing lost."""
+    backing = tmp_path / "dir"
+    backing.mkdir()
+    (backing / "a").write_bytes(b"a" * M)
+    async with backed(tmp_path, delay=0.0, workers=1, dirty_max=8 * M) as (b, data):
+        await pin_full(b, data, 128)
+        a = b.store.resolve(b"a").ino
+        start = trio.current_time()
+        with pytest.raises(FsError) as exc:
+            await data.read(a, 0, M)
+        assert exc.value.errno == errno.ENOSPC
+        assert trio.current_time() - start < 1  # autojump: a wait would show as time
+        assert (backing / "a").read_bytes() == b"a" * M
 
 
 async def test_dirty_cap_holds_writers_until_write_back(tmp_path: Path) -> None:

@@ -753,6 +753,129 @@ async def test_only_chunk_maps_sent_during_a_recall_are_asked_for_again(
 
 
 
+async def test_a_map_whose_lease_went_with_a_recall_is_cut_to_the_range_asked() -> None:
+    """A cacheable map comes widened (a window around the range asked).  A reply that a
+    recall overtook before its caller ran is not cacheable (``_roundtrip``), and its
+    extents must still be cut to the range: a 1 MiB read got an 8 MiB window, a FUSE
+    reply longer than the kernel asked for (EINVAL there, EIO for the reader)."""
+    async with cluster(2) as (server, (a, b), _):
+        f = await a.mknod(ROOT, b"f", F, 0, 0)
+        await a.map_write(f.ino, 0, 4 << 20)
+        conn = b._conn
+        assert conn is not None
+        real = conn.request
+
+        def request(payload: bytes, on_ok: Any = None) -> Any:
+            rid, p = real(payload, on_ok)
+            reply = p.event
+
+            class OvertakenBy:  # a RECALL is handled after the reply, before the caller
+                async def wait(self) -> None:
+                    await reply.wait()
+                    conn.recalls += 1
+
+                def is_set(self) -> bool:
+                    return reply.is_set()
+
+                def set(self) -> None:
+                    reply.set()
+
+            p.event = OvertakenBy()
+            return rid, p
+
+        conn.request = request  # type: ignore[method-assign]
+        extents = await b.map_read(f.ino, 1 << 20, 1 << 20)
+        assert sum(e.length for e in extents) == 1 << 20
+        assert extents[0].offset == 1 << 20
+        assert f.ino not in b.cache.files  # and nothing was cached
+
+
+class Waiting:
+    """The server's ``meta`` as through a backing directory: its changes may wait
+    after their recall (a fetch, write-back, eviction) until ``go`` is set."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self.go = trio.Event()
+        self.waiting = trio.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    async def _wait(self) -> None:
+        self.waiting.set()
+        await self.go.wait()
+
+    async def map_write(self, *args: Any) -> Any:
+        await self._wait()
+        return await self._store.map_write(*args)
+
+    async def truncate(self, *args: Any) -> Any:
+        await self._wait()
+        return await self._store.truncate(*args)
+
+
+async def test_what_is_sent_during_a_change_that_waits_is_not_kept_after_it() -> None:
+    """Through a backing directory a write may wait after its recall.  A client that
+    asked meanwhile got the size from before it, cacheable, and kept it: a file read
+    right after another node's close came out short."""
+    async with cluster(2) as (server, (a, b), _):
+        f = await a.mknod(ROOT, b"f", F, 0, 0)
+        await a.map_write(f.ino, 0, 1 << 20)
+        assert (await b.getattr(f.ino)).size == 1 << 20
+        server.meta = slow = Waiting(server.store)  # type: ignore[assignment]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(a.map_write, f.ino, 1 << 20, 1 << 20)
+            await slow.waiting.wait()  # recalled from b, not applied yet
+            assert (await b.getattr(f.ino)).size == 1 << 20  # before the change: right
+            assert not b.attr_ttl(f.ino), "not cacheable while the change is under way"
+            slow.go.set()
+        assert (await b.getattr(f.ino)).size == 2 << 20
+
+
+async def test_a_chunk_map_waits_for_a_change_under_way_of_its_file() -> None:
+    """A map handed out while a truncate waits (before it frees the tail) would name
+    chunks the truncate then frees: another client's map_read waits for it."""
+    async with cluster(2) as (server, (a, b), _):
+        f = await a.mknod(ROOT, b"f", F, 0, 0)
+        await a.map_write(f.ino, 0, 1 << 20)
+        server.meta = slow = Waiting(server.store)  # type: ignore[assignment]
+        got: list[Any] = []
+
+        async def read() -> None:
+            got.append(await b.map_read(f.ino, 0, 1 << 20))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(a.truncate, f.ino, 4096)
+            await slow.waiting.wait()
+            nursery.start_soon(read)
+            await trio.sleep(0.2)
+            assert not got, "answered with the map from before the truncate"
+            slow.go.set()
+        assert sum(e.length for e in got[0]) == 4096
+
+
+async def test_a_call_kept_waiting_by_another_clients_change_is_asked_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The gate's wait is bounded like a wait for the backing directory: the client
+    is told EINPROGRESS and asks again, transparently."""
+    monkeypatch.setattr("memfs.meta.server.CALL_WAIT", 0.1)
+    async with cluster(2) as (server, (a, b), _):
+        f = await a.mknod(ROOT, b"f", F, 0, 0)
+        await a.map_write(f.ino, 0, 1 << 20)
+        server.meta = slow = Waiting(server.store)  # type: ignore[assignment]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(a.map_write, f.ino, 1 << 20, 1 << 20)
+            await slow.waiting.wait()
+            with trio.move_on_after(0.5) as waited:
+                await b.truncate(f.ino, 0)
+            assert waited.cancelled_caught  # still waiting, past several deadlines
+            nursery.start_soon(b.truncate, f.ino, 0)
+            slow.go.set()
+        assert server.store.inodes[f.ino].size == 0
+
+
 # -- create leases: asynchronous creates (memfs.meta.creates) ----------------------------
 
 
