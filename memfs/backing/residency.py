@@ -47,6 +47,8 @@ STEP = 1 << 20
 #: how long a call that needs room waits for fetches, transfers or write-back in
 #: flight to make some, before ENOSPC (the mds answers its clients "not yet" sooner)
 ROOM_WAIT = 30.0
+#: waits for room further apart than this are not one stall (see _room_coming)
+STALL_GAP = 10.0
 T = TypeVar("T")
 
 
@@ -80,6 +82,9 @@ class Residency:
         self._evicting = trio.Lock()  # one eviction at a time
         self.evictions = 0  # evictions that freed something (a task that waited retries)
         self._settled = trio.Event()  # a fetch or transfer ended: room may be evictable
+        self._settles = 0
+        #: while calls wait for room: (progress seen, since when, last looked at)
+        self._stall: tuple[tuple[int, int, int], float, float] | None = None
         self.fetched_bytes = 0
         self.evicted_bytes = 0
 
@@ -133,14 +138,19 @@ class Residency:
     async def with_room(self, fn: Callable[[], Awaitable[T]], protect: int = 0) -> T:
         """Run store call *fn*; on a full pool evict clean data, scrub, and retry.
         *protect*: a file that must keep its pool data (the one being written).
-        ENOSPC when nothing can be evicted and nothing in flight will change that
-        (or not within ``ROOM_WAIT``)."""
+        ENOSPC when nothing can be evicted and nothing in flight will change that,
+        or not within ``ROOM_WAIT`` (of this call, or of no progress at all: a
+        cluster client asks again every few seconds, each time a new call)."""
         deadline = trio.current_time() + ROOM_WAIT
-        for _ in range(64):
+        busy = 0
+        while True:
             seen = self.evictions
             try:
                 return await fn()
             except SpaceBusy:
+                busy += 1
+                if busy > 64:  # nothing attached that zeroes freed chunks
+                    raise FsError(errno.ENOSPC) from None
                 await self.store.reclaim()
                 continue
             except FsError as exc:
@@ -155,19 +165,39 @@ class Residency:
                     raise
             with trio.move_on_at(deadline):
                 await self._wait_settled()
-        raise FsError(errno.ENOSPC)
+
+    def _progress(self) -> tuple[int, int, int]:
+        tracker = self.tracker
+        assert tracker is not None
+        return (self._settles, self.evictions, tracker.cleaned)
 
     def _room_coming(self, protect: int) -> bool:
         """Will something in flight make clean data evictable?  A fetch between its
-        reserve and install, a transfer on another file, a dirty file that write-back
-        has not failed on."""
+        reserve and install, a transfer on another file (``using``), a dirty file
+        that write-back has not failed on; and not if nothing of the kind has
+        happened for ``ROOM_WAIT`` while calls waited for it (write-back stuck in
+        a hung DIR, say)."""
         tracker = self.tracker
         assert tracker is not None
+        if self.dirside.lost:
+            return False  # nothing can be evicted
+        if self.mirror.lock.statistics().owner is trio.lowlevel.current_task():
+            # The mirror applying a change fetches what it must keep first, under
+            # the lock that write-back's publishing needs: no waiting for that.
+            return False
+        now, progress = trio.current_time(), self._progress()
+        st = self._stall
+        if st is None or st[0] != progress or now - st[2] > STALL_GAP:
+            st = (progress, now, now)  # something moved, or nobody waited for a while
+        self._stall = (st[0], st[1], now)
+        if now - st[1] >= ROOM_WAIT:
+            return False
         return (bool(self.store.reserved)
                 or any(ino != protect for ino in self.busy)
                 or any(ino != protect and not d.failures for ino, d in tracker.dirty.items()))
 
     def _settle(self) -> None:
+        self._settles += 1
         self._settled.set()
         self._settled = trio.Event()
 

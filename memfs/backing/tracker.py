@@ -74,6 +74,7 @@ class ChangeTracker:
         self.writers_waiting = 0
         self._wake = trio.Event()  # the scheduler: something to do
         self._cleaned = trio.Event()  # writers waiting on the cap
+        self.cleaned = 0  # times dirty data went off the cap (progress, for Residency)
 
     def connect(
         self, *, queue: Callable[[NsOp], None], touch: Callable[[int], None],
@@ -103,6 +104,7 @@ class ChangeTracker:
             self.writers_waiting -= 1
 
     def _signal_cleaned(self) -> None:
+        self.cleaned += 1
         self._cleaned.set()
         self._cleaned = trio.Event()
 

@@ -231,7 +231,7 @@ class LeaseTable:
 
     def grant_write(self, holder: Holder, ino: int) -> bool:
         """Make *holder* the writer of *ino* if no other session has its state."""
-        if ino in self._recalling or ino in self._changing:
+        if ino in self._recalling:
             return False
         w = self.writers.get(ino)
         if w is not None:

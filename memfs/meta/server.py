@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import socket
 import time
@@ -56,7 +57,7 @@ import trio.lowlevel
 from memfs import net, wire
 from memfs.config import VolumeAddr
 from memfs.errors import FsError, UsageError
-from memfs.meta import Meta, codec
+from memfs.meta import Meta, codec, gates
 from memfs.meta.conn import MAX_REPLY, FrameSocket
 from memfs.meta.fencing import Fencing
 from memfs.meta.gates import ChangeGates
@@ -129,7 +130,8 @@ _LEASED = frozenset({
 _MAPS = frozenset({"map_read", "map_write", "allocate_ahead", "truncate"})
 #: with a backing directory: calls that may wait inside their change, run under the
 #: file's gate (memfs.meta.gates)
-_GATED = frozenset({"map_read", "map_write", "allocate_ahead", "truncate"})
+_GATED = {"map_read": gates.READ, "map_write": gates.CHANGE, "allocate_ahead": gates.CHANGE,
+          "truncate": gates.CUT}
 #: most inode numbers one reserve_inos call hands a session
 MAX_RESERVE = 4096
 
@@ -497,21 +499,26 @@ class MetaServer:
         if self.meta is self.store or m.name not in _GATED:
             return await self._run_call(conn, value, m, args)
         # Through a backing directory the call may wait between its recall and its
-        # change: one session's at a time (memfs.meta.gates).
-        change = m.name != "map_read"
+        # change: one session's at a time (memfs.meta.gates).  Its wait there and
+        # for DIR share one bound, the client's call timeout being well above it.
+        mode = _GATED[m.name]
+        start = trio.current_time()
         try:
-            await self.gates.enter(session, args[0], change=change,
-                                   deadline=trio.current_time() + CALL_WAIT)
+            await self.gates.enter(session, args[0], mode=mode, deadline=start + CALL_WAIT)
         except FsError as exc:
             return Kind.ERROR, wire.encode_error(exc.errno, exc.args[1])
         try:
-            return await self._run_call(conn, value, m, args)
+            return await self._run_call(conn, value, m, args,
+                                        max(start + CALL_WAIT, trio.current_time() + CALL_WAIT / 3))
         finally:
-            self.gates.leave(session, args[0], change=change)
+            self.gates.leave(session, args[0], mode=mode)
 
     async def _run_call(
         self, conn: Connection, value: Any, m: codec.Method, args: list[Any],
+        until: float = math.inf,
     ) -> tuple[Kind, bytes]:
+        """*until*: when a call that waits on the backing directory answers EINPROGRESS
+        (default: ``CALL_WAIT`` after it gets there)."""
         session = conn.session
         first = True
         fenced_before = self.fencing.seq
@@ -586,14 +593,14 @@ class MetaServer:
                 args[3] = min(args[3], MAX_AHEAD) if self.write_leases else 0
                 i = self.store.inodes.get(args[0])
                 had = len(i.chunks) if i is not None and i.chunks is not None else -1
-                result = await self._call(m, args)
+                result = await self._call(m, args, until)
                 # A writer that is not sequential (no space ahead) into space it had to
                 # allocate writes where nothing is yet: the map around it would tell it
                 # little (what it allocated itself) at the cost of encoding it all again
                 # for every chunk it touches.
                 widen = sequential or i is None or i.chunks is None or len(i.chunks) == had
             else:
-                result = await self._call(m, args)
+                result = await self._call(m, args, until)
         except FsError as exc:
             self._journal_destroys()
             kind = Kind.ERROR
@@ -739,14 +746,15 @@ class MetaServer:
             return [args[0], *(a.ino for _, a in result)]
         return [args[0]]
 
-    async def _call(self, m: codec.Method, args: list[Any]) -> Any:
-        if m.name not in ("map_read", "map_write", "allocate_ahead") or self.meta is self.store:
+    async def _call(self, m: codec.Method, args: list[Any], until: float = math.inf) -> Any:
+        if m.name not in _GATED or self.meta is self.store:
             return await m.bind(self.meta)(*args)
         # With a backing directory a write may wait for write-back (the dirty cap)
-        # and a read for data fetched from DIR: answer "not yet" well before the
-        # client's call timeout, and it asks again (RemoteMeta.map_read/map_write).
-        # What a fetch brought in so far stays; the next call goes on from there.
-        with trio.move_on_after(CALL_WAIT):
+        # or room, a read or a truncate for data fetched from DIR: answer "not yet"
+        # well before the client's call timeout, and it asks again (RemoteMeta's
+        # map_read, map_write, truncate).  What a fetch brought in so far stays; the
+        # next call goes on from there.
+        with trio.move_on_at(min(until, trio.current_time() + CALL_WAIT)):
             return await m.bind(self.meta)(*args)
         raise FsError(errno.EINPROGRESS, "waiting for the backing directory")
 

@@ -435,7 +435,7 @@ async def test_evictions_at_once_do_not_fail_each_other(tmp_path: Path) -> None:
         got: dict[str, bytes] = {}
 
         async def read(n: str) -> None:
-            got[n] = await data.read(ino[n], 0, M)
+            got[n] = bytes(await data.read(ino[n], 0, M))
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(read, "x")
@@ -464,7 +464,7 @@ async def test_a_fetch_waits_for_room_another_fetch_is_about_to_make(tmp_path: P
         got: dict[str, bytes] = {}
 
         async def read(n: str) -> None:
-            got[n] = await data.read(ino[n], 0, M)
+            got[n] = bytes(await data.read(ino[n], 0, M))
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(read, "a")
@@ -493,6 +493,53 @@ async def test_a_pool_full_for_good_answers_enospc_at_once(tmp_path: Path) -> No
         assert exc.value.errno == errno.ENOSPC
         assert trio.current_time() - start < 1  # autojump: a wait would show as time
         assert (backing / "a").read_bytes() == b"a" * M
+
+
+async def test_room_waited_for_in_vain_is_not_waited_for_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Room that write-back would make but does not (a hung DIR): the first call waits
+    ``ROOM_WAIT``, and later ones, made while still nothing moved (a cluster client
+    asking again), answer ENOSPC at once instead of waiting as long again."""
+    monkeypatch.setattr("memfs.backing.residency.ROOM_WAIT", 1.0)
+    backing = tmp_path / "dir"
+    backing.mkdir()
+    (backing / "a").write_bytes(b"a" * M)
+    async with backed(tmp_path, delay=0.0, workers=1, dirty_max=8 * M) as (b, data):
+        hung = trio.Event()
+
+        async def flush_one(*args: object) -> None:
+            await hung.wait()  # write-back stuck in DIR: never fails, never finishes
+
+        b.writeback.flush_one = flush_one  # type: ignore[method-assign,assignment]
+        f = await b.mknod(ROOT, b"f", REG, 0, 0)
+        await data.write(f.ino, 0, b"f" * 8 * M)  # the whole pool, dirty
+        a = b.store.resolve(b"a").ino
+        start = trio.current_time()
+        for _ in range(3):
+            with pytest.raises(FsError) as exc:
+                await data.read(a, 0, M)
+            assert exc.value.errno == errno.ENOSPC
+        assert 1.0 <= trio.current_time() - start < 1.5
+        hung.set()
+
+
+async def test_the_mirror_keeping_a_file_does_not_wait_for_write_back(tmp_path: Path) -> None:
+    """The mirror fetches a file it must keep under its lock, which write-back needs to
+    publish: waiting there for write-back to make room would only stall both."""
+    backing = tmp_path / "dir"
+    backing.mkdir()
+    (backing / "a").write_bytes(b"a" * M)
+    async with backed(tmp_path, delay=3600.0, workers=1, dirty_max=8 * M) as (b, data):
+        f = await b.mknod(ROOT, b"f", REG, 0, 0)
+        await data.write(f.ino, 0, b"f" * 8 * M)  # dirty (an hour's delay), the whole pool
+        a = b.store.resolve(b"a").ino
+        start = trio.current_time()
+        async with b.mirror.lock:
+            with pytest.raises(FsError) as exc:
+                await b.residency.ensure_resident(a, 0, M, b"a")  # as keep() does
+        assert exc.value.errno == errno.ENOSPC
+        assert trio.current_time() - start < 1
 
 
 async def test_dirty_cap_holds_writers_until_write_back(tmp_path: Path) -> None:

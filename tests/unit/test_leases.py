@@ -761,8 +761,9 @@ async def test_a_map_whose_lease_went_with_a_recall_is_cut_to_the_range_asked() 
     async with cluster(2) as (server, (a, b), _):
         f = await a.mknod(ROOT, b"f", F, 0, 0)
         await a.map_write(f.ino, 0, 4 << 20)
-        conn = b._conn
-        assert conn is not None
+        c = b._conn
+        assert c is not None
+        conn = c
         real = conn.request
 
         def request(payload: bytes, on_ok: Any = None) -> Any:
@@ -780,7 +781,7 @@ async def test_a_map_whose_lease_went_with_a_recall_is_cut_to_the_range_asked() 
                 def set(self) -> None:
                     reply.set()
 
-            p.event = OvertakenBy()
+            p.event = OvertakenBy()  # type: ignore[assignment]
             return rid, p
 
         conn.request = request  # type: ignore[method-assign]
