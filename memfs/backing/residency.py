@@ -142,7 +142,7 @@ class Residency:
         or not within ``ROOM_WAIT`` (of this call, or of no progress at all: a
         cluster client asks again every few seconds, each time a new call)."""
         deadline = trio.current_time() + ROOM_WAIT
-        busy = 0
+        busy = evicted = 0
         while True:
             seen = self.evictions
             try:
@@ -156,12 +156,17 @@ class Residency:
             except FsError as exc:
                 if exc.errno != errno.ENOSPC:
                     raise
+                if trio.current_time() >= deadline:
+                    raise
                 async with self._evicting:
                     if self.evictions != seen:
                         continue  # evicted by the task before us: try the room it made
-                    if await self.evict(STEP // self.chunk_size * 4, protect):
+                    # (Evicting helps only if it frees the volume the call needs: at
+                    # most 16 rounds, 64 MiB, of other files for one call.)
+                    evicted += 1
+                    if evicted <= 16 and await self.evict(STEP // self.chunk_size * 4, protect):
                         continue
-                if not self._room_coming(protect) or trio.current_time() >= deadline:
+                if not self._room_coming(protect):
                     raise
             with trio.move_on_at(deadline):
                 await self._wait_settled()
@@ -169,7 +174,7 @@ class Residency:
     def _progress(self) -> tuple[int, int, int]:
         tracker = self.tracker
         assert tracker is not None
-        return (self._settles, self.evictions, tracker.cleaned)
+        return (self._settles, self.evictions, tracker.progress)
 
     def _room_coming(self, protect: int) -> bool:
         """Will something in flight make clean data evictable?  A fetch between its
@@ -181,10 +186,9 @@ class Residency:
         assert tracker is not None
         if self.dirside.lost:
             return False  # nothing can be evicted
-        if self.mirror.lock.statistics().owner is trio.lowlevel.current_task():
-            # The mirror applying a change fetches what it must keep first, under
-            # the lock that write-back's publishing needs: no waiting for that.
-            return False
+        # The mirror applying a change fetches what it must keep first, under the
+        # lock that write-back's publishing needs: no waiting for write-back then.
+        mirror_busy = self.mirror.lock.statistics().owner is trio.lowlevel.current_task()
         now, progress = trio.current_time(), self._progress()
         st = self._stall
         if st is None or st[0] != progress or now - st[2] > STALL_GAP:
@@ -194,7 +198,8 @@ class Residency:
             return False
         return (bool(self.store.reserved)
                 or any(ino != protect for ino in self.busy)
-                or any(ino != protect and not d.failures for ino, d in tracker.dirty.items()))
+                or (not mirror_busy
+                    and any(ino != protect and not d.failures for ino, d in tracker.dirty.items())))
 
     def _settle(self) -> None:
         self._settles += 1

@@ -74,7 +74,9 @@ class ChangeTracker:
         self.writers_waiting = 0
         self._wake = trio.Event()  # the scheduler: something to do
         self._cleaned = trio.Event()  # writers waiting on the cap
-        self.cleaned = 0  # times dirty data went off the cap (progress, for Residency)
+        #: dirty data taken off the cap, and steps write-back copied (what a call
+        #: waiting for room counts as progress: memfs.backing.residency)
+        self.progress = 0
 
     def connect(
         self, *, queue: Callable[[NsOp], None], touch: Callable[[int], None],
@@ -104,7 +106,7 @@ class ChangeTracker:
             self.writers_waiting -= 1
 
     def _signal_cleaned(self) -> None:
-        self.cleaned += 1
+        self.progress += 1
         self._cleaned.set()
         self._cleaned = trio.Event()
 

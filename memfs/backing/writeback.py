@@ -365,6 +365,7 @@ class WriteBack:
                     self.errors.record(self._where(ino), "write back", exc)
                     raise Retry() from None
                 off += n
+                self.tracker.progress += 1
             try:
                 await in_thread(
                     self.dirside.finish_copy, fd, size, mode, uid, gid, times

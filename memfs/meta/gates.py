@@ -23,8 +23,9 @@ per-inode gate, from before their recall until their reply is built:
 * a truncate (``CUT``) does the same, and also waits for the other sessions'
   ``map_read`` calls under way and keeps new ones out until it is done (a map
   sent meanwhile could name chunks it then frees); new readers also wait
-  behind a cut that is waiting, so it is not starved;
-* calls of one session never wait for each other: its own client orders them.
+  and changes wait behind a cut that is waiting, so it is not starved;
+* a session's calls never wait for the gate that session holds: its own
+  client orders them (one connection runs its calls in order anyway).
 
 A call waits at most until its deadline, then is answered EINPROGRESS, like a
 call that waited that long for DIR itself: the client asks again.  (A reader
@@ -67,7 +68,9 @@ class _Gate:
                     and all(s is session for s in self.wanting))
         if other_writer:
             return False
-        return mode == CHANGE or all(s is session for s in self.readers)
+        if mode == CHANGE:
+            return all(s is session for s in self.wanting)  # a waiting cut goes first
+        return all(s is session for s in self.readers)
 
     def idle(self) -> bool:
         return not self.readers and self.writer is None and not self.waiters

@@ -96,3 +96,26 @@ async def test_given_up_and_cancelled_waits_leave_nothing_behind(
     g.leave(A, 7, mode=CUT)
     assert not g._gates
     assert g.leases.register(B, [7]), "A's change is over: cacheable again"
+
+
+async def test_cuts_of_two_sessions_both_get_in(autojump_clock: trio.abc.Clock) -> None:
+    """Two cuts waiting at once (for a reader) do not hold each other off, and a
+    change waits behind them."""
+    g = gates()
+    assert await entered(g, C, READ)
+    done: list[object] = []
+
+    async def cut(session: Any) -> None:
+        await g.enter(session, 7, mode=CUT, deadline=trio.current_time() + 10)
+        done.append(session)
+        await trio.sleep(0.1)
+        g.leave(session, 7, mode=CUT)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(cut, A)
+        nursery.start_soon(cut, B)
+        await trio.sleep(0.5)
+        assert not await entered(g, C, CHANGE, wait=0.1)  # behind the waiting cuts
+        g.leave(C, 7, mode=READ)
+    assert sorted(map(id, done)) == sorted(map(id, (A, B)))
+    assert not g._gates
