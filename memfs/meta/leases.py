@@ -172,6 +172,15 @@ class LeaseTable:
         self.writers: dict[int, Holder] = {}
         self._inos_of: dict[Holder, set[int]] = {}
         self._recalling: dict[int, int] = {}
+        #: ino -> sessions that changed its data through the server (no write lease:
+        #: a burst-buffer mds, or a file another session reads) and may still be moving
+        #: the bytes: another session's chunk-map read recalls them first, and they
+        #: answer once those transfers landed (a "glimpse" of a writer without a lease)
+        #: (with the mark's number: an answer clears only marks it was asked about)
+        self.writing: dict[int, dict[Holder, int]] = {}
+        #: ino -> the number of the last mark (a read that waited compares)
+        self.wrote_seq: dict[int, int] = {}
+        self._marks = 0
         #: ino -> the session whose change of it is under way, and how many
         #: (memfs.meta.gates: a change that may wait after its recall)
         self._changing: dict[int, tuple[Holder, int]] = {}
@@ -265,6 +274,26 @@ class LeaseTable:
             return True
         return False
 
+    def wrote(self, holder: Holder, ino: int) -> None:
+        """*holder* was sent where to write *ino*'s data without a write lease: until it
+        answers a recall of *ino* (or closes it), its bytes may still be on their way,
+        and what another session reads meanwhile would be old, cached for good."""
+        self._marks += 1
+        self.writing.setdefault(ino, {})[holder] = self.wrote_seq[ino] = self._marks
+
+    def done_writing(self, holder: Holder, ino: int, mark: int | None = None) -> None:
+        """*holder*'s writes of *ino* have all landed (its last close of it), or those
+        made until its mark *mark* (it answered a recall sent then)."""
+        ws = self.writing.get(ino)
+        if ws is not None and holder in ws and (mark is None or ws[holder] == mark):
+            del ws[holder]
+            if not ws:
+                del self.writing[ino]
+                self.wrote_seq.pop(ino, None)
+
+    def others_writing(self, holder: Holder | None, ino: int) -> bool:
+        return any(h is not holder for h in self.writing.get(ino, ()))
+
     # -- recalling ------------------------------------------------------------------------
 
     def needs_recall(self, holder: Holder | None, items: Iterable[Item], *, first: bool = True) -> bool:
@@ -278,6 +307,8 @@ class LeaseTable:
             if w is not None and w is not holder:
                 return True
             if it.write_only:
+                if self.others_writing(holder, it.ino):
+                    return True
                 continue
             for h, touched in self.holders.get(it.ino, {}).items():
                 if h is not holder and (touched or (first and it.directory)):
@@ -299,15 +330,22 @@ class LeaseTable:
                 for it in items:
                     w = self.writers.get(it.ino)
                     hs = self.holders.get(it.ino, {})
+                    # Writers without a lease: in the first round only (one that writes
+                    # again meanwhile is the caller's to look for again, within its time).
+                    ws = self.writing.get(it.ino, ()) if first else ()
                     for h, touched in hs.items():
                         if h is holder:
                             continue
                         revoke = w is h
-                        if revoke or (not it.write_only and (touched or (first and it.directory))):
+                        if (revoke or h in ws
+                                or (not it.write_only and (touched or (first and it.directory)))):
                             targets.setdefault(h, []).append(it.to_wire(revoke))
                             hs[h] = False
                     if w is not None and w is not holder and w not in hs:
                         targets.setdefault(w, []).append(it.to_wire(True))
+                    for h in ws:
+                        if h is not holder and h not in hs:
+                            targets.setdefault(h, []).append(it.to_wire(False))
                 if not targets:
                     return
                 first = False
@@ -328,6 +366,8 @@ class LeaseTable:
         w = _Waiting(h)
         self._waiting[rid] = w
         self.recalls_sent += 1
+        marks = [(ino, m) for ino, _names, _revoke in payload
+                 if (m := self.writing.get(ino, {}).get(h)) is not None]
         try:
             answered = False
             if h.send_recall(rid, payload):
@@ -335,6 +375,8 @@ class LeaseTable:
                     await w.done.wait()
                     answered = True
             if answered:  # its sizes were applied as the answer was read
+                for ino, mark in marks:  # it answered once those transfers ended
+                    self.done_writing(h, ino, mark)
                 for ino, _names, revoke in payload:
                     if revoke and self.writers.get(ino) is h:  # revoked, nothing settled
                         del self.writers[ino]
@@ -389,6 +431,7 @@ class LeaseTable:
             if w.holder is holder:
                 w.done.set()
         for ino in self._inos_of.pop(holder, ()):
+            self.done_writing(holder, ino)
             hs = self.holders.get(ino)
             if hs is not None:
                 hs.pop(holder, None)
@@ -409,6 +452,8 @@ class LeaseTable:
 
     def destroyed(self, ino: int) -> None:
         """Inode *ino* no longer exists (after its holders were recalled)."""
+        self.writing.pop(ino, None)
+        self.wrote_seq.pop(ino, None)
         hs = self.holders.pop(ino, None)
         for h in hs or ():
             mine = self._inos_of.get(h)

@@ -522,12 +522,19 @@ class MetaServer:
         session = conn.session
         first = True
         fenced_before = self.fencing.seq
+        if m.name == "map_read":
+            # A reader waits for writers without a lease to land their bytes; one
+            # that writes on and on makes it ask again (EINPROGRESS), not time out.
+            until = min(until, trio.current_time() + CALL_WAIT)
         while True:
             if self.leases.term > 0:
                 # What conflicts may change while we wait (another call renamed the
                 # entry, say): ask again until nothing is left to recall.
                 while (items := self._conflicts(session, m.name, args)) and \
                         self.leases.needs_recall(session, items, first=first):
+                    if m.name == "map_read" and trio.current_time() >= until:
+                        return Kind.ERROR, wire.encode_error(
+                            errno.EINPROGRESS, "waiting for another client's writes")
                     await self.leases.recall(session, items)
                     first = False
                     fenced_before = self.fencing.seq  # its evictions' fences too
@@ -599,6 +606,8 @@ class MetaServer:
                 # little (what it allocated itself) at the cost of encoding it all again
                 # for every chunk it touches.
                 widen = sequential or i is None or i.chunks is None or len(i.chunks) == had
+            elif m.name == "map_read" and self.leases.term > 0:
+                result = await self._map_read(session, m, args, until)
             else:
                 result = await self._call(m, args, until)
         except FsError as exc:
@@ -638,6 +647,9 @@ class MetaServer:
                     kind = Kind.OK_WRITE  # a create lease on the directory
                 if m.name == "map_read" or (m.name == "allocate_ahead" and widen):
                     body = self._widened(m.name, args, result) or body
+            if m.name in ("map_write", "allocate_ahead") and kind is not Kind.OK_WRITE and args[2]:
+                # Its bytes go out after this reply: readers elsewhere wait for them.
+                self.leases.wrote(session, args[0])
         return kind, body
 
     def _widened(self, name: str, args: list[Any], result: Any) -> bytes | None:
@@ -663,7 +675,11 @@ class MetaServer:
         """What other clients must give up before call *name* runs (pre-change state)."""
         store = self.store
         leases = self.leases
-        if name in ("getattr", "open", "map_read", "readlink"):
+        if name == "map_read":
+            ino = args[0]
+            return ([Item(ino, write_only=True)]
+                    if ino in leases.writers or leases.others_writing(session, ino) else [])
+        if name in ("getattr", "open", "readlink"):
             return [Item(args[0], write_only=True)] if args[0] in leases.writers else []
         if name == "lookup":
             if not leases.writers:
@@ -745,6 +761,24 @@ class MetaServer:
         if name == "readdirplus":
             return [args[0], *(a.ino for _, a in result)]
         return [args[0]]
+
+    async def _map_read(self, session: Session, m: codec.Method, args: list[Any],
+                        until: float) -> Any:
+        """A chunk map, read after every writer without a lease of the file landed its
+        bytes (the recalls before the call).  Through a backing directory the read may
+        wait (a fetch), and another session may be sent where to write meanwhile:
+        then that writer is waited for too, and the map read again."""
+        ino = args[0]
+        items = [Item(ino, write_only=True)]
+        while True:
+            seq = self.leases.wrote_seq.get(ino)
+            result = await self._call(m, args, until)
+            if self.leases.wrote_seq.get(ino) == seq or not self.leases.others_writing(session, ino):
+                return result
+            while self.leases.needs_recall(session, items):
+                if trio.current_time() >= until:
+                    raise FsError(errno.EINPROGRESS, "waiting for another client's writes")
+                await self.leases.recall(session, items)
 
     async def _call(self, m: codec.Method, args: list[Any], until: float = math.inf) -> Any:
         if m.name not in _GATED or self.meta is self.store:
@@ -1070,6 +1104,7 @@ class MetaServer:
             return
         if n == 1:
             del s.opens[ino]
+            self.leases.done_writing(s, ino)  # its writes landed before it released
         else:
             s.opens[ino] = n - 1
         await self.store.release(ino)

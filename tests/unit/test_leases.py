@@ -877,6 +877,48 @@ async def test_a_call_kept_waiting_by_another_clients_change_is_asked_again(
         assert server.store.inodes[f.ino].size == 0
 
 
+async def test_a_map_read_waits_for_the_bytes_of_a_write_without_a_lease() -> None:
+    """A writer without a write lease (another node reads the file; every writer of a
+    burst-buffer mds) moves its bytes after the server's answer.  A node that read the
+    file meanwhile cached the old bytes for good: its pages, read before the writer's
+    bytes landed, outlived the writer's close (buffered reads under churn)."""
+    async with cluster(2) as (server, (a, b), _):
+        f = await a.mknod(ROOT, b"f", F, 0, 0)
+        await b.map_write(f.ino, 0, 1 << 20)  # no handle open: a plain map, no lease
+        assert f.ino in server.leases.writing
+        got: list[Any] = []
+
+        async def read() -> None:
+            got.append(await a.map_read(f.ino, 0, 1 << 20))
+
+        async with trio.open_nursery() as nursery:
+            with b.io(f.ino):  # b's bytes on their way to the memory server
+                nursery.start_soon(read)
+                await trio.sleep(0.3)
+                assert not got, "read before the writer's bytes landed"
+        assert got and f.ino not in server.leases.writing
+
+
+async def test_a_writers_last_close_ends_its_marks() -> None:
+    """Marks of writes without a lease go with the writer's last close (its bytes landed
+    before it released): later reads do not ask it again."""
+    async with cluster(2) as (server, (a, b), _):
+        f = await a.mknod(ROOT, b"f", F, 0, 0)
+        through = Waiting(server.store)
+        through.go.set()
+        server.meta = through  # type: ignore[assignment]  # as a burst buffer: no write leases
+        await b.open(f.ino)
+        await b.map_write(f.ino, 0, 1 << 20)
+        assert f.ino in server.leases.writing
+        await b.release(f.ino)
+        with trio.fail_after(5):  # releases may be held back a moment and sent together
+            while f.ino in server.leases.writing:  # noqa: ASYNC110
+                await trio.sleep(0.01)
+        before = server.leases.recalls_sent
+        await a.map_read(f.ino, 0, 1 << 20)
+        assert server.leases.recalls_sent == before
+
+
 # -- create leases: asynchronous creates (memfs.meta.creates) ----------------------------
 
 
