@@ -48,6 +48,11 @@ ever waits longer than ``recall_timeout + term`` for a client, and an evicted
 or partitioned client has stopped trusting its caches by the time the change
 is applied.
 
+* **writing** (marks, no right): a session that was sent where to write a
+  file's data without a write lease moves its bytes after that answer; until
+  it answers a recall of the file (once its transfers landed) or closes it,
+  another session's chunk-map read recalls it first (:meth:`wrote`).
+
 Everything here runs in the server's trio loop; methods that do not await are
 atomic.  The wait for acknowledgements is the only await: while an inode is
 being recalled, state about it that is sent out is marked not cacheable
@@ -181,6 +186,7 @@ class LeaseTable:
         #: ino -> the number of the last mark (a read that waited compares)
         self.wrote_seq: dict[int, int] = {}
         self._marks = 0
+        self._marked_of: dict[Holder, set[int]] = {}
         #: ino -> the session whose change of it is under way, and how many
         #: (memfs.meta.gates: a change that may wait after its recall)
         self._changing: dict[int, tuple[Holder, int]] = {}
@@ -280,6 +286,7 @@ class LeaseTable:
         and what another session reads meanwhile would be old, cached for good."""
         self._marks += 1
         self.writing.setdefault(ino, {})[holder] = self.wrote_seq[ino] = self._marks
+        self._marked_of.setdefault(holder, set()).add(ino)
 
     def done_writing(self, holder: Holder, ino: int, mark: int | None = None) -> None:
         """*holder*'s writes of *ino* have all landed (its last close of it), or those
@@ -290,6 +297,10 @@ class LeaseTable:
             if not ws:
                 del self.writing[ino]
                 self.wrote_seq.pop(ino, None)
+            mine = self._marked_of[holder]
+            mine.discard(ino)
+            if not mine:
+                del self._marked_of[holder]
 
     def others_writing(self, holder: Holder | None, ino: int) -> bool:
         return any(h is not holder for h in self.writing.get(ino, ()))
@@ -430,8 +441,12 @@ class LeaseTable:
         for w in self._waiting.values():
             if w.holder is holder:
                 w.done.set()
+        if not said:
+            # (Registering again, its bytes may still be on their way: its marks
+            # stay, and readers still wait for it.)
+            for ino in list(self._marked_of.get(holder, ())):
+                self.done_writing(holder, ino)
         for ino in self._inos_of.pop(holder, ()):
-            self.done_writing(holder, ino)
             hs = self.holders.get(ino)
             if hs is not None:
                 hs.pop(holder, None)
@@ -452,8 +467,8 @@ class LeaseTable:
 
     def destroyed(self, ino: int) -> None:
         """Inode *ino* no longer exists (after its holders were recalled)."""
-        self.writing.pop(ino, None)
-        self.wrote_seq.pop(ino, None)
+        for h in list(self.writing.get(ino, ())):
+            self.done_writing(h, ino)
         hs = self.holders.pop(ino, None)
         for h in hs or ():
             mine = self._inos_of.get(h)

@@ -544,6 +544,13 @@ class MetaServer:
             if not (self.fencing.busy and m.name in _FENCED_CALLS
                     and await self.fencing.wait_begun(fenced_before)):
                 break
+        if (m.name in ("map_write", "allocate_ahead") and args[2] and self.leases.term > 0
+                and self.meta is not self.store):
+            # Through a backing directory the call may wait before it is applied, and
+            # a reader let in meanwhile must wait for our bytes too: marked now, and
+            # again at the reply (a mark the reader's recall cleared: that recall also
+            # moved our client's generation, so it asks again, recalling the reader).
+            self.leases.wrote(session, args[0])
         self._t = self._real_now()
         if self._recovering and m.name in _CHUNK_CHANGES and self.store.eligible:
             # A writer of an earlier run may no longer have its space past EOF here.

@@ -693,6 +693,31 @@ class _Fake:
         self.evicted = True
 
 
+async def test_write_marks_outlive_a_registration_not_the_session(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A writer that registers again (a new connection) may still have bytes on their
+    way: its marks stay.  An answered recall clears only the marks it was sent about;
+    the session's end clears the rest."""
+    table = LeaseTable(term=4.0, recall_timeout=2.0)
+
+    async def answer(rid: int) -> None:
+        table.wrote(writer, 7)  # written again while the recall was under way
+        table.recalled(writer, rid, [])
+
+    writer = _Fake(table, answer)
+    reader = _Fake(table, None)
+    table.register(writer, [7], transfer=True)
+    table.wrote(writer, 7)
+    table.forget(writer, said=True)  # registers again
+    assert table.others_writing(reader, 7)
+    await table.recall(reader, [Item(7, write_only=True)])
+    assert writer.got, "the marked writer was asked"
+    assert table.others_writing(reader, 7), "the mark made after the recall was sent stays"
+    table.forget(writer)
+    assert not table.others_writing(reader, 7)
+
+
 async def test_lease_table_bounds_with_a_virtual_clock(
     autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -897,6 +922,25 @@ async def test_a_map_read_waits_for_the_bytes_of_a_write_without_a_lease() -> No
                 await trio.sleep(0.3)
                 assert not got, "read before the writer's bytes landed"
         assert got and f.ino not in server.leases.writing
+
+
+async def test_a_reader_let_in_while_a_write_waits_makes_the_writer_ask_again() -> None:
+    """Through a backing directory a write may wait after recalling the readers, and a
+    map read gets in meanwhile (changes do not hold readers back).  The writer is
+    marked before it waits: the reader's read recalls it, which moves the writer's
+    generation, so its map (answered later) is not used; asking again recalls the
+    reader, whose pages from before the bytes landed go."""
+    async with cluster(2) as (server, (a, b), _):
+        f = await a.mknod(ROOT, b"f", F, 0, 0)
+        await a.map_write(f.ino, 0, 1 << 20)
+        server.meta = slow = Waiting(server.store)  # type: ignore[assignment]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(b.map_write, f.ino, 1 << 20, 1 << 20)
+            await slow.waiting.wait()
+            gen = b.generation(f.ino)
+            await a.map_read(f.ino, 0, 1 << 20)
+            assert b.generation(f.ino) != gen, "the writer's map would be used"
+            slow.go.set()
 
 
 async def test_a_writers_last_close_ends_its_marks() -> None:
