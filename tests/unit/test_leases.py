@@ -841,6 +841,15 @@ class Waiting:
         return await self._store.truncate(*args)
 
 
+async def slowed(server: MetaServer, a: RemoteMeta) -> tuple[Any, Waiting]:
+    """A 1 MiB file written by *a*, then the server's ``meta`` made a :class:`Waiting`."""
+    f = await a.mknod(ROOT, b"f", F, 0, 0)
+    await a.map_write(f.ino, 0, 1 << 20)
+    slow = Waiting(server.store)
+    server.meta = slow  # type: ignore[assignment]
+    return f, slow
+
+
 async def test_what_is_sent_during_a_change_that_waits_is_not_kept_after_it() -> None:
     """Through a backing directory a write may wait after its recall.  A client that
     asked meanwhile got the size from before it, cacheable, and kept it: a file read
@@ -863,9 +872,7 @@ async def test_a_chunk_map_waits_for_a_change_under_way_of_its_file() -> None:
     """A map handed out while a truncate waits (before it frees the tail) would name
     chunks the truncate then frees: another client's map_read waits for it."""
     async with cluster(2) as (server, (a, b), _):
-        f = await a.mknod(ROOT, b"f", F, 0, 0)
-        await a.map_write(f.ino, 0, 1 << 20)
-        server.meta = slow = Waiting(server.store)  # type: ignore[assignment]
+        f, slow = await slowed(server, a)
         got: list[Any] = []
 
         async def read() -> None:
@@ -888,9 +895,7 @@ async def test_a_call_kept_waiting_by_another_clients_change_is_asked_again(
     is told EINPROGRESS and asks again, transparently."""
     monkeypatch.setattr("memfs.meta.server.CALL_WAIT", 0.1)
     async with cluster(2) as (server, (a, b), _):
-        f = await a.mknod(ROOT, b"f", F, 0, 0)
-        await a.map_write(f.ino, 0, 1 << 20)
-        server.meta = slow = Waiting(server.store)  # type: ignore[assignment]
+        f, slow = await slowed(server, a)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(a.map_write, f.ino, 1 << 20, 1 << 20)
             await slow.waiting.wait()
@@ -931,9 +936,7 @@ async def test_a_reader_let_in_while_a_write_waits_makes_the_writer_ask_again() 
     generation, so its map (answered later) is not used; asking again recalls the
     reader, whose pages from before the bytes landed go."""
     async with cluster(2) as (server, (a, b), _):
-        f = await a.mknod(ROOT, b"f", F, 0, 0)
-        await a.map_write(f.ino, 0, 1 << 20)
-        server.meta = slow = Waiting(server.store)  # type: ignore[assignment]
+        f, slow = await slowed(server, a)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(b.map_write, f.ino, 1 << 20, 1 << 20)
             await slow.waiting.wait()
