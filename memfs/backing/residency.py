@@ -370,6 +370,7 @@ class Residency:
             return
         start = ks[0] * cs
         n = min(len(ks) * cs, i.backed - start)
+        cuts = i.cuts
         buf = bytearray(len(ks) * cs)
         try:
             got = await in_thread(pread_full, fd, memoryview(buf)[:n], start)
@@ -393,6 +394,16 @@ class Residency:
                 self.store.unreserve(vol, voff)
             self._settle()
             raise
+        if self.store.inodes.get(ino) is not i or i.cuts != cuts:
+            # A truncate cut the backing copy short meanwhile, so writes could then fill
+            # these chunks without waiting for this fetch, and write-back and eviction
+            # could follow: what was read may be old bytes.  (Nothing else rewrites
+            # chunks being fetched: writes wait for the fetch.)  The caller's loop
+            # fetches what is still missing afresh.
+            for _, vol, voff in placed:
+                self.store.unreserve(vol, voff)
+            self._settle()
+            return
         for k, vol, voff in placed:
             self.store.install(ino, k, vol, voff)
         self._settle()

@@ -55,6 +55,9 @@ class InodeView(Protocol):
     @property
     def backed(self) -> int:
         """Bytes below this offset whose chunk is missing live only in DIR."""
+    @property
+    def cuts(self) -> int:
+        """Truncates that lowered ``backed`` (a fetch spanning one may hold old bytes)."""
 
 
 class SpaceTotals(Protocol):

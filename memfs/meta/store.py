@@ -66,7 +66,7 @@ class Inode:
         "ino", "mode", "uid", "gid", "nlink", "size", "rdev",
         "atime_ns", "mtime_ns", "ctime_ns",
         "target", "xattrs", "children", "parent", "name", "links",
-        "spec", "layout", "chunks", "opens", "backed",
+        "spec", "layout", "chunks", "opens", "backed", "cuts",
     )
 
     def __init__(self, ino: int, mode: int, uid: int, gid: int, now: int) -> None:
@@ -89,6 +89,9 @@ class Inode:
         #: bytes below this offset whose chunk is missing live only in the backing
         #: directory (staged lazily or evicted): they are fetched, never read as holes
         self.backed = 0
+        #: truncates that lowered ``backed``: after one, bytes a fetch read from the
+        #: backing copy may have been rewritten and written back (see Residency)
+        self.cuts = 0
         self.spec: LayoutSpec | None = None  # directories: default for new files
         self.layout: Layout | None = None  # regular files
         self.chunks: dict[int, int] | None = None  # regular files: chunk -> volume offset
@@ -448,7 +451,9 @@ class MetaStore(Meta):
                 vol = i.layout.volume_of_chunk(tail_chunk, cs)
                 zero.append((vol, i.chunks[tail_chunk] + tail_off, cs - tail_off))
         i.size = size
-        i.backed = min(i.backed, size)
+        if size < i.backed:
+            i.backed = size
+            i.cuts += 1
         i.mtime_ns = i.ctime_ns = self.now()
         if self.watcher is not None:
             self.watcher.truncated(ino)

@@ -479,6 +479,42 @@ async def test_a_fetch_waits_for_room_another_fetch_is_about_to_make(tmp_path: P
         assert not b.store.inodes[ino["a"]].chunks  # evicted to make room for "b"
 
 
+async def test_a_fetch_outlived_by_a_rewrite_and_eviction_installs_nothing(
+    tmp_path: Path,
+) -> None:
+    """A fetch not held by a transfer (stage-in; a cluster mds fetching for a client)
+    that waits between reading DIR and installing, while the file is truncated,
+    rewritten, written back and evicted, must not install what it read: DIR has the
+    new bytes by then, and the old ones would be served as the file's."""
+    backing = tmp_path / "dir"
+    backing.mkdir()
+    (backing / "f").write_bytes(b"1" * 4 * 64 * K)
+    async with backed(tmp_path, delay=0.0, workers=1) as (b, data):
+        ino = b.store.resolve(b"f").ino
+        gate = trio.Event()
+        real = b.residency.transport.write
+
+        async def slow_write(vol: int, voff: int, buf: memoryview) -> None:
+            await gate.wait()  # the fetch has read DIR and reserved its chunks
+            await real(vol, voff, buf)
+
+        b.residency.transport.write = slow_write  # type: ignore[method-assign,assignment]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(b.residency.ensure_resident, ino, 0, 4 * 64 * K)
+            with trio.fail_after(5):
+                while not b.store.reserved:  # noqa: ASYNC110
+                    await trio.sleep(0.001)
+            b.residency.transport.write = real  # type: ignore[method-assign]
+            await data.truncate(ino, 0)
+            await data.write(ino, 0, b"2" * 4 * 64 * K)
+            await settle(b)
+            assert (backing / "f").read_bytes() == b"2" * 4 * 64 * K
+            assert await b.residency.evict(1 << 20)
+            assert not b.store.inodes[ino].chunks
+            gate.set()
+        assert bytes(await data.read(ino, 0, 4 * 64 * K)) == b"2" * 4 * 64 * K
+
+
 async def test_a_pool_full_for_good_answers_enospc_at_once(tmp_path: Path) -> None:
     """Nothing evictable and nothing in flight: ENOSPC without waiting, nothing lost."""
     backing = tmp_path / "dir"
