@@ -213,6 +213,26 @@ class BackedMeta(Meta):
 
         return await residency.with_room(now, protect=ino)
 
+    def ahead_room(self, offset: int, length: int, ahead: int) -> int:
+        """Space ahead only as far as the dirty cap has room beside the write itself:
+        the writer fills it without asking, so it counts as dirty from when it is
+        given (:meth:`MetaStore.allocate_ahead`), as a map_write's chunks do before
+        their bytes land."""
+        cs, tracker = self.store.chunk_size, self.tracker
+        span = (offset + length - 1) // cs - offset // cs + 1 if length else 0
+        return max(0, min(ahead, (tracker.dirty_max // cs - tracker.dirty_chunks - span) * cs))
+
+    async def allocate_ahead(
+        self, ino: int, offset: int, length: int, ahead: int
+    ) -> tuple[WritePlan, Attr]:
+        """:meth:`map_write` (fetch, the dirty cap, room), then space ahead if the file
+        has nothing in DIR past it (best effort, as without DIR)."""
+        plan = await self.map_write(ino, offset, length)
+        # No await from here: the chunks just mapped are still there.
+        if ahead > 0 and length:
+            return await self.store.allocate_ahead(ino, offset, length, ahead)
+        return plan, await self.store.getattr(ino)
+
     async def truncate(self, ino: int, size: int) -> list[tuple[int, int, int]]:
         i = self.store.inodes.get(ino)
         if i is not None and i.backed and size and size % self.store.chunk_size:

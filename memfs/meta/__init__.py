@@ -221,6 +221,12 @@ class Meta(abc.ABC):
         plan = await self.map_write(ino, offset, length)
         return plan, await self.getattr(ino)
 
+    def ahead_room(self, offset: int, length: int, ahead: int) -> int:
+        """How much of *ahead* bytes of space past a write of *length* at *offset*
+        :meth:`allocate_ahead` may give now (a burst buffer: what its dirty cap has
+        room for)."""
+        return ahead
+
     async def settle_write(self, ino: int, size: int, mtime_ns: int, trim: int) -> None:
         """A writer's coalesced size and mtime (size only grows); *trim*: free chunks
         wholly past EOF (preallocation it did not use)."""

@@ -1363,6 +1363,10 @@ class RemoteMeta(Meta):
             return WritePlan(_clip(plan.extents, offset, end), posted=kind is Kind.OK_WRITE)
 
     async def control(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
+        if op == "flush":
+            # What this node wrote under write leases is the server's to write back
+            # only once it has heard of it.
+            await self.sync_all()
         kind, body = await self._roundtrip(
             "control", wire.encode(["control", op, args]), retry=op in ("status", "progress")
         )

@@ -213,15 +213,16 @@ class MetaServer:
 
     @property
     def write_leases(self) -> bool:
-        """Write leases need every write to reach the store: not with a backing
-        directory, whose write-back follows each map_write."""
-        return self.leases.term > 0 and self.meta is self.store
+        """Write leases, with a backing directory too: a holder's reports of what it
+        wrote (``settle``, recall answers, registrations) mark the file dirty for
+        write-back (:meth:`MetaStore.settle_now`)."""
+        return self.leases.term > 0
 
     @property
     def create_leases(self) -> bool:
         """Create leases (asynchronous creates) need write leases, and a create that
         needs nothing of a backing directory (it reserves names there)."""
-        return self.write_leases and self.async_creates
+        return self.write_leases and self.async_creates and self.meta is self.store
 
     def gauges(self) -> dict[str, float]:
         """This server's numbers for ``--metrics`` (sessions, leases, journal)."""
@@ -604,7 +605,9 @@ class MetaServer:
                 result = [*named, self._t]
             elif m.name == "allocate_ahead":
                 sequential = args[3] > 0
-                args[3] = min(args[3], MAX_AHEAD) if self.write_leases else 0
+                # What is journaled is what is given (replay gives the same).
+                args[3] = (self.meta.ahead_room(args[1], args[2], min(args[3], MAX_AHEAD))
+                           if self.write_leases else 0)
                 i = self.store.inodes.get(args[0])
                 had = len(i.chunks) if i is not None and i.chunks is not None else -1
                 result = await self._call(m, args, until)

@@ -875,6 +875,10 @@ class MetaStore(Meta):
                     pass
                 else:
                     plan = WritePlan(self._extents(i, offset, end + ahead))
+                    if self.watcher is not None:
+                        # Write-back: the writer fills them without asking (its
+                        # reports mark the file again), so they count as dirty now.
+                        self.watcher.wrote(ino, first, last)
         return plan, self._attr(i)
 
     async def settle_write(self, ino: int, size: int, mtime_ns: int, trim: int) -> None:
@@ -901,6 +905,24 @@ class MetaStore(Meta):
             if max(i.chunks) >= keep:
                 self._free_chunks(i, keep_below=keep)
                 changed = True
+                if self.watcher is not None:
+                    self.watcher.truncated(ino)  # space ahead counted dirty: not any more
+        if self.watcher is not None and i.chunks:
+            # Write-back (the only watcher): the holder wrote somewhere in the chunks
+            # it had, without asking (its size and mtime need not move: an overwrite,
+            # another node's clock), and write-back copies whole files anyway.
+            # Changed, so that it is journaled: a replay must find the file dirty too.
+            last = (i.size - 1) // self.chunk_size
+            first = prev = -2
+            for k in sorted(k for k in i.chunks if k <= last):
+                if k != prev + 1:
+                    if first >= 0:
+                        self.watcher.wrote(ino, first, prev)
+                    first = k
+                prev = k
+            if first >= 0:
+                self.watcher.wrote(ino, first, prev)
+            changed = True
         return changed
 
     def new_run(self) -> None:

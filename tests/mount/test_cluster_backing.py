@@ -28,6 +28,7 @@ import random
 import signal
 import stat
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ from memfs.cli.runtime import control_socket, pid_file
 from memfs.control import ControlClient
 from tests.mount.test_cluster import MEMFS, Cluster, make_cluster, memfs_cli, sha
 from tests.mount.test_cluster import pytestmark as cluster_marks
+from tests.mount.test_cluster_leases import stopped
 from tests.mount.test_writeback import (
     OLD_NS,
     TMP_DIR,
@@ -358,6 +360,60 @@ def test_backing_with_journal_restart_keeps_space(tmp_path: Path) -> None:
         assert_no_traceback(cluster)
 
 
+# -- write leases through a backing directory ---------------------------------------------
+
+
+def test_writes_under_a_write_lease_are_written_back(tmp_path: Path) -> None:
+    """A writer holding a write lease writes into its chunks without asking the mds;
+    what it writes so must still reach DIR: an in-place overwrite (size unchanged)
+    after a write-back, flushed while the file is open and again after its close,
+    and after the file was evicted to make room (read back from DIR by the other
+    node).  Also: the lease is granted (the writer writes without a call)."""
+    back = tmp_path / "backing"
+    back.mkdir()
+    size = 4 * MiB
+    with make_cluster(tmp_path, ["--backing", str(back), "--flush-delay", "60"],
+                      volume_size="16M") as cluster:
+        c1, c2 = cluster.mnt["c1"], cluster.mnt["c2"]
+        fd = os.open(c1 / "f", os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            os.pwrite(fd, tagged("f", 1, size), 0)
+            flush_wait(c1)
+            assert sha((back / "f").read_bytes()) == sha(tagged("f", 1, size))
+            # The lease's chunks need no call: these writes go through with the mds
+            # stopped (a call would wait for it until the client's timeout).
+            new = tagged("f", 2, size)
+            done = threading.Event()
+
+            def overwrite() -> None:
+                for k in range(0, size, MiB):
+                    os.pwrite(fd, new[k : k + MiB], k)
+                done.set()
+
+            t = threading.Thread(target=overwrite)
+            with stopped(cluster.servers["mds"].pid):
+                t.start()
+                done.wait(3.0)
+                through = done.is_set()
+            t.join(30)
+            assert through, "an overwrite under the write lease waited for the mds"
+            flush_wait(c1)  # still open: the flush asks the writer first
+            assert sha((back / "f").read_bytes()) == sha(tagged("f", 2, size))
+            os.pwrite(fd, tagged("f", 3, MiB), 0)
+        finally:
+            os.close(fd)
+        want = tagged("f", 3, MiB) + tagged("f", 2, size)[MiB:]
+        flush_wait(c1)
+        assert sha((back / "f").read_bytes()) == sha(want)
+        # Room for filler only by evicting f (clean now); then f comes back from DIR.
+        for n in range(3):
+            (c2 / f"fill{n}").write_bytes(os.urandom(24 * MiB))
+            flush_wait(c2)
+        assert status(c1)["evicted_files"] > 0, "nothing was evicted: the pool is too large"
+        assert sha(direct_read(c2 / "f", size)) == sha(want)
+        assert_no_traceback(cluster)
+
+
 # -- a full pool under churn ----------------------------------------------------------------
 
 BLOCK = 4096
@@ -399,7 +455,6 @@ def test_reads_and_writes_through_a_full_pool_under_churn(tmp_path: Path) -> Non
     bytes it had read between another node's write call and the landing of that
     write's bytes, after the writer's close (memfs.meta.leases: writers without a
     lease are waited for by readers)."""
-    import threading
 
     back = tmp_path / "backing"
     back.mkdir()

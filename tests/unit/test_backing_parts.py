@@ -560,6 +560,31 @@ async def test_room_waited_for_in_vain_is_not_waited_for_again(
         hung.set()
 
 
+async def test_space_ahead_and_write_lease_reports_count_as_dirty(tmp_path: Path) -> None:
+    """A cluster writer holding a write lease fills space given ahead, and overwrites
+    its chunks, without asking: space ahead counts as dirty when given, and only as
+    much as the dirty cap has room for beside the write; each report of the writer
+    (``settle``) makes a new version of the file to write back, its size and mtime
+    unchanged or not."""
+    async with backed(tmp_path, delay=3600.0, workers=1, dirty_max=2 * M) as (b, data):
+        f = await b.mknod(ROOT, b"f", REG, 0, 0)
+        cs = 64 * K
+        ahead = b.ahead_room(0, cs, 8 * M)
+        assert ahead == 2 * M - cs
+        await b.allocate_ahead(f.ino, 0, cs, ahead)
+        assert b.tracker.dirty_chunks * cs == 2 * M
+        assert len(b.store.inodes[f.ino].chunks or ()) == 2 * M // cs
+        assert b.ahead_room(cs, cs, 8 * M) == 0  # the cap is full
+        d = b.tracker.dirty[f.ino]
+        version = d.version
+        b.store.settle_now(f.ino, cs, b.store.inodes[f.ino].mtime_ns, False)
+        assert b.tracker.dirty[f.ino].version > version
+        # At the end of the lease what was not written is freed, and counts no more.
+        b.store.settle_now(f.ino, cs, 0, True)
+        assert list(b.store.inodes[f.ino].chunks or ()) == [0]
+        assert b.tracker.dirty_chunks == 1
+
+
 async def test_the_mirror_keeping_a_file_does_not_wait_for_write_back(tmp_path: Path) -> None:
     """The mirror fetches a file it must keep under its lock, which write-back needs to
     publish: waiting there for write-back to make room would only stall both."""
