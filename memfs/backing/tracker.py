@@ -207,6 +207,18 @@ class ChangeTracker:
                 self._wake.set()  # past half the cap: write back without waiting
         self._touch(ino)
 
+    def rewritten(self, ino: int) -> None:
+        d = self.mark(ino)
+        i = self.store.inodes.get(ino)
+        # Counted once per version copied, not per report: a holder reports every
+        # ~50 ms, and a large file has a million chunks.
+        if d is not None and i is not None and i.chunks and len(d.chunks) < len(i.chunks):
+            last = (i.size - 1) // self.chunk_size
+            self._add_chunks(d, (k for k in i.chunks if k <= last))
+            if self.pressing:
+                self._wake.set()
+        self._touch(ino)
+
     def truncated(self, ino: int) -> None:
         d = self.mark(ino)
         i = self.store.inodes.get(ino)

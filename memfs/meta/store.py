@@ -111,6 +111,10 @@ class Watcher(Protocol):
     def wrote(self, ino: int, first: int, last: int) -> None:
         """Chunks *first*..*last* of *ino* were written (or are about to be)."""
 
+    def rewritten(self, ino: int) -> None:
+        """Any of *ino*'s chunks below EOF may have been written (a write lease's
+        report: its holder writes without saying where)."""
+
     def truncated(self, ino: int) -> None: ...
 
     def attrs_changed(self, ino: int) -> None:
@@ -912,16 +916,7 @@ class MetaStore(Meta):
             # it had, without asking (its size and mtime need not move: an overwrite,
             # another node's clock), and write-back copies whole files anyway.
             # Changed, so that it is journaled: a replay must find the file dirty too.
-            last = (i.size - 1) // self.chunk_size
-            first = prev = -2
-            for k in sorted(k for k in i.chunks if k <= last):
-                if k != prev + 1:
-                    if first >= 0:
-                        self.watcher.wrote(ino, first, prev)
-                    first = k
-                prev = k
-            if first >= 0:
-                self.watcher.wrote(ino, first, prev)
+            self.watcher.rewritten(ino)
             changed = True
         return changed
 
