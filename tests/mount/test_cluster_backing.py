@@ -414,6 +414,32 @@ def test_writes_under_a_write_lease_are_written_back(tmp_path: Path) -> None:
         assert_no_traceback(cluster)
 
 
+def test_a_flush_on_another_node_takes_what_a_writer_has_not_reported(tmp_path: Path) -> None:
+    """`memfs flush --wait` on one node while another node has written under its write
+    lease and not yet reported it (its daemon stopped right after the writes: the
+    same as a flush that comes between an application's close and the RELEASE that
+    reports): the mds asks the writer first (it is evicted when it does not answer),
+    so the flush writes back what was written."""
+    back = tmp_path / "backing"
+    back.mkdir()
+    size = 2 * MiB
+    with make_cluster(tmp_path, ["--backing", str(back), "--flush-delay", "60"]) as cluster:
+        c1, c2 = cluster.mnt["c1"], cluster.mnt["c2"]
+        fd = os.open(c1 / "f", os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            os.pwrite(fd, tagged("f", 1, size), 0)
+            flush_wait(c1)
+            assert sha((back / "f").read_bytes()) == sha(tagged("f", 1, size))
+            os.pwrite(fd, tagged("f", 2, size), 0)  # under the lease: no call
+            with stopped(mount_pids(cluster)["c1"]):  # before its report (~50 ms)
+                flush_wait(c2)
+                assert sha((back / "f").read_bytes()) == sha(tagged("f", 2, size))
+        finally:
+            with contextlib.suppress(OSError):  # evicted: its next call may be EIO
+                os.close(fd)
+        assert_no_traceback(cluster)
+
+
 # -- a full pool under churn ----------------------------------------------------------------
 
 BLOCK = 4096
