@@ -242,6 +242,7 @@ async def _write_back(
                                       fences=server.fencing.fences) as t:
             backed = BackedMeta(store, t, opts.flush, settle=SETTLE, recovered=recovered)
             backed.before_evict = server.recall_inodes
+            backed.residency.evictions_held = server.evictions_held
             try:
                 if recovered is not None and recovered.loaded:
                     await backed.resume()

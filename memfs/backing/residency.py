@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
+import functools
 import itertools
 import logging
 import os
@@ -69,6 +70,10 @@ class Residency:
         #: cluster (memfs mds): takes chunk maps of these inodes back from the clients
         #: that cache them (memfs.meta.leases) before eviction frees their chunks
         self.before_evict: Callable[[list[int]], Awaitable[None]] | None = None
+        #: cluster: no eviction for now (an mds restarted from its journal: clients of
+        #: the run before may still report writes made under write leases, into
+        #: chunks an eviction would free; their reports come with their registration)
+        self.evictions_held: Callable[[], bool] = lambda: False
         #: before eviction: forget tickets that expired (their files stop being spared)
         self.expire: Callable[[], None] = lambda: None
         #: files with data in the pool, least recently used first (eviction order)
@@ -186,6 +191,8 @@ class Residency:
         assert tracker is not None
         if self.dirside.lost:
             return False  # nothing can be evicted
+        if self.evictions_held():
+            return True  # until the clients are back, or the grace is over
         # The mirror applying a change fetches what it must keep first, under the
         # lock that write-back's publishing needs: no waiting for write-back then.
         mirror_busy = self.mirror.lock.statistics().owner is trio.lowlevel.current_task()
@@ -217,6 +224,8 @@ class Residency:
                 nursery.cancel_scope.cancel()
             nursery.start_soon(first, self._settled.wait)
             nursery.start_soon(first, tracker.wait_cleaned)
+            if self.evictions_held():
+                nursery.start_soon(first, functools.partial(trio.sleep, HELD_POLL))
 
     async def evict(self, want: int, protect: int = 0) -> bool:
         """Evict clean files, least recently used first, until *want* chunks are freed."""
@@ -224,6 +233,8 @@ class Residency:
         assert tracker is not None
         if self.dirside.lost:
             return False  # DIR is gone: the pool may hold the only copy of everything
+        if self.evictions_held():
+            return False
         self.expire()  # staged files stop being spared when their ticket ends
         freed = 0
         inodes = self.store.inodes
@@ -412,6 +423,10 @@ class Residency:
 
     async def _reserve(self, ino: int, ks: list[int]) -> list[tuple[int, int, int]]:
         return self.store.reserve(ino, ks)
+
+
+#: how often a call waiting for room looks again while evictions are held
+HELD_POLL = 0.25
 
 
 def runs(ks: list[int]) -> list[list[int]]:

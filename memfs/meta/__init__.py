@@ -227,9 +227,12 @@ class Meta(abc.ABC):
         room for)."""
         return ahead
 
-    async def settle_write(self, ino: int, size: int, mtime_ns: int, trim: int) -> None:
+    async def settle_write(
+        self, ino: int, size: int, mtime_ns: int, trim: int, lo: int = -1, hi: int = -1,
+    ) -> None:
         """A writer's coalesced size and mtime (size only grows); *trim*: free chunks
-        wholly past EOF (preallocation it did not use)."""
+        wholly past EOF (preallocation it did not use); ``[lo, hi)``: the bytes it
+        wrote under its lease (``lo < 0``: anywhere)."""
         raise FsError(errno.ENOTSUP, "write leases are not served here")
 
     # -- client caches (cluster clients override these; see memfs.meta.cache) ----------

@@ -76,6 +76,10 @@ class ClientCache:
         #: (the server evicts a client it did not hear from): kept until a reply after
         #: it shows it did, and sent with the next registration otherwise
         self.answered: dict[int, tuple[int, int]] = {}
+        #: bytes ``[lo, hi)`` written under the current write lease, all of it (every
+        #: report says it whole: an earlier one may be lost, or arrive after the
+        #: lease was revoked and be ignored); gone when the lease ends
+        self.spans: dict[int, tuple[int, int]] = {}
         self._gens: dict[int, int] = {}
         self._epoch = 0
         self._pins: dict[int, int] = {}
@@ -219,8 +223,9 @@ class ClientCache:
             pos = stop
         return out
 
-    def wrote(self, ino: int, end: int, now_ns: int) -> None:
+    def wrote(self, ino: int, offset: int, end: int, now_ns: int) -> None:
         """A write under our write lease: size and mtime are ours to keep until settled."""
+        self.written(ino, offset, end)
         a = self.attrs.get(ino)
         old = self.dirty.get(ino)
         size = max(end, old[0] if old else 0, a.size if a is not None else 0)
@@ -290,8 +295,20 @@ class ClientCache:
             f.writer = False
         return self.dirty.pop(ino, None)
 
+    def written(self, ino: int, offset: int, end: int) -> None:
+        """Bytes ``[offset, end)`` were written under our write lease (or the call that
+        granted it: posted, they may land after the server marked them)."""
+        span = self.spans.get(ino)
+        self.spans[ino] = (offset, end) if span is None else (min(span[0], offset), max(span[1], end))
+
+    def span(self, ino: int) -> tuple[int, int]:
+        """What was written under the current write lease on *ino* (``(0, 0)``: nothing)."""
+        return self.spans.get(ino, (0, 0))
+
     def clear(self) -> None:
-        """The lease is lost: nothing cached may be used any more (dirty sizes stay)."""
+        """The lease is lost: nothing cached may be used any more (dirty sizes stay,
+        and are sent with the next registration, which does not say where)."""
+        self.spans.clear()
         self.attrs.clear()
         self.dirs.clear()
         self.files.clear()

@@ -271,7 +271,7 @@ METHODS: dict[str, Method] = {m.name: m for m in [
     # a write lease's preallocation and its coalesced size/mtime (memfs.meta.leases)
     _m("allocate_ahead", "int int int int", ahead_to_wire, ahead_from_wire, "mutates",
        lambda m: m.allocate_ahead),
-    _m("settle", "int int int int", _none_to_wire, _none_from_wire, "mutates", lambda m: m.settle_write),
+    _m("settle", "int int int int int int", _none_to_wire, _none_from_wire, "mutates", lambda m: m.settle_write),
     # waits for the server's scrubber; the chunks it cleans are journaled as they go
     _m("reclaim", "", _none_to_wire, _none_from_wire, "session", lambda m: m.reclaim),
     # asynchronous creates under a create lease (memfs.meta.creates): inode numbers reserved

@@ -427,6 +427,8 @@ async def apply_record(
             flat = [codec.check_int(x, "chunk") for x in raw]
             store.space.put_clean(list(zip(flat[0::2], flat[1::2], strict=True)))
             return
+        if method == "settle" and len(raw) == 4:
+            raw = [*raw, -1, -1]  # written before settles said where: anywhere
         m = codec.METHODS.get(method)
         if m is None or not (m.mutates or method == "map_read"):
             raise JournalError(f"record {seq}: {method!r} is not a journaled call")

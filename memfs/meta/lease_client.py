@@ -103,15 +103,16 @@ class LeaseKeeper:
                 created_in.append(ino)
             if revoke:
                 a = cache.attrs.get(ino)
+                span = cache.spans.pop(ino, (0, 0))  # the lease ends with this answer
                 took = cache.take_write(ino)
                 if took is not None:
-                    settles.append([ino, *took])
+                    settles.append([ino, *took, *span])
                     # Ours until the server is known to have it (see _finish_recall).
                     cache.answered[ino] = took
                     self.answering[ino] = done
                     told.append((ino, took))
                 elif a is not None:
-                    settles.append([ino, a.size, a.mtime_ns])
+                    settles.append([ino, a.size, a.mtime_ns, *span])
             cache.drop(ino)  # names of a directory: its whole entry cache goes
             inos.append(ino)
         if names_changed:
@@ -261,6 +262,7 @@ class LeaseKeeper:
         if d is None:
             a = cache.attrs.get(ino)
             d = (-1, 0) if a is None else (a.size, a.mtime_ns)
+        span = cache.span(ino)  # all of it, whatever reports went before
         if trim:
             # No more writes without asking; the size stays in ``dirty`` until the
             # server has it (a reconnection in between sends it with the registration).
@@ -271,7 +273,7 @@ class LeaseKeeper:
             if not trim and cache.generation(ino) != gen:
                 return  # recalled meanwhile: the answer carried the size (and d may be stale)
         try:
-            await self.call("settle", ino, d[0], d[1], int(trim))
+            await self.call("settle", ino, d[0], d[1], int(trim), *span)
         except FsError as exc:
             if exc.errno == errno.ESTALE:  # our lease ended without us: lost
                 if cache.dirty.get(ino) == d:
@@ -283,6 +285,8 @@ class LeaseKeeper:
             return
         if cache.dirty.get(ino) == d:
             del cache.dirty[ino]
+        if trim and cache.spans.get(ino) == span:
+            del cache.spans[ino]  # the lease ended with this report
 
     def settled_first(self, ino: int) -> Awaitable[None] | None:
         """A call about *ino* that the server answers from its own state needs our unsent size."""

@@ -114,17 +114,25 @@ def items_from_wire(v: Any) -> list[tuple[int, list[bytes], bool]]:
     return out
 
 
-def settles_from_wire(v: Any) -> list[tuple[int, int, int]]:
-    """Decode a RECALLED payload: ``[[ino, size, mtime_ns], ...]`` of revoked write leases."""
+#: a report's span of written bytes: not said (written anywhere)
+ANYWHERE = (-1, -1)
+
+Settle = tuple[int, int, int, tuple[int, int]]
+
+
+def settles_from_wire(v: Any) -> list[Settle]:
+    """Decode the sizes of a RECALLED payload or a registration: ``[[ino, size,
+    mtime_ns(, lo, hi)], ...]`` of write leases (``[lo, hi)``: the bytes written under
+    the lease; without it, anywhere)."""
     if type(v) is not list:
         raise WireError("recalled: expected a list")
     out = []
     for x in v:
-        if type(x) is not list or len(x) != 3 or not all(type(n) is int for n in x):
-            raise WireError("recalled item: expected [ino, size, mtime_ns]")
+        if type(x) is not list or len(x) not in (3, 5) or not all(type(n) is int for n in x):
+            raise WireError("recalled item: expected [ino, size, mtime_ns, lo, hi]")
         if x[1] < 0:
             raise WireError("recalled item: negative size")
-        out.append((x[0], x[1], x[2]))
+        out.append((x[0], x[1], x[2], (x[3], x[4]) if len(x) == 5 else ANYWHERE))
     return out
 
 
@@ -156,14 +164,14 @@ class LeaseTable:
 
     def __init__(
         self, *, term: float = LEASE_TERM, recall_timeout: float = RECALL_TIMEOUT,
-        settle: Callable[[int, int | None, int], None] | None = None,
+        settle: Callable[[int, int | None, int, tuple[int, int]], None] | None = None,
         lost: Callable[[Holder, int], None] | None = None,
         unsaid: Callable[[Holder], None] | None = None,
     ) -> None:
         self.term = term
         self.recall_timeout = recall_timeout
-        #: apply a revoked write lease's last size and mtime (None: unknown) and free
-        #: its unused preallocation: ``settle(ino, size, mtime_ns)``
+        #: apply a revoked write lease's last size and mtime (None: unknown), mark what
+        #: it wrote, free its unused preallocation: ``settle(ino, size, mtime_ns, span)``
         self.settle = settle
         #: a write lease of a holder ended without its word: ``lost(holder, ino)``
         #: (called before ``settle(ino, None, 0)`` frees what it took ahead)
@@ -392,7 +400,7 @@ class LeaseTable:
                     if revoke and self.writers.get(ino) is h:  # revoked, nothing settled
                         del self.writers[ino]
                         if self.settle is not None:
-                            self.settle(ino, None, 0)
+                            self.settle(ino, None, 0, ANYWHERE)
                 return
             # No answer: the client is stopped, hung or cut off.  Make sure it can no
             # longer renew its lease, wait until it has run out, then forget it.
@@ -412,7 +420,7 @@ class LeaseTable:
         finally:
             del self._waiting[rid]
 
-    def recalled(self, holder: Holder, rid: int, settles: list[tuple[int, int, int]]) -> None:
+    def recalled(self, holder: Holder, rid: int, settles: list[Settle]) -> None:
         """A RECALLED frame from *holder* (unknown or late ones are ignored)."""
         w = self._waiting.get(rid)
         if w is None or w.holder is not holder:
@@ -420,11 +428,11 @@ class LeaseTable:
             return
         # Applied now, before any later frame of the holder is read: a reply to one
         # of those tells it that its sizes are in (and durable once that reply goes).
-        for ino, size, mtime in settles:
+        for ino, size, mtime, span in settles:
             if self.writers.get(ino) is holder:
                 del self.writers[ino]
                 if self.settle is not None:
-                    self.settle(ino, size, mtime)
+                    self.settle(ino, size, mtime, span)
         w.done.set()
 
     def forget(self, holder: Holder, *, said: bool = False) -> None:
@@ -457,13 +465,13 @@ class LeaseTable:
                 if lost is not None:
                     lost(holder, ino)
                 if self.settle is not None:
-                    self.settle(ino, None, 0)
+                    self.settle(ino, None, 0, ANYWHERE)
         for ino in [i for i, w in self.writers.items() if w is holder]:
             del self.writers[ino]
             if lost is not None:
                 lost(holder, ino)
             if self.settle is not None:
-                self.settle(ino, None, 0)
+                self.settle(ino, None, 0, ANYWHERE)
 
     def destroyed(self, ino: int) -> None:
         """Inode *ino* no longer exists (after its holders were recalled)."""

@@ -1322,7 +1322,7 @@ class RemoteMeta(Meta):
             if cache.is_writer(ino) and cache.valid() and length:
                 extents = cache.extents(ino, offset, end, allocated=True)
                 if extents is not None:
-                    cache.wrote(ino, end, _now_ns())
+                    cache.wrote(ino, offset, end, _now_ns())
                     self.leases.dirty_wake.set()
                     return WritePlan(extents, posted=True)
             f = cache.files.get(ino)
@@ -1348,6 +1348,8 @@ class RemoteMeta(Meta):
                 kind = Kind.OK
             else:
                 plan, a = result
+            if kind is Kind.OK_WRITE and length:
+                cache.written(ino, offset, end)
             if kind is Kind.OK_WRITE or kind is Kind.OK_CACHE:
                 cache.put_extents(ino, plan.extents, writer=kind is Kind.OK_WRITE)
                 cache.put_attr(a)

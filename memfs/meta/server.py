@@ -72,11 +72,13 @@ from memfs.meta.journal import (
     Journal,
 )
 from memfs.meta.leases import (
+    ANYWHERE,
     LEASE_TERM,
     RECALL_TIMEOUT,
     Holder,
     Item,
     LeaseTable,
+    Settle,
     settles_from_wire,
 )
 from memfs.meta.locks import LockService
@@ -246,12 +248,13 @@ class MetaServer:
             out["memfs_mds_journal_durable_seq"] = float(self.journal.durable_seq)
         return out
 
-    def _settle(self, ino: int, size: int | None, mtime_ns: int) -> None:
-        """A write lease ended: its size and mtime (None: unknown) and the end of its
-        preallocation, applied and journaled."""
+    def _settle(self, ino: int, size: int | None, mtime_ns: int,
+                span: tuple[int, int] = ANYWHERE) -> None:
+        """A write lease ended: its size and mtime (None: unknown), what it wrote and
+        the end of its preallocation, applied and journaled."""
         size_ = -1 if size is None else size
-        if self.store.settle_now(ino, size_, mtime_ns, True) and self.journal is not None:
-            self.journal.append(self._t, "settle", [ino, size_, mtime_ns, 1])
+        if self.store.settle_now(ino, size_, mtime_ns, True, span) and self.journal is not None:
+            self.journal.append(self._t, "settle", [ino, size_, mtime_ns, 1, *span])
         self._journal_destroys()
 
     def _lost_write(self, holder: Any, ino: int) -> None:
@@ -412,7 +415,7 @@ class MetaServer:
         n = 0
         for ino in self.store.preallocated():
             if ino not in self.leases.writers:
-                self._settle(ino, None, 0)
+                self._settle(ino, None, 0, ANYWHERE)
                 n += 1
         if n:
             log.info("freed the unused preallocation of %d files", n)
@@ -751,6 +754,14 @@ class MetaServer:
             await self.leases.recall(None, items)
             first = False
 
+    def evictions_held(self) -> bool:
+        """Within the grace after a restart, until every session of the run before is
+        back: each may report writes made under a write lease (the journal has no
+        leases) into chunks an eviction would free, and its reports come with its
+        registration.  (A burst buffer's eviction waits; calls that need room wait
+        with it, asking again as usual.)"""
+        return self._recovering and bool(self.store.eligible - self.store.this_run)
+
     async def _glimpse_writers(self, session: Session | None) -> None:
         """Every other session's write leases end with their reports (which mark the
         files dirty), so a flush asked on one node takes what another node wrote and
@@ -900,7 +911,7 @@ class MetaServer:
 
     async def _claim_session(
         self, conn: Connection, sid: bytes, claimed: dict[int, int],
-        settles: list[tuple[int, int, int]] | None = None,
+        settles: list[Settle] | None = None,
         ops: list[tuple[str, list[Any]]] | None = None,
     ) -> list[Any]:
         """Attach *conn* to session *sid* and make its open counts exactly *claimed*.
@@ -957,19 +968,22 @@ class MetaServer:
         olds = {w for w in self.leases.writers.values()
                 if w is not s and isinstance(w, Session) and w.sid == sid}
         failed = []
-        for ino, size, mtime in settles or ():
+        for ino, size, mtime, span in settles or ():
             w = self.leases.writers.get(ino)
             if w is s or w in olds or (previous_run and w is None and ino not in lost_here
                                        and ANY_EARLIER not in marks.get(ino, ())):
                 if w is not None:
                     # Its lease ends here with its word: what it took ahead goes now.
                     self.leases.release_write(w, ino)
-                if self.store.settle_now(ino, size, mtime, True) and self.journal is not None:
-                    self.journal.append(self._t, "settle", [ino, size, mtime, 1])
+                if self.store.settle_now(ino, size, mtime, True, span) and self.journal is not None:
+                    self.journal.append(self._t, "settle", [ino, size, mtime, 1, *span])
                 continue
             i = self.store.inodes.get(ino)
-            if i is None or size <= i.size:
+            if i is None or (size <= i.size and self.meta is self.store):
                 continue
+            # Through a backing directory no size is stale evidence: an overwrite in
+            # place reports the size the file has, and eviction may have freed the
+            # chunks it wrote.
             if ino in lost_here or first:
                 log.warning("%s: size %d of inode %d (%d known) not applied: the client lost "
                             "its write lease without its word (evicted, cut off, or back after "

@@ -885,13 +885,18 @@ class MetaStore(Meta):
                         self.watcher.wrote(ino, first, last)
         return plan, self._attr(i)
 
-    async def settle_write(self, ino: int, size: int, mtime_ns: int, trim: int) -> None:
-        self.settle_now(ino, size, mtime_ns, bool(trim))
+    async def settle_write(
+        self, ino: int, size: int, mtime_ns: int, trim: int, lo: int = -1, hi: int = -1,
+    ) -> None:
+        self.settle_now(ino, size, mtime_ns, bool(trim), (lo, hi))
 
-    def settle_now(self, ino: int, size: int, mtime_ns: int, trim: bool) -> bool:
-        """A write lease's size and mtime (``size < 0``: unknown) and, with *trim*, the
-        end of its preallocation: chunks wholly past EOF are freed.  True if anything
-        changed."""
+    def settle_now(
+        self, ino: int, size: int, mtime_ns: int, trim: bool, span: tuple[int, int] = (-1, -1),
+    ) -> bool:
+        """A write lease's size and mtime (``size < 0``: unknown), the bytes its holder
+        wrote under it (*span*, ``[lo, hi)``; ``lo < 0``: unknown, anywhere; empty:
+        nothing) and, with *trim*, the end of its preallocation: chunks wholly past
+        EOF are freed.  True if anything changed."""
         i = self.inodes.get(ino)
         if i is None or i.chunks is None:
             return False
@@ -911,12 +916,17 @@ class MetaStore(Meta):
                 changed = True
                 if self.watcher is not None:
                     self.watcher.truncated(ino)  # space ahead counted dirty: not any more
-        if self.watcher is not None and i.chunks:
-            # Write-back (the only watcher): the holder wrote somewhere in the chunks
-            # it had, without asking (its size and mtime need not move: an overwrite,
-            # another node's clock), and write-back copies whole files anyway.
-            # Changed, so that it is journaled: a replay must find the file dirty too.
-            self.watcher.rewritten(ino)
+        lo, hi = span
+        if self.watcher is not None and i.chunks and (lo < 0 or hi > lo):
+            # Write-back (the only watcher): the holder wrote without asking (its size
+            # and mtime need not move: an overwrite, another node's clock).  The span
+            # covers everything written under the lease, so every report of it (the
+            # last ones may be lost or overtaken) marks a new version.  Changed, so
+            # that it is journaled: a replay must find the file dirty too.
+            if lo < 0:
+                self.watcher.rewritten(ino)
+            else:
+                self.watcher.wrote(ino, lo // self.chunk_size, (hi - 1) // self.chunk_size)
             changed = True
         return changed
 

@@ -440,6 +440,57 @@ def test_a_flush_on_another_node_takes_what_a_writer_has_not_reported(tmp_path: 
         assert_no_traceback(cluster)
 
 
+def test_a_restarted_mds_evicts_nothing_until_the_writers_are_back(tmp_path: Path) -> None:
+    """Writes made under a write lease and not yet reported when the mds died are in
+    no journal: the restarted mds evicts nothing (writers needing room wait) until
+    every client of the run before has registered again with its sizes, or its
+    grace is over.  Found by a review: evicting the file (clean, by the journal)
+    freed the chunks the writer had overwritten; its registration was then taken,
+    its fsync succeeded, and its bytes were gone from the pool and never in DIR."""
+    import threading
+
+    back, journal = tmp_path / "backing", tmp_path / "journal"
+    back.mkdir()
+    size = 4 * MiB
+    mds_args = ["--backing", str(back), "--journal", str(journal), "--flush-delay", "0.2",
+                "--grace", "30"]
+    with make_cluster(tmp_path, mds_args, volume_size="8M") as cluster:  # a 32 MiB pool
+        c1, c2 = cluster.mnt["c1"], cluster.mnt["c2"]
+        c1_pid = mount_pids(cluster)["c1"]
+        fd = os.open(c1 / "f", os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            os.pwrite(fd, tagged("f", 1, size), 0)
+            flush_wait(c1)
+            gen2 = tagged("f", 2, size)
+            with stopped(cluster.servers["mds"].pid):
+                for k in range(0, size, MiB):  # under the lease: no call
+                    os.pwrite(fd, gen2[k : k + MiB], k)
+                time.sleep(0.5)  # landed on the memory servers; the report waits
+                with stopped(c1_pid):
+                    cluster.restart("mds")  # the stopped mds never reads the report
+                    filled: list[str] = []
+
+                    def fill() -> None:
+                        for n in range(3):  # room only by evicting f
+                            (c2 / f"fill{n}").write_bytes(os.urandom(10 * MiB))
+                        filled.append("done")
+
+                    t = threading.Thread(target=fill, daemon=True)
+                    t.start()
+                    time.sleep(6)
+                    assert status(c2)["evicted_files"] == 0, "evicted while c1 may report"
+            t.join(120)  # c1 is back: its registration marks f dirty; evictions go on
+            assert filled == ["done"]
+            os.fsync(fd)
+        finally:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        flush_wait(c1)
+        assert sha((back / "f").read_bytes()) == sha(gen2)
+        assert sha(direct_read(c2 / "f", size)) == sha(gen2)
+        assert_no_traceback(cluster)
+
+
 # -- a full pool under churn ----------------------------------------------------------------
 
 BLOCK = 4096

@@ -575,13 +575,32 @@ async def test_space_ahead_and_write_lease_reports_count_as_dirty(tmp_path: Path
         assert b.tracker.dirty_chunks * cs == 2 * M
         assert len(b.store.inodes[f.ino].chunks or ()) == 2 * M // cs
         assert b.ahead_room(cs, cs, 8 * M) == 0  # the cap is full
-        d = b.tracker.dirty[f.ino]
-        version = d.version
-        b.store.settle_now(f.ino, cs, b.store.inodes[f.ino].mtime_ns, False)
+        version = b.tracker.dirty[f.ino].version
+        mtime = b.store.inodes[f.ino].mtime_ns
+        b.store.settle_now(f.ino, cs, mtime, False, (0, 0))  # nothing written under it
+        assert b.tracker.dirty[f.ino].version == version
+        b.store.settle_now(f.ino, cs, mtime, False, (100, 200))  # an overwrite
+        assert b.tracker.dirty[f.ino].version > version
+        version = b.tracker.dirty[f.ino].version
+        b.store.settle_now(f.ino, cs, mtime, False)  # a registration: not said where
         assert b.tracker.dirty[f.ino].version > version
         # At the end of the lease what was not written is freed, and counts no more.
         b.store.settle_now(f.ino, cs, 0, True)
         assert list(b.store.inodes[f.ino].chunks or ()) == [0]
+        assert b.tracker.dirty_chunks == 1
+
+
+async def test_a_small_rewrite_of_a_large_file_counts_what_it_wrote(tmp_path: Path) -> None:
+    """A write lease's report says which bytes it covers: 4 KiB rewritten in a clean
+    4 MiB file count one chunk against the dirty cap, not the file (which would hold
+    every other writer at a small cap for as long as the rewriting goes on)."""
+    async with backed(tmp_path, delay=0.0, workers=1, dirty_max=2 * M) as (b, data):
+        f = await b.mknod(ROOT, b"f", REG, 0, 0)
+        await data.write(f.ino, 0, b"f" * 4 * M)
+        await settle(b)
+        assert not b.tracker.dirty
+        b.tracker.delay = 3600.0  # stays dirty now
+        b.store.settle_now(f.ino, 4 * M, b.store.inodes[f.ino].mtime_ns, False, (0, 4096))
         assert b.tracker.dirty_chunks == 1
 
 

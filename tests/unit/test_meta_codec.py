@@ -131,7 +131,7 @@ SAMPLE_ARGS: dict[str, tuple[Any, ...]] = {
     "readdirplus": (1,),
     "create": (1, b"n", 0o100644, 1, 2),
     "allocate_ahead": (7, 0, 1 << 20, 1 << 20),
-    "settle": (7, 12345, 99, 1),
+    "settle": (7, 12345, 99, 1, 0, 12345),
     "reserve_inos": (1024,),
     "create_at": (1, b"n", 0o100644, 1, 2, 1000, 1_700_000_000_000_000_000),
     "unlink_at": (1, b"n", 1000, 1_700_000_000_000_000_000),
