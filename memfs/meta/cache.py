@@ -76,9 +76,10 @@ class ClientCache:
         #: (the server evicts a client it did not hear from): kept until a reply after
         #: it shows it did, and sent with the next registration otherwise
         self.answered: dict[int, tuple[int, int]] = {}
-        #: bytes ``[lo, hi)`` written under the current write lease, all of it (every
-        #: report says it whole: an earlier one may be lost, or arrive after the
-        #: lease was revoked and be ignored); gone when the lease ends
+        #: bytes ``[lo, hi)`` written under the current write lease since the last report
+        #: the server is known to have (one on its way may be lost, or arrive after
+        #: the lease was revoked and be ignored: the next report, or the recall's
+        #: answer, says its span again); gone when the lease ends
         self.spans: dict[int, tuple[int, int]] = {}
         self._gens: dict[int, int] = {}
         self._epoch = 0

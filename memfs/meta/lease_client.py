@@ -262,7 +262,7 @@ class LeaseKeeper:
         if d is None:
             a = cache.attrs.get(ino)
             d = (-1, 0) if a is None else (a.size, a.mtime_ns)
-        span = cache.span(ino)  # all of it, whatever reports went before
+        span = cache.span(ino)  # since the last report the server is known to have
         if trim:
             # No more writes without asking; the size stays in ``dirty`` until the
             # server has it (a reconnection in between sends it with the registration).
@@ -285,8 +285,8 @@ class LeaseKeeper:
             return
         if cache.dirty.get(ino) == d:
             del cache.dirty[ino]
-        if trim and cache.spans.get(ino) == span:
-            del cache.spans[ino]  # the lease ended with this report
+        if cache.spans.get(ino) == span:
+            del cache.spans[ino]  # heard: the next report says what is written after
 
     def settled_first(self, ino: int) -> Awaitable[None] | None:
         """A call about *ino* that the server answers from its own state needs our unsent size."""

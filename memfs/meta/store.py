@@ -919,10 +919,9 @@ class MetaStore(Meta):
         lo, hi = span
         if self.watcher is not None and i.chunks and (lo < 0 or hi > lo):
             # Write-back (the only watcher): the holder wrote without asking (its size
-            # and mtime need not move: an overwrite, another node's clock).  The span
-            # covers everything written under the lease, so every report of it (the
-            # last ones may be lost or overtaken) marks a new version.  Changed, so
-            # that it is journaled: a replay must find the file dirty too.
+            # and mtime need not move: an overwrite, another node's clock): a new
+            # version, the span counted dirty.  Changed, so that it is journaled: a
+            # replay must find the file dirty too.
             if lo < 0:
                 self.watcher.rewritten(ino)
             else:
