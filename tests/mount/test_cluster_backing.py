@@ -440,6 +440,51 @@ def test_a_flush_on_another_node_takes_what_a_writer_has_not_reported(tmp_path: 
         assert_no_traceback(cluster)
 
 
+def test_a_small_rewrite_under_a_write_lease_does_not_hold_other_writers(tmp_path: Path) -> None:
+    """A node rewriting a few bytes of a large file in a loop under its write lease
+    (a header updated while the body is done) counts what it rewrites against the
+    dirty cap, not the whole file: another node's writes go on.  Found by a review:
+    every report counted the whole file (24 MiB against a 4 MiB cap), and the other
+    node's 1 MiB write waited 16 s, until the loop stopped."""
+    import threading
+
+    back = tmp_path / "backing"
+    back.mkdir()
+    with make_cluster(tmp_path, ["--backing", str(back), "--flush-delay", "0.2",
+                                 "--dirty-max", "4M"], volume_size="16M") as cluster:
+        c1, c2 = cluster.mnt["c1"], cluster.mnt["c2"]
+        fd = os.open(c1 / "big", os.O_CREAT | os.O_RDWR, 0o644)
+        stop = threading.Event()
+        t = None
+        try:
+            body = os.urandom(24 * MiB)
+            for k in range(0, len(body), MiB):
+                os.pwrite(fd, body[k : k + MiB], k)
+            flush_wait(c1)  # the lease stays: the file is open
+
+            def header() -> None:
+                n = 0
+                while not stop.is_set():
+                    os.pwrite(fd, n.to_bytes(8, "little") * 512, 0)
+                    n += 1
+                    time.sleep(0.01)
+
+            t = threading.Thread(target=header)
+            t.start()
+            time.sleep(0.5)
+            assert status(c2)["dirty_bytes"] <= 4 * MiB
+            for n in range(3):
+                t0 = time.monotonic()
+                (c2 / f"new{n}").write_bytes(os.urandom(MiB))
+                assert time.monotonic() - t0 < 5, "held at the dirty cap by the header loop"
+        finally:
+            stop.set()
+            if t is not None:
+                t.join(10)
+            os.close(fd)
+        assert_no_traceback(cluster)
+
+
 def test_a_restarted_mds_evicts_nothing_until_the_writers_are_back(tmp_path: Path) -> None:
     """Writes made under a write lease and not yet reported when the mds died are in
     no journal: the restarted mds evicts nothing (writers needing room wait) until
