@@ -20,6 +20,7 @@ only if the inode's *generation* did not move while the map was fetched.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -81,6 +82,11 @@ class ClientCache:
         #: the lease was revoked and be ignored: the next report, or the recall's
         #: answer, says its span again); gone when the lease ends
         self.spans: dict[int, tuple[int, int]] = {}
+        #: the number of the last write counted into ``spans``, per inode (a write
+        #: inside the span leaves it as it was, but is not covered by a report taken
+        #: before it); numbers are never reused
+        self.span_writes: dict[int, int] = {}
+        self._write_seq = itertools.count(1)
         self._gens: dict[int, int] = {}
         self._epoch = 0
         self._pins: dict[int, int] = {}
@@ -301,6 +307,7 @@ class ClientCache:
         granted it: posted, they may land after the server marked them)."""
         span = self.spans.get(ino)
         self.spans[ino] = (offset, end) if span is None else (min(span[0], offset), max(span[1], end))
+        self.span_writes[ino] = next(self._write_seq)
 
     def span(self, ino: int) -> tuple[int, int]:
         """What was written under the current write lease on *ino* (``(0, 0)``: nothing)."""
@@ -310,6 +317,7 @@ class ClientCache:
         """The lease is lost: nothing cached may be used any more (dirty sizes stay,
         and are sent with the next registration, which does not say where)."""
         self.spans.clear()
+        self.span_writes.clear()
         self.attrs.clear()
         self.dirs.clear()
         self.files.clear()

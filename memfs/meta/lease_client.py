@@ -104,6 +104,7 @@ class LeaseKeeper:
             if revoke:
                 a = cache.attrs.get(ino)
                 span = cache.spans.pop(ino, (0, 0))  # the lease ends with this answer
+                cache.span_writes.pop(ino, None)
                 took = cache.take_write(ino)
                 if took is not None:
                     settles.append([ino, *took, *span])
@@ -263,6 +264,7 @@ class LeaseKeeper:
             a = cache.attrs.get(ino)
             d = (-1, 0) if a is None else (a.size, a.mtime_ns)
         span = cache.span(ino)  # since the last report the server is known to have
+        writes = cache.span_writes.get(ino)
         if trim:
             # No more writes without asking; the size stays in ``dirty`` until the
             # server has it (a reconnection in between sends it with the registration).
@@ -285,8 +287,9 @@ class LeaseKeeper:
             return
         if cache.dirty.get(ino) == d:
             del cache.dirty[ino]
-        if cache.spans.get(ino) == span:
+        if cache.span_writes.get(ino) == writes and cache.spans.get(ino) == span:
             del cache.spans[ino]  # heard: the next report says what is written after
+            del cache.span_writes[ino]
 
     def settled_first(self, ino: int) -> Awaitable[None] | None:
         """A call about *ino* that the server answers from its own state needs our unsent size."""

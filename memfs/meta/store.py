@@ -17,7 +17,7 @@ import errno
 import logging
 import stat
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Protocol
 
 from memfs.config import PoolConfig
@@ -925,9 +925,28 @@ class MetaStore(Meta):
             if lo < 0:
                 self.watcher.rewritten(ino)
             else:
-                self.watcher.wrote(ino, lo // self.chunk_size, (hi - 1) // self.chunk_size)
+                self._wrote_existing(i, lo // self.chunk_size, (hi - 1) // self.chunk_size)
             changed = True
         return changed
+
+    def _wrote_existing(self, i: Inode, first: int, last: int) -> None:
+        """Tell the watcher of chunks *first*..*last* of *i* that exist, in runs (a span
+        is the hull of a lease's writes: sparse ones would count chunks that do not)."""
+        assert self.watcher is not None and i.chunks is not None
+        chunks = i.chunks
+        if last - first + 1 <= len(chunks):
+            ks: Iterable[int] = (k for k in range(first, last + 1) if k in chunks)
+        else:
+            ks = sorted(k for k in chunks if first <= k <= last)
+        start = prev = -2
+        for k in ks:
+            if k != prev + 1:
+                if start >= 0:
+                    self.watcher.wrote(i.ino, start, prev)
+                start = k
+            prev = k
+        if start >= 0:
+            self.watcher.wrote(i.ino, start, prev)
 
     def new_run(self) -> None:
         """A server starts: sessions of the run before may report within its grace."""

@@ -777,3 +777,15 @@ async def test_a_dir_call_given_up_under_the_lock_is_not_made_twice(tmp_path: Pa
             release.set()
         assert calls == [NsKind.EXCHANGE] and not b.mirror.ops
         assert (backing / "x").read_bytes() == b"Y" and (backing / "y").read_bytes() == b"X"
+
+
+async def test_a_sparse_span_counts_only_chunks_that_exist(tmp_path: Path) -> None:
+    """A write lease's span is the hull of its writes: two writes far apart (one at
+    64 GiB) count the chunks they wrote, not the million between them."""
+    async with backed(tmp_path, delay=3600.0, workers=1) as (b, data):
+        f = await b.mknod(ROOT, b"f", REG, 0, 0)
+        await data.write(f.ino, 0, b"a" * 4096)
+        await data.write(f.ino, 64 << 30, b"b" * 4096)
+        assert b.tracker.dirty_chunks == 2
+        b.store.settle_now(f.ino, (64 << 30) + 4096, 0, False, (0, (64 << 30) + 4096))
+        assert b.tracker.dirty_chunks == 2

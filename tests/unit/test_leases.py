@@ -8,6 +8,7 @@ kernel to drop.  The real-mount acceptance tests are in test_cluster.py.
 from __future__ import annotations
 
 import errno
+import functools
 import stat
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -1552,3 +1553,39 @@ async def test_a_transfer_begun_after_the_wait_does_not_stop_the_answer(
         finally:
             late.__exit__(None, None, None)
         assert server.leases.evictions == 0
+
+
+async def test_a_write_during_a_report_is_reported_again_even_inside_its_span() -> None:
+    """A report takes the span written so far and drops it once the server has it;
+    a write made meanwhile inside that span (it leaves the span as it was) is not
+    covered by that report (its bytes may land after the server applied it), so the
+    span stays for the next report.  Found by a review: the next report then said
+    nothing written, and DIR kept the bytes from before the last write."""
+
+    class NoKernel:
+        invalidator: lease_client.Invalidator | None = None
+        names_invalidator: Callable[[], None] | None = None
+
+        def write_lost(self, inos: list[int]) -> None:
+            pass
+
+    sent: list[tuple[Any, ...]] = []
+    answer = trio.Event()
+
+    async def call(*args: Any) -> None:
+        sent.append(args)
+        await answer.wait()
+
+    cache = ClientCache(chunk_size=64 << 10, term=4.0)
+    keeper = lease_client.LeaseKeeper(cache, call, NoKernel())
+    cache.wrote(5, 4096, 8192, 1)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(functools.partial(keeper.settle, 5, trim=False))
+        await trio.sleep(0.01)
+        assert sent[-1][-2:] == (4096, 8192)
+        cache.wrote(5, 4096, 8192, 2)  # the same bytes again: the span does not move
+        answer.set()
+    assert cache.span(5) == (4096, 8192), "the second write was taken as reported"
+    await keeper.settle(5, trim=False)
+    assert sent[-1][-2:] == (4096, 8192)
+    assert cache.span(5) == (0, 0)
