@@ -231,8 +231,21 @@ def write_secret(path: Path) -> Path:
     return path
 
 
+def backing_args(tmp: Path, side: str, backing: bool, leases: bool = False) -> list[str]:
+    """``--backing``: a burst buffer on either side, its backing directory (fresh each
+    round) on this machine's disk, write-back held past the run (``--flush-delay``)
+    so that the rounds measure the mount, not the disk."""
+    if not backing:
+        return []
+    d = tmp / f"backing-{side}"
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir()
+    return ["--backing", str(d), "--flush-delay", "600", *(["--backing-write-leases"] if leases else [])]
+
+
 @contextmanager
-def cluster(runner: Runner, tmp: Path, volume_size: str) -> Iterator[Path]:
+def cluster(runner: Runner, tmp: Path, volume_size: str, backing: bool = False,
+            leases: bool = False) -> Iterator[Path]:
     """2 memd x 2 volumes, an mds over the 4 volumes and one client mount, on loopback."""
     secret = str(write_secret(tmp / "secret"))
     with ExitStack() as stack:  # unwinds mount, mds, memds: users before what they use
@@ -247,6 +260,7 @@ def cluster(runner: Runner, tmp: Path, volume_size: str) -> Iterator[Path]:
         spec = "+".join(f"tcp://{LOOPBACK}:{m.port}/{v}" for v in (0, 1) for m in memds)
         mds = stack.enter_context(server(runner, [
             "mds", "--listen", f"{LOOPBACK}:0", "--pool", spec, "--secret-file", secret,
+            *backing_args(tmp, "cluster", backing, leases),
         ], "mds listening", tmp / "mds.log"))
         yield stack.enter_context(mounted(
             runner, tmp / "cluster",
@@ -254,8 +268,9 @@ def cluster(runner: Runner, tmp: Path, volume_size: str) -> Iterator[Path]:
         ))
 
 
-def embedded(runner: Runner, tmp: Path, size: str) -> AbstractContextManager[Path]:
-    return mounted(runner, tmp / "embedded", ["--size", size, "--volumes", "4"],
+def embedded(runner: Runner, tmp: Path, size: str, backing: bool = False) -> AbstractContextManager[Path]:
+    return mounted(runner, tmp / "embedded", ["--size", size, "--volumes", "4",
+                                              *backing_args(tmp, "embedded", backing)],
                    tmp / "embedded.log")
 
 
@@ -341,6 +356,12 @@ def main() -> int:
     ap.add_argument("--skip-data", action="store_true", help="metadata only, no fio")
     ap.add_argument("--code", help="memfs checkout to run (first on PYTHONPATH of memfs processes)")
     ap.add_argument("--json", help="also write results here")
+    ap.add_argument("--backing", action="store_true",
+                    help="both sides burst buffers (--backing on the embedded mount and the "
+                         "mds), write-back held past the run")
+    ap.add_argument("--backing-write-leases", action="store_true",
+                    help="with --backing: the mds grants write leases too (memfs mds "
+                         "--backing-write-leases)")
     args = ap.parse_args()
     if os.geteuid() != 0 or shutil.which("fio") is None or shutil.which("fusermount3") is None:
         print("clusterbench needs root, fio and fusermount3", file=sys.stderr)
@@ -363,7 +384,9 @@ def main() -> int:
         print(f"memfs processes import {code}", file=sys.stderr, flush=True)
 
         def one(side: str) -> dict[str, float]:
-            mount = cluster(runner, tmp, args.volume_size) if side == "cluster" else embedded(runner, tmp, total)
+            mount = (cluster(runner, tmp, args.volume_size, args.backing,
+                             args.backing_write_leases) if side == "cluster"
+                     else embedded(runner, tmp, total, args.backing))
             try:
                 with mount as root:
                     return workloads(root, args, problems, side)
@@ -376,7 +399,8 @@ def main() -> int:
 
     med = {side: {k: median(v) for k, v in d.items()} for side, d in samples.items()}
     print(f"\nmemfs cluster (2 memd x 2 x {args.volume_size}, mds, 1 client; 127.0.0.1) vs "
-          f"embedded ({total}), medians of {args.rounds} alternating rounds; "
+          f"embedded ({total}){', both with --backing' if args.backing else ''}, "
+          f"medians of {args.rounds} alternating rounds; "
           f"{'no fio' if args.skip_data else f'fio 2 jobs x {args.size}'}, "
           f"metadata 2 x {args.files} files; code {code}")
     print("\n".join(table(med)))

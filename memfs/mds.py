@@ -57,6 +57,7 @@ class MdsOptions:
     recall_timeout: float = 2.0
     #: grant create leases (asynchronous creates); ``--sync-creates``: never
     async_creates: bool = True
+    backing_write_leases: bool = False
     #: burst buffer: this server writes the pool back to (and stages in from) a directory
     flush: FlushConfig | None = None
     #: serve Prometheus metrics here (``--metrics``)
@@ -304,6 +305,7 @@ async def _main(opts: MdsOptions, journal: Journal | None) -> int:
             lease_term=opts.lease_term, recall_timeout=opts.recall_timeout,
         )
         server.async_creates = opts.async_creates
+        server.backing_write_leases = opts.backing_write_leases
         from memfs.transport.pool import as_tcp
         from memfs.transport.tcp import Fences, server_name
 

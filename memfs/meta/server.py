@@ -210,15 +210,18 @@ class MetaServer:
         self.metrics: Metrics | None = None
         #: grant create leases (``memfs mds --sync-creates`` turns them off)
         self.async_creates = True
+        #: grant write leases through a backing directory too (``--backing-write-leases``)
+        self.backing_write_leases = False
         self.locks = LockService(self._lock_holder_silent, self._evict_sid, self._tell_unlocked,
                                  trio.current_time)
 
     @property
     def write_leases(self) -> bool:
-        """Write leases, with a backing directory too: a holder's reports of what it
-        wrote (``settle``, recall answers, registrations) mark the file dirty for
-        write-back (:meth:`MetaStore.settle_now`)."""
-        return self.leases.term > 0
+        """Write leases; through a backing directory only with
+        ``--backing-write-leases``: a holder's reports of what it wrote (``settle``,
+        recall answers, registrations) mark the file dirty for write-back
+        (:meth:`MetaStore.settle_now`)."""
+        return self.leases.term > 0 and (self.meta is self.store or self.backing_write_leases)
 
     @property
     def create_leases(self) -> bool:
@@ -760,7 +763,8 @@ class MetaServer:
         leases) into chunks an eviction would free, and its reports come with its
         registration.  (A burst buffer's eviction waits; calls that need room wait
         with it, asking again as usual.)"""
-        return self._recovering and bool(self.store.eligible - self.store.this_run)
+        return (self.write_leases and self._recovering
+                and bool(self.store.eligible - self.store.this_run))
 
     async def _glimpse_writers(self, session: Session | None) -> None:
         """Every other session's write leases end with their reports (which mark the

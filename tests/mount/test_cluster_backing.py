@@ -372,8 +372,8 @@ def test_writes_under_a_write_lease_are_written_back(tmp_path: Path) -> None:
     back = tmp_path / "backing"
     back.mkdir()
     size = 4 * MiB
-    with make_cluster(tmp_path, ["--backing", str(back), "--flush-delay", "60"],
-                      volume_size="16M") as cluster:
+    with make_cluster(tmp_path, ["--backing", str(back), "--flush-delay", "60",
+                                 "--backing-write-leases"], volume_size="16M") as cluster:
         c1, c2 = cluster.mnt["c1"], cluster.mnt["c2"]
         fd = os.open(c1 / "f", os.O_CREAT | os.O_RDWR, 0o644)
         try:
@@ -423,7 +423,8 @@ def test_a_flush_on_another_node_takes_what_a_writer_has_not_reported(tmp_path: 
     back = tmp_path / "backing"
     back.mkdir()
     size = 2 * MiB
-    with make_cluster(tmp_path, ["--backing", str(back), "--flush-delay", "60"]) as cluster:
+    with make_cluster(tmp_path, ["--backing", str(back), "--flush-delay", "60",
+                                 "--backing-write-leases"]) as cluster:
         c1, c2 = cluster.mnt["c1"], cluster.mnt["c2"]
         fd = os.open(c1 / "f", os.O_CREAT | os.O_RDWR, 0o644)
         try:
@@ -451,7 +452,8 @@ def test_a_small_rewrite_under_a_write_lease_does_not_hold_other_writers(tmp_pat
     back = tmp_path / "backing"
     back.mkdir()
     with make_cluster(tmp_path, ["--backing", str(back), "--flush-delay", "0.2",
-                                 "--dirty-max", "4M"], volume_size="16M") as cluster:
+                                 "--dirty-max", "4M", "--backing-write-leases"],
+                      volume_size="16M") as cluster:
         c1, c2 = cluster.mnt["c1"], cluster.mnt["c2"]
         fd = os.open(c1 / "big", os.O_CREAT | os.O_RDWR, 0o644)
         stop = threading.Event()
@@ -498,7 +500,7 @@ def test_a_restarted_mds_evicts_nothing_until_the_writers_are_back(tmp_path: Pat
     back.mkdir()
     size = 4 * MiB
     mds_args = ["--backing", str(back), "--journal", str(journal), "--flush-delay", "0.2",
-                "--grace", "30"]
+                "--grace", "30", "--backing-write-leases"]
     with make_cluster(tmp_path, mds_args, volume_size="8M") as cluster:  # a 32 MiB pool
         c1, c2 = cluster.mnt["c1"], cluster.mnt["c2"]
         c1_pid = mount_pids(cluster)["c1"]
@@ -608,8 +610,13 @@ def test_reads_and_writes_through_a_full_pool_under_churn(tmp_path: Path) -> Non
             with lock:
                 hi = started[name]
             counts["reads"] += 1
-            if lo == hi and data != tagged(name, lo, size):
-                problems.append(f"{name}: {len(data)} bytes, not generation {lo}'s {size}")
+            want = tagged(name, lo, size)
+            if lo == hi and data != want:
+                k = next((k for k in range(0, min(len(data), size), BLOCK)
+                          if data[k : k + BLOCK] != want[k : k + BLOCK]), min(len(data), size))
+                problems.append(f"{name} read on {mnt.name}{' buffered' if buffered else ''}: "
+                                f"{len(data)} bytes, not generation {lo}'s {size}: from byte {k}: "
+                                f"{data[k : k + 24]!r}")
                 stop.set()
 
     def rewriter(mnt: Path) -> None:
@@ -651,7 +658,7 @@ def test_reads_and_writes_through_a_full_pool_under_churn(tmp_path: Path) -> Non
         stop.set()
         for t in threads:
             t.join(120)
-        assert not problems, problems
+        assert not problems, (problems, counts)
         assert counts["reads"] > 100 and counts["rewrites"] > 20, counts
         assert status(c1)["evicted_files"] > 0, "nothing was evicted: the pool is too large"
         assert_no_traceback(cluster)

@@ -294,7 +294,7 @@ def test_backing_tree_is_whole_before_the_mds_serves(
 ) -> None:
     """With --backing, the mds answers no call before DIR's tree is entered and
     write-back follows the store: the first call sees every file, and no write
-    lease is handed out (a write under one would never be written back)."""
+    lease is handed out (without ``--backing-write-leases``: every write is a call)."""
     backing = tmp_path / "backing"
     backing.mkdir()
     names = [f"f{i:05d}" for i in range(3000)]
