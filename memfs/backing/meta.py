@@ -228,8 +228,9 @@ class BackedMeta(Meta):
         """:meth:`map_write` (fetch, the dirty cap, room), then space ahead if the file
         has nothing in DIR past it (best effort, as without DIR)."""
         plan = await self.map_write(ino, offset, length)
-        # No await from here: the chunks just mapped are still there.
-        if ahead > 0 and length:
+        # No await from here: the chunks just mapped are still there.  (Length 0 too:
+        # the journal's replay gives the space ahead the record names.)
+        if ahead > 0:
             return await self.store.allocate_ahead(ino, offset, length, ahead)
         return plan, await self.store.getattr(ino)
 

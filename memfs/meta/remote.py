@@ -823,7 +823,7 @@ class RemoteMeta(Meta):
                 await self.leases.settle(ino, trim=False)
         if scope.cancelled_caught and self.cache.dirty:
             log.warning("the sizes of %d file(s) written here did not reach the metadata "
-                        "server before unmounting", len(self.cache.dirty))
+                        "server within %.0f s", len(self.cache.dirty), self.timeout)
 
     async def sync(self, ino: int) -> None:
         self._check_write_error(ino)

@@ -363,6 +363,20 @@ def test_backing_with_journal_restart_keeps_space(tmp_path: Path) -> None:
 # -- write leases through a backing directory ---------------------------------------------
 
 
+def open_written_back(c1: Path, back: Path, size: int) -> int:
+    """Descriptor of c1's file "f", open for writing (its write lease held), with
+    generation 1 of it written back to DIR *back*."""
+    fd = os.open(c1 / "f", os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        os.pwrite(fd, tagged("f", 1, size), 0)
+        flush_wait(c1)
+        assert sha((back / "f").read_bytes()) == sha(tagged("f", 1, size))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def test_writes_under_a_write_lease_are_written_back(tmp_path: Path) -> None:
     """A writer holding a write lease writes into its chunks without asking the mds;
     what it writes so must still reach DIR: an in-place overwrite (size unchanged)
@@ -375,11 +389,8 @@ def test_writes_under_a_write_lease_are_written_back(tmp_path: Path) -> None:
     with make_cluster(tmp_path, ["--backing", str(back), "--flush-delay", "60",
                                  "--backing-write-leases"], volume_size="16M") as cluster:
         c1, c2 = cluster.mnt["c1"], cluster.mnt["c2"]
-        fd = os.open(c1 / "f", os.O_CREAT | os.O_RDWR, 0o644)
+        fd = open_written_back(c1, back, size)
         try:
-            os.pwrite(fd, tagged("f", 1, size), 0)
-            flush_wait(c1)
-            assert sha((back / "f").read_bytes()) == sha(tagged("f", 1, size))
             # The lease's chunks need no call: these writes go through with the mds
             # stopped (a call would wait for it until the client's timeout).
             new = tagged("f", 2, size)
@@ -426,11 +437,8 @@ def test_a_flush_on_another_node_takes_what_a_writer_has_not_reported(tmp_path: 
     with make_cluster(tmp_path, ["--backing", str(back), "--flush-delay", "60",
                                  "--backing-write-leases"]) as cluster:
         c1, c2 = cluster.mnt["c1"], cluster.mnt["c2"]
-        fd = os.open(c1 / "f", os.O_CREAT | os.O_RDWR, 0o644)
+        fd = open_written_back(c1, back, size)
         try:
-            os.pwrite(fd, tagged("f", 1, size), 0)
-            flush_wait(c1)
-            assert sha((back / "f").read_bytes()) == sha(tagged("f", 1, size))
             os.pwrite(fd, tagged("f", 2, size), 0)  # under the lease: no call
             with stopped(mount_pids(cluster)["c1"]):  # before its report (~50 ms)
                 flush_wait(c2)
@@ -504,10 +512,8 @@ def test_a_restarted_mds_evicts_nothing_until_the_writers_are_back(tmp_path: Pat
     with make_cluster(tmp_path, mds_args, volume_size="8M") as cluster:  # a 32 MiB pool
         c1, c2 = cluster.mnt["c1"], cluster.mnt["c2"]
         c1_pid = mount_pids(cluster)["c1"]
-        fd = os.open(c1 / "f", os.O_CREAT | os.O_RDWR, 0o644)
+        fd = open_written_back(c1, back, size)
         try:
-            os.pwrite(fd, tagged("f", 1, size), 0)
-            flush_wait(c1)
             gen2 = tagged("f", 2, size)
             with stopped(cluster.servers["mds"].pid):
                 for k in range(0, size, MiB):  # under the lease: no call
