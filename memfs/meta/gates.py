@@ -116,6 +116,13 @@ class ChangeGates:
             g.cuts += 1
         self.leases.begin_change(session, ino)
 
+    def others_reading(self, session: Holder, ino: int) -> bool:
+        """Is a ``map_read`` of *ino* by another session under way?  (Its answer,
+        built later, may name chunks a change is filling now: no write lease is
+        granted then, see :meth:`MetaServer._run_call`.)"""
+        g = self._gates.get(ino)
+        return g is not None and any(s is not session for s in g.readers)
+
     def _unwait(self, g: _Gate, ino: int, session: Holder, mode: str, taking: bool) -> None:
         g.waiters -= 1
         if mode == CUT:

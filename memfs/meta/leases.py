@@ -230,7 +230,12 @@ class LeaseTable:
                 if mine is None:
                     mine = self._inos_of[holder] = set()
                 mine.add(ino)
-            if ino in recalling or (ino in changing and changing[ino][0] is not holder):
+            w = self.writers.get(ino)
+            if (ino in recalling or (ino in changing and changing[ino][0] is not holder)
+                    or (w is not None and w is not holder)):
+                # (Another session's write lease: it changes the file without asking,
+                # so nothing would recall this.  Its callers revoke it first; a call
+                # that waited after that may find it granted again meanwhile.)
                 cacheable = False
                 hs[holder] = transfer or hs.get(holder, False)
             else:

@@ -655,7 +655,11 @@ class MetaServer:
             if self.leases.register(session, self._holds(m.name, args, result),
                                     transfer=m.name in _MAPS):
                 kind = Kind.OK_CACHE
+                # Not while another session's map read is under way (waiting for a
+                # fetch, say): registered after this, it would cache what this writer
+                # then changes without asking (its chunks read before our bytes land).
                 if (m.name == "allocate_ahead" and self.write_leases
+                        and not self.gates.others_reading(session, args[0])
                         and self.leases.grant_write(session, args[0])):
                     kind = Kind.OK_WRITE
                 elif (m.name == "create" and self.create_leases

@@ -947,6 +947,72 @@ async def test_a_reader_let_in_while_a_write_waits_makes_the_writer_ask_again() 
             slow.go.set()
 
 
+class ReadsWait:
+    """The server's ``meta`` through a backing directory with write leases: space
+    ahead and map reads wait (a fetch, room) until their event is set."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self.go_write, self.go_read = trio.Event(), trio.Event()
+        self.writing, self.reading = trio.Event(), trio.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    async def allocate_ahead(self, *args: Any) -> Any:
+        self.writing.set()
+        await self.go_write.wait()
+        return await self._store.allocate_ahead(*args)
+
+    async def map_read(self, *args: Any) -> Any:
+        self.reading.set()
+        await self.go_read.wait()
+        return await self._store.map_read(*args)
+
+
+async def test_no_write_lease_is_granted_while_another_clients_map_read_is_under_way() -> None:
+    """A reader's map read recalled the writer's mark, then waited (a fetch); the
+    writer's space ahead, answered meanwhile, came with a write lease; the reader's
+    map, answered after it and cacheable, named the chunks the writer was filling.
+    The reader's node kept pages read before the writer's bytes landed (zeros), and
+    the writer's writes under its lease never recalled it: a buffered read after the
+    writer's close returned zeros from byte 1 MiB (churn test, --backing-write-leases)."""
+    async with cluster(2) as (server, (a, b), (_, kb)):
+        f = await a.create(ROOT, b"f", F, 0, 0)
+        await a.map_write(f.ino, 0, 4096)
+        await a.release(f.ino)
+        await a.open(f.ino)
+        slow = ReadsWait(server.store)
+        server.meta = slow  # type: ignore[assignment]
+        server.backing_write_leases = True
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(a.map_write, f.ino, 4096, 4096)
+            await slow.writing.wait()
+            nursery.start_soon(b.map_read, f.ino, 0, 8192)
+            await slow.reading.wait()
+            slow.go_write.set()
+            await trio.sleep(0.1)
+            slow.go_read.set()
+        assert not server.leases.is_writer(server._sessions[a.session], f.ino)
+        seen = len(kb.inodes)
+        await a.map_write(f.ino, 4096, 4096)  # again, over what b read
+        assert f.ino in kb.inodes[seen:], "b was not asked to drop what it read"
+        await a.release(f.ino)
+
+
+def test_nothing_is_cacheable_while_another_session_holds_the_write_lease() -> None:
+    """Callers revoke a write lease before they answer; one that waited after that
+    may find it granted again: what it sends then must not be kept (nothing would
+    recall it: the writer changes the file without asking)."""
+    table = LeaseTable(term=4.0, recall_timeout=2.0)
+    writer, reader = _Fake(table, None), _Fake(table, None)
+    assert table.register(writer, [7]) and table.grant_write(writer, 7)
+    assert table.register(writer, [7])
+    assert not table.register(reader, [7])
+    assert not table.register(reader, [7], transfer=True)
+    assert not table.grant_write(reader, 7)
+
+
 async def test_a_writers_last_close_ends_its_marks() -> None:
     """Marks of writes without a lease go with the writer's last close (its bytes landed
     before it released): later reads do not ask it again."""
