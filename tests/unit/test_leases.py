@@ -973,10 +973,11 @@ class ReadsWait:
 async def test_no_write_lease_is_granted_while_another_clients_map_read_is_under_way() -> None:
     """A reader's map read recalled the writer's mark, then waited (a fetch); the
     writer's space ahead, answered meanwhile, came with a write lease; the reader's
-    map, answered after it and cacheable, named the chunks the writer was filling.
-    The reader's node kept pages read before the writer's bytes landed (zeros), and
-    the writer's writes under its lease never recalled it: a buffered read after the
-    writer's close returned zeros from byte 1 MiB (churn test, --backing-write-leases)."""
+    map, answered after it and cacheable, named the chunks the writer was filling,
+    and the writer's writes under its lease never recalled the reader: its node
+    could keep pages read before the writer's bytes landed.  (Found by reading the
+    code while hunting the churn test's wrong reads with --backing-write-leases;
+    those go on after this fix, see docs/ARCHITECTURE.md.)"""
     async with cluster(2) as (server, (a, b), (_, kb)):
         f = await a.create(ROOT, b"f", F, 0, 0)
         await a.map_write(f.ino, 0, 4096)
