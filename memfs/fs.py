@@ -407,7 +407,7 @@ class Operations(pyfuse3.Operations):
         e = pyfuse3.EntryAttributes()
         e.st_ino = a.ino
         e.generation = 0
-        ttl = self.meta.attr_ttl(a.ino)
+        ttl = self.meta.attr_ttl(a.ino, a)
         e.attr_timeout = self.attr_timeout if ttl is None else ttl
         if parent:
             ttl = self.meta.entry_ttl(parent, name)

@@ -237,9 +237,10 @@ class Meta(abc.ABC):
 
     # -- client caches (cluster clients override these; see memfs.meta.cache) ----------
 
-    def attr_ttl(self, ino: int) -> float | None:
-        """How long the kernel may cache what was just returned about *ino*; None: the
-        mount's configured timeouts (every change goes through this node)."""
+    def attr_ttl(self, ino: int, returned: Attr | None = None) -> float | None:
+        """How long the kernel may cache what was just returned about *ino* (*returned*:
+        those attributes; a cluster client gives none to what its lease does not cover);
+        None: the mount's configured timeouts (every change goes through this node)."""
         return None
 
     def entry_ttl(self, parent: int, name: bytes) -> float | None:

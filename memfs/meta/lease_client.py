@@ -18,6 +18,7 @@ import trio
 
 from memfs import wire
 from memfs.errors import FsError
+from memfs.meta import Attr
 from memfs.meta.cache import ClientCache
 from memfs.meta.creates import AsyncCreates
 from memfs.meta.leases import items_from_wire
@@ -54,6 +55,11 @@ class RecallChannel(Protocol):
     async def delivered(self) -> bool:
         """True once the server has read everything sent before (a reply came after)."""
         ...
+
+
+def _seen(a: Attr) -> tuple[int, ...]:
+    """What the kernel keeps of *a* (atime aside: the server moves it on reads)."""
+    return (a.size, a.mtime_ns, a.ctime_ns, a.mode, a.nlink, a.uid, a.gid)
 
 
 class LeaseKeeper:
@@ -297,11 +303,18 @@ class LeaseKeeper:
             return self.settle(ino, trim=False)
         return None
 
-    def attr_ttl(self, ino: int) -> float | None:
+    def attr_ttl(self, ino: int, returned: Attr | None = None) -> float | None:
         cache = self.cache
         if not cache.term:
             return None
-        if ino not in cache.attrs:
+        cached = cache.attrs.get(ino)
+        if cached is None:
+            return 0.0
+        if returned is not None and returned is not cached and _seen(returned) != _seen(cached):
+            # Not what our lease covers: an answer not cacheable (another node's change
+            # was under way) while a later call of ours cached newer attributes.  With
+            # a timeout the kernel would keep this older size as valid (a read past it
+            # stops there, O_DIRECT too) and nothing would ever recall it.
             return 0.0
         ttl = cache.ttl()
         if ttl:

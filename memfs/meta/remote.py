@@ -755,8 +755,8 @@ class RemoteMeta(Meta):
 
     # -- leases (memfs.meta.leases, memfs.meta.cache, memfs.meta.lease_client) -------------
 
-    def attr_ttl(self, ino: int) -> float | None:
-        return self.leases.attr_ttl(ino)
+    def attr_ttl(self, ino: int, returned: Attr | None = None) -> float | None:
+        return self.leases.attr_ttl(ino, returned)
 
     def entry_ttl(self, parent: int, name: bytes) -> float | None:
         return self.leases.entry_ttl(parent, name)

@@ -869,6 +869,28 @@ async def test_what_is_sent_during_a_change_that_waits_is_not_kept_after_it() ->
         assert (await b.getattr(f.ino)).size == 2 << 20
 
 
+async def test_attributes_sent_during_a_change_get_no_timeout_beside_newer_cached_ones() -> None:
+    """Two calls of one node about a file: the first answered (not cacheable) while
+    another node's write waited, the second after it, cacheable.  The kernel must not
+    be told to keep the first one's older size: a lease covered the cache's newer
+    attributes, not those.  (Found looking for why, in the churn test with
+    --backing-write-leases, an O_DIRECT read stopped at 1 MiB: the reading node's
+    kernel held that size as valid while the mds had 2 MiB.)"""
+    async with cluster(2) as (server, (a, b), _):
+        f = await a.mknod(ROOT, b"f", F, 0, 0)
+        await a.map_write(f.ino, 0, 1 << 20)
+        server.meta = slow = Waiting(server.store)  # type: ignore[assignment]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(a.map_write, f.ino, 1 << 20, 1 << 20)
+            await slow.waiting.wait()
+            old = await b.getattr(f.ino)  # before the change: not cacheable
+            slow.go.set()
+        new = await b.getattr(f.ino)
+        assert (old.size, new.size) == (1 << 20, 2 << 20)
+        assert b.attr_ttl(f.ino, new), "what the lease covers is cached"
+        assert not b.attr_ttl(f.ino, old), "the older answer would be kept as valid"
+
+
 async def test_a_chunk_map_waits_for_a_change_under_way_of_its_file() -> None:
     """A map handed out while a truncate waits (before it frees the tail) would name
     chunks the truncate then frees: another client's map_read waits for it."""
