@@ -77,6 +77,11 @@ class ClientCache:
         #: (the server evicts a client it did not hear from): kept until a reply after
         #: it shows it did, and sent with the next registration otherwise
         self.answered: dict[int, tuple[int, int]] = {}
+        #: size and mtime of the last report of our writes that the server answered,
+        #: while our write lease lasts: a reply read after that answer may have been
+        #: answered before the report (trio wakes the two callers in either order), and
+        #: cached as it came it would take our size back (see newest)
+        self.reported: dict[int, tuple[int, int]] = {}
         #: bytes ``[lo, hi)`` written under the current write lease since the last report
         #: the server is known to have (one on its way may be lost, or arrive after
         #: the lease was revoked and be ignored: the next report, or the recall's
@@ -89,6 +94,12 @@ class ClientCache:
         self._write_seq = itertools.count(1)
         self._gens: dict[int, int] = {}
         self._epoch = 0
+        #: times cached state was dropped or changed (a recall, a change of ours, a lost
+        #: lease): a reply to a call sent before may have been answered before the
+        #: change and is not cached (RemoteMeta._roundtrip), or it would bring back what
+        #: the change took away (a chunk map from before our truncate: writes into freed
+        #: chunks; a negative entry from before our create)
+        self.drops = 0
         self._pins: dict[int, int] = {}
         #: transfers of this process's transport (see pinned) in progress
         self._here = 0
@@ -152,11 +163,20 @@ class ClientCache:
         self.xattrs.setdefault(ino, {})[name] = value
 
     def put_attr(self, a: Attr) -> None:
-        d = self.dirty.get(a.ino)
-        if d is not None and self.is_writer(a.ino):
-            a.size = max(a.size, d[0])  # our unsent writes are newer
-            a.mtime_ns = a.ctime_ns = max(a.mtime_ns, d[1])
+        if self.is_writer(a.ino):
+            self.newest(a)
         self.attrs[a.ino] = a
+
+    def newest(self, a: Attr) -> Attr:
+        """*a* with what we wrote under our write lease: the server knows no more of
+        it than our reports, and its reply may be from before the last (or, unsent,
+        from before our writes).  Sizes only grow under the lease: our own truncate
+        drops it (:meth:`drop`), another node's recalls it first."""
+        for d in (self.dirty.get(a.ino), self.reported.get(a.ino) if self.is_writer(a.ino) else None):
+            if d is not None and (d[0] > a.size or d[1] > a.mtime_ns):
+                a.size = max(a.size, d[0])
+                a.mtime_ns = a.ctime_ns = max(a.mtime_ns, d[1])
+        return a
 
     def put_entry(self, parent: int, name: bytes, ino: int) -> None:
         d = self.dirs.get(parent)
@@ -287,7 +307,14 @@ class ClientCache:
         self.dirs.pop(ino, None)
         self.files.pop(ino, None)
         self.xattrs.pop(ino, None)
+        self.reported.pop(ino, None)
         self._gens[ino] = self._gens.get(ino, 0) + 1
+        self.drops += 1
+
+    def changed(self) -> None:
+        """We changed something the cache holds (a create, unlink, rename, chmod): a
+        reply to a call sent before may show the state before it, and is not cached."""
+        self.drops += 1
 
     def drop_entry(self, parent: int, name: bytes) -> None:
         d = self.dirs.get(parent)
@@ -300,6 +327,7 @@ class ClientCache:
         f = self.files.get(ino)
         if f is not None:
             f.writer = False
+        self.reported.pop(ino, None)
         return self.dirty.pop(ino, None)
 
     def written(self, ino: int, offset: int, end: int) -> None:
@@ -318,6 +346,7 @@ class ClientCache:
         and are sent with the next registration, which does not say where)."""
         self.spans.clear()
         self.span_writes.clear()
+        self.reported.clear()
         self.attrs.clear()
         self.dirs.clear()
         self.files.clear()
@@ -325,4 +354,5 @@ class ClientCache:
         self.creators.clear()
         self._gens.clear()
         self._epoch += _EPOCH
+        self.drops += 1
         self.until = 0.0

@@ -275,8 +275,9 @@ class LeaseKeeper:
             # No more writes without asking; the size stays in ``dirty`` until the
             # server has it (a reconnection in between sends it with the registration).
             cache.files.pop(ino, None)
+            cache.reported.pop(ino, None)
+        gen = cache.generation(ino)
         if self.barrier is not None:
-            gen = cache.generation(ino)
             await self.barrier(ino)
             if not trim and cache.generation(ino) != gen:
                 return  # recalled meanwhile: the answer carried the size (and d may be stale)
@@ -293,6 +294,11 @@ class LeaseKeeper:
             return
         if cache.dirty.get(ino) == d:
             del cache.dirty[ino]
+        if not trim and d[0] >= 0 and cache.is_writer(ino) and cache.generation(ino) == gen:
+            # Still ours (no recall, no truncate of ours since d was taken): replies
+            # answered before this report are not news (ClientCache.newest).
+            r = cache.reported.get(ino)
+            cache.reported[ino] = d if r is None else (max(r[0], d[0]), max(r[1], d[1]))
         if cache.span_writes.get(ino) == writes and cache.spans.get(ino) == span:
             del cache.spans[ino]  # heard: the next report says what is written after
             del cache.span_writes[ino]

@@ -437,6 +437,10 @@ class RemoteMeta(Meta):
         self._maps_asked: dict[tuple[int, int], trio.Event] = {}
         #: inodes whose last map_read answer was not cacheable (reads do not wait)
         self._maps_plain: set[int] = set()
+        #: files whose space ahead of need the server may hold for us although the reply
+        #: that gave it was not cacheable here (a recall or a change of ours came
+        #: meanwhile): their last close gives it back all the same
+        self._ahead_unsure: set[int] = set()
         self._last_open: tuple[int, bool] = (0, False)
         self.stripe_size = 0
         #: the lease token our memory-server connections name (from the registration);
@@ -682,6 +686,7 @@ class RemoteMeta(Meta):
         # bounded by its connection's watchdog, which ends a connection whose oldest
         # call is unanswered after ``timeout``; only waiting for a connection has a scope.
         deadline = trio.current_time() + self.timeout
+        drops = self.cache.drops
         while True:
             conn = self._conn
             if conn is None or conn.dead:
@@ -707,7 +712,7 @@ class RemoteMeta(Meta):
                 if not p.event.is_set():  # cancelled from outside: the reply is not wanted
                     conn.pending.pop(rid, None)
             if not p.lost:
-                if p.recalls != conn.recalls and p.kind in _NOT_CACHEABLE:
+                if (p.recalls != conn.recalls or self.cache.drops != drops) and p.kind in _NOT_CACHEABLE:
                     return _NOT_CACHEABLE[p.kind], p.payload  # (callers cache with no await)
                 return p.kind, p.payload
             if trio.current_time() >= deadline:
@@ -865,8 +870,8 @@ class RemoteMeta(Meta):
         if kind is Kind.OK_CACHE:
             cache.put_entry(parent, name, a.ino)
             cache.put_attr(a)
-        elif a.ino in cache.dirty:
-            a.size = max(a.size, cache.dirty[a.ino][0])
+        else:
+            cache.newest(a)
         return a
 
     async def getattr(self, ino: int) -> Attr:
@@ -880,6 +885,8 @@ class RemoteMeta(Meta):
         kind, a = await self._call_kind("getattr", ino)
         if kind is Kind.OK_CACHE:
             cache.put_attr(a)
+        else:
+            cache.newest(a)
         return a
 
     async def setattr(self, ino: int, changes: SetAttr) -> Attr:
@@ -915,11 +922,13 @@ class RemoteMeta(Meta):
                 return False
         dropped = bool(await self._call("drop_privileges", ino, int(set_ids)))
         if dropped:
+            self.cache.changed()
             self.cache.attrs.pop(ino, None)
             self.cache.xattrs.pop(ino, None)
         return dropped
 
     def _after_change(self, kind: Kind, a: Attr) -> None:
+        self.cache.changed()
         if kind is Kind.OK_CACHE:
             self.cache.put_attr(a)
         else:
@@ -933,14 +942,19 @@ class RemoteMeta(Meta):
         cache.dirty.pop(ino, None)
         cache.answered.pop(ino, None)
         cache.drop(ino)
-        while True:
-            try:
-                return await self._call("truncate", ino, size)
-            except FsError as exc:
-                # Another client's change of the file waits on the server's backing
-                # directory (memfs.meta.gates): told after a while, ask again.
-                if exc.errno != errno.EINPROGRESS:
-                    raise
+        try:
+            while True:
+                try:
+                    return await self._call("truncate", ino, size)
+                except FsError as exc:
+                    # Another client's change of the file waits on the server's backing
+                    # directory (memfs.meta.gates): told after a while, ask again.
+                    if exc.errno != errno.EINPROGRESS:
+                        raise
+        finally:
+            # Again: what a call answered meanwhile (before the truncate was applied,
+            # or before it was asked again) brought to the cache is from before it.
+            cache.drop(ino)
 
     def _touched(self, kind: Kind, parent: int, t: int, links: int = 0) -> None:
         """Our change of directory *parent* at time *t* (its mtime and ctime now), which
@@ -956,6 +970,7 @@ class RemoteMeta(Meta):
 
     def _created(self, kind: Kind, parent: int, name: bytes, a: Attr, *, new: bool = True) -> None:
         cache = self.cache
+        cache.changed()
         # The directory's mtime is the new entry's ctime (one timestamp per call).
         self._touched(kind, parent, a.ctime_ns, 1 if stat.S_ISDIR(a.mode) and a.nlink == 2 else 0)
         if kind is Kind.OK_CACHE:
@@ -1109,6 +1124,7 @@ class RemoteMeta(Meta):
 
     def _removed(self, kind: Kind, parent: int, name: bytes, child: int, t: int, links: int) -> None:
         cache = self.cache
+        cache.changed()
         self._touched(kind, parent, t, links)
         cache.attrs.pop(child, None)  # nlink and ctime moved
         if kind is Kind.OK_CACHE:
@@ -1137,6 +1153,7 @@ class RemoteMeta(Meta):
         self._named_elsewhere(src)
         self._named_elsewhere(dst)
         cache = self.cache
+        cache.changed()
         for ino in (parent, new_parent, src, dst):
             cache.attrs.pop(ino, None)
         cache.drop_entry(parent, name)
@@ -1158,10 +1175,8 @@ class RemoteMeta(Meta):
         if kind is Kind.OK_CACHE:
             self.cache.put_listing(ino, entries)
         else:
-            dirty = self.cache.dirty
             for _, a in entries:
-                if a.ino in dirty:
-                    a.size = max(a.size, dirty[a.ino][0])
+                self.cache.newest(a)
         return entries
 
     async def open(self, ino: int) -> Attr:
@@ -1182,7 +1197,10 @@ class RemoteMeta(Meta):
         if self.opens.get(ino, 0) <= 0:
             log.debug("release of inode %d, which this client does not hold open", ino)
             return
-        if self.opens[ino] == 1 and (self.cache.is_writer(ino) or ino in self.cache.dirty):
+        unsure = self.opens[ino] == 1 and ino in self._ahead_unsure
+        if unsure:
+            self._ahead_unsure.discard(ino)
+        if self.opens[ino] == 1 and (self.cache.is_writer(ino) or ino in self.cache.dirty or unsure):
             # The last handle here: our size goes to the server, our write lease and
             # the space it took ahead of need go back.
             await self.leases.settle(ino, trim=True)
@@ -1227,6 +1245,7 @@ class RemoteMeta(Meta):
     async def setxattr(self, ino: int, name: bytes, value: bytes) -> None:
         self.cache.xattrs.pop(ino, None)
         await self._call("setxattr", ino, name, value)
+        self.cache.changed()
         self.cache.attrs.pop(ino, None)  # ctime
         self.cache.xattrs.pop(ino, None)
 
@@ -1236,6 +1255,7 @@ class RemoteMeta(Meta):
     async def removexattr(self, ino: int, name: bytes) -> None:
         self.cache.xattrs.pop(ino, None)
         await self._call("removexattr", ino, name)
+        self.cache.changed()
         self.cache.attrs.pop(ino, None)
         self.cache.xattrs.pop(ino, None)
 
@@ -1362,6 +1382,8 @@ class RemoteMeta(Meta):
                 # maps taken before stay usable, so the generation stays.)
                 cache.attrs.pop(ino, None)
                 cache.files.pop(ino, None)
+                if method == "allocate_ahead":
+                    self._ahead_unsure.add(ino)
             return WritePlan(_clip(plan.extents, offset, end), posted=kind is Kind.OK_WRITE)
 
     async def control(self, op: str, args: dict[str, Any]) -> dict[str, Any]:

@@ -38,6 +38,7 @@ import pytest
 from memfs.cli.mounts import is_mounted
 from memfs.cli.runtime import control_socket, pid_file
 from memfs.control import ControlClient
+from tests.mount.churn import churn, direct_read, tagged
 from tests.mount.test_cluster import MEMFS, Cluster, make_cluster, memfs_cli, sha
 from tests.mount.test_cluster import pytestmark as cluster_marks
 from tests.mount.test_cluster_leases import stopped
@@ -546,30 +547,6 @@ def test_a_restarted_mds_evicts_nothing_until_the_writers_are_back(tmp_path: Pat
 
 # -- a full pool under churn ----------------------------------------------------------------
 
-BLOCK = 4096
-
-
-def tagged(name: str, gen: int, size: int) -> bytes:
-    """*size* bytes of 4 KiB blocks, each naming its file, generation and place."""
-    out = []
-    for k in range(size // BLOCK):
-        tag = f"<{name}|g{gen:06d}|b{k:06d}>".encode()
-        out.append((tag * (BLOCK // len(tag) + 1))[:BLOCK])
-    return b"".join(out)
-
-
-def direct_read(path: Path, size: int) -> bytes:
-    """The whole file with O_DIRECT (no page cache of this node in the way)."""
-    import mmap
-
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    try:
-        buf = mmap.mmap(-1, size + BLOCK)
-        n = os.preadv(fd, [buf], 0)
-        return bytes(buf[:n])
-    finally:
-        os.close(fd)
-
 
 def test_reads_and_writes_through_a_full_pool_under_churn(tmp_path: Path) -> None:
     """A pool kept full (files read from DIR, rewritten, and filler files written, all
@@ -592,79 +569,20 @@ def test_reads_and_writes_through_a_full_pool_under_churn(tmp_path: Path) -> Non
     size = 2 * MiB
     for name in names:
         (back / name).write_bytes(tagged(name, 0, size))
-    committed = dict.fromkeys(names, 0)  # generation whose close returned
-    started = dict.fromkeys(names, 0)  # generation being written
-    lock = threading.Lock()
-    problems: list[str] = []
-    counts = {"reads": 0, "rewrites": 0, "fills": 0}
-    stop = threading.Event()
+    fills = [0]
 
-    def guarded(fn: Any, *args: Any) -> None:
-        try:
-            fn(*args)
-        except Exception as exc:  # noqa: BLE001 - reported by the test below
-            problems.append(f"{fn.__name__}: {exc!r}")
-            stop.set()
-
-    def reader(mnt: Path, seed: int, buffered: bool = False) -> None:
-        rng = random.Random(seed)
+    def filler(mnt: Path, stop: threading.Event) -> None:
         while not stop.is_set():
-            name = rng.choice(names)
-            with lock:
-                lo = committed[name]
-            data = (mnt / name).read_bytes() if buffered else direct_read(mnt / name, size)
-            with lock:
-                hi = started[name]
-            counts["reads"] += 1
-            want = tagged(name, lo, size)
-            if lo == hi and data != want:
-                k = next((k for k in range(0, min(len(data), size), BLOCK)
-                          if data[k : k + BLOCK] != want[k : k + BLOCK]), min(len(data), size))
-                problems.append(f"{name} read on {mnt.name}{' buffered' if buffered else ''}: "
-                                f"{len(data)} bytes, not generation {lo}'s {size}: from byte {k}: "
-                                f"{data[k : k + 24]!r}")
-                stop.set()
-
-    def rewriter(mnt: Path) -> None:
-        rng = random.Random(1)
-        while not stop.is_set():
-            name = rng.choice(names)
-            with lock:
-                gen = started[name] = started[name] + 1
-            trunc = os.O_TRUNC if rng.random() < 0.5 else 0
-            fd = os.open(mnt / name, os.O_WRONLY | trunc)
-            try:
-                data = tagged(name, gen, size)
-                assert os.pwrite(fd, data, 0) == len(data)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            with lock:
-                committed[name] = gen
-            counts["rewrites"] += 1
-            time.sleep(rng.random() * 0.2)
-
-    def filler(mnt: Path) -> None:
-        n = 0
-        while not stop.is_set():
+            n = fills[0]
             (mnt / f"x{n % 12}").write_bytes(bytes([n % 256]) * size)
-            n += 1
-            counts["fills"] += 1
+            fills[0] = n + 1
             time.sleep(0.05)
 
     with make_cluster(tmp_path, ["--backing", str(back), "--flush-delay", "0.2"],
                       volume_size="8M") as cluster:  # a 32 MiB pool
         c1, c2 = cluster.mnt["c1"], cluster.mnt["c2"]
-        threads = [threading.Thread(target=guarded, args=a) for a in (
-            (reader, c2, 1), (reader, c2, 2), (reader, c2, 3, True), (reader, c1, 4),
-            (rewriter, c1), (filler, c1))]
-        for t in threads:
-            t.start()
-        stop.wait(30)
-        stop.set()
-        for t in threads:
-            t.join(120)
-        assert not problems, (problems, counts)
+        problems, counts = churn(c1, c2, names, size, 30, filler)
+        assert not problems, (problems, counts, fills)
         assert counts["reads"] > 100 and counts["rewrites"] > 20, counts
         assert status(c1)["evicted_files"] > 0, "nothing was evicted: the pool is too large"
         assert_no_traceback(cluster)

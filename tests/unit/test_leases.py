@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 from memfs import wire
 from memfs.config import PoolConfig
@@ -368,6 +369,54 @@ async def test_write_lease_writes_locally_and_is_glimpsed() -> None:
         # Space a took ahead of need went back with the lease.
         assert max(ino.chunks or {0: 0}) == 0
         await a.release(f.ino)
+
+
+@pytest.mark.parametrize("method", ["lookup", "getattr"])
+async def test_a_reply_answered_before_the_writers_report_does_not_take_its_size_back(
+    monkeypatch: pytest.MonkeyPatch, method: str,
+) -> None:
+    """The mds answers a writer's calls in order, and a reply answered before the
+    writer's size report may be read by its caller after the report's caller went
+    on (trio wakes the two in either order).  Cached as it came, it took the size
+    back: the writer's close then reported the older size, and its kernel was told
+    to keep it (the churn test with --backing-write-leases: a close reporting 1 MiB
+    of a file written to 2 MiB)."""
+    monkeypatch.setattr(lease_client, "SETTLE_DELAY", 100.0)  # reports only when asked
+    async with cluster(1) as (server, (a,), _):
+        f = await a.create(ROOT, b"f", F, 0, 0)
+        await a.map_write(f.ino, 0, 4096)  # the write lease, and space ahead
+        await a.map_write(f.ino, 4096, 4096)  # under the lease: the size is ours
+        assert a.cache.dirty[f.ino][0] == 8192 and server.store.inodes[f.ino].size == 4096
+        a.cache.attrs.pop(f.ino)  # so that the call below asks the mds
+        answered, reported = trio.Event(), trio.Event()
+        call_kind = a._call_kind
+
+        async def late(method: str, *args: Any, **kw: Any) -> Any:
+            got = await call_kind(method, *args, **kw)
+            if method in ("lookup", "getattr"):
+                answered.set()
+                await reported.wait()  # read after the report's caller went on
+            return got
+
+        a._call_kind = late  # type: ignore[method-assign]
+        async with trio.open_nursery() as nursery:
+            if method == "lookup":
+                nursery.start_soon(a.lookup, ROOT, b"f")
+            else:
+                # getattr reports a dirty size before asking: this one was sent just
+                # before the write that made it dirty.
+                dirty = a.cache.dirty.pop(f.ino)
+                nursery.start_soon(a.getattr, f.ino)
+            await answered.wait()
+            if method == "getattr":
+                a.cache.dirty[f.ino] = dirty
+            await a.leases.settle(f.ino, trim=False)
+            assert server.store.inodes[f.ino].size == 8192 and f.ino not in a.cache.dirty
+            reported.set()
+        assert a.cache.attrs[f.ino].size == 8192, "the older size was cached"
+        assert (await a.getattr(f.ino)).size == 8192
+        await a.release(f.ino)  # the close reports 8192, not 4096
+        assert server.store.inodes[f.ino].size == 8192
 
 
 async def test_a_reported_size_is_never_ahead_of_its_bytes() -> None:
@@ -849,6 +898,138 @@ async def slowed(server: MetaServer, a: RemoteMeta) -> tuple[Any, Waiting]:
     slow = Waiting(server.store)
     server.meta = slow  # type: ignore[assignment]
     return f, slow
+
+
+class AnsweredThenHeld(Waiting):
+    """The server's ``meta``, whose calls of one method are answered, then held
+    until ``go`` (as if the reply took long on its way)."""
+
+    def __init__(self, store: Any, method: str) -> None:
+        super().__init__(store)
+        self.method = method
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self._store, name)
+        if name != self.method:
+            return fn
+
+        async def held(*args: Any) -> Any:
+            try:
+                return await fn(*args)
+            finally:
+                await self._wait()
+
+        return held
+
+
+async def test_a_chunk_map_answered_before_our_truncate_is_not_kept_after_it() -> None:
+    """A node's read of a file asked for its chunk map, and the same node truncated
+    the file before the reply came.  The map, cached as it came, named the chunks
+    the truncate freed; the node's next writes under its write lease went there
+    without asking, and the file read as zeros where they should have been (the
+    churn test with --backing-write-leases: the second MiB of a 2 MiB file read as
+    zeros from the pool, on both nodes)."""
+    async with cluster(1) as (server, (a,), _):
+        f = await a.create(ROOT, b"f", F, 0, 0)
+        await a.map_write(f.ino, 0, 1 << 20)
+        await a.release(f.ino)
+        await a.open(f.ino)
+        server.meta = held = AnsweredThenHeld(server.store, "map_read")  # type: ignore[assignment]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(a.map_read, f.ino, 0, 1 << 20)
+            await held.waiting.wait()  # answered: the whole file's map
+            nursery.start_soon(a.truncate, f.ino, 0)  # sent behind it
+            await trio.testing.wait_all_tasks_blocked()
+            held.go.set()
+        server.meta = server.store
+        await a.map_write(f.ino, 0, 64 << 10)  # the write lease, and a little ahead
+        await a.map_write(f.ino, 64 << 10, (1 << 20) - (64 << 10))  # the rest
+        await a.release(f.ino)
+        i = server.store.inodes[f.ino]
+        assert i.size == 1 << 20
+        assert sorted(i.chunks or ()) == list(range(16)), "written into chunks the file does not have"
+
+
+class LateCaller:
+    """The next call of a client, whose caller runs only when ``go`` is set, after its
+    reply was read (trio runs the tasks a reader woke in either order)."""
+
+    def __init__(self, client: RemoteMeta) -> None:
+        self.go = trio.Event()
+        self.read = trio.Event()
+        conn = client._conn
+        assert conn is not None
+        request = conn.request
+
+        def late_request(payload: bytes, on_ok: Any = None) -> Any:
+            conn.request = request  # type: ignore[method-assign]
+            rid, p = request(payload, on_ok)
+            p.event = self.Gated(p.event, self)  # type: ignore[assignment]
+            return rid, p
+
+        conn.request = late_request  # type: ignore[method-assign]
+
+    class Gated:
+        def __init__(self, event: trio.Event, late: LateCaller) -> None:
+            self.event, self.late = event, late
+
+        def set(self) -> None:
+            self.event.set()
+            self.late.read.set()
+
+        def is_set(self) -> bool:
+            return self.event.is_set()
+
+        async def wait(self) -> None:
+            await self.event.wait()
+            await self.late.go.wait()
+
+
+async def test_a_negative_lookup_read_before_our_create_is_not_kept_after_it() -> None:
+    """One process of a node looked a name up, and another created it: the "no such
+    name" was read first, but its caller ran after the create's.  Cached then, it
+    would hide the new file on its own node for the lease term."""
+    async with cluster(1) as (server, (a,), _):
+        missing: list[int] = []
+
+        async def look() -> None:
+            try:
+                await a.lookup(ROOT, b"x")
+            except FsError as exc:
+                missing.append(exc.errno)
+
+        await a.statfs()  # connected
+        late = LateCaller(a)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(look)
+            await late.read.wait()  # no such name, its caller not run yet
+            f = await a.create(ROOT, b"x", F, 0, 0)
+            late.go.set()
+        assert missing == [errno.ENOENT]
+        assert (await a.lookup(ROOT, b"x")).ino == f.ino, "our own new file is hidden"
+        await a.release(f.ino)
+
+
+async def test_space_ahead_given_in_a_reply_not_cached_goes_back_at_close() -> None:
+    """A write's reply that gave the write lease and space ahead of need came while
+    another change of the node's was made: not cached, so the node does not know it
+    is the writer, while the mds holds the lease and the space for it.  The close
+    gives them back all the same (they stayed taken until another node's access)."""
+    async with cluster(1) as (server, (a,), _):
+        f = await a.create(ROOT, b"f", F, 0, 0)
+        g = await a.mknod(ROOT, b"g", F, 0, 0)
+        late = LateCaller(a)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(a.map_write, f.ino, 0, 4096)
+            await late.read.wait()  # the lease and space ahead, its caller not run yet
+            await a.setattr(g.ino, SetAttr(mode=0o600))  # a change of ours meanwhile
+            late.go.set()
+        assert not a.cache.is_writer(f.ino)
+        assert server.leases.is_writer(server._sessions[a.session], f.ino)
+        assert max(server.store.inodes[f.ino].chunks or {0: 0}) > 0, "no space ahead to give back"
+        await a.release(f.ino)
+        assert f.ino not in server.leases.writers
+        assert max(server.store.inodes[f.ino].chunks or {0: 0}) == 0, "the space ahead stayed taken"
 
 
 async def test_what_is_sent_during_a_change_that_waits_is_not_kept_after_it() -> None:
