@@ -231,7 +231,7 @@ def write_secret(path: Path) -> Path:
     return path
 
 
-def backing_args(tmp: Path, side: str, backing: bool, leases: bool = False) -> list[str]:
+def backing_args(tmp: Path, side: str, backing: bool, leases: bool = True) -> list[str]:
     """``--backing``: a burst buffer on either side, its backing directory (fresh each
     round) on this machine's disk, write-back held past the run (``--flush-delay``)
     so that the rounds measure the mount, not the disk."""
@@ -240,12 +240,13 @@ def backing_args(tmp: Path, side: str, backing: bool, leases: bool = False) -> l
     d = tmp / f"backing-{side}"
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir()
-    return ["--backing", str(d), "--flush-delay", "600", *(["--backing-write-leases"] if leases else [])]
+    off = ["--no-backing-write-leases"] if side == "cluster" and not leases else []
+    return ["--backing", str(d), "--flush-delay", "600", *off]
 
 
 @contextmanager
 def cluster(runner: Runner, tmp: Path, volume_size: str, backing: bool = False,
-            leases: bool = False) -> Iterator[Path]:
+            leases: bool = True) -> Iterator[Path]:
     """2 memd x 2 volumes, an mds over the 4 volumes and one client mount, on loopback."""
     secret = str(write_secret(tmp / "secret"))
     with ExitStack() as stack:  # unwinds mount, mds, memds: users before what they use
@@ -359,9 +360,9 @@ def main() -> int:
     ap.add_argument("--backing", action="store_true",
                     help="both sides burst buffers (--backing on the embedded mount and the "
                          "mds), write-back held past the run")
-    ap.add_argument("--backing-write-leases", action="store_true",
-                    help="with --backing: the mds grants write leases too (memfs mds "
-                         "--backing-write-leases)")
+    ap.add_argument("--no-backing-write-leases", dest="backing_write_leases", action="store_false",
+                    help="with --backing: the mds grants no write leases, every write is a call "
+                         "(memfs mds --no-backing-write-leases)")
     args = ap.parse_args()
     if os.geteuid() != 0 or shutil.which("fio") is None or shutil.which("fusermount3") is None:
         print("clusterbench needs root, fio and fusermount3", file=sys.stderr)

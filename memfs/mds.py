@@ -57,7 +57,9 @@ class MdsOptions:
     recall_timeout: float = 2.0
     #: grant create leases (asynchronous creates); ``--sync-creates``: never
     async_creates: bool = True
-    backing_write_leases: bool = False
+    #: with ``flush``: write leases through the backing directory too
+    #: (``--no-backing-write-leases``: every write is a call)
+    backing_write_leases: bool = True
     #: burst buffer: this server writes the pool back to (and stages in from) a directory
     flush: FlushConfig | None = None
     #: serve Prometheus metrics here (``--metrics``)

@@ -33,13 +33,14 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"bad --recall-timeout {args.recall_timeout}: expected seconds, above 0")
     opts.lease_term, opts.recall_timeout = args.lease_term, args.recall_timeout
     opts.async_creates = not args.sync_creates
-    opts.backing_write_leases = args.backing_write_leases
     opts.metrics = parse_hostport(args.metrics, "--metrics") if args.metrics else None
     opts.flush = flush_from_args(
         args, opts.volume_size * len(opts.pool) if opts.volume_size is not None else None
     )
-    if opts.backing_write_leases and opts.flush is None:
-        raise UsageError("--backing-write-leases needs --backing")
+    if args.backing_write_leases is not None and opts.flush is None:
+        flag = "--backing-write-leases" if args.backing_write_leases else "--no-backing-write-leases"
+        raise UsageError(f"{flag} goes with --backing")
+    opts.backing_write_leases = args.backing_write_leases is not False
     setup_logging(args.debug)
     try:
         return mds.run(opts)

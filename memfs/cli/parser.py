@@ -129,10 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="every create waits for this server (by default a client alone in a "
                         "directory creates files there itself and tells this server without "
                         "waiting: a create lease, recalled before anyone else looks)")
-    ms.add_argument("--backing-write-leases", action="store_true",
-                   help="with --backing: clients write under write leases too (no call per "
-                        "write; experimental: a rare stale read under eviction churn is being "
-                        "investigated, see README)")
+    ms.add_argument("--backing-write-leases", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --backing: clients write under write leases, no call per write "
+                        "(the default); --no-backing-write-leases: every write asks this server")
     ms.add_argument("--debug", "-d", action="store_true", help="log at debug level")
     ms.add_argument("--metrics", metavar="HOST:PORT",
                    help="serve Prometheus metrics at http://HOST:PORT/metrics")

@@ -210,15 +210,16 @@ class MetaServer:
         self.metrics: Metrics | None = None
         #: grant create leases (``memfs mds --sync-creates`` turns them off)
         self.async_creates = True
-        #: grant write leases through a backing directory too (``--backing-write-leases``)
-        self.backing_write_leases = False
+        #: grant write leases through a backing directory too (``memfs mds
+        #: --no-backing-write-leases`` turns them off there)
+        self.backing_write_leases = True
         self.locks = LockService(self._lock_holder_silent, self._evict_sid, self._tell_unlocked,
                                  trio.current_time)
 
     @property
     def write_leases(self) -> bool:
-        """Write leases; through a backing directory only with
-        ``--backing-write-leases``: a holder's reports of what it wrote (``settle``,
+        """Write leases; through a backing directory unless
+        ``--no-backing-write-leases``: a holder's reports of what it wrote (``settle``,
         recall answers, registrations) mark the file dirty for write-back
         (:meth:`MetaStore.settle_now`)."""
         return self.leases.term > 0 and (self.meta is self.store or self.backing_write_leases)

@@ -640,6 +640,8 @@ def test_mds_backing_mistakes(tmp_path: Path) -> None:
         **_flush_cases(tmp_path),
         "dirty_max_above_pool": (["--backing", str(tmp_path / "backing"), "--dirty-max", "65M"],
                                  "--dirty-max 65M is larger than the pool"),
+        "write_leases_without_backing": (["--no-backing-write-leases"],
+                                         "--no-backing-write-leases goes with --backing"),
     }
     for name, (args, mentions) in cases.items():
         res = memfs(*base, *args, timeout=10)

@@ -387,8 +387,8 @@ def test_writes_under_a_write_lease_are_written_back(tmp_path: Path) -> None:
     back = tmp_path / "backing"
     back.mkdir()
     size = 4 * MiB
-    with make_cluster(tmp_path, ["--backing", str(back), "--flush-delay", "60",
-                                 "--backing-write-leases"], volume_size="16M") as cluster:
+    with make_cluster(tmp_path, ["--backing", str(back), "--flush-delay", "60"],
+                      volume_size="16M") as cluster:
         c1, c2 = cluster.mnt["c1"], cluster.mnt["c2"]
         fd = open_written_back(c1, back, size)
         try:
@@ -435,8 +435,7 @@ def test_a_flush_on_another_node_takes_what_a_writer_has_not_reported(tmp_path: 
     back = tmp_path / "backing"
     back.mkdir()
     size = 2 * MiB
-    with make_cluster(tmp_path, ["--backing", str(back), "--flush-delay", "60",
-                                 "--backing-write-leases"]) as cluster:
+    with make_cluster(tmp_path, ["--backing", str(back), "--flush-delay", "60"]) as cluster:
         c1, c2 = cluster.mnt["c1"], cluster.mnt["c2"]
         fd = open_written_back(c1, back, size)
         try:
@@ -461,7 +460,7 @@ def test_a_small_rewrite_under_a_write_lease_does_not_hold_other_writers(tmp_pat
     back = tmp_path / "backing"
     back.mkdir()
     with make_cluster(tmp_path, ["--backing", str(back), "--flush-delay", "0.2",
-                                 "--dirty-max", "4M", "--backing-write-leases"],
+                                 "--dirty-max", "4M"],
                       volume_size="16M") as cluster:
         c1, c2 = cluster.mnt["c1"], cluster.mnt["c2"]
         fd = os.open(c1 / "big", os.O_CREAT | os.O_RDWR, 0o644)
@@ -509,7 +508,7 @@ def test_a_restarted_mds_evicts_nothing_until_the_writers_are_back(tmp_path: Pat
     back.mkdir()
     size = 4 * MiB
     mds_args = ["--backing", str(back), "--journal", str(journal), "--flush-delay", "0.2",
-                "--grace", "30", "--backing-write-leases"]
+                "--grace", "30"]
     with make_cluster(tmp_path, mds_args, volume_size="8M") as cluster:  # a 32 MiB pool
         c1, c2 = cluster.mnt["c1"], cluster.mnt["c2"]
         c1_pid = mount_pids(cluster)["c1"]
@@ -561,7 +560,10 @@ def test_reads_and_writes_through_a_full_pool_under_churn(tmp_path: Path) -> Non
     the old size meanwhile (memfs.meta.gates).  Then a node's page cache kept
     bytes it had read between another node's write call and the landing of that
     write's bytes, after the writer's close (memfs.meta.leases: writers without a
-    lease are waited for by readers)."""
+    lease are waited for by readers).  With write leases through the burst buffer
+    (then opt-in) and three page-cache readers, about 1 run in 16 failed: a read
+    stopped at 1 MiB of 2 (LeaseKeeper.attr_ttl), or read zeros from 1 MiB (c1's
+    own reader had cached a chunk map from before c1's truncate: ClientCache.drops)."""
 
     back = tmp_path / "backing"
     back.mkdir()

@@ -293,8 +293,8 @@ def test_backing_tree_is_whole_before_the_mds_serves(
     start_mds: Callable[..., Mds], tmp_path: Path
 ) -> None:
     """With --backing, the mds answers no call before DIR's tree is entered and
-    write-back follows the store: the first call sees every file, and no write
-    lease is handed out (without ``--backing-write-leases``: every write is a call)."""
+    write-back follows the store: the first call sees every file, and with
+    ``--no-backing-write-leases`` no write lease is handed out (every write is a call)."""
     backing = tmp_path / "backing"
     backing.mkdir()
     names = [f"f{i:05d}" for i in range(3000)]
@@ -302,7 +302,8 @@ def test_backing_tree_is_whole_before_the_mds_serves(
         (backing / n).write_bytes(b"x")
     with memory_server(tmp_path, "16M") as port:
         pool = f"tcp://127.0.0.1:{port}/0+tcp://127.0.0.1:{port}/1"
-        mds = start_mds("--backing", str(backing), pool=pool, volume_size=None)
+        mds = start_mds("--backing", str(backing), "--no-backing-write-leases", pool=pool,
+                        volume_size=None)
         with authed(mds.port) as sock:  # the very first calls after "listening"
             kind, entries = call(sock, ["readdir", ROOT])
             assert kind in OK_KINDS, entries
