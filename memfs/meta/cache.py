@@ -55,6 +55,10 @@ class DirState:
     complete: bool = False
 
 
+#: own changes remembered one by one (ClientCache.mark); beyond, all are forgotten at once
+MARKS_KEPT = 4096
+
+
 class ClientCache:
     """The state one client may serve without asking; see the module docstring."""
 
@@ -94,12 +98,19 @@ class ClientCache:
         self._write_seq = itertools.count(1)
         self._gens: dict[int, int] = {}
         self._epoch = 0
-        #: times cached state was dropped or changed (a recall, a change of ours, a lost
-        #: lease): a reply to a call sent before may have been answered before the
-        #: change and is not cached (RemoteMeta._roundtrip), or it would bring back what
-        #: the change took away (a chunk map from before our truncate: writes into freed
-        #: chunks; a negative entry from before our create)
-        self.drops = 0
+        #: our truncates and lost leases so far: a reply to a call sent before one is not
+        #: cacheable at all (RemoteMeta._roundtrip): a chunk map from before our truncate
+        #: names chunks it freed (our next writes under the lease would go there)
+        self.cuts = 0
+        #: our other changes, numbered: key -> number of the last change of it (an
+        #: inode's attributes and xattrs: the inode; a directory's names: ("names",
+        #: dir)).  A reply to a call sent before (``seq`` then) is no news about that
+        #: key (:meth:`stale`): the server may have answered it before the change.
+        self.seq = 0
+        self.changed_at: dict[int | tuple[str, int], int] = {}
+        #: replies to calls sent before this number are no news about anything
+        #: (``changed_at`` is forgotten when it grows large)
+        self.floor = 0
         self._pins: dict[int, int] = {}
         #: transfers of this process's transport (see pinned) in progress
         self._here = 0
@@ -175,7 +186,8 @@ class ClientCache:
         for d in (self.dirty.get(a.ino), self.reported.get(a.ino) if self.is_writer(a.ino) else None):
             if d is not None and (d[0] > a.size or d[1] > a.mtime_ns):
                 a.size = max(a.size, d[0])
-                a.mtime_ns = a.ctime_ns = max(a.mtime_ns, d[1])
+                a.mtime_ns = max(a.mtime_ns, d[1])
+                a.ctime_ns = max(a.ctime_ns, d[1])
         return a
 
     def put_entry(self, parent: int, name: bytes, ino: int) -> None:
@@ -184,10 +196,15 @@ class ClientCache:
             d = self.dirs[parent] = DirState()
         d.names[name] = ino
 
-    def put_listing(self, parent: int, entries: list[tuple[bytes, Attr]]) -> None:
-        self.dirs[parent] = DirState({name: a.ino for name, a in entries}, complete=True)
+    def put_listing(self, parent: int, entries: list[tuple[bytes, Attr]], sent: int | None = None) -> None:
+        """*sent*: ``seq`` when the listing was asked for (see :meth:`stale`)."""
+        if sent is None or not self.stale(("names", parent), sent):
+            self.dirs[parent] = DirState({name: a.ino for name, a in entries}, complete=True)
         for _, a in entries:
-            self.put_attr(a)
+            if sent is None or not self.stale(a.ino, sent):
+                self.put_attr(a)
+            else:
+                self.newest(a)
 
     def new_directory(self, ino: int) -> None:
         """We just made directory *ino*: it is empty, every name is known absent."""
@@ -309,12 +326,29 @@ class ClientCache:
         self.xattrs.pop(ino, None)
         self.reported.pop(ino, None)
         self._gens[ino] = self._gens.get(ino, 0) + 1
-        self.drops += 1
 
-    def changed(self) -> None:
-        """We changed something the cache holds (a create, unlink, rename, chmod): a
-        reply to a call sent before may show the state before it, and is not cached."""
-        self.drops += 1
+    def cut(self, ino: int) -> None:
+        """Our truncate of *ino*: its cache goes, and nothing answered before is cached."""
+        self.drop(ino)
+        self.mark(ino)
+        self.cuts += 1
+
+    def mark(self, *keys: int | tuple[str, int]) -> None:
+        """We changed *keys* (inodes' attributes, ``("names", dir)``): replies to calls
+        sent before may show them as they were, and are not cached (:meth:`stale`).
+        Scoped, not global: a node creating files in one directory keeps caching what
+        it is told about others (and its own creates' replies, which a global rule
+        made uncacheable under concurrency, and with them its create lease's use)."""
+        self.seq += 1
+        if len(self.changed_at) >= MARKS_KEPT:
+            self.changed_at.clear()
+            self.floor = self.seq
+        for k in keys:
+            self.changed_at[k] = self.seq
+
+    def stale(self, key: int | tuple[str, int], sent: int) -> bool:
+        """Did we change *key* after a call was sent when ``seq`` was *sent*?"""
+        return sent < self.floor or self.changed_at.get(key, 0) > sent
 
     def drop_entry(self, parent: int, name: bytes) -> None:
         d = self.dirs.get(parent)
@@ -354,5 +388,5 @@ class ClientCache:
         self.creators.clear()
         self._gens.clear()
         self._epoch += _EPOCH
-        self.drops += 1
+        self.cuts += 1
         self.until = 0.0

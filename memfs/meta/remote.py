@@ -686,7 +686,7 @@ class RemoteMeta(Meta):
         # bounded by its connection's watchdog, which ends a connection whose oldest
         # call is unanswered after ``timeout``; only waiting for a connection has a scope.
         deadline = trio.current_time() + self.timeout
-        drops = self.cache.drops
+        cuts = self.cache.cuts
         while True:
             conn = self._conn
             if conn is None or conn.dead:
@@ -712,7 +712,7 @@ class RemoteMeta(Meta):
                 if not p.event.is_set():  # cancelled from outside: the reply is not wanted
                     conn.pending.pop(rid, None)
             if not p.lost:
-                if (p.recalls != conn.recalls or self.cache.drops != drops) and p.kind in _NOT_CACHEABLE:
+                if (p.recalls != conn.recalls or self.cache.cuts != cuts) and p.kind in _NOT_CACHEABLE:
                     return _NOT_CACHEABLE[p.kind], p.payload  # (callers cache with no await)
                 return p.kind, p.payload
             if trio.current_time() >= deadline:
@@ -732,6 +732,7 @@ class RemoteMeta(Meta):
         """A call's reply kind (OK, OK_CACHE, OK_WRITE) and result."""
         m = codec.METHODS[method]
         payload = wire.encode(codec.encode_call(method, *args))
+        sent = self.cache.seq
         kind, body = await self._roundtrip(method, payload, retry=m.retry, on_ok=on_ok, on_send=on_send)
         if kind is Kind.ERROR or kind is Kind.ERROR_CACHE:
             err, msg = wire.decode_error(body)
@@ -740,7 +741,8 @@ class RemoteMeta(Meta):
                 # SpaceBusy (a plain EAGAIN would reach the application).
                 raise SpaceBusy()
             if kind is Kind.ERROR_CACHE and err == errno.ENOENT and method == "lookup":
-                self.cache.put_entry(args[0], args[1], 0)
+                if not self.cache.stale(("names", args[0]), sent):  # (our create since?)
+                    self.cache.put_entry(args[0], args[1], 0)
             raise (KnownAbsent if kind is Kind.ERROR_CACHE else FsError)(err, msg)
         try:
             return kind, m.result_from_wire(wire.decode(body))
@@ -866,9 +868,11 @@ class RemoteMeta(Meta):
                 a = cache.attr(ino)
                 if a is not None:
                     return a
+        sent = cache.seq
         kind, a = await self._call_kind("lookup", parent, name)
-        if kind is Kind.OK_CACHE:
+        if kind is Kind.OK_CACHE and not cache.stale(("names", parent), sent):
             cache.put_entry(parent, name, a.ino)
+        if kind is Kind.OK_CACHE and not cache.stale(a.ino, sent):
             cache.put_attr(a)
         else:
             cache.newest(a)
@@ -882,8 +886,9 @@ class RemoteMeta(Meta):
                 return a
             if (w := self.leases.settled_first(ino)) is not None:
                 await w
+        sent = cache.seq
         kind, a = await self._call_kind("getattr", ino)
-        if kind is Kind.OK_CACHE:
+        if kind is Kind.OK_CACHE and not cache.stale(ino, sent):
             cache.put_attr(a)
         else:
             cache.newest(a)
@@ -922,13 +927,13 @@ class RemoteMeta(Meta):
                 return False
         dropped = bool(await self._call("drop_privileges", ino, int(set_ids)))
         if dropped:
-            self.cache.changed()
+            self.cache.mark(ino)
             self.cache.attrs.pop(ino, None)
             self.cache.xattrs.pop(ino, None)
         return dropped
 
     def _after_change(self, kind: Kind, a: Attr) -> None:
-        self.cache.changed()
+        self.cache.mark(a.ino)
         if kind is Kind.OK_CACHE:
             self.cache.put_attr(a)
         else:
@@ -941,7 +946,7 @@ class RemoteMeta(Meta):
         # Our chunk map past the new size is void, and so is any size we did not send.
         cache.dirty.pop(ino, None)
         cache.answered.pop(ino, None)
-        cache.drop(ino)
+        cache.cut(ino)
         try:
             while True:
                 try:
@@ -954,7 +959,11 @@ class RemoteMeta(Meta):
         finally:
             # Again: what a call answered meanwhile (before the truncate was applied,
             # or before it was asked again) brought to the cache is from before it.
-            cache.drop(ino)
+            # (A write lease taken meanwhile goes from the cache, not from the
+            # server: its space ahead goes back at our last close all the same.)
+            if cache.is_writer(ino):
+                self._ahead_unsure.add(ino)
+            cache.cut(ino)
 
     def _touched(self, kind: Kind, parent: int, t: int, links: int = 0) -> None:
         """Our change of directory *parent* at time *t* (its mtime and ctime now), which
@@ -970,7 +979,7 @@ class RemoteMeta(Meta):
 
     def _created(self, kind: Kind, parent: int, name: bytes, a: Attr, *, new: bool = True) -> None:
         cache = self.cache
-        cache.changed()
+        cache.mark(a.ino, parent, ("names", parent))
         # The directory's mtime is the new entry's ctime (one timestamp per call).
         self._touched(kind, parent, a.ctime_ns, 1 if stat.S_ISDIR(a.mode) and a.nlink == 2 else 0)
         if kind is Kind.OK_CACHE:
@@ -1124,7 +1133,7 @@ class RemoteMeta(Meta):
 
     def _removed(self, kind: Kind, parent: int, name: bytes, child: int, t: int, links: int) -> None:
         cache = self.cache
-        cache.changed()
+        cache.mark(child, parent, ("names", parent))
         self._touched(kind, parent, t, links)
         cache.attrs.pop(child, None)  # nlink and ctime moved
         if kind is Kind.OK_CACHE:
@@ -1153,7 +1162,8 @@ class RemoteMeta(Meta):
         self._named_elsewhere(src)
         self._named_elsewhere(dst)
         cache = self.cache
-        cache.changed()
+        cache.mark(*(i for i in (parent, new_parent, src, dst) if i),
+                   ("names", parent), ("names", new_parent))
         for ino in (parent, new_parent, src, dst):
             cache.attrs.pop(ino, None)
         cache.drop_entry(parent, name)
@@ -1171,9 +1181,10 @@ class RemoteMeta(Meta):
         return await self._call("readdir", ino)
 
     async def readdirplus(self, ino: int) -> list[tuple[bytes, Attr]]:
+        sent = self.cache.seq
         kind, entries = await self._call_kind("readdirplus", ino)
         if kind is Kind.OK_CACHE:
-            self.cache.put_listing(ino, entries)
+            self.cache.put_listing(ino, entries, sent)
         else:
             for _, a in entries:
                 self.cache.newest(a)
@@ -1186,8 +1197,9 @@ class RemoteMeta(Meta):
 
         if (w := self.leases.settled_first(ino)) is not None:
             await w
+        sent = self.cache.seq
         kind, a = await self._call_kind("open", ino, on_ok=counted)
-        cacheable = kind is Kind.OK_CACHE
+        cacheable = kind is Kind.OK_CACHE and not self.cache.stale(ino, sent)
         if cacheable:
             self.cache.put_attr(a)
         self._last_open = (ino, cacheable)
@@ -1232,20 +1244,21 @@ class RemoteMeta(Meta):
                 if value is None:
                     raise FsError(errno.ENODATA)
                 return value
+        sent = cache.seq
         try:
             kind, value = await self._call_kind("getxattr", ino, name)
         except FsError as exc:
-            if isinstance(exc, KnownAbsent) and exc.errno == errno.ENODATA:
+            if isinstance(exc, KnownAbsent) and exc.errno == errno.ENODATA and not cache.stale(ino, sent):
                 cache.put_xattr(ino, name, None)
             raise
-        if kind is Kind.OK_CACHE:
+        if kind is Kind.OK_CACHE and not cache.stale(ino, sent):
             cache.put_xattr(ino, name, value)
         return value
 
     async def setxattr(self, ino: int, name: bytes, value: bytes) -> None:
         self.cache.xattrs.pop(ino, None)
         await self._call("setxattr", ino, name, value)
-        self.cache.changed()
+        self.cache.mark(ino)
         self.cache.attrs.pop(ino, None)  # ctime
         self.cache.xattrs.pop(ino, None)
 
@@ -1255,7 +1268,7 @@ class RemoteMeta(Meta):
     async def removexattr(self, ino: int, name: bytes) -> None:
         self.cache.xattrs.pop(ino, None)
         await self._call("removexattr", ino, name)
-        self.cache.changed()
+        self.cache.mark(ino)
         self.cache.attrs.pop(ino, None)
         self.cache.xattrs.pop(ino, None)
 
@@ -1354,9 +1367,11 @@ class RemoteMeta(Meta):
             method, args = "allocate_ahead", [ino, offset, length, ahead]
         else:
             method, args = "map_write", [ino, offset, length]
+        granted: list[Kind] = []  # the reply's kind as read (before _roundtrip's downgrade)
+        sent = cache.seq
         while True:
             try:
-                kind, result = await self._call_kind(method, *args)
+                kind, result = await self._call_kind(method, *args, on_ok=lambda k, _: granted.append(k))
             except FsError as exc:
                 # The server's write-back is behind (its dirty cap): it said so after
                 # waiting a while, rather than let this call time out.  Ask again.
@@ -1372,7 +1387,10 @@ class RemoteMeta(Meta):
                 cache.written(ino, offset, end)
             if kind is Kind.OK_WRITE or kind is Kind.OK_CACHE:
                 cache.put_extents(ino, plan.extents, writer=kind is Kind.OK_WRITE)
-                cache.put_attr(a)
+                if cache.stale(ino, sent):  # a chmod of ours since: not those attributes
+                    cache.attrs.pop(ino, None)
+                else:
+                    cache.put_attr(a)
                 f = cache.files.get(ino)
                 if f is not None:
                     f.last_end = end
@@ -1382,8 +1400,8 @@ class RemoteMeta(Meta):
                 # maps taken before stay usable, so the generation stays.)
                 cache.attrs.pop(ino, None)
                 cache.files.pop(ino, None)
-                if method == "allocate_ahead":
-                    self._ahead_unsure.add(ino)
+                if granted and granted[-1] is Kind.OK_WRITE:
+                    self._ahead_unsure.add(ino)  # the server holds the lease and space for us
             return WritePlan(_clip(plan.extents, offset, end), posted=kind is Kind.OK_WRITE)
 
     async def control(self, op: str, args: dict[str, Any]) -> dict[str, Any]:

@@ -1010,10 +1010,53 @@ async def test_a_negative_lookup_read_before_our_create_is_not_kept_after_it() -
         await a.release(f.ino)
 
 
+async def test_a_write_given_no_lease_sends_nothing_more_at_close(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Only a reply that gave the lease (as read, before it was found not cacheable)
+    leaves space ahead to give back at close: a write answered without the lease
+    and found not cacheable costs no report at its close."""
+    async with cluster(1) as (server, (a,), _):
+        f = await a.create(ROOT, b"f", F, 0, 0)
+        g = await a.mknod(ROOT, b"g", F, 0, 0)
+        # As when another node holds the file's state: no write lease for a.
+        monkeypatch.setattr(server.leases, "grant_write", lambda *_: False)
+        late = LateCaller(a)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(a.map_write, f.ino, 0, 4096)
+            await late.read.wait()
+            await a.truncate(g.ino, 0)  # the reply is not cacheable now
+            late.go.set()
+        assert f.ino not in server.leases.writers
+        assert f.ino not in a._ahead_unsure
+
+
+async def test_a_change_of_ours_leaves_what_we_are_told_of_other_directories_cacheable() -> None:
+    """Only what a change of the node's own touches is refused from replies sent
+    before it: creates in one directory (under its create lease, a mark per file)
+    must not make lookups elsewhere uncacheable, nor another create's own reply
+    (which made a node lose its create lease's use when two processes created at
+    once)."""
+    async with cluster(1) as (server, (a,), _):
+        d1 = await a.mknod(ROOT, b"d1", stat.S_IFDIR | 0o755, 0, 0)
+        d2 = await a.mknod(ROOT, b"d2", stat.S_IFDIR | 0o755, 0, 0)
+        x = await a.mknod(d1.ino, b"x", F, 0, 0)
+        a.cache.drop(d1.ino)
+        a.cache.attrs.pop(x.ino)
+        late = LateCaller(a)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(a.lookup, d1.ino, b"x")
+            await late.read.wait()
+            for k in range(3):
+                await a.release((await a.create(d2.ino, b"n%d" % k, F, 0, 0)).ino)
+            late.go.set()
+        assert a.cache.entry(d1.ino, b"x") == x.ino and a.cache.attr(x.ino) is not None
+
+
 async def test_space_ahead_given_in_a_reply_not_cached_goes_back_at_close() -> None:
     """A write's reply that gave the write lease and space ahead of need came while
-    another change of the node's was made: not cached, so the node does not know it
-    is the writer, while the mds holds the lease and the space for it.  The close
+    the node truncated a file: not cached, so the node does not know it is the
+    writer, while the mds holds the lease and the space for it.  The close
     gives them back all the same (they stayed taken until another node's access)."""
     async with cluster(1) as (server, (a,), _):
         f = await a.create(ROOT, b"f", F, 0, 0)
@@ -1022,7 +1065,7 @@ async def test_space_ahead_given_in_a_reply_not_cached_goes_back_at_close() -> N
         async with trio.open_nursery() as nursery:
             nursery.start_soon(a.map_write, f.ino, 0, 4096)
             await late.read.wait()  # the lease and space ahead, its caller not run yet
-            await a.setattr(g.ino, SetAttr(mode=0o600))  # a change of ours meanwhile
+            await a.truncate(g.ino, 0)  # a truncate of ours meanwhile: nothing is cached
             late.go.set()
         assert not a.cache.is_writer(f.ino)
         assert server.leases.is_writer(server._sessions[a.session], f.ino)
