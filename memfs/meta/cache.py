@@ -196,12 +196,12 @@ class ClientCache:
             d = self.dirs[parent] = DirState()
         d.names[name] = ino
 
-    def put_listing(self, parent: int, entries: list[tuple[bytes, Attr]], sent: int | None = None) -> None:
+    def put_listing(self, parent: int, entries: list[tuple[bytes, Attr]], sent: int) -> None:
         """*sent*: ``seq`` when the listing was asked for (see :meth:`stale`)."""
-        if sent is None or not self.stale(("names", parent), sent):
+        if not self.stale(("names", parent), sent):
             self.dirs[parent] = DirState({name: a.ino for name, a in entries}, complete=True)
         for _, a in entries:
-            if sent is None or not self.stale(a.ino, sent):
+            if not self.stale(a.ino, sent):
                 self.put_attr(a)
             else:
                 self.newest(a)

@@ -563,7 +563,7 @@ def test_reads_and_writes_through_a_full_pool_under_churn(tmp_path: Path) -> Non
     lease are waited for by readers).  With write leases through the burst buffer
     (then opt-in) and three page-cache readers, about 1 run in 16 failed: a read
     stopped at 1 MiB of 2 (LeaseKeeper.attr_ttl), or read zeros from 1 MiB (c1's
-    own reader had cached a chunk map from before c1's truncate: ClientCache.drops)."""
+    own reader had cached a chunk map from before c1's truncate: ClientCache.cuts)."""
 
     back = tmp_path / "backing"
     back.mkdir()
