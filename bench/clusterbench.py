@@ -231,22 +231,26 @@ def write_secret(path: Path) -> Path:
     return path
 
 
-def backing_args(tmp: Path, side: str, backing: bool, leases: bool = True) -> list[str]:
+def backing_args(tmp: Path, side: str, backing: bool, leases: bool = True,
+                 dirty_max: str | None = None) -> list[str]:
     """``--backing``: a burst buffer on either side, its backing directory (fresh each
     round) on this machine's disk, write-back held past the run (``--flush-delay``)
-    so that the rounds measure the mount, not the disk."""
+    so that the rounds measure the mount, not the disk; with *dirty_max*, writers
+    past it wait for write-back (the disk's pace, and how soon the burst buffer
+    lets them go on)."""
     if not backing:
         return []
     d = tmp / f"backing-{side}"
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir()
     off = ["--no-backing-write-leases"] if side == "cluster" and not leases else []
-    return ["--backing", str(d), "--flush-delay", "600", *off]
+    cap = ["--dirty-max", dirty_max] if dirty_max else []
+    return ["--backing", str(d), "--flush-delay", "600", *off, *cap]
 
 
 @contextmanager
 def cluster(runner: Runner, tmp: Path, volume_size: str, backing: bool = False,
-            leases: bool = True) -> Iterator[Path]:
+            leases: bool = True, dirty_max: str | None = None) -> Iterator[Path]:
     """2 memd x 2 volumes, an mds over the 4 volumes and one client mount, on loopback."""
     secret = str(write_secret(tmp / "secret"))
     with ExitStack() as stack:  # unwinds mount, mds, memds: users before what they use
@@ -261,7 +265,7 @@ def cluster(runner: Runner, tmp: Path, volume_size: str, backing: bool = False,
         spec = "+".join(f"tcp://{LOOPBACK}:{m.port}/{v}" for v in (0, 1) for m in memds)
         mds = stack.enter_context(server(runner, [
             "mds", "--listen", f"{LOOPBACK}:0", "--pool", spec, "--secret-file", secret,
-            *backing_args(tmp, "cluster", backing, leases),
+            *backing_args(tmp, "cluster", backing, leases, dirty_max),
         ], "mds listening", tmp / "mds.log"))
         yield stack.enter_context(mounted(
             runner, tmp / "cluster",
@@ -269,9 +273,11 @@ def cluster(runner: Runner, tmp: Path, volume_size: str, backing: bool = False,
         ))
 
 
-def embedded(runner: Runner, tmp: Path, size: str, backing: bool = False) -> AbstractContextManager[Path]:
+def embedded(runner: Runner, tmp: Path, size: str, backing: bool = False,
+             dirty_max: str | None = None) -> AbstractContextManager[Path]:
     return mounted(runner, tmp / "embedded", ["--size", size, "--volumes", "4",
-                                              *backing_args(tmp, "embedded", backing)],
+                                              *backing_args(tmp, "embedded", backing,
+                                                            dirty_max=dirty_max)],
                    tmp / "embedded.log")
 
 
@@ -363,9 +369,15 @@ def main() -> int:
     ap.add_argument("--no-backing-write-leases", dest="backing_write_leases", action="store_false",
                     help="with --backing: the mds grants no write leases, every write is a call "
                          "(memfs mds --no-backing-write-leases)")
+    ap.add_argument("--dirty-max", metavar="SIZE",
+                    help="with --backing: both sides' dirty cap (e.g. 64M): writes past it wait "
+                         "for write-back to the disk (default: half the pool, never reached)")
     args = ap.parse_args()
     if os.geteuid() != 0 or shutil.which("fio") is None or shutil.which("fusermount3") is None:
         print("clusterbench needs root, fio and fusermount3", file=sys.stderr)
+        return 2
+    if args.dirty_max and not args.backing:
+        print("--dirty-max goes with --backing", file=sys.stderr)
         return 2
     fio_total = 2 * parse_size(args.size)
     if fio_total * 5 // 4 > 4 * parse_size(args.volume_size):
@@ -386,8 +398,8 @@ def main() -> int:
 
         def one(side: str) -> dict[str, float]:
             mount = (cluster(runner, tmp, args.volume_size, args.backing,
-                             args.backing_write_leases) if side == "cluster"
-                     else embedded(runner, tmp, total, args.backing))
+                             args.backing_write_leases, args.dirty_max) if side == "cluster"
+                     else embedded(runner, tmp, total, args.backing, args.dirty_max))
             try:
                 with mount as root:
                     return workloads(root, args, problems, side)
@@ -400,7 +412,8 @@ def main() -> int:
 
     med = {side: {k: median(v) for k, v in d.items()} for side, d in samples.items()}
     print(f"\nmemfs cluster (2 memd x 2 x {args.volume_size}, mds, 1 client; 127.0.0.1) vs "
-          f"embedded ({total}){', both with --backing' if args.backing else ''}, "
+          f"embedded ({total}){', both with --backing' if args.backing else ''}"
+          f"{f' --dirty-max {args.dirty_max}' if args.dirty_max else ''}, "
           f"medians of {args.rounds} alternating rounds; "
           f"{'no fio' if args.skip_data else f'fio 2 jobs x {args.size}'}, "
           f"metadata 2 x {args.files} files; code {code}")

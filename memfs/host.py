@@ -8,7 +8,6 @@ pyfuse3 or trio.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 import socket
@@ -62,9 +61,10 @@ def tune_malloc() -> bool:
     :data:`TRIM_THRESHOLD` of freed memory for the next request.  False (and
     nothing changed) where the C library is not glibc.
     """
-    name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name)
+        # This process's own symbols (libc's among them): find_library("c") would
+        # run ldconfig, a process of its own at every start.
+        libc = ctypes.CDLL(None)
         mallopt = libc.mallopt
     except (OSError, AttributeError, TypeError):
         return False

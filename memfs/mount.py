@@ -26,22 +26,20 @@ import trio.lowlevel
 
 from memfs import fs
 from memfs.array.service import ArrayService, PoolAccess
-from memfs.backing.meta import BackedMeta
 from memfs.config import FlushConfig, PoolConfig, parse_pool_spec
 from memfs.data import DataEngine
 from memfs.errors import FsError, UsageError
 from memfs.fs import Operations
 from memfs.host import mem_available, sd_notify, tune_malloc
 from memfs.meta import Meta
-from memfs.meta.remote import open_remote_meta
 from memfs.meta.store import MetaStore
 from memfs.passthrough import BackingFiles, raise_fd_limit
 from memfs.scrub import Scrubber
 from memfs.transport import Transport
 from memfs.transport.local import LocalTransport
-from memfs.transport.pool import open_pool_transport, pool_scheme
 
 if TYPE_CHECKING:
+    from memfs.backing.meta import BackedMeta
     from memfs.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -160,6 +158,11 @@ async def open_backend(opts: MountOptions) -> AsyncIterator[Backend]:
 
 @asynccontextmanager
 async def _open_remote(opts: MountOptions, host: str, port: int) -> AsyncIterator[Backend]:
+    # Imported here: an embedded mount (most of the test suite's, and a job's
+    # node-local one) starts without the cluster client's and tcp's modules.
+    from memfs.meta.remote import open_remote_meta
+    from memfs.transport.pool import open_pool_transport, pool_scheme
+
     where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
         async with open_remote_meta(host, port, opts.secret) as meta:
@@ -249,6 +252,8 @@ async def _run_backend(
         backed: BackedMeta | None = None
         if opts.flush is not None:
             assert isinstance(meta, MetaStore), "cluster mounts write back in the mds"
+            from memfs.backing.meta import BackedMeta  # (only with --backing)
+
             backed = BackedMeta(meta, transport, opts.flush)
             try:
                 await backed.load()

@@ -64,16 +64,20 @@ def wait_gone(pid: int, timeout: float) -> bool:
     return False
 
 
-def stop_server(proc: subprocess.Popen[bytes]) -> None:
-    """Stop a `memfs memd`/`memfs mds` started with a stdout pipe: SIGTERM, then SIGKILL."""
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    assert proc.stdout is not None
-    proc.stdout.close()
+def stop_server(*procs: subprocess.Popen[bytes]) -> None:
+    """Stop `memfs memd`/`memfs mds` processes started with a stdout pipe, all at once:
+    SIGTERM, then SIGKILL for any still running 10 s later."""
+    for proc in procs:
+        proc.terminate()
+    deadline = time.monotonic() + 10
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        assert proc.stdout is not None
+        proc.stdout.close()
 
 
 def unmount(m: Mounted) -> None:

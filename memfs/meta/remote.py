@@ -79,6 +79,8 @@ log = logging.getLogger(__name__)
 KEEPALIVE = 5.0
 #: calls without reply (releases) wait at most this long for a call to go with
 HOLD_MAX = 0.25
+#: at close, what is held or queued gets this long to reach the socket (the server may hang)
+CLOSE_FLUSH = 1.0
 #: the clock the metadata server stamps with (memfs.meta.store): mtimes stay ordered
 _CLOCK = getattr(time, "CLOCK_REALTIME_COARSE", 5)
 #: most space a sequential writer asks for ahead of its writes (the server caps it too)
@@ -672,6 +674,14 @@ class RemoteMeta(Meta):
                 return lost, failed, desc
 
     async def aclose(self) -> None:
+        conn = self._conn
+        if conn is not None and not conn.dead:
+            # Releases sent without a reply leave with the next call, and there is
+            # none now: without them the server holds those files open for this
+            # session's grace (an unlinked file's space comes back that much later).
+            conn.flush_held()
+            with trio.move_on_after(CLOSE_FLUSH):
+                await conn.fs.flush()
         self._closed = True
         self._scope.cancel()
         self._ready.set()  # wake callers waiting for a connection: they fail now

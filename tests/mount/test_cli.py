@@ -465,6 +465,11 @@ def test_after_sigkill(memfs_mount: Callable[..., Mounted]) -> None:
         time.sleep(0.02)
     with pytest.raises(OSError) as info:
         os.stat(m.path)
+    # ECONNABORTED: the kernel had taken this request in before it aborted the
+    # connection (seen once in ~1,000 runs); every later one is ENOTCONN.
+    assert info.value.errno in (errno.ENOTCONN, errno.ECONNABORTED)
+    with pytest.raises(OSError) as info:
+        os.stat(m.path)
     assert info.value.errno == errno.ENOTCONN
     line = assert_one_error_line(memfs("mount", str(m.path), "--size", "16M"))
     assert "already a mountpoint" in line, line

@@ -156,13 +156,14 @@ def make_cluster(
     mnt: dict[str, Path] = {}
     with TestNet(["mem1", "mem2", "mds", "c1", "c2"]) as net:
         try:
-            for host in ("mem1", "mem2"):
+            for host in ("mem1", "mem2"):  # started together, each ~0.5 s of Python start-up
                 argv[host] = [
                     "memd", "--listen", f"{net.addr[host]}:{PORT_MEMD}", "--volumes", "2",
                     "--volume-size", volume_size, "--secret-file", str(secret), *memd_args,
                 ]
-                servers[host] = start(net, host, argv[host], "memd listening",
-                                      tmp_path / f"{host}.log")
+                servers[host] = start(net, host, argv[host], None, tmp_path / f"{host}.log")
+            for host in ("mem1", "mem2"):
+                wait_line(servers[host], "memd listening")
             # Pool volume order: 0 mem1/0, 1 mem2/0, 2 mem1/1, 3 mem2/1.
             spec = "+".join(
                 f"tcp://{net.addr[h]}:{PORT_MEMD}/{v}" for v in (0, 1) for h in ("mem1", "mem2")
@@ -174,31 +175,44 @@ def make_cluster(
             servers["mds"] = start(net, "mds", argv["mds"], "mds listening", tmp_path / "mds.log",
                                    env=mds_env)
             mds = f"{net.addr['mds']}:{PORT_MDS}"
-            for host in ("c1", "c2"):
-                path = tmp_path / host
-                path.mkdir()
-                log = tmp_path / f"{host}.log"
-                if host == "c1":
-                    argv_mount = [*MEMFS, "mount", str(path), "--mds", mds,
-                                  "--secret-file", str(secret), "--log", str(log), *c1_args]
-                else:  # what mount(8) runs for an fstab line `HOST:PORT MNT fuse.memfs ...`
-                    argv_mount = [sys.executable, "-c", HELPER, mds, str(path), "-o",
-                                  f"secret_file={secret},log={log},_netdev,nofail"]
-                res = subprocess.run(net.cmd(host, argv_mount), capture_output=True, text=True,
-                                     timeout=60)
-                assert res.returncode == 0, res.stderr
-                mnt[host] = path
+            mounting: dict[str, subprocess.Popen[str]] = {}
+            try:
+                for host in ("c1", "c2"):  # both at once
+                    path = tmp_path / host
+                    path.mkdir()
+                    log = tmp_path / f"{host}.log"
+                    if host == "c1":
+                        argv_mount = [*MEMFS, "mount", str(path), "--mds", mds,
+                                      "--secret-file", str(secret), "--log", str(log), *c1_args]
+                    else:  # what mount(8) runs for an fstab line `HOST:PORT MNT fuse.memfs ...`
+                        argv_mount = [sys.executable, "-c", HELPER, mds, str(path), "-o",
+                                      f"secret_file={secret},log={log},_netdev,nofail"]
+                    mounting[host] = subprocess.Popen(net.cmd(host, argv_mount), text=True,
+                                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                said = {host: proc.communicate(timeout=60) for host, proc in mounting.items()}
+            finally:
+                for host, proc in mounting.items():
+                    if proc.poll() is None:
+                        proc.kill()
+                        proc.communicate()
+                    mnt[host] = tmp_path / host  # unmounted below if it was mounted
+            for host, proc in mounting.items():
+                assert proc.returncode == 0, said[host][1]
             yield Cluster(net, secret, mnt, servers, argv, tmp_path,
                           env={"mds": mds_env} if mds_env else {},
                           logs={h: tmp_path / f"{h}.log" for h in servers})
         finally:
+            pids = [int(pid_file(str(p)).read_text()) for p in mnt.values() if pid_file(str(p)).exists()]
             for path in mnt.values():
-                pid = int(pid_file(str(path)).read_text()) if pid_file(str(path)).exists() else None
                 subprocess.run(["fusermount3", "-u", "-z", str(path)], capture_output=True)
-                if pid is not None and not wait_gone(pid, 20):
+            for pid in pids:
+                if not wait_gone(pid, 20):
                     os.kill(pid, signal.SIGKILL)
-            for proc in servers.values():
-                stop_server(proc)
+            # The mds first: with --backing it writes back what is dirty, from the
+            # memory servers, before it exits.
+            if "mds" in servers:
+                stop_server(servers["mds"])
+            stop_server(*(proc for host, proc in servers.items() if host != "mds"))
     for path in mnt.values():
         assert not is_mounted(str(path))
     for log_file in tmp_path.glob("*.log"):
@@ -577,8 +591,12 @@ def test_mds_metrics(tmp_path: Path) -> None:
         assert cli[("memfs_requests_total", (("op", "write"),))] >= 1
         assert cli[up] == 1
         c.kill("mem2")
-        with pytest.raises(OSError):  # the next use of mem2 finds it gone
-            os.pread(os.open(c.mnt["c1"] / "f", os.O_RDONLY | os.O_DIRECT), 4_000_000, 0)
+        fd = os.open(c.mnt["c1"] / "f", os.O_RDONLY | os.O_DIRECT)
+        try:
+            with pytest.raises(OSError):  # the next use of mem2 finds it gone
+                os.pread(fd, 4_000_000, 0)
+        finally:
+            os.close(fd)  # open, it would keep c1's daemon after its (lazy) unmount
         cli = scrape_until(getter("c1"), lambda g: g.get(up) == 0)
         assert cli[up] == 0
         assert cli[("memfs_memory_server_up", (("server", names["mem1"]),))] == 1

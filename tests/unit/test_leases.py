@@ -500,6 +500,22 @@ async def test_preallocation_returns_at_close_and_settles_the_size() -> None:
         assert (await a.statfs()).blocks_free == s0.blocks_free
 
 
+async def test_a_release_sent_without_reply_is_not_lost_at_close() -> None:
+    """A release leaves with the next call; a client closing (its mount unmounted)
+    makes no next call, and the mds held the file open for the session's grace:
+    an unlinked file's space came back 60 s after the unmount.  Sent at close now."""
+    async with cluster(1) as (server, (a,), _):
+        port = server.port
+        async with open_remote_meta("127.0.0.1", port, SECRET) as b:
+            f = await b.create(ROOT, b"f", F, 0, 0)
+            await b.map_write(f.ino, 0, 100)
+            await b.unlink(ROOT, b"f")
+            await b.release(f.ino)
+        with trio.fail_after(5):
+            while f.ino in server.store.inodes:  # noqa: ASYNC110 - the server says nothing
+                await trio.sleep(0.01)
+
+
 async def test_unresponsive_client_is_evicted_within_the_bound(caplog: pytest.LogCaptureFixture) -> None:
     caplog.expected_warnings = True  # type: ignore[attr-defined]  # the eviction is logged
     term, recall_timeout = 1.0, 0.5
