@@ -679,9 +679,12 @@ class RemoteMeta(Meta):
             # Releases sent without a reply leave with the next call, and there is
             # none now: without them the server holds those files open for this
             # session's grace (an unlinked file's space comes back that much later).
+            # What the socket does not take at once is the connection's writer task's
+            # to send (a second task waiting on the socket would be an error).
             conn.flush_held()
             with trio.move_on_after(CLOSE_FLUSH):
-                await conn.fs.flush()
+                while conn.fs.pending() and not conn.dead:  # noqa: ASYNC110 - no drained signal
+                    await trio.sleep(0.01)
         self._closed = True
         self._scope.cancel()
         self._ready.set()  # wake callers waiting for a connection: they fail now
