@@ -245,6 +245,8 @@ async def _write_back(
                                       fences=server.fencing.fences) as t:
             backed = BackedMeta(store, t, opts.flush, settle=SETTLE, recovered=recovered)
             backed.before_evict = server.recall_inodes
+            backed.writeback.landed = server.writes_landed
+            backed.writeback.glimpse = server.glimpse_writers_of
             backed.residency.evictions_held = server.evictions_held
             try:
                 if recovered is not None and recovered.loaded:

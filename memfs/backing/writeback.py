@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import trio
@@ -56,6 +56,10 @@ ROUND = 256
 BATCH = 32
 
 
+#: cluster mode: recalls of a file's writers before a copy that writers wait for
+GLIMPSES = 3
+
+
 @dataclass(eq=False)
 class _SmallCopy:
     """One file of a batch: version *v* of *ino*, read into *view*, bound for *tmp*."""
@@ -64,6 +68,7 @@ class _SmallCopy:
     d: Dirty
     v: int
     started: float
+    landed: bool  # WriteBack.landed when v was taken
     tmp: bytes
     view: memoryview
     mode: int
@@ -93,6 +98,13 @@ class WriteBack:
         #: the mds placed it (the mds sees the placement, not the bytes); a copy begun
         #: sooner after a file's last change does not make it clean
         self.settle = settle
+        #: cluster mode: has every write placed in this file so far landed (no write
+        #: lease on it, no writer that has not confirmed its bytes)?  A copy begun
+        #: then is the file's content, however soon after its last change.
+        self.landed: Callable[[int], bool] = lambda ino: False
+        #: cluster mode: have this file's writers confirm their bytes (a recall of its
+        #: write lease and of writers without one) before a copy that writers wait for
+        self.glimpse: Callable[[int], Awaitable[None]] | None = None
         self.forced: set[int] = set()  # files ``memfs flush`` asked for
         self.draining = False
         self.flushed_bytes = 0
@@ -251,13 +263,14 @@ class WriteBack:
             if not self.mirror.ops:
                 break
 
-    def _published(self, ino: int, d: Dirty, v: int, started: float, size: int,
+    def _published(self, ino: int, d: Dirty, v: int, started: float, landed: bool, size: int,
                    path: bytes) -> None:
-        """Version *v* of *ino* is in DIR: clean, unless a write may still be on its way."""
+        """Version *v* of *ino* is in DIR: clean, unless a write may still be on its way
+        (*landed*: none could be when the copy began)."""
         self.flushed_files += 1
         self._count_rate(size)
         self.errors.clear(path)
-        if started - d.since < self.settle and self.tracker.version(ino) == v:
+        if not landed and started - d.since < self.settle and self.tracker.version(ino) == v:
             # A write placed just before the copy began may still have been on its
             # way to a memory server: copy once more when that cannot be so.
             d.retry_at = d.since + self.settle
@@ -268,7 +281,16 @@ class WriteBack:
     async def flush_one(self, ino: int, d: Dirty, buf: memoryview) -> None:
         """Copy *ino*'s current version to DIR and publish it; clean if unchanged."""
         tracker = self.tracker
+        for _ in range(GLIMPSES):
+            if (self.glimpse is None or not self._awaited() or self.landed(ino)
+                    or self.clock() - d.since >= self.settle):
+                break
+            # Writers wait for room: rather than the settle time, ask this file's
+            # writers for their bytes (each answers once they have landed; a writer
+            # given room meanwhile, by the end of its lease, is asked again).
+            await self.glimpse(ino)
         v = d.version
+        landed = self.landed(ino)  # of every write in version v (no await since)
         if self._nothing_to_copy(ino, v):
             return
         i = self.store.inodes[ino]
@@ -302,7 +324,12 @@ class WriteBack:
         if not published:  # it lost its last name meanwhile: nothing to write
             tracker.clean(ino, v)
             return
-        self._published(ino, d, v, started, i.size, paths[0])
+        self._published(ino, d, v, started, landed, i.size, paths[0])
+
+    def _awaited(self) -> bool:
+        """Is someone waiting for write-back now (writers at the dirty cap, room for
+        a fetch or a write, the daemon's exit)?"""
+        return self.draining or self.tracker.writers_waiting > 0 or self.tracker.pressing
 
     def _where(self, ino: int) -> bytes:
         return self.store.path(ino) or b"(unlinked)"
@@ -424,9 +451,9 @@ class WriteBack:
                 if i.size > len(buf) - used:
                     alone.append(ino)
                     continue
-                c = _SmallCopy(ino, d, v, self.clock(), self.dirside.tmp_name(ino, v),
-                               buf[used : used + i.size], i.mode, i.uid, i.gid,
-                               (i.atime_ns, i.mtime_ns))
+                c = _SmallCopy(ino, d, v, self.clock(), self.landed(ino),
+                               self.dirside.tmp_name(ino, v), buf[used : used + i.size],
+                               i.mode, i.uid, i.gid, (i.atime_ns, i.mtime_ns))
                 try:
                     got = await self._read_whole(ino, v, c.view)
                 except FsError as exc:
@@ -515,7 +542,7 @@ class WriteBack:
         for c in unnamed:
             self.tracker.clean(c.ino, c.v)
         for c, path in published:
-            self._published(c.ino, c.d, c.v, c.started, len(c.view), path)
+            self._published(c.ino, c.d, c.v, c.started, c.landed, len(c.view), path)
 
     def _parent_dirs(self, ino: int) -> list[NsOp]:
         """mkdir operations for every directory above *ino*'s names, outermost first

@@ -20,7 +20,6 @@ only if the inode's *generation* did not move while the map was fetched.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -91,11 +90,10 @@ class ClientCache:
         #: the lease was revoked and be ignored: the next report, or the recall's
         #: answer, says its span again); gone when the lease ends
         self.spans: dict[int, tuple[int, int]] = {}
-        #: the number of the last write counted into ``spans``, per inode (a write
-        #: inside the span leaves it as it was, but is not covered by a report taken
-        #: before it); numbers are never reused
-        self.span_writes: dict[int, int] = {}
-        self._write_seq = itertools.count(1)
+        #: spans taken by reports on their way (``take_span``): writes made meanwhile,
+        #: inside them or not, start a new span in ``spans`` (their bytes may land
+        #: after the server applied the report); a recall's answer carries these too
+        self.sending: dict[int, list[tuple[int, int]]] = {}
         self._gens: dict[int, int] = {}
         self._epoch = 0
         #: our truncates and lost leases so far: a reply to a call sent before one is not
@@ -369,17 +367,61 @@ class ClientCache:
         granted it: posted, they may land after the server marked them)."""
         span = self.spans.get(ino)
         self.spans[ino] = (offset, end) if span is None else (min(span[0], offset), max(span[1], end))
-        self.span_writes[ino] = next(self._write_seq)
 
     def span(self, ino: int) -> tuple[int, int]:
-        """What was written under the current write lease on *ino* (``(0, 0)``: nothing)."""
+        """What was written under the current write lease on *ino* and not taken by a
+        report yet (``(0, 0)``: nothing)."""
         return self.spans.get(ino, (0, 0))
+
+    def unreported(self) -> list[int]:
+        """Files written under our write leases that the server has not heard all of:
+        a size or mtime of ours, or a span (a write the granting call placed moves
+        neither, but the server must hear once its bytes landed)."""
+        return list(self.dirty.keys() | self.spans.keys())
+
+    def take_span(self, ino: int, *, ending: bool = False) -> tuple[int, int]:
+        """A report takes what was written since the last one (kept in ``sending``
+        until :meth:`span_sent`); later writes start a new span.  A report that ends
+        the lease (*ending*) says the spans of reports still on their way too: the
+        server ignores those once the lease has ended."""
+        spans = list(self.sending.get(ino, ())) if ending else []
+        span = self.spans.pop(ino, None)
+        if span is not None:
+            spans.append(span)
+        if not spans:
+            return (0, 0)
+        span = (min(lo for lo, _ in spans), max(hi for _, hi in spans))
+        self.sending.setdefault(ino, []).append(span)
+        return span
+
+    def span_sent(self, ino: int, span: tuple[int, int], *, heard: bool) -> None:
+        """The report that took *span* is over: the server has it (*heard*), or it goes
+        back for the next report.  (Gone already if a recall's answer carried it.)"""
+        taken = self.sending.get(ino)
+        if taken is None or span not in taken:
+            return
+        taken.remove(span)
+        if not taken:
+            del self.sending[ino]
+        if not heard:
+            self.written(ino, *span)
+
+    def end_span(self, ino: int) -> tuple[int, int]:
+        """Our write lease on *ino* ends (a recall): everything written under it that
+        the server may not have, reports on their way included (``(0, 0)``: nothing)."""
+        spans = self.sending.pop(ino, [])  # (their reports arrive after the answer)
+        span = self.spans.pop(ino, None)
+        if span is not None:
+            spans.append(span)
+        if not spans:
+            return (0, 0)
+        return (min(lo for lo, _ in spans), max(hi for _, hi in spans))
 
     def clear(self) -> None:
         """The lease is lost: nothing cached may be used any more (dirty sizes stay,
         and are sent with the next registration, which does not say where)."""
         self.spans.clear()
-        self.span_writes.clear()
+        self.sending.clear()
         self.reported.clear()
         self.attrs.clear()
         self.dirs.clear()

@@ -109,8 +109,7 @@ class LeaseKeeper:
                 created_in.append(ino)
             if revoke:
                 a = cache.attrs.get(ino)
-                span = cache.spans.pop(ino, (0, 0))  # the lease ends with this answer
-                cache.span_writes.pop(ino, None)
+                span = cache.end_span(ino)  # the lease ends with this answer
                 took = cache.take_write(ino)
                 if took is not None:
                     settles.append([ino, *took, *span])
@@ -245,13 +244,13 @@ class LeaseKeeper:
                 self.lost("lease expired")
 
     async def settle_dirty(self) -> None:
-        """Send sizes and mtimes of files written under write leases, coalesced."""
+        """Send sizes, mtimes and spans of files written under write leases, coalesced."""
         cache = self.cache
         while True:
             await self.dirty_wake.wait()
             self.dirty_wake = trio.Event()
             await trio.sleep(SETTLE_DELAY)
-            for ino in list(cache.dirty):
+            for ino in cache.unreported():
                 await self.settle(ino, trim=False)
 
     async def settle(self, ino: int, *, trim: bool) -> None:
@@ -264,34 +263,41 @@ class LeaseKeeper:
         recalled meanwhile is dropped: the recall's answer carried the size.)"""
         cache = self.cache
         d = cache.dirty.get(ino)
-        if d is None and not trim:
+        if d is None and not trim and ino not in cache.spans:
             return
         if d is None:
             a = cache.attrs.get(ino)
             d = (-1, 0) if a is None else (a.size, a.mtime_ns)
-        span = cache.span(ino)  # since the last report the server is known to have
-        writes = cache.span_writes.get(ino)
         if trim:
             # No more writes without asking; the size stays in ``dirty`` until the
             # server has it (a reconnection in between sends it with the registration).
             cache.files.pop(ino, None)
             cache.reported.pop(ino, None)
         gen = cache.generation(ino)
-        if self.barrier is not None:
-            await self.barrier(ino)
-            if not trim and cache.generation(ino) != gen:
-                return  # recalled meanwhile: the answer carried the size (and d may be stale)
+        # What was written since the last report; writes made from now on start a
+        # new span, sent with the next report (their bytes may land after this one).
+        span = cache.take_span(ino, ending=trim)
+        heard = False
         try:
-            await self.call("settle", ino, d[0], d[1], int(trim), *span)
-        except FsError as exc:
-            if exc.errno == errno.ESTALE:  # our lease ended without us: lost
-                if cache.dirty.get(ino) == d:
-                    del cache.dirty[ino]
-                self.kernel.write_lost([ino])
+            if self.barrier is not None:
+                await self.barrier(ino)
+                if not trim and cache.generation(ino) != gen:
+                    return  # recalled meanwhile: the answer carried the size (and d may be stale)
+            try:
+                await self.call("settle", ino, d[0], d[1], int(trim), *span)
+            except FsError as exc:
+                if exc.errno == errno.ESTALE:  # our lease ended without us: lost
+                    heard = True  # (nothing to say it to)
+                    if cache.dirty.get(ino) == d:
+                        del cache.dirty[ino]
+                    self.kernel.write_lost([ino])
+                    return
+                # Kept (it is the application's data): sent again, or with the next registration.
+                log.debug("settle of inode %d failed: %s", ino, exc)
                 return
-            # Kept (it is the application's data): sent again, or with the next registration.
-            log.debug("settle of inode %d failed: %s", ino, exc)
-            return
+            heard = True
+        finally:
+            cache.span_sent(ino, span, heard=heard)
         if cache.dirty.get(ino) == d:
             del cache.dirty[ino]
         if not trim and d[0] >= 0 and cache.is_writer(ino) and cache.generation(ino) == gen:
@@ -299,9 +305,6 @@ class LeaseKeeper:
             # answered before this report are not news (ClientCache.newest).
             r = cache.reported.get(ino)
             cache.reported[ino] = d if r is None else (max(r[0], d[0]), max(r[1], d[1]))
-        if cache.span_writes.get(ino) == writes and cache.spans.get(ino) == span:
-            del cache.spans[ino]  # heard: the next report says what is written after
-            del cache.span_writes[ino]
 
     def settled_first(self, ino: int) -> Awaitable[None] | None:
         """A call about *ino* that the server answers from its own state needs our unsent size."""

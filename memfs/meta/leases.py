@@ -191,6 +191,10 @@ class LeaseTable:
         #: answer once those transfers landed (a "glimpse" of a writer without a lease)
         #: (with the mark's number: an answer clears only marks it was asked about)
         self.writing: dict[int, dict[Holder, int]] = {}
+        #: ino -> sessions sent where to write without a write lease, with the mark of
+        #: the last such answer, until they confirm those bytes landed (a recall's
+        #: answer, their close): the write-back waits for them (``writes_landed``)
+        self.placed: dict[int, dict[Holder, int]] = {}
         #: ino -> the number of the last mark (a read that waited compares)
         self.wrote_seq: dict[int, int] = {}
         self._marks = 0
@@ -293,17 +297,33 @@ class LeaseTable:
             return True
         return False
 
-    def wrote(self, holder: Holder, ino: int) -> None:
-        """*holder* was sent where to write *ino*'s data without a write lease: until it
-        answers a recall of *ino* (or closes it), its bytes may still be on their way,
-        and what another session reads meanwhile would be old, cached for good."""
+    def wrote(self, holder: Holder, ino: int, *, placed: bool = False) -> None:
+        """*holder* was sent (*placed*), or is about to be, where to write *ino*'s data
+        without a write lease: until it answers a recall of *ino* (or closes it), its
+        bytes may still be on their way, and what another session reads meanwhile
+        would be old, cached for good."""
         self._marks += 1
         self.writing.setdefault(ino, {})[holder] = self.wrote_seq[ino] = self._marks
         self._marked_of.setdefault(holder, set()).add(ino)
+        if placed:
+            self.placed.setdefault(ino, {})[holder] = self._marks
+
+    def unconfirmed(self, ino: int) -> bool:
+        """May bytes of writes placed in *ino* still be on their way?  A session sent
+        where to write without a write lease has not confirmed them yet.  (A write
+        lease's holder reports what it wrote only once those bytes have landed: what
+        it has not reported is not in the file's state yet, and comes with a report
+        that changes the file again.)"""
+        return bool(self.placed.get(ino))
 
     def done_writing(self, holder: Holder, ino: int, mark: int | None = None) -> None:
         """*holder*'s writes of *ino* have all landed (its last close of it), or those
         made until its mark *mark* (it answered a recall sent then)."""
+        ps = self.placed.get(ino)
+        if ps is not None and holder in ps and (mark is None or ps[holder] <= mark):
+            del ps[holder]
+            if not ps:
+                del self.placed[ino]
         ws = self.writing.get(ino)
         if ws is not None and holder in ws and (mark is None or ws[holder] == mark):
             del ws[holder]
@@ -482,6 +502,7 @@ class LeaseTable:
         """Inode *ino* no longer exists (after its holders were recalled)."""
         for h in list(self.writing.get(ino, ())):
             self.done_writing(h, ino)
+        self.placed.pop(ino, None)
         hs = self.holders.pop(ino, None)
         for h in hs or ():
             mine = self._inos_of.get(h)

@@ -839,11 +839,11 @@ class RemoteMeta(Meta):
         # Sizes held back (coalesced, or waiting for their bytes to land) would
         # otherwise be lost with the session.  Bounded: the server may be gone.
         with trio.move_on_after(self.timeout) as scope:
-            for ino in list(self.cache.dirty):
+            for ino in self.cache.unreported():
                 await self.leases.settle(ino, trim=False)
-        if scope.cancelled_caught and self.cache.dirty:
+        if scope.cancelled_caught and self.cache.unreported():
             log.warning("the sizes of %d file(s) written here did not reach the metadata "
-                        "server within %.0f s", len(self.cache.dirty), self.timeout)
+                        "server within %.0f s", len(self.cache.unreported()), self.timeout)
 
     async def sync(self, ino: int) -> None:
         self._check_write_error(ino)
@@ -859,7 +859,7 @@ class RemoteMeta(Meta):
                 raise FsError(errno.EIO, f"the metadata server has not confirmed the create of "
                                          f"inode {ino} (or of files in it)")
         cache = self.cache
-        if ino in cache.dirty:
+        if ino in cache.dirty or ino in cache.spans:
             await self.leases.settle(ino, trim=False)
         await self.leases.answer_known(ino)  # our size went in the answer to a recall
         if ino in cache.dirty or ino in cache.answered:
@@ -1397,7 +1397,10 @@ class RemoteMeta(Meta):
             else:
                 plan, a = result
             if kind is Kind.OK_WRITE and length:
+                # The server counted these chunks written as it answered; it hears
+                # of the bytes (the span) once they have landed.
                 cache.written(ino, offset, end)
+                self.leases.dirty_wake.set()
             if kind is Kind.OK_WRITE or kind is Kind.OK_CACHE:
                 cache.put_extents(ino, plan.extents, writer=kind is Kind.OK_WRITE)
                 if cache.stale(ino, sent):  # a chmod of ours since: not those attributes

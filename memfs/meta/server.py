@@ -134,6 +134,9 @@ _MAPS = frozenset({"map_read", "map_write", "allocate_ahead", "truncate"})
 #: file's gate (memfs.meta.gates)
 _GATED = {"map_read": gates.READ, "map_write": gates.CHANGE, "allocate_ahead": gates.CHANGE,
           "truncate": gates.CUT}
+#: seconds a truncate's caller may take to zero the tail of the file's last chunk
+#: (as the write-back's settle time, memfs.mds.SETTLE)
+TAIL_SETTLE = 2.0
 #: most inode numbers one reserve_inos call hands a session
 MAX_RESERVE = 4096
 
@@ -190,6 +193,9 @@ class MetaServer:
             store.on_backing = self._backing_changed
             store.wait_durable = self._wait_durable
         self._sessions: dict[bytes, Session] = {}
+        #: ino -> when a truncate last sent its caller a tail to zero (those zeros are
+        #: confirmed by nothing: the write-back gives them its settle time)
+        self._tails: dict[int, float] = {}
         #: after a restart, until --grace has passed: sessions of the previous run may
         #: come back and report what they wrote (their write leases died with it)
         self._recovering = False
@@ -669,8 +675,14 @@ class MetaServer:
                 if m.name == "map_read" or (m.name == "allocate_ahead" and widen):
                     body = self._widened(m.name, args, result) or body
             if m.name in ("map_write", "allocate_ahead") and kind is not Kind.OK_WRITE and args[2]:
-                # Its bytes go out after this reply: readers elsewhere wait for them.
-                self.leases.wrote(session, args[0])
+                # Its bytes go out after this reply: readers elsewhere (and the
+                # write-back) wait for them.
+                self.leases.wrote(session, args[0], placed=True)
+        if m.name == "truncate" and result:
+            if len(self._tails) >= 4096:
+                gone_by = trio.current_time() - TAIL_SETTLE
+                self._tails = {i: t for i, t in self._tails.items() if t > gone_by}
+            self._tails[args[0]] = trio.current_time()
         return kind, body
 
     def _widened(self, name: str, args: list[Any], result: Any) -> bytes | None:
@@ -761,6 +773,30 @@ class MetaServer:
         while self.leases.needs_recall(None, items, first=first):
             await self.leases.recall(None, items)
             first = False
+
+    def writes_landed(self, ino: int) -> bool:
+        """Has every write the file's state shows reached the memory servers?  True when
+        no session placed writes there that it has not confirmed (by a recall's
+        answer or its close) and no truncate's tail is being zeroed, outside a
+        restart's recovery (writers of the run before are not known yet).  A write
+        lease's holder counts as confirmed: it reports writes only once they landed
+        (``LeaseTable.unconfirmed``).  The write-back then needs no settle time."""
+        if self.leases.term <= 0 or self._recovering or self.leases.unconfirmed(ino):
+            return False  # (without leases, writers are not marked)
+        t = self._tails.get(ino)
+        if t is not None:
+            if trio.current_time() - t < TAIL_SETTLE:
+                return False
+            del self._tails[ino]
+        return True
+
+    async def glimpse_writers_of(self, ino: int) -> None:
+        """Recall *ino*'s writers that have not confirmed their placed writes: each
+        answers once its bytes have landed.  (Only when there are such: a write
+        lease's holder is not recalled for this.)"""
+        items = [Item(ino, write_only=True)]
+        if self.leases.unconfirmed(ino) and self.leases.needs_recall(None, items):
+            await self.leases.recall(None, items)
 
     def evictions_held(self) -> bool:
         """Within the grace after a restart, until every session of the run before is

@@ -500,6 +500,38 @@ async def test_preallocation_returns_at_close_and_settles_the_size() -> None:
         assert (await a.statfs()).blocks_free == s0.blocks_free
 
 
+async def test_the_write_back_hears_when_every_write_placed_has_landed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``MetaServer.writes_landed``: not after chunks are given to a writer without a
+    write lease, nor just after a truncate gave its caller a tail to zero;
+    ``glimpse_writers_of`` (their recall) makes it so for the first, the settle
+    time for the second.  A write lease's holder reports writes only once they
+    have landed: it is not recalled for this."""
+    from memfs.meta import server as server_module
+
+    monkeypatch.setattr(server_module, "TAIL_SETTLE", 0.2)
+    async with cluster(1) as (server, (a,), _):
+        f = await a.create(ROOT, b"f", F, 0, 0)
+        assert server.writes_landed(f.ino)
+        await a.map_write(f.ino, 0, 100)  # a write lease, and space ahead
+        holder = server.leases.writers.get(f.ino)
+        assert holder is not None and server.writes_landed(f.ino)
+        await server.glimpse_writers_of(f.ino)
+        assert server.leases.writers.get(f.ino) is holder, "the lease stays"
+        await a.release(f.ino)  # (the lease goes back)
+        await a.open(f.ino)
+        monkeypatch.setattr(MetaServer, "write_leases", property(lambda self: False))
+        await a.map_write(f.ino, 100, 100)  # placed, no lease
+        assert not server.writes_landed(f.ino)
+        await server.glimpse_writers_of(f.ino)
+        assert server.writes_landed(f.ino)
+        await a.truncate(f.ino, 50)
+        assert not server.writes_landed(f.ino)
+        await trio.sleep(0.25)
+        assert server.writes_landed(f.ino)
+
+
 async def test_a_release_sent_without_reply_is_not_lost_at_close() -> None:
     """A release leaves with the next call; a client closing (its mount unmounted)
     makes no next call, and the mds held the file open for the session's grace:
@@ -782,6 +814,44 @@ async def test_write_marks_outlive_a_registration_not_the_session(
     assert table.others_writing(reader, 7), "the mark made after the recall was sent stays"
     table.forget(writer)
     assert not table.others_writing(reader, 7)
+
+
+async def test_placed_writes_stay_unconfirmed_until_answered_for(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """What the write-back asks (``unconfirmed``): a session sent where to write and
+    not heard from since (a write lease's holder reports its writes once they have
+    landed: it is not asked for).  A call's mark before it is answered is
+    not a placement (it may wait for room for long: nothing of it is on its way); an
+    answered recall confirms placements made before it was sent, not after; a close
+    (``done_writing`` without a mark) and the session's end confirm everything."""
+    table = LeaseTable(term=4.0, recall_timeout=2.0)
+    again = False
+
+    async def answer(rid: int) -> None:
+        if again:
+            table.wrote(writer, 7, placed=True)  # placed while the recall was on its way
+        table.recalled(writer, rid, [])
+
+    writer = _Fake(table, answer)
+    table.register(writer, [7], transfer=True)
+    table.wrote(writer, 7)  # a map_write waiting for room
+    assert not table.unconfirmed(7)
+    table.wrote(writer, 7, placed=True)  # ... answered
+    assert table.unconfirmed(7)
+    await table.recall(None, [Item(7, write_only=True)])
+    assert not table.unconfirmed(7), "answered after its bytes landed"
+    table.wrote(writer, 7, placed=True)
+    again = True
+    await table.recall(None, [Item(7, write_only=True)])
+    assert table.unconfirmed(7), "placed after the recall was sent: not confirmed by it"
+    table.done_writing(writer, 7)  # its close
+    assert not table.unconfirmed(7)
+    table.wrote(writer, 7, placed=True)
+    table.forget(writer)
+    assert not table.unconfirmed(7)
+    leaseholder = _Fake(table, None)
+    assert table.grant_write(leaseholder, 8) and not table.unconfirmed(8)
 
 
 async def test_lease_table_bounds_with_a_virtual_clock(
@@ -1884,37 +1954,133 @@ async def test_a_transfer_begun_after_the_wait_does_not_stop_the_answer(
         assert server.leases.evictions == 0
 
 
-async def test_a_write_during_a_report_is_reported_again_even_inside_its_span() -> None:
-    """A report takes the span written so far and drops it once the server has it;
-    a write made meanwhile inside that span (it leaves the span as it was) is not
-    covered by that report (its bytes may land after the server applied it), so the
-    span stays for the next report.  Found by a review: the next report then said
-    nothing written, and DIR kept the bytes from before the last write."""
+class _NoKernel:
+    invalidator: lease_client.Invalidator | None = None
+    names_invalidator: Callable[[], None] | None = None
 
-    class NoKernel:
-        invalidator: lease_client.Invalidator | None = None
-        names_invalidator: Callable[[], None] | None = None
+    def write_lost(self, inos: list[int]) -> None:
+        pass
 
-        def write_lost(self, inos: list[int]) -> None:
-            pass
 
+class _Answers:
+    """A recall channel that keeps the answers."""
+
+    def __init__(self) -> None:
+        self.answers: list[Any] = []
+        self.answered = trio.Event()
+
+    def send_recalled(self, rid: int, payload: bytes) -> None:
+        self.answers.append(wire.decode(payload))
+        self.answered.set()
+
+    def flush_held(self) -> None:
+        pass
+
+    async def delivered(self) -> bool:
+        return True
+
+
+def _held_reports(
+    fail: list[BaseException] | None = None,
+) -> tuple[list[tuple[Any, ...]], trio.Event, ClientCache, lease_client.LeaseKeeper]:
+    """A lease keeper whose calls (reports) wait for the returned event, then raise
+    what *fail* holds: (calls sent, the event, its cache, the keeper)."""
     sent: list[tuple[Any, ...]] = []
     answer = trio.Event()
 
     async def call(*args: Any) -> None:
         sent.append(args)
         await answer.wait()
+        if fail:
+            raise fail.pop()
 
     cache = ClientCache(chunk_size=64 << 10, term=4.0)
-    keeper = lease_client.LeaseKeeper(cache, call, NoKernel())
+    return sent, answer, cache, lease_client.LeaseKeeper(cache, call, _NoKernel())
+
+
+async def test_a_write_during_a_report_is_reported_again_even_inside_its_span() -> None:
+    """A report takes the span written so far; a write made meanwhile inside that
+    span is not covered by that report (its bytes may land after the server applied
+    it), so it is in the next report.  Found by a review: the next report then said
+    nothing written, and DIR kept the bytes from before the last write."""
+    sent, answer, cache, keeper = _held_reports()
     cache.wrote(5, 4096, 8192, 1)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(functools.partial(keeper.settle, 5, trim=False))
         await trio.sleep(0.01)
         assert sent[-1][-2:] == (4096, 8192)
-        cache.wrote(5, 4096, 8192, 2)  # the same bytes again: the span does not move
+        cache.wrote(5, 4096, 8192, 2)  # the same bytes again: inside the span
         answer.set()
     assert cache.span(5) == (4096, 8192), "the second write was taken as reported"
     await keeper.settle(5, trim=False)
     assert sent[-1][-2:] == (4096, 8192)
     assert cache.span(5) == (0, 0)
+
+
+async def test_a_report_heard_is_not_sent_again_because_a_write_came_meanwhile() -> None:
+    """The span of writes made during a report is theirs alone: a file's body
+    reported once is not reported again with the next small write (the server would
+    count the whole file dirty again, and the write-back copy it again)."""
+    sent, answer, cache, keeper = _held_reports()
+    cache.wrote(5, 0, 24 << 20, 1)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(functools.partial(keeper.settle, 5, trim=False))
+        await trio.sleep(0.01)
+        cache.wrote(5, 0, 4096, 2)  # a header rewritten while the body's report is out
+        answer.set()
+    assert sent[0][-2:] == (0, 24 << 20)
+    assert cache.span(5) == (0, 4096)
+    await keeper.settle(5, trim=False)
+    assert sent[-1][-2:] == (0, 4096), "the body's span was sent again"
+
+
+async def test_the_report_that_ends_a_lease_says_the_spans_of_reports_on_their_way() -> None:
+    """The server ignores a report that comes after the lease ended (the close's
+    report, with trim): a report still on its way then must not take its span with
+    it, or the write-back never hears of those bytes.  Found when a copy counted
+    clean at once (every placed write landed) left DIR without a writer's last
+    bytes after its close."""
+    sent, answer, cache, keeper = _held_reports()
+    cache.wrote(5, 1 << 20, 2 << 20, 1)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(functools.partial(keeper.settle, 5, trim=False))
+        await trio.sleep(0.01)
+        cache.wrote(5, 2 << 20, 3 << 20, 2)
+        nursery.start_soon(functools.partial(keeper.settle, 5, trim=True))
+        await trio.sleep(0.01)
+        answer.set()
+    assert [c[-3:] for c in sent] == [(0, 1 << 20, 2 << 20), (1, 1 << 20, 3 << 20)]
+    assert cache.span(5) == (0, 0) and cache.sending == {}
+
+
+async def test_a_report_that_failed_gives_its_span_to_the_next() -> None:
+    sent, answer, cache, keeper = _held_reports([FsError(errno.EIO, "connection lost")])
+    cache.wrote(5, 1 << 20, 2 << 20, 1)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(functools.partial(keeper.settle, 5, trim=False))
+        await trio.sleep(0.01)
+        cache.wrote(5, 0, 4096, 2)
+        answer.set()
+    assert cache.span(5) == (0, 2 << 20), "the failed report's span was dropped"
+    assert cache.sending == {}
+
+
+async def test_a_recall_during_a_report_answers_with_the_reports_span_too() -> None:
+    """The server drops a report that comes after it recalled the lease (the answer
+    carries the size): the answer must carry the span the report took, or the
+    server never learns those bytes changed (DIR keeps the old ones)."""
+    sent, answer, cache, keeper = _held_reports()
+    cache.wrote(5, 1 << 20, 2 << 20, 1)
+    chan = _Answers()
+    async with trio.open_nursery() as nursery:
+        keeper.tasks = nursery
+        nursery.start_soon(functools.partial(keeper.settle, 5, trim=False))
+        await trio.sleep(0.01)
+        cache.wrote(5, 0, 4096, 2)
+        keeper.on_recall(chan, 1, wire.encode([[5, [], True]]))
+        with trio.fail_after(5):
+            await chan.answered.wait()
+        answer.set()
+    settles = chan.answers[0]
+    assert [s[-2:] for s in settles] == [[0, 2 << 20]], settles
+    assert cache.span(5) == (0, 0) and cache.sending == {}
