@@ -56,6 +56,32 @@ class DirState:
 
 #: own changes remembered one by one (ClientCache.mark); beyond, all are forgotten at once
 MARKS_KEPT = 4096
+#: most byte ranges a write lease's report keeps apart (more: the closest merge)
+MAX_RANGES = 4
+
+
+def add_range(ranges: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    """*ranges* (sorted, apart) with ``[lo, hi)`` added: ranges that overlap or touch
+    it merge with it, and past MAX_RANGES the two with the smallest gap merge."""
+    out: list[tuple[int, int]] = []
+    for a, b in ranges:
+        if b < lo or a > hi:
+            out.append((a, b))
+        else:
+            lo, hi = min(lo, a), max(hi, b)
+    out.append((lo, hi))
+    out.sort()
+    while len(out) > MAX_RANGES:
+        k = min(range(len(out) - 1), key=lambda k: out[k + 1][0] - out[k][1])
+        out[k : k + 2] = [(out[k][0], out[k + 1][1])]
+    return out
+
+
+def hull(ranges: list[tuple[int, int]]) -> tuple[int, int]:
+    """The smallest range holding every one of *ranges* (``(0, 0)``: none)."""
+    if not ranges:
+        return (0, 0)
+    return (min(lo for lo, _ in ranges), max(hi for _, hi in ranges))
 
 
 class ClientCache:
@@ -85,15 +111,15 @@ class ClientCache:
         #: answered before the report (trio wakes the two callers in either order), and
         #: cached as it came it would take our size back (see newest)
         self.reported: dict[int, tuple[int, int]] = {}
-        #: bytes ``[lo, hi)`` written under the current write lease since the last report
-        #: the server is known to have (one on its way may be lost, or arrive after
-        #: the lease was revoked and be ignored: the next report, or the recall's
-        #: answer, says its span again); gone when the lease ends
-        self.spans: dict[int, tuple[int, int]] = {}
+        #: the byte ranges ``[lo, hi)`` written under the current write lease since the
+        #: last report took them (sorted, apart, at most MAX_RANGES: a header rewritten
+        #: beside appends far away must not count the chunks between); gone when the
+        #: lease ends
+        self.spans: dict[int, list[tuple[int, int]]] = {}
         #: spans taken by reports on their way (``take_span``): writes made meanwhile,
         #: inside them or not, start a new span in ``spans`` (their bytes may land
         #: after the server applied the report); a recall's answer carries these too
-        self.sending: dict[int, list[tuple[int, int]]] = {}
+        self.sending: dict[int, list[list[tuple[int, int]]]] = {}
         self._gens: dict[int, int] = {}
         self._epoch = 0
         #: our truncates and lost leases so far: a reply to a call sent before one is not
@@ -365,63 +391,63 @@ class ClientCache:
     def written(self, ino: int, offset: int, end: int) -> None:
         """Bytes ``[offset, end)`` were written under our write lease (or the call that
         granted it: posted, they may land after the server marked them)."""
-        span = self.spans.get(ino)
-        self.spans[ino] = (offset, end) if span is None else (min(span[0], offset), max(span[1], end))
+        self.spans[ino] = add_range(self.spans.get(ino, []), offset, end)
 
     def span(self, ino: int) -> tuple[int, int]:
-        """What was written under the current write lease on *ino* and not taken by a
-        report yet (``(0, 0)``: nothing)."""
-        return self.spans.get(ino, (0, 0))
+        """The hull of what was written under the current write lease on *ino* and not
+        taken by a report yet (``(0, 0)``: nothing)."""
+        return hull(self.spans.get(ino, []))
 
-    def unreported(self) -> list[int]:
+    def unreported(self, *, sending: bool = False) -> list[int]:
         """Files written under our write leases that the server has not heard all of:
         a size or mtime of ours, or a span (a write the granting call placed moves
-        neither, but the server must hear once its bytes landed)."""
-        return list(self.dirty.keys() | self.spans.keys())
+        neither, but the server must hear once its bytes landed); with *sending*,
+        also those with reports on their way."""
+        out = self.dirty.keys() | self.spans.keys()
+        return list(out | self.sending.keys() if sending else out)
 
-    def take_span(self, ino: int, *, ending: bool = False) -> tuple[int, int]:
+    def take_span(self, ino: int, *, again: bool = False) -> list[tuple[int, int]]:
         """A report takes what was written since the last one (kept in ``sending``
-        until :meth:`span_sent`); later writes start a new span.  A report that ends
-        the lease (*ending*) says the spans of reports still on their way too: the
-        server ignores those once the lease has ended."""
-        spans = list(self.sending.get(ino, ())) if ending else []
-        span = self.spans.pop(ino, None)
-        if span is not None:
-            spans.append(span)
-        if not spans:
-            return (0, 0)
-        span = (min(lo for lo, _ in spans), max(hi for _, hi in spans))
-        self.sending.setdefault(ino, []).append(span)
-        return span
+        until :meth:`span_sent`); later writes start a new span.  *again*: the spans
+        of reports still on their way too (the report that ends the lease: the
+        server ignores those after it; fsync and ``memfs flush``: they must not
+        return before the server has them)."""
+        ranges = self.spans.pop(ino, [])
+        if again:
+            for taken in self.sending.get(ino, ()):
+                for lo, hi in taken:
+                    ranges = add_range(ranges, lo, hi)
+        if ranges:
+            self.sending.setdefault(ino, []).append(ranges)
+        return ranges
 
-    def span_sent(self, ino: int, span: tuple[int, int], *, heard: bool) -> None:
-        """The report that took *span* is over: the server has it (*heard*), or it goes
-        back for the next report.  (Gone already if a recall's answer carried it.)"""
+    def span_sent(self, ino: int, ranges: list[tuple[int, int]], *, heard: bool) -> None:
+        """The report that took *ranges* is over: the server has them (*heard*), or they
+        go back for the next report.  (Gone already if a recall's answer carried them.)"""
         taken = self.sending.get(ino)
-        if taken is None or span not in taken:
+        if taken is None or not any(t is ranges for t in taken):
             return
-        taken.remove(span)
+        taken[:] = [t for t in taken if t is not ranges]
         if not taken:
             del self.sending[ino]
         if not heard:
-            self.written(ino, *span)
+            for lo, hi in ranges:
+                self.written(ino, lo, hi)
 
     def end_span(self, ino: int) -> tuple[int, int]:
-        """Our write lease on *ino* ends (a recall): everything written under it that
-        the server may not have, reports on their way included (``(0, 0)``: nothing)."""
-        spans = self.sending.pop(ino, [])  # (their reports arrive after the answer)
-        span = self.spans.pop(ino, None)
-        if span is not None:
-            spans.append(span)
-        if not spans:
-            return (0, 0)
-        return (min(lo for lo, _ in spans), max(hi for _, hi in spans))
+        """Our write lease on *ino* ends (a recall): the hull of everything written
+        under it that the server may not have, reports on their way included
+        (``(0, 0)``: nothing)."""
+        ranges = self.spans.pop(ino, [])
+        for taken in self.sending.pop(ino, ()):  # (their reports arrive after the answer)
+            ranges = ranges + taken
+        return hull(ranges)
 
     def clear(self) -> None:
         """The lease is lost: nothing cached may be used any more (dirty sizes stay,
-        and are sent with the next registration, which does not say where)."""
-        self.spans.clear()
-        self.sending.clear()
+        and are sent with the next registration, which does not say where; so do
+        spans: the server may still hold the lease, its term running out there
+        later, and take them)."""
         self.reported.clear()
         self.attrs.clear()
         self.dirs.clear()

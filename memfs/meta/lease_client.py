@@ -253,17 +253,19 @@ class LeaseKeeper:
             for ino in cache.unreported():
                 await self.settle(ino, trim=False)
 
-    async def settle(self, ino: int, *, trim: bool) -> None:
+    async def settle(self, ino: int, *, trim: bool, again: bool = False) -> None:
         """Tell the server *ino*'s size and mtime now (and, *trim*, end our write lease).
 
         The size is taken, then the bytes of the writes made until then are waited
         for (:attr:`barrier`), then it is sent: a size this client reports is not
         ahead of its posted writes, as ext4's ``data=ordered``.  (The server keeps
         only a writer's reports, and sizes only grow; a report that finds the file
-        recalled meanwhile is dropped: the recall's answer carried the size.)"""
+        recalled meanwhile is dropped: the recall's answer carried the size.)
+        *again*: the spans of reports on their way go again (fsync, ``memfs flush``:
+        this report's reply says the server has them)."""
         cache = self.cache
         d = cache.dirty.get(ino)
-        if d is None and not trim and ino not in cache.spans:
+        if d is None and not trim and ino not in cache.spans and not (again and ino in cache.sending):
             return
         if d is None:
             a = cache.attrs.get(ino)
@@ -276,7 +278,7 @@ class LeaseKeeper:
         gen = cache.generation(ino)
         # What was written since the last report; writes made from now on start a
         # new span, sent with the next report (their bytes may land after this one).
-        span = cache.take_span(ino, ending=trim)
+        ranges = cache.take_span(ino, again=trim or again)
         heard = False
         try:
             if self.barrier is not None:
@@ -284,7 +286,12 @@ class LeaseKeeper:
                 if not trim and cache.generation(ino) != gen:
                     return  # recalled meanwhile: the answer carried the size (and d may be stale)
             try:
-                await self.call("settle", ino, d[0], d[1], int(trim), *span)
+                # One call per range (the call says one), the one that ends the
+                # lease last: a report after it would be ignored.
+                *before, last = ranges or [(0, 0)]
+                for span in before:
+                    await self.call("settle", ino, d[0], d[1], 0, *span)
+                await self.call("settle", ino, d[0], d[1], int(trim), *last)
             except FsError as exc:
                 if exc.errno == errno.ESTALE:  # our lease ended without us: lost
                     heard = True  # (nothing to say it to)
@@ -297,7 +304,7 @@ class LeaseKeeper:
                 return
             heard = True
         finally:
-            cache.span_sent(ino, span, heard=heard)
+            cache.span_sent(ino, ranges, heard=heard)
         if cache.dirty.get(ino) == d:
             del cache.dirty[ino]
         if not trim and d[0] >= 0 and cache.is_writer(ino) and cache.generation(ino) == gen:

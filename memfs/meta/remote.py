@@ -839,8 +839,8 @@ class RemoteMeta(Meta):
         # Sizes held back (coalesced, or waiting for their bytes to land) would
         # otherwise be lost with the session.  Bounded: the server may be gone.
         with trio.move_on_after(self.timeout) as scope:
-            for ino in self.cache.unreported():
-                await self.leases.settle(ino, trim=False)
+            for ino in self.cache.unreported(sending=True):
+                await self.leases.settle(ino, trim=False, again=True)
         if scope.cancelled_caught and self.cache.unreported():
             log.warning("the sizes of %d file(s) written here did not reach the metadata "
                         "server within %.0f s", len(self.cache.unreported()), self.timeout)
@@ -859,8 +859,8 @@ class RemoteMeta(Meta):
                 raise FsError(errno.EIO, f"the metadata server has not confirmed the create of "
                                          f"inode {ino} (or of files in it)")
         cache = self.cache
-        if ino in cache.dirty or ino in cache.spans:
-            await self.leases.settle(ino, trim=False)
+        if ino in cache.dirty or ino in cache.spans or ino in cache.sending:
+            await self.leases.settle(ino, trim=False, again=True)
         await self.leases.answer_known(ino)  # our size went in the answer to a recall
         if ino in cache.dirty or ino in cache.answered:
             # Not known to have arrived: the connection went.  The next registration
@@ -1396,9 +1396,11 @@ class RemoteMeta(Meta):
                 kind = Kind.OK
             else:
                 plan, a = result
-            if kind is Kind.OK_WRITE and length:
-                # The server counted these chunks written as it answered; it hears
-                # of the bytes (the span) once they have landed.
+            if granted and granted[-1] is Kind.OK_WRITE and length:
+                # The server counted these chunks written as it answered, and holds
+                # us as their writer (also when the reply came back not cacheable,
+                # our generation unmoved: the write goes ahead with this plan); it
+                # hears of the bytes (the span) once they have landed.
                 cache.written(ino, offset, end)
                 self.leases.dirty_wake.set()
             if kind is Kind.OK_WRITE or kind is Kind.OK_CACHE:

@@ -137,6 +137,8 @@ _GATED = {"map_read": gates.READ, "map_write": gates.CHANGE, "allocate_ahead": g
 #: seconds a truncate's caller may take to zero the tail of the file's last chunk
 #: (as the write-back's settle time, memfs.mds.SETTLE)
 TAIL_SETTLE = 2.0
+#: seconds the write-back waits for a glimpse of a file's writers (memfs.backing)
+GLIMPSE_WAIT = 0.5
 #: most inode numbers one reserve_inos call hands a session
 MAX_RESERVE = 4096
 
@@ -792,10 +794,16 @@ class MetaServer:
 
     async def glimpse_writers_of(self, ino: int) -> None:
         """Recall *ino*'s writers that have not confirmed their placed writes: each
-        answers once its bytes have landed.  (Only when there are such: a write
-        lease's holder is not recalled for this.)"""
+        answers once its bytes have landed.  Only a glimpse: not while a write
+        lease is held (its recall would revoke it), and given up after
+        ``GLIMPSE_WAIT`` rather than evicting a writer that does not answer (its
+        transfer may run long, a memfs.array slab): the copy then waits the
+        settle time instead."""
         items = [Item(ino, write_only=True)]
-        if self.leases.unconfirmed(ino) and self.leases.needs_recall(None, items):
+        if (not self.leases.unconfirmed(ino) or ino in self.leases.writers
+                or not self.leases.needs_recall(None, items)):
+            return
+        with trio.move_on_after(min(GLIMPSE_WAIT, self.leases.recall_timeout / 2)):
             await self.leases.recall(None, items)
 
     def evictions_held(self) -> bool:

@@ -23,7 +23,7 @@ from memfs import wire
 from memfs.config import PoolConfig
 from memfs.errors import FsError
 from memfs.meta import SetAttr, codec, lease_client
-from memfs.meta.cache import ClientCache
+from memfs.meta.cache import MAX_RANGES, ClientCache, add_range
 from memfs.meta.journal import Journal
 from memfs.meta.leases import Item, LeaseTable
 from memfs.meta.remote import RemoteMeta, open_remote_meta
@@ -530,6 +530,30 @@ async def test_the_write_back_hears_when_every_write_placed_has_landed(
         assert not server.writes_landed(f.ino)
         await trio.sleep(0.25)
         assert server.writes_landed(f.ino)
+
+
+async def test_a_glimpse_gives_up_on_a_writer_that_does_not_answer_without_evicting_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The write-back's glimpse asks writers without a lease for their bytes; one
+    that does not answer in time (a long memfs.array transfer pins its file) is
+    not evicted for it (its writes would fail): the copy waits the settle time.
+    Found by a review."""
+    from memfs.meta import server as server_module
+
+    async with cluster(1) as (server, (a,), _):
+        monkeypatch.setattr(MetaServer, "write_leases", property(lambda self: False))
+        f = await a.create(ROOT, b"f", F, 0, 0)
+        await a.map_write(f.ino, 0, 100)  # placed, no lease
+        assert not server.writes_landed(f.ino)
+        a._conn.on_recall = lambda *args: None  # type: ignore[union-attr]  # busy: no answer
+        t0 = trio.current_time()
+        with trio.fail_after(5):
+            await server.glimpse_writers_of(f.ino)
+        assert trio.current_time() - t0 < server_module.GLIMPSE_WAIT + 0.3
+        await trio.sleep(server.leases.recall_timeout + 0.5)
+        assert server.leases.evictions == 0
+        assert not server.writes_landed(f.ino)
 
 
 async def test_a_release_sent_without_reply_is_not_lost_at_close() -> None:
@@ -2051,6 +2075,48 @@ async def test_the_report_that_ends_a_lease_says_the_spans_of_reports_on_their_w
         answer.set()
     assert [c[-3:] for c in sent] == [(0, 1 << 20, 2 << 20), (1, 1 << 20, 3 << 20)]
     assert cache.span(5) == (0, 0) and cache.sending == {}
+
+
+def test_written_ranges_stay_apart_up_to_a_few() -> None:
+    r = add_range([], 0, 4096)
+    r = add_range(r, 24 << 20, 25 << 20)
+    assert r == [(0, 4096), (24 << 20, 25 << 20)], "a header and an append far away"
+    assert add_range(r, 4096, 8192)[0] == (0, 8192), "touching ranges merge"
+    assert add_range(r, 2048, 26 << 20) == [(0, 26 << 20)], "a range over both takes both"
+    for k in range(MAX_RANGES + 2):
+        r = add_range(r, (k + 2) << 20, ((k + 2) << 20) + 10)
+    assert len(r) == MAX_RANGES and r[0] == (0, 4096) and r[-1] == (24 << 20, 25 << 20)
+
+
+async def test_a_report_says_ranges_far_apart_one_call_each_the_lease_ending_one_last() -> None:
+    """A header rewritten at offset 0 beside appends at the end: the report names
+    both ranges, not their hull (the mds would count the whole file dirty, and
+    writers at the dirty cap would wait for all of it to be copied)."""
+    sent, answer, cache, keeper = _held_reports()
+    answer.set()
+    cache.wrote(5, 24 << 20, 25 << 20, 1)
+    cache.wrote(5, 0, 4096, 2)
+    await keeper.settle(5, trim=True)
+    assert [c[-3:] for c in sent] == [(0, 0, 4096), (1, 24 << 20, 25 << 20)]
+    assert cache.sending == {} and cache.span(5) == (0, 0)
+
+
+async def test_an_fsync_says_again_the_spans_of_reports_on_their_way() -> None:
+    """fsync and ``memfs flush`` (``settle(again=True)``) must not return before the
+    server has every span: one taken by a report still waiting for its bytes (the
+    close's, say) goes again with theirs.  Found by a review: ``memfs flush --wait``
+    right after a close found nothing to send and returned with DIR stale."""
+    sent, answer, cache, keeper = _held_reports()
+    cache.written(5, 1 << 20, 2 << 20)  # the granting call's write: no size of ours
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(functools.partial(keeper.settle, 5, trim=False))
+        await trio.sleep(0.01)
+        assert 5 in cache.unreported(sending=True) and 5 not in cache.unreported()
+        nursery.start_soon(functools.partial(keeper.settle, 5, trim=False, again=True))
+        await trio.sleep(0.01)
+        answer.set()
+    assert [c[-2:] for c in sent] == [(1 << 20, 2 << 20)] * 2
+    assert cache.sending == {}
 
 
 async def test_a_report_that_failed_gives_its_span_to_the_next() -> None:
