@@ -77,6 +77,10 @@ class LeaseKeeper:
         self.tasks: trio.Nursery | None = None
         #: ino -> set once the recall answer that carried its size is known delivered
         self.answering: dict[int, trio.Event] = {}
+        #: ino -> set once our report that ends its write lease (a close's) is over:
+        #: a call that may be granted the lease again waits for it (the server would
+        #: take that late report as the end of the new lease, and free its space ahead)
+        self.ending: dict[int, trio.Event] = {}
         #: a recall is answered within this (below the server's --recall-timeout)
         self.answer_within = RECALL_ANSWER
         self.dirty_wake = trio.Event()
@@ -280,6 +284,9 @@ class LeaseKeeper:
         # new span, sent with the next report (their bytes may land after this one).
         ranges = cache.take_span(ino, again=trim or again)
         heard = False
+        ended = None
+        if trim:
+            ended = self.ending[ino] = trio.Event()
         try:
             if self.barrier is not None:
                 await self.barrier(ino)
@@ -305,6 +312,10 @@ class LeaseKeeper:
             heard = True
         finally:
             cache.span_sent(ino, ranges, heard=heard)
+            if ended is not None:
+                if self.ending.get(ino) is ended:
+                    del self.ending[ino]
+                ended.set()
         if cache.dirty.get(ino) == d:
             del cache.dirty[ino]
         if not trim and d[0] >= 0 and cache.is_writer(ino) and cache.generation(ino) == gen:
@@ -312,6 +323,12 @@ class LeaseKeeper:
             # answered before this report are not news (ClientCache.newest).
             r = cache.reported.get(ino)
             cache.reported[ino] = d if r is None else (max(r[0], d[0]), max(r[1], d[1]))
+
+    async def lease_ended(self, ino: int) -> None:
+        """Until our report that ends *ino*'s write lease, if one is on its way, is over."""
+        ev = self.ending.get(ino)
+        if ev is not None:
+            await ev.wait()
 
     def settled_first(self, ino: int) -> Awaitable[None] | None:
         """A call about *ino* that the server answers from its own state needs our unsent size."""

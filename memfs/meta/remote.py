@@ -1380,6 +1380,10 @@ class RemoteMeta(Meta):
             method, args = "allocate_ahead", [ino, offset, length, ahead]
         else:
             method, args = "map_write", [ino, offset, length]
+        if method == "allocate_ahead":
+            # A close of ours reporting the end of our last lease on it goes first:
+            # after a new grant the server would take it as the end of that one.
+            await self.leases.lease_ended(ino)
         granted: list[Kind] = []  # the reply's kind as read (before _roundtrip's downgrade)
         sent = cache.seq
         while True:

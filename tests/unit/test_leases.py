@@ -556,6 +556,36 @@ async def test_a_glimpse_gives_up_on_a_writer_that_does_not_answer_without_evict
         assert not server.writes_landed(f.ino)
 
 
+async def test_a_reopen_while_the_close_reports_keeps_its_new_write_lease() -> None:
+    """A close's report ends the write lease; the same node reopening the file and
+    writing meanwhile asks for the lease again.  Granted before the report arrived,
+    the report ended the new lease (and freed its space ahead) while the client
+    wrote on under it.  Found by a review: the call now waits for the report."""
+    async with cluster(1) as (server, (a,), _):
+        f = await a.create(ROOT, b"f", F, 0, 0)
+        await a.map_write(f.ino, 0, 100)  # the write lease
+        assert server.leases.writers.get(f.ino) is not None
+        go = trio.Event()
+        original = a.leases.barrier
+
+        async def slow_barrier(ino: int) -> None:  # the close's bytes still landing
+            await go.wait()
+            if original is not None:
+                await original(ino)
+
+        a.leases.barrier = slow_barrier
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(a.release, f.ino)
+            await trio.sleep(0.05)
+            await a.open(f.ino)
+            nursery.start_soon(a.map_write, f.ino, 100, 100)
+            await trio.sleep(0.05)
+            a.leases.barrier = original
+            go.set()
+        assert a.cache.is_writer(f.ino), "the write lease was not granted again"
+        assert server.leases.writers.get(f.ino) is not None, "the close's report ended the new lease"
+
+
 async def test_a_release_sent_without_reply_is_not_lost_at_close() -> None:
     """A release leaves with the next call; a client closing (its mount unmounted)
     makes no next call, and the mds held the file open for the session's grace:
