@@ -98,12 +98,13 @@ class WriteBack:
         #: the mds placed it (the mds sees the placement, not the bytes); a copy begun
         #: sooner after a file's last change does not make it clean
         self.settle = settle
-        #: cluster mode: has every write placed in this file so far landed (no write
-        #: lease on it, no writer that has not confirmed its bytes)?  A copy begun
-        #: then is the file's content, however soon after its last change.
+        #: cluster mode: has every write placed in this file so far landed (no writer
+        #: without a write lease that has not confirmed its bytes; a lease's holder
+        #: reports its writes once they landed, which makes the file dirty again)?  A
+        #: copy begun then is the file's content, however soon after its last change.
         self.landed: Callable[[int], bool] = lambda ino: False
-        #: cluster mode: have this file's writers confirm their bytes (a recall of its
-        #: write lease and of writers without one) before a copy that writers wait for
+        #: cluster mode: have this file's writers without a write lease confirm their
+        #: bytes (a recall, given up on after a while) before a copy that writers wait for
         self.glimpse: Callable[[int], Awaitable[None]] | None = None
         self.forced: set[int] = set()  # files ``memfs flush`` asked for
         self.draining = False

@@ -311,9 +311,9 @@ class LeaseTable:
     def unconfirmed(self, ino: int) -> bool:
         """May bytes of writes placed in *ino* still be on their way?  A session sent
         where to write without a write lease has not confirmed them yet.  (A write
-        lease's holder reports what it wrote only once those bytes have landed: what
-        it has not reported is not in the file's state yet, and comes with a report
-        that changes the file again.)"""
+        lease's holder reports what it wrote, the write placed by the call that
+        granted the lease included, only once those bytes have landed, and its
+        report makes the file dirty again.)"""
         return bool(self.placed.get(ino))
 
     def done_writing(self, holder: Holder, ino: int, mark: int | None = None) -> None:

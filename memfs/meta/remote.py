@@ -841,9 +841,10 @@ class RemoteMeta(Meta):
         with trio.move_on_after(self.timeout) as scope:
             for ino in self.cache.unreported(sending=True):
                 await self.leases.settle(ino, trim=False, again=True)
-        if scope.cancelled_caught and self.cache.unreported():
+        left = self.cache.unreported()
+        if scope.cancelled_caught and left:
             log.warning("the sizes of %d file(s) written here did not reach the metadata "
-                        "server within %.0f s", len(self.cache.unreported()), self.timeout)
+                        "server within %.0f s", len(left), self.timeout)
 
     async def sync(self, ino: int) -> None:
         self._check_write_error(ino)

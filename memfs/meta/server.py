@@ -781,8 +781,9 @@ class MetaServer:
         no session placed writes there that it has not confirmed (by a recall's
         answer or its close) and no truncate's tail is being zeroed, outside a
         restart's recovery (writers of the run before are not known yet).  A write
-        lease's holder counts as confirmed: it reports writes only once they landed
-        (``LeaseTable.unconfirmed``).  The write-back then needs no settle time."""
+        lease's holder counts as confirmed: it reports writes only once they landed,
+        and its report makes the file dirty again (``LeaseTable.unconfirmed``).  The
+        write-back then needs no settle time."""
         if self.leases.term <= 0 or self._recovering or self.leases.unconfirmed(ino):
             return False  # (without leases, writers are not marked)
         t = self._tails.get(ino)
