@@ -14,6 +14,7 @@ listing never skips or repeats an entry while others create and delete.
 
 from __future__ import annotations
 
+import collections
 import errno
 import fcntl
 import functools
@@ -39,6 +40,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: An invalidation that finds no inode where the kernel counts a lookup (an entry reply
+#: not applied yet) is tried again every INSTANTIATE_POLL seconds for this long
+INSTANTIATE_WAIT = 1.0
+INSTANTIATE_POLL = 0.0005
 #: FUSE_NOTIFY_INC_EPOCH (kernel 6.16, protocol 7.44): every dentry the kernel holds
 #: for this mount is stale from now on; it takes no lock (unlike FUSE_NOTIFY_INVAL_ENTRY,
 #: which takes the directory's lock, even with FUSE_EXPIRE_ONLY)
@@ -261,6 +266,10 @@ class Operations(pyfuse3.Operations):
         self.initialized = trio.Event()
         #: this session's /dev/fuse descriptor, if names can be dropped (see init)
         self._dev_fd: int | None = None
+        #: the kernel's lookup count of each inode (FUSE: one more for every entry
+        #: reply, fewer by what each FORGET says): an inode that it counts but that an
+        #: invalidation does not find is one whose entry reply it has yet to apply
+        self._lookups: collections.Counter[int] = collections.Counter()
         meta.invalidator = self.invalidate
 
     async def invalidate(self, inodes: list[int]) -> None:
@@ -273,10 +282,23 @@ class Operations(pyfuse3.Operations):
 
         def work() -> None:
             for ino in inodes:
-                try:
-                    pyfuse3.invalidate_inode(ino)
-                except OSError:  # ENOENT: not cached, nothing to drop
-                    pass
+                deadline = time.monotonic() + INSTANTIATE_WAIT
+                while True:
+                    try:
+                        pyfuse3.invalidate_inode(ino)
+                    except OSError as exc:
+                        # ENOENT: not in the kernel's inode cache.  If it counts a
+                        # lookup of it, an entry reply we sent is still on its way
+                        # into a new inode (the process that asked has not run yet),
+                        # with the attributes from before this change and their
+                        # timeout: wait until there is an inode to drop them from.
+                        # (FUSE's attr_version makes the kernel ignore a late reply
+                        # only for an inode it had when we invalidated.)
+                        if (exc.errno == errno.ENOENT and self._lookups.get(ino)
+                                and time.monotonic() < deadline):
+                            time.sleep(INSTANTIATE_POLL)
+                            continue
+                    break
 
         try:
             await trio.to_thread.run_sync(work, abandon_on_cancel=True)
@@ -409,6 +431,8 @@ class Operations(pyfuse3.Operations):
         e.generation = 0
         ttl = self.meta.attr_ttl(a.ino, a)
         e.attr_timeout = self.attr_timeout if ttl is None else ttl
+        if parent and name != b"." and name != b"..":
+            self._lookups[a.ino] += 1  # an entry reply (the kernel counts none for these two)
         if parent:
             ttl = self.meta.entry_ttl(parent, name)
             e.entry_timeout = self.entry_timeout if ttl is None else ttl
@@ -522,7 +546,17 @@ class Operations(pyfuse3.Operations):
         return e
 
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
-        """Inode lifetime follows links and open handles, not the kernel's lookups."""
+        """Inode lifetime follows links and open handles, not the kernel's lookups; the
+        count is kept only to know which inodes the kernel may be instantiating."""
+        for ino, n in inode_list:
+            self._forget_one(ino, n)
+
+    def _forget_one(self, ino: int, n: int = 1) -> None:
+        left = self._lookups.get(ino, 0) - n
+        if left > 0:
+            self._lookups[ino] = left
+        else:
+            self._lookups.pop(ino, None)
 
     @_errno_boundary
     async def getattr(
@@ -831,6 +865,8 @@ class Operations(pyfuse3.Operations):
                         continue
                     raise
             if not pyfuse3.readdir_reply(token, name, self._entry(a, inode, name), idx + 1):
+                if name != b"." and name != b"..":
+                    self._forget_one(a.ino)  # not sent: the kernel does not count it
                 return
 
     @_errno_boundary

@@ -1,0 +1,85 @@
+"""The kernel-facing layer's invalidations of inodes the kernel may be instantiating.
+
+An entry reply (lookup, create, a readdirplus entry) of an inode the kernel had
+evicted makes it a new inode when the process that asked runs again, with the
+reply's attributes and their timeout.  An invalidation that comes first finds no
+inode (ENOENT) and is lost: the kernel then kept a file's old size for the whole
+timeout after another node's rewrite (the full-pool churn test,
+tests/mount/test_cluster_backing.py, read 0 bytes of 2 MiB).  memfs.fs counts the
+kernel's lookups (entry replies, FORGETs) and tries such an invalidation again
+until the inode is there.  pyfuse3's notification is faked here; the rest is real.
+"""
+
+from __future__ import annotations
+
+import errno
+import stat
+from collections.abc import Iterator
+
+import pyfuse3
+import pytest
+
+from memfs.config import PoolConfig
+from memfs.data import DataEngine
+from memfs.fs import Operations
+from memfs.meta.store import ROOT_INO, MetaStore
+from memfs.transport.local import LocalTransport
+
+
+class FakeKernel:
+    """``pyfuse3.invalidate_inode``: ENOENT until the inode is "instantiated"."""
+
+    def __init__(self) -> None:
+        self.missing_for = 0  # calls that find no inode
+        self.calls: list[int] = []
+
+    def invalidate_inode(self, ino: int, attr_only: bool = False) -> None:
+        self.calls.append(ino)
+        if self.missing_for > 0:
+            self.missing_for -= 1
+            raise OSError(errno.ENOENT, "no such inode")
+
+
+@pytest.fixture
+def kernel(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeKernel]:
+    k = FakeKernel()
+    monkeypatch.setattr(pyfuse3, "invalidate_inode", k.invalidate_inode)
+    yield k
+
+
+async def _ops_with_file() -> tuple[Operations, int]:
+    pool = PoolConfig(size=16 << 20, volumes=2)
+    store = MetaStore(pool)
+    ops = Operations(store, DataEngine(store, LocalTransport(pool.volumes, pool.volume_size)))
+    a = await store.create(ROOT_INO, b"f", stat.S_IFREG | 0o644, 0, 0)
+    return ops, a.ino
+
+
+async def test_an_invalidation_waits_for_an_inode_the_kernel_is_instantiating(
+        kernel: FakeKernel) -> None:
+    ops, ino = await _ops_with_file()
+    await ops.lookup(ROOT_INO, b"f")  # an entry reply: the kernel counts one lookup
+    kernel.missing_for = 3  # ...and has not made the inode yet
+    await ops.invalidate([ino])
+    assert kernel.calls == [ino] * 4, "the invalidation must land on the new inode"
+    await ops.data.transport.aclose()
+
+
+async def test_an_inode_the_kernel_forgot_is_not_waited_for(kernel: FakeKernel) -> None:
+    ops, ino = await _ops_with_file()
+    await ops.lookup(ROOT_INO, b"f")
+    await ops.lookup(ROOT_INO, b"f")
+    await ops.forget([(ino, 2)])  # evicted: no entry reply is on its way
+    kernel.missing_for = 3
+    await ops.invalidate([ino])
+    assert kernel.calls == [ino]
+    await ops.data.transport.aclose()
+
+
+async def test_an_inode_never_handed_to_the_kernel_is_not_waited_for(kernel: FakeKernel) -> None:
+    ops, ino = await _ops_with_file()
+    await ops.getattr(ino)  # attributes of an inode the kernel has: no lookup counted
+    kernel.missing_for = 3
+    await ops.invalidate([ino])
+    assert kernel.calls == [ino]
+    await ops.data.transport.aclose()
