@@ -431,9 +431,8 @@ class Operations(pyfuse3.Operations):
         e.generation = 0
         ttl = self.meta.attr_ttl(a.ino, a)
         e.attr_timeout = self.attr_timeout if ttl is None else ttl
-        if parent and name != b"." and name != b"..":
-            self._lookups[a.ino] += 1  # an entry reply (the kernel counts none for these two)
         if parent:
+            self._lookups[a.ino] += 1  # an entry reply
             ttl = self.meta.entry_ttl(parent, name)
             e.entry_timeout = self.entry_timeout if ttl is None else ttl
         else:
@@ -864,9 +863,10 @@ class Operations(pyfuse3.Operations):
                     if exc.errno == errno.ENOENT:
                         continue
                     raise
-            if not pyfuse3.readdir_reply(token, name, self._entry(a, inode, name), idx + 1):
-                if name != b"." and name != b"..":
-                    self._forget_one(a.ino)  # not sent: the kernel does not count it
+            sent = pyfuse3.readdir_reply(token, name, self._entry(a, inode, name), idx + 1)
+            if not sent or name == b"." or name == b"..":
+                self._forget_one(a.ino)  # not counted by the kernel: not sent, or these two
+            if not sent:
                 return
 
     @_errno_boundary
