@@ -41,7 +41,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: An invalidation that finds no inode where the kernel counts a lookup (an entry reply
-#: not applied yet) is tried again every INSTANTIATE_POLL seconds for this long
+#: not applied yet) is tried again every INSTANTIATE_POLL seconds, until this long after
+#: the call began (a recall's answer is bounded anyway: memfs.meta.lease_client)
 INSTANTIATE_WAIT = 1.0
 INSTANTIATE_POLL = 0.0005
 #: FUSE_NOTIFY_INC_EPOCH (kernel 6.16, protocol 7.44): every dentry the kernel holds
@@ -281,8 +282,8 @@ class Operations(pyfuse3.Operations):
         """
 
         def work() -> None:
+            deadline = time.monotonic() + INSTANTIATE_WAIT  # for them all
             for ino in inodes:
-                deadline = time.monotonic() + INSTANTIATE_WAIT
                 while True:
                     try:
                         pyfuse3.invalidate_inode(ino)
