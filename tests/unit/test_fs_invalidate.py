@@ -47,39 +47,40 @@ def kernel(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeKernel]:
     yield k
 
 
-async def _ops_with_file() -> tuple[Operations, int]:
+async def _ops_with_file() -> tuple[Operations, int, LocalTransport]:
     pool = PoolConfig(size=16 << 20, volumes=2)
     store = MetaStore(pool)
-    ops = Operations(store, DataEngine(store, LocalTransport(pool.volumes, pool.volume_size)))
+    volumes = LocalTransport(pool.volumes, pool.volume_size)
+    ops = Operations(store, DataEngine(store, volumes))
     a = await store.create(ROOT_INO, b"f", stat.S_IFREG | 0o644, 0, 0)
-    return ops, a.ino
+    return ops, a.ino, volumes
 
 
 async def test_an_invalidation_waits_for_an_inode_the_kernel_is_instantiating(
         kernel: FakeKernel) -> None:
-    ops, ino = await _ops_with_file()
+    ops, ino, volumes = await _ops_with_file()
     await ops.lookup(ROOT_INO, b"f")  # an entry reply: the kernel counts one lookup
     kernel.missing_for = 3  # ...and has not made the inode yet
     await ops.invalidate([ino])
     assert kernel.calls == [ino] * 4, "the invalidation must land on the new inode"
-    await ops.data.transport.aclose()
+    await volumes.aclose()
 
 
 async def test_an_inode_the_kernel_forgot_is_not_waited_for(kernel: FakeKernel) -> None:
-    ops, ino = await _ops_with_file()
+    ops, ino, volumes = await _ops_with_file()
     await ops.lookup(ROOT_INO, b"f")
     await ops.lookup(ROOT_INO, b"f")
     await ops.forget([(ino, 2)])  # evicted: no entry reply is on its way
     kernel.missing_for = 3
     await ops.invalidate([ino])
     assert kernel.calls == [ino]
-    await ops.data.transport.aclose()
+    await volumes.aclose()
 
 
 async def test_an_inode_never_handed_to_the_kernel_is_not_waited_for(kernel: FakeKernel) -> None:
-    ops, ino = await _ops_with_file()
+    ops, ino, volumes = await _ops_with_file()
     await ops.getattr(ino)  # attributes of an inode the kernel has: no lookup counted
     kernel.missing_for = 3
     await ops.invalidate([ino])
     assert kernel.calls == [ino]
-    await ops.data.transport.aclose()
+    await volumes.aclose()
