@@ -433,9 +433,9 @@ class Operations(pyfuse3.Operations):
         ttl = self.meta.attr_ttl(a.ino, a)
         e.attr_timeout = self.attr_timeout if ttl is None else ttl
         if parent:
-            self._lookups[a.ino] += 1  # an entry reply
             ttl = self.meta.entry_ttl(parent, name)
             e.entry_timeout = self.entry_timeout if ttl is None else ttl
+            self._lookups[a.ino] += 1  # an entry reply (nothing below can fail)
         else:
             e.entry_timeout = self.entry_timeout
         e.st_mode = a.mode
@@ -855,20 +855,29 @@ class Operations(pyfuse3.Operations):
         else:
             fresh = False  # a later page: the snapshot's attributes may be old by now
         entries = self._dir_handles[fh]
-        for idx in range(start_id, len(entries)):
-            name, a = entries[idx]
-            if a is None or not fresh:
-                try:
-                    a = await self.meta.lookup(inode, name)
-                except FsError as exc:
-                    if exc.errno == errno.ENOENT:
-                        continue
-                    raise
-            sent = pyfuse3.readdir_reply(token, name, self._entry(a, inode, name), idx + 1)
-            if not sent or name == b"." or name == b"..":
-                self._forget_one(a.ino)  # not counted by the kernel: not sent, or these two
-            if not sent:
-                return
+        counted: list[int] = []
+        try:
+            for idx in range(start_id, len(entries)):
+                name, a = entries[idx]
+                if a is None or not fresh:
+                    try:
+                        a = await self.meta.lookup(inode, name)
+                    except FsError as exc:
+                        if exc.errno == errno.ENOENT:
+                            continue
+                        raise
+                sent = pyfuse3.readdir_reply(token, name, self._entry(a, inode, name), idx + 1)
+                if not sent or name == b"." or name == b"..":
+                    self._forget_one(a.ino)  # not counted by the kernel: not sent, or these two
+                else:
+                    counted.append(a.ino)
+                if not sent:
+                    return
+        except BaseException:
+            # The kernel gets the error, not the entries already in the reply.
+            for ino in counted:
+                self._forget_one(ino)
+            raise
 
     @_errno_boundary
     async def releasedir(self, fh: int) -> None:

@@ -7,7 +7,8 @@ inode (ENOENT) and is lost: the kernel then kept a file's old size for the whole
 timeout after another node's rewrite (the full-pool churn test,
 tests/mount/test_cluster_backing.py, read 0 bytes of 2 MiB).  memfs.fs counts the
 kernel's lookups (entry replies, FORGETs) and tries such an invalidation again
-until the inode is there.  pyfuse3's notification is faked here; the rest is real.
+until the inode is there.  pyfuse3's notification (and, for listings, its
+reply buffer) is faked here; the rest is real.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import pytest
 
 from memfs.config import PoolConfig
 from memfs.data import DataEngine
+from memfs.errors import FsError
 from memfs.fs import Operations
+from memfs.meta import Attr
 from memfs.meta.store import ROOT_INO, MetaStore
 from memfs.transport.local import LocalTransport
 
@@ -83,4 +86,75 @@ async def test_an_inode_never_handed_to_the_kernel_is_not_waited_for(kernel: Fak
     kernel.missing_for = 3
     await ops.invalidate([ino])
     assert kernel.calls == [ino]
+    await volumes.aclose()
+
+
+class FakeListing:
+    """``pyfuse3.readdir_reply``: room for *room* entries, then the buffer is full."""
+
+    def __init__(self, room: int) -> None:
+        self.room = room
+        self.names: list[bytes] = []
+
+    def reply(self, token: object, name: bytes, attr: pyfuse3.EntryAttributes, next_id: int) -> bool:
+        if len(self.names) >= self.room:
+            return False
+        self.names.append(name)
+        return True
+
+
+async def _ops_with_files(monkeypatch: pytest.MonkeyPatch, room: int) -> tuple[
+        Operations, MetaStore, list[int], FakeListing, LocalTransport]:
+    pool = PoolConfig(size=16 << 20, volumes=2)
+    store = MetaStore(pool)
+    volumes = LocalTransport(pool.volumes, pool.volume_size)
+    ops = Operations(store, DataEngine(store, volumes))
+    inos = [(await store.create(ROOT_INO, n, stat.S_IFREG | 0o644, 0, 0)).ino for n in (b"a", b"b", b"c")]
+    listing = FakeListing(room)
+    monkeypatch.setattr(pyfuse3, "readdir_reply", listing.reply)
+    return ops, store, inos, listing, volumes
+
+
+async def _waited_for(ops: Operations, kernel: FakeKernel, ino: int) -> bool:
+    """Does an invalidation of *ino* that finds no inode wait (the kernel counts it)?"""
+    kernel.calls.clear()
+    kernel.missing_for = 1
+    await ops.invalidate([ino])
+    kernel.missing_for = 0
+    return len(kernel.calls) > 1
+
+
+async def test_a_listing_counts_what_the_kernel_got(
+        kernel: FakeKernel, monkeypatch: pytest.MonkeyPatch) -> None:
+    ops, _, inos, listing, volumes = await _ops_with_files(monkeypatch, room=4)
+    fh = await ops.opendir(ROOT_INO, None)  # type: ignore[arg-type]
+    await ops.readdir(fh, 0, None)  # type: ignore[arg-type]
+    assert listing.names == [b".", b"..", b"a", b"b"], "the buffer holds four"
+    assert not await _waited_for(ops, kernel, ROOT_INO), ". and .. are not counted"
+    assert await _waited_for(ops, kernel, inos[0])
+    assert await _waited_for(ops, kernel, inos[1])
+    assert not await _waited_for(ops, kernel, inos[2]), "c did not fit: not sent"
+    await volumes.aclose()
+
+
+async def test_a_listing_that_fails_counts_nothing(
+        kernel: FakeKernel, monkeypatch: pytest.MonkeyPatch) -> None:
+    ops, store, inos, listing, volumes = await _ops_with_files(monkeypatch, room=3)
+    fh = await ops.opendir(ROOT_INO, None)  # type: ignore[arg-type]
+    await ops.readdir(fh, 0, None)  # type: ignore[arg-type]  # ., .., a
+    assert listing.names == [b".", b"..", b"a"]
+    lookup = store.lookup
+
+    async def failing(parent: int, name: bytes) -> Attr:
+        if name == b"c":
+            raise FsError(errno.EIO, "the metadata server is gone")
+        return await lookup(parent, name)
+
+    monkeypatch.setattr(store, "lookup", failing)
+    listing.room = 10
+    with pytest.raises(pyfuse3.FUSEError):  # the next page: b is in the reply, then c fails
+        await ops.readdir(fh, 3, None)  # type: ignore[arg-type]
+    assert listing.names[3:] == [b"b"]
+    assert not await _waited_for(ops, kernel, inos[1]), "the kernel got an error, not b"
+    assert await _waited_for(ops, kernel, inos[0]), "a was in the first page"
     await volumes.aclose()
