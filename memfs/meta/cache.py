@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import trio
@@ -56,6 +57,9 @@ class DirState:
 
 #: own changes remembered one by one (ClientCache.mark); beyond, all are forgotten at once
 MARKS_KEPT = 4096
+#: where in the reply stream the current task's last reply was read: ``landings``
+#: then (set by RemoteMeta as the call returns; -1, unknown: read before everything)
+READ_AT: ContextVar[int] = ContextVar("READ_AT", default=-1)
 #: most byte ranges a write lease's report keeps apart (more: the closest merge)
 MAX_RANGES = 4
 
@@ -111,6 +115,13 @@ class ClientCache:
         #: answered before the report (trio wakes the two callers in either order), and
         #: cached as it came it would take our size back (see newest)
         self.reported: dict[int, tuple[int, int]] = {}
+        #: reports of ours whose replies were read (``landings`` counts them): size,
+        #: mtime and the count at that reply.  The server runs a connection's calls
+        #: in order, so a reply read after a report's reply reflects that report (or
+        #: what others changed since: another node's truncate), and one read before
+        #: it may not, whenever its caller runs (see newest)
+        self.landed: dict[int, tuple[int, int, int]] = {}
+        self.landings = 0
         #: the byte ranges ``[lo, hi)`` written under the current write lease since the
         #: last report took them (sorted, apart, at most MAX_RANGES: a header rewritten
         #: beside appends far away must not count the chunks between); gone when the
@@ -198,7 +209,7 @@ class ClientCache:
         self.xattrs.setdefault(ino, {})[name] = value
 
     def put_attr(self, a: Attr) -> None:
-        if self.is_writer(a.ino):
+        if self.is_writer(a.ino) or a.ino in self.dirty or a.ino in self.landed:
             self.newest(a)
         self.attrs[a.ino] = a
 
@@ -206,8 +217,15 @@ class ClientCache:
         """*a* with what we wrote under our write lease: the server knows no more of
         it than our reports, and its reply may be from before the last (or, unsent,
         from before our writes).  Sizes only grow under the lease: our own truncate
-        drops it (:meth:`drop`), another node's recalls it first."""
-        for d in (self.dirty.get(a.ino), self.reported.get(a.ino) if self.is_writer(a.ino) else None):
+        drops it (:meth:`drop`), another node's recalls it first.  A report whose
+        reply was read before *a*'s (:data:`READ_AT`) is in *a* already, or was
+        followed by another node's change (after our close, a truncate that needed
+        no recall): not laid over it."""
+        landed = self.landed.get(a.ino)
+        if landed is not None and landed[2] <= READ_AT.get():
+            landed = None
+        for d in (self.dirty.get(a.ino), self.reported.get(a.ino) if self.is_writer(a.ino) else None,
+                  landed):
             if d is not None and (d[0] > a.size or d[1] > a.mtime_ns):
                 a.size = max(a.size, d[0])
                 a.mtime_ns = max(a.mtime_ns, d[1])
@@ -349,6 +367,7 @@ class ClientCache:
         self.files.pop(ino, None)
         self.xattrs.pop(ino, None)
         self.reported.pop(ino, None)
+        self.landed.pop(ino, None)
         self._gens[ino] = self._gens.get(ino, 0) + 1
 
     def cut(self, ino: int) -> None:
@@ -379,6 +398,19 @@ class ClientCache:
         if d is not None:
             d.names.pop(name, None)
             d.complete = False
+
+    def land(self, ino: int, d: tuple[int, int]) -> None:
+        """The reply to our report of *d* (size, mtime) was just read: what the server
+        tells us from now on includes it; what it told us before, read or not, may not."""
+        if self.dirty.get(ino) == d:
+            del self.dirty[ino]
+        self.landings += 1
+        if d[0] >= 0:
+            self.landed.pop(ino, None)  # (kept in the order they landed)
+            self.landed[ino] = (d[0], d[1], self.landings)
+            if len(self.landed) > MARKS_KEPT:
+                # The oldest: a reply read before it and not used yet is long gone.
+                del self.landed[next(iter(self.landed))]
 
     def take_write(self, ino: int) -> tuple[int, int] | None:
         """Our write lease on *ino* ends: what the server must learn (size, mtime), if anything."""

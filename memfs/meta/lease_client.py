@@ -298,7 +298,10 @@ class LeaseKeeper:
                 *before, last = ranges or [(0, 0)]
                 for span in before:
                     await self.call("settle", ino, d[0], d[1], 0, *span)
-                await self.call("settle", ino, d[0], d[1], int(trim), *last)
+                # Landed as its reply is read, not when this task runs again: replies
+                # read after it (whose callers may run first) reflect it.
+                await self.call("settle", ino, d[0], d[1], int(trim), *last,
+                                on_ok=lambda _k, _p: cache.land(ino, d))
             except FsError as exc:
                 if exc.errno == errno.ESTALE:  # our lease ended without us: lost
                     heard = True  # (nothing to say it to)

@@ -65,7 +65,7 @@ from memfs.meta import (
     codec,
     set_ids_to_drop,
 )
-from memfs.meta.cache import ClientCache
+from memfs.meta.cache import READ_AT, ClientCache
 from memfs.meta.conn import MAX_REPLY, ROLE, FrameSocket
 from memfs.meta.creates import CREATE_HOLD, RESERVE, AsyncCreates
 from memfs.meta.lease_client import LeaseKeeper
@@ -166,7 +166,7 @@ OnReply = Callable[[Kind, bytes], None]
 
 
 class _Pending:
-    __slots__ = ("event", "kind", "payload", "lost", "on_ok", "on_fail", "sent", "recalls")
+    __slots__ = ("event", "kind", "payload", "lost", "on_ok", "on_fail", "sent", "recalls", "read_at")
 
     def __init__(self, on_ok: OnReply | None, sent: float, on_fail: OnReply | None = None) -> None:
         self.event = trio.Event()
@@ -178,6 +178,8 @@ class _Pending:
         self.sent = sent
         #: the connection's count of recalls handled when the reply was read
         self.recalls = 0
+        #: the cache's count of our reports' replies read before this one (cache.READ_AT)
+        self.read_at = -1
 
 
 #: reply kinds of a call that succeeded
@@ -366,7 +368,7 @@ class _Connection:
                         continue  # the caller gave up on it (timeout, or a ping)
                     if cache.term:
                         cache.renew(p.sent)
-                    p.kind, p.payload, p.recalls = h.kind, payload, self.recalls
+                    p.kind, p.payload, p.recalls, p.read_at = h.kind, payload, self.recalls, cache.landings
                     if h.kind in _OK_KINDS:
                         if p.on_ok is not None:
                             p.on_ok(h.kind, payload)
@@ -725,6 +727,7 @@ class RemoteMeta(Meta):
                 if not p.event.is_set():  # cancelled from outside: the reply is not wanted
                     conn.pending.pop(rid, None)
             if not p.lost:
+                READ_AT.set(p.read_at)  # for what the caller does with the reply (cache.newest)
                 if (p.recalls != conn.recalls or self.cache.cuts != cuts) and p.kind in _NOT_CACHEABLE:
                     return _NOT_CACHEABLE[p.kind], p.payload  # (callers cache with no await)
                 return p.kind, p.payload

@@ -22,8 +22,8 @@ import trio.testing
 from memfs import wire
 from memfs.config import PoolConfig
 from memfs.errors import FsError
-from memfs.meta import SetAttr, codec, lease_client
-from memfs.meta.cache import MAX_RANGES, ClientCache, add_range
+from memfs.meta import Attr, SetAttr, codec, lease_client
+from memfs.meta.cache import MAX_RANGES, READ_AT, ClientCache, add_range
 from memfs.meta.journal import Journal
 from memfs.meta.leases import Item, LeaseTable
 from memfs.meta.remote import RemoteMeta, open_remote_meta
@@ -1150,6 +1150,92 @@ async def test_a_negative_lookup_read_before_our_create_is_not_kept_after_it() -
         await a.release(f.ino)
 
 
+async def test_a_reply_answered_before_the_close_does_not_take_the_closed_size_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A lookup answered before a node's close reported its size was read before
+    that report's reply, and its caller ran after the close was over: cached as it
+    came, the older size stood on the node that wrote the file, for the lease."""
+    monkeypatch.setattr(lease_client, "SETTLE_DELAY", 100.0)  # reports only when asked
+    async with cluster(1) as (server, (a,), _):
+        f = await a.create(ROOT, b"f", F, 0, 0)
+        await a.map_write(f.ino, 0, 4096)  # the write lease, and space ahead
+        await a.map_write(f.ino, 4096, 4096)  # under the lease: the size is ours
+        assert a.cache.dirty[f.ino][0] == 8192 and server.store.inodes[f.ino].size == 4096
+        a.cache.attrs.pop(f.ino, None)  # so that the lookup asks the mds
+        late = LateCaller(a)
+        got: list[int] = []
+
+        async def look() -> None:
+            got.append((await a.lookup(ROOT, b"f")).size)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(look)
+            await late.read.wait()  # answered with the mds's 4096, its caller not run yet
+            await a.release(f.ino)  # the close: 8192 reported, the lease over
+            assert server.store.inodes[f.ino].size == 8192
+            late.go.set()
+        assert got == [8192], "the lookup answered before the close took its size back"
+        assert (await a.getattr(f.ino)).size == 8192, "and the older size was kept"
+
+
+def test_a_landed_report_goes_over_replies_read_before_it_only() -> None:
+    """Where a reply was read in the stream, not when its caller runs, says whether it
+    includes our report: one read after the report's reply may show another node's
+    truncate since (a closed file's size must not be laid over it)."""
+    cache = ClientCache(chunk_size=64 << 10, term=4.0)
+
+    def reply(size: int) -> Attr:
+        return Attr(ino=7, mode=F, nlink=1, uid=0, gid=0, rdev=0, size=size, blocks=0,
+                    atime_ns=0, mtime_ns=1, ctime_ns=1)
+
+    cache.dirty[7] = (8192, 5)
+    read_before = cache.landings
+    cache.land(7, (8192, 5))  # the close's report: its reply is read
+    assert 7 not in cache.dirty
+    token = READ_AT.set(read_before)
+    try:
+        assert cache.newest(reply(4096)).size == 8192, "answered before the report"
+        READ_AT.set(cache.landings)
+        assert cache.newest(reply(0)).size == 0, "answered after it: a truncate since"
+        cache.put_attr(reply(0))
+        assert cache.attrs[7].size == 0
+    finally:
+        READ_AT.reset(token)
+    cache.drop(7)  # a recall, or our truncate
+    assert cache.newest(reply(0)).size == 0
+
+
+async def test_a_size_reported_at_close_is_not_laid_over_a_later_truncate_by_another(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A node closed a file it had grown under its write lease; the close's report
+    was answered (the lease over), but its caller had not run yet when a lookup on
+    that node, made after another node's truncate, read its reply: the unsent-size
+    bookkeeping was still there and laid the closed size over the truncated one.
+    The mds answers a connection's calls in order, so a reply read after the
+    report's reflects it: the report's size is dropped as its reply is read."""
+    monkeypatch.setattr(lease_client, "SETTLE_DELAY", 100.0)  # reports only when asked
+    async with cluster(2) as (server, (a, b), _):
+        f = await a.create(ROOT, b"f", F, 0, 0)
+        await a.map_write(f.ino, 0, 4096)  # the write lease, and space ahead
+        await a.map_write(f.ino, 4096, 4096)  # under the lease: the size is ours
+        assert a.cache.dirty[f.ino][0] == 8192 and server.store.inodes[f.ino].size == 4096
+        late = LateCaller(a)  # the close's report: its caller runs when told
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(a.release, f.ino)
+            await late.read.wait()
+            assert server.store.inodes[f.ino].size == 8192, "the close's report is in"
+            await b.open(f.ino)
+            await b.truncate(f.ino, 0)  # a's lease is over: nothing to recall from a
+            await b.map_write(f.ino, 0, 100)  # b's write lease: what a is told is not cacheable
+            a.cache.attrs.pop(f.ino, None)  # so that a asks the mds
+            got = await a.lookup(ROOT, b"f")
+            late.go.set()
+        assert got.size <= 100, f"a's closed size {got.size} laid over b's truncate"
+        await b.release(f.ino)
+
+
 async def test_a_write_given_no_lease_sends_nothing_more_at_close(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -2042,11 +2128,13 @@ def _held_reports(
     sent: list[tuple[Any, ...]] = []
     answer = trio.Event()
 
-    async def call(*args: Any) -> None:
+    async def call(*args: Any, on_ok: Any = None) -> None:
         sent.append(args)
         await answer.wait()
         if fail:
             raise fail.pop()
+        if on_ok is not None:  # as the reply is read
+            on_ok(None, b"")
 
     cache = ClientCache(chunk_size=64 << 10, term=4.0)
     return sent, answer, cache, lease_client.LeaseKeeper(cache, call, _NoKernel())
