@@ -399,13 +399,16 @@ class ClientCache:
             d.names.pop(name, None)
             d.complete = False
 
-    def land(self, ino: int, d: tuple[int, int]) -> None:
+    def land(self, ino: int, d: tuple[int, int], applied: bool = True) -> None:
         """The reply to our report of *d* (size, mtime) was just read: what the server
-        tells us from now on includes it; what it told us before, read or not, may not."""
+        tells us from now on includes it; what it told us before, read or not, may not.
+        Not *applied*: the file was recalled (or cut) since the report was taken, so
+        the server ignored it (the recall's answer carried the size), and a reply read
+        before may show another node's change since: nothing to lay over it."""
         if self.dirty.get(ino) == d:
             del self.dirty[ino]
         self.landings += 1
-        if d[0] >= 0:
+        if d[0] >= 0 and applied:
             self.landed.pop(ino, None)  # (kept in the order they landed)
             self.landed[ino] = (d[0], d[1], self.landings)
             if len(self.landed) > MARKS_KEPT:

@@ -301,7 +301,7 @@ class LeaseKeeper:
                 # Landed as its reply is read, not when this task runs again: replies
                 # read after it (whose callers may run first) reflect it.
                 await self.call("settle", ino, d[0], d[1], int(trim), *last,
-                                on_ok=lambda _k, _p: cache.land(ino, d))
+                                on_ok=lambda _k, _p: cache.land(ino, d, cache.generation(ino) == gen))
             except FsError as exc:
                 if exc.errno == errno.ESTALE:  # our lease ended without us: lost
                     heard = True  # (nothing to say it to)
