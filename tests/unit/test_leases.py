@@ -371,6 +371,15 @@ async def test_write_lease_writes_locally_and_is_glimpsed() -> None:
         await a.release(f.ino)
 
 
+async def _grown_under_lease(server: MetaServer, a: RemoteMeta) -> Any:
+    """A file *a* wrote to 8192 bytes under its write lease, the mds told only 4096."""
+    f = await a.create(ROOT, b"f", F, 0, 0)
+    await a.map_write(f.ino, 0, 4096)  # the write lease, and space ahead
+    await a.map_write(f.ino, 4096, 4096)  # under the lease: the size is ours
+    assert a.cache.dirty[f.ino][0] == 8192 and server.store.inodes[f.ino].size == 4096
+    return f
+
+
 @pytest.mark.parametrize("method", ["lookup", "getattr"])
 async def test_a_reply_answered_before_the_writers_report_does_not_take_its_size_back(
     monkeypatch: pytest.MonkeyPatch, method: str,
@@ -383,10 +392,7 @@ async def test_a_reply_answered_before_the_writers_report_does_not_take_its_size
     of a file written to 2 MiB)."""
     monkeypatch.setattr(lease_client, "SETTLE_DELAY", 100.0)  # reports only when asked
     async with cluster(1) as (server, (a,), _):
-        f = await a.create(ROOT, b"f", F, 0, 0)
-        await a.map_write(f.ino, 0, 4096)  # the write lease, and space ahead
-        await a.map_write(f.ino, 4096, 4096)  # under the lease: the size is ours
-        assert a.cache.dirty[f.ino][0] == 8192 and server.store.inodes[f.ino].size == 4096
+        f = await _grown_under_lease(server, a)
         a.cache.attrs.pop(f.ino)  # so that the call below asks the mds
         answered, reported = trio.Event(), trio.Event()
         call_kind = a._call_kind
@@ -1158,10 +1164,7 @@ async def test_a_reply_answered_before_the_close_does_not_take_the_closed_size_b
     came, the older size stood on the node that wrote the file, for the lease."""
     monkeypatch.setattr(lease_client, "SETTLE_DELAY", 100.0)  # reports only when asked
     async with cluster(1) as (server, (a,), _):
-        f = await a.create(ROOT, b"f", F, 0, 0)
-        await a.map_write(f.ino, 0, 4096)  # the write lease, and space ahead
-        await a.map_write(f.ino, 4096, 4096)  # under the lease: the size is ours
-        assert a.cache.dirty[f.ino][0] == 8192 and server.store.inodes[f.ino].size == 4096
+        f = await _grown_under_lease(server, a)
         a.cache.attrs.pop(f.ino, None)  # so that the lookup asks the mds
         late = LateCaller(a)
         got: list[int] = []
