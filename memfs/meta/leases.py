@@ -412,6 +412,7 @@ class LeaseTable:
         self.recalls_sent += 1
         marks = [(ino, m) for ino, _names, _revoke in payload
                  if (m := self.writing.get(ino, {}).get(h)) is not None]
+        ended = False  # answered, or the holder forgotten
         try:
             answered = False
             if h.send_recall(rid, payload):
@@ -426,6 +427,7 @@ class LeaseTable:
                         del self.writers[ino]
                         if self.settle is not None:
                             self.settle(ino, None, 0, ANYWHERE)
+                ended = True
                 return
             # No answer: the client is stopped, hung or cut off.  Make sure it can no
             # longer renew its lease, wait until it has run out, then forget it.
@@ -442,8 +444,17 @@ class LeaseTable:
             await trio.sleep_until(h.last_heard + self.term)
             if h.registrations == registrations:  # else its registration forgot it all
                 self.forget(h)
+            ended = True
         finally:
             del self._waiting[rid]
+            if not ended:
+                # Given up (the caller's deadline, a glimpse that stops waiting) before
+                # the holder answered or was forgotten: it may still hold all it held,
+                # so the next change recalls it again (recall() marked it as told).
+                for ino, _names, _revoke in payload:
+                    hs = self.holders.get(ino)
+                    if hs is not None and h in hs:
+                        hs[h] = True
 
     def recalled(self, holder: Holder, rid: int, settles: list[Settle]) -> None:
         """A RECALLED frame from *holder* (unknown or late ones are ignored)."""

@@ -501,6 +501,11 @@ class RemoteMeta(Meta):
                 self.leases.lost("lost the connection")
             down_since = trio.current_time()
             log.warning("lost the metadata server at %s (%s); reconnecting", self.address, conn.reason)
+            # Our registration answers every recall the server sent us (it forgets
+            # what we held), so, as for an answer, the transfers begun under maps we
+            # held end first (each within the transport's deadlines): a truncate it
+            # lets go ahead then may free their chunks.
+            await self._transfers_ended("begun before the connection was lost")
             while True:
                 try:
                     conn = await self._connect(False)
@@ -572,15 +577,20 @@ class RemoteMeta(Meta):
                 # Each ends within the transport's deadlines (a few requests each).
                 log.info("new lease token from the metadata server (it took our leases, "
                          "or restarted); transfers begun under the old one end first")
-                while True:
-                    with trio.move_on_after(self.timeout):
-                        await self.cache.wait_unpinned(None)
-                        break
-                    log.warning("transfers begun under the old lease token still run")
+                await self._transfers_ended("begun under the old lease token")
             self._on_token(self.token)
             self._named_token = self.token
         return _Connection(fs, self.timeout, self.cache, self.leases.on_recall,
                            self.lock_client.unlocked)
+
+    async def _transfers_ended(self, which: str) -> None:
+        """Until no transfer of this process's transport holds a map (each ends within
+        the transport's deadlines); a warning every ``timeout`` meanwhile."""
+        while True:
+            with trio.move_on_after(self.timeout):
+                await self.cache.wait_unpinned(None)
+                return
+            log.warning("transfers %s still run", which)
 
     async def _handshake(self, fs: FrameSocket) -> None:
         hs = wire.Handshake(self.secret)
@@ -1301,6 +1311,9 @@ class RemoteMeta(Meta):
         cacheable (still in the backing directory, recalled) are not waited for."""
         if not self.cache.term or ino in self._maps_plain:
             return await self._map_read_call(ino, offset, length)
+        # The kernel may keep what it reads in its page cache: a lost lease drops it
+        # (LeaseKeeper.lost), whether or not the kernel was given attributes to keep.
+        self.cache.kernel_inodes.add(ino)
         key = (ino, offset // codec.MAP_WINDOW)
         extents = await self._map_read_cached(ino, offset, length)
         if extents is not None:
@@ -1368,6 +1381,8 @@ class RemoteMeta(Meta):
         self._check_write_error(ino)
         cache = self.cache
         end = offset + length
+        if cache.term:
+            cache.kernel_inodes.add(ino)  # (as in map_read: the pages written stay cached)
         if cache.term and self.opens.get(ino):  # write leases end at close: only with a handle
             if cache.is_writer(ino) and cache.valid() and length:
                 extents = cache.extents(ino, offset, end, allocated=True)

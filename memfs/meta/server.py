@@ -984,13 +984,19 @@ class MetaServer:
                 raise FsError(errno.EINVAL, "session must be named before opening files")
             self._sessions.pop(old.sid, None)
             s = self._sessions.get(sid)
+            prev = None
             if s is None:
                 s = self._sessions[sid] = Session(sid)
             elif s.conn is not None:
                 log.info("%s: session moves here from %s", conn.peer, s.conn.peer)
+                prev = s.conn
             s.conn = conn
             s.generation += 1
             conn.session = s
+            if prev is not None:
+                # What still runs there happens before this registration, and what
+                # is queued there never (Connection.supersede).
+                await prev.supersede()
         s = conn.session
         s.last_heard = trio.current_time()  # (this frame was read before it was named)
         self._t = self._real_now()

@@ -194,6 +194,46 @@ class Connection:
     #: the client closed the connection itself (it exited, or dropped it after a
     #: timeout): it trusts nothing it cached before, so its leases end at once
     clean_close: bool = False
+    #: the session registered on a newer connection (:meth:`supersede`): nothing
+    #: more of this one runs
+    superseded: bool = False
+    #: calls of this connection being executed, and who waits for none to be
+    running: int = 0
+    _quiet: trio.Event | None = None
+
+    async def _execute(self, value: Any, parsed: Parsed) -> tuple[Kind, bytes]:
+        """Execute one call of this connection's, unless it was superseded."""
+        if self.superseded:
+            return Kind.ERROR, wire.encode_error(
+                errno.ESTALE, "this connection's session registered on a newer one")
+        self.running += 1
+        try:
+            return await self.server.execute(self, value, parsed)
+        finally:
+            self.running -= 1
+            if not self.running and self._quiet is not None:
+                self._quiet.set()
+
+    async def supersede(self) -> None:
+        """The session registers on a newer connection: run nothing more of this one
+        (its queued calls are dropped, later frames ignored), wait for the call under
+        way to finish, then close it.
+
+        The client gave this connection up (a timeout, a lost network) with calls
+        maybe still queued here, and takes the calls it has no answer to for
+        failed; its registration states what it holds now.  A call of the old
+        connection that ran after the registration would undo it: a close's report
+        ending the write lease granted again since, a release dropping an open
+        count it claims.  The call under way finishes first (within its own
+        bounds), as if the connection had been served promptly.
+        """
+        self.superseded = True
+        self.calls.clear()
+        while self.running:
+            self._quiet = trio.Event()
+            await self._quiet.wait()
+        if self.scope is not None:
+            self.scope.cancel()
 
     def push(self, frame: bytes, needed: int, *, defer: bool = False) -> None:
         """Send *frame* after everything before it, once journal seq *needed* is durable.
@@ -278,6 +318,8 @@ class Connection:
                             break
                         h, payload = got
                         self.session.last_heard = trio.current_time()
+                        if self.superseded:
+                            continue  # (until supersede closes it)
                         if h.kind is Kind.RECALLED:
                             if self.calls:
                                 await self._run_made_now()
@@ -296,7 +338,7 @@ class Connection:
                             self.calls_wake.set()
                             self.push_deferred()  # earlier replies must not wait for it
                             continue
-                        kind, body = await server.execute(self, value, parsed)
+                        kind, body = await self._execute(value, parsed)
                         if not h.req_id:  # no reply wanted
                             self.unanswered(kind, body)
                             if not fs.buffered():
@@ -359,7 +401,7 @@ class Connection:
         self.calls.clear()
         self.calls.extend(rest)
         for rid, value, parsed in picked:
-            kind, body = await server.execute(self, value, parsed)
+            kind, body = await self._execute(value, parsed)
             if rid:
                 self.push(wire.frame(kind, rid, body), self.needed())
             else:
@@ -368,7 +410,6 @@ class Connection:
 
     async def _run_calls(self) -> None:
         """Execute the calls that queued (see :meth:`serve`), in order."""
-        server = self.server
         while True:
             while not self.calls:
                 if self.closing:
@@ -380,7 +421,7 @@ class Connection:
                 while self.calls:
                     rid, value, parsed = self.calls.popleft()
                     try:
-                        kind, body = await server.execute(self, value, parsed)
+                        kind, body = await self._execute(value, parsed)
                     except WireError as exc:
                         log.warning("%s: protocol error, closing the connection: %s", self.peer, exc)
                         assert self.scope is not None

@@ -28,8 +28,9 @@ from memfs.meta.journal import Journal
 from memfs.meta.leases import Item, LeaseTable
 from memfs.meta.remote import RemoteMeta, open_remote_meta
 from memfs.meta.server import MetaServer
+from memfs.meta.server_conn import Connection, parse_call
 from memfs.meta.store import ROOT_INO as ROOT
-from memfs.wire import WireError
+from memfs.wire import Kind, WireError
 from tests.unit.test_meta_conformance import metadata_only
 
 SECRET = b"lease-test-secret-0123456789"
@@ -648,6 +649,53 @@ async def test_a_writer_cut_off_briefly_keeps_its_size(
         await a.release(f.ino)
 
 
+async def test_a_client_registers_again_only_once_its_transfers_ended(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A registration answers every recall sent to the client (the server forgets what
+    it held): like an answer, it waits for the transfers begun under maps it held, or a
+    truncate let go ahead could free the chunks one still writes into."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]  # the reconnection
+    async with cluster(2) as (server, (a, b), _):
+        f = await a.create(ROOT, b"f", F, 0, 0)
+        await a.map_write(f.ino, 0, 65536)
+        session = server._sessions[a.session]
+        registered = session.registrations
+        assert a._conn is not None
+        with a.io(f.ino):  # a write to the memory servers under way
+            a._conn.kill("test: cut")
+            await trio.sleep(0.5)
+            assert session.registrations == registered, "registered while a transfer ran"
+        with trio.fail_after(10):
+            await a.getattr(ROOT)  # waits for the reconnection
+        assert session.registrations == registered + 1
+        await b.truncate(f.ino, 0)
+        await a.release(f.ino)
+
+
+async def test_a_lost_lease_drops_the_pages_of_files_read_or_written_here(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The kernel may keep the pages of any file this node read or wrote, also one it
+    was never given attributes to keep (those replies not cacheable): once the
+    connection is lost, another node may change the file with nothing to recall
+    here, and those pages must go (a later open may keep its cache)."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]  # the reconnection
+    async with cluster(1) as (server, (a,), (ka,)):
+        f = await a.create(ROOT, b"f", F, 0, 0)
+        g = await a.create(ROOT, b"g", F, 0, 0)
+        await a.map_write(f.ino, 0, 4096)
+        await a.map_read(g.ino, 0, 4096)
+        assert a._conn is not None
+        a._conn.kill("test: cut")
+        with trio.fail_after(10):
+            await a.getattr(ROOT)  # reconnected
+            while not {f.ino, g.ino} <= set(ka.inodes):  # noqa: ASYNC110 - a task drops them
+                await trio.sleep(0.01)
+        for x in (f, g):
+            await a.release(x.ino)
+
+
 async def test_an_evicted_writer_is_told_its_writes_are_lost(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -781,7 +829,8 @@ async def test_a_new_token_is_named_only_after_transfers_under_the_old_one(
 ) -> None:
     """Evicted, the client registers again and hears a new lease token; it tells its
     transport only once the transfer it had in flight under the old one has ended
-    (else a transfer waiting for a connection would go out under the new token)."""
+    (else a transfer waiting for a connection would go out under the new token).  It
+    registers only then, too (a registration answers every recall)."""
     caplog.expected_warnings = True  # type: ignore[attr-defined]  # the eviction
     async with cluster(2, term=1.5, recall_timeout=0.3) as (server, (a, b), _):
         named: list[int] = []
@@ -791,14 +840,14 @@ async def test_a_new_token_is_named_only_after_transfers_under_the_old_one(
         old = a._conn
         assert old is not None
         old.on_recall = lambda *args: None  # this connection never answers
+        session = server._sessions[a.session]
         with a.io(f.ino):  # a transfer under the old token, in flight
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(b.getattr, f.ino)  # recalls a: evicted
-                with trio.fail_after(5):
-                    while a.token == named[0]:  # noqa: ASYNC110 - registered again
-                        await trio.sleep(0.01)
-                await trio.sleep(0.3)
-                assert named == [named[0]], "named while a transfer ran under the old one"
+            with trio.fail_after(5):
+                await b.getattr(f.ino)  # recalls a: evicted, forgotten after its term
+            assert session.conn is None and session.token != named[0]
+            await trio.sleep(0.3)
+            assert named == [named[0]], "named while a transfer ran under the old one"
+            assert session.conn is None, "registered while a transfer ran"
         with trio.fail_after(5):
             while len(named) < 2:  # noqa: ASYNC110
                 await trio.sleep(0.01)
@@ -830,6 +879,62 @@ async def test_no_caching_without_leases() -> None:
         assert (await b.getattr(f.ino)).mode & 0o777 == 0o600
 
 
+async def _moved_session(
+    nursery: trio.Nursery,
+) -> tuple[MetaServer, Connection, Connection, Callable[..., Awaitable[tuple[Kind, Any]]]]:
+    """A server and one session's two connections: the old one, and the new one it
+    registered on (as a client does that gave the old one up); and a helper that runs
+    a call on either as its connection would."""
+    server = MetaServer(metadata_only(POOL), SECRET, lease_term=4.0, recall_timeout=2.0)
+    server._nursery = nursery
+    old = Connection("old", server._new_session(), server)
+    old.session.conn = old
+    await server._claim_session(old, b"S" * 16, {})
+
+    async def run(conn: Connection, *value: Any) -> tuple[Kind, Any]:
+        kind, body = await conn._execute(list(value), parse_call(list(value)))
+        return kind, wire.decode(body) if kind is not Kind.ERROR else wire.decode_error(body)
+
+    new = Connection("new", server._new_session(), server)
+    new.session.conn = new
+    return server, old, new, run
+
+
+async def test_a_report_left_on_a_given_up_connection_does_not_end_the_new_write_lease() -> None:
+    """The client gave its connection up with a close's report queued there, and
+    registered on a new one; it reopened the file and was granted the write lease
+    again.  The old report must not run after the registration: it would end the new
+    lease and free the space ahead the client writes into."""
+    async with trio.open_nursery() as nursery:
+        server, old, new, run = await _moved_session(nursery)
+        _, (ino, *_) = await run(old, "create", ROOT, b"f", F, 0, 0)
+        await server._claim_session(new, b"S" * 16, {ino: 1})
+        assert old.superseded and new.session.conn is new
+        kind, _ = await run(new, "allocate_ahead", ino, 0, 65536, 1 << 20)
+        assert kind is Kind.OK_WRITE
+        chunks = len(server.store.inodes[ino].chunks or ())
+        kind, (err, _) = await run(old, "settle", ino, 65536, 1, 1, 0, 65536)
+        assert (kind, err) == (Kind.ERROR, errno.ESTALE)
+        assert server.leases.writers.get(ino) is new.session
+        assert len(server.store.inodes[ino].chunks or ()) == chunks
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_release_left_on_a_given_up_connection_does_not_free_an_open_file() -> None:
+    """An unlinked file open twice; the client closed one handle (its release queued on
+    the connection it then gave up) and claims one open at its registration.  The
+    old release must not take that one away."""
+    async with trio.open_nursery() as nursery:
+        server, old, new, run = await _moved_session(nursery)
+        _, (ino, *_) = await run(old, "create", ROOT, b"f", F, 0, 0)
+        await run(old, "open", ino)
+        await run(old, "unlink", ROOT, b"f")
+        await server._claim_session(new, b"S" * 16, {ino: 1})
+        await run(old, "release", ino)
+        assert ino in server.store.inodes and new.session.opens == {ino: 1}
+        nursery.cancel_scope.cancel()
+
+
 class _Fake:
     """A holder for LeaseTable unit tests: answers (or not) through the table."""
 
@@ -849,6 +954,23 @@ class _Fake:
 
     def evict(self, reason: str) -> None:
         self.evicted = True
+
+
+async def test_a_recall_given_up_before_its_answer_recalls_the_holder_again(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A recall whose caller stopped waiting (a glimpse gives up, a call's deadline)
+    before the holder answered or was evicted: the holder may still hold all it held,
+    so the next change that conflicts recalls it again."""
+    table = LeaseTable(term=4.0, recall_timeout=2.0)
+    writer = _Fake(table, None)  # does not answer yet (its transfers still run)
+    other = _Fake(table, None)
+    table.register(writer, [7], transfer=True)
+    table.wrote(writer, 7, placed=True)
+    with trio.move_on_after(0.5):
+        await table.recall(None, [Item(7, write_only=True)])
+    assert not writer.evicted
+    assert table.needs_recall(other, [Item(7)]), "a truncate now would not recall it"
 
 
 async def test_write_marks_outlive_a_registration_not_the_session(

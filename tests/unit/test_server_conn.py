@@ -52,12 +52,15 @@ class FakeServer:
         self.executed: list[int] = []
         self.recalls: list[tuple[int, Any]] = []
         self.recall_came = trio.Event()
+        #: the connection of the last call executed
+        self.conn: Connection | None = None
 
     def may_wait(self, session: Session, value: Any, parsed: Parsed) -> bool:
         return isinstance(parsed, tuple) and parsed[1][0] in self.gates
 
     async def execute(self, conn: Connection, value: Any, parsed: Parsed) -> tuple[Kind, bytes]:
         assert isinstance(parsed, tuple)
+        self.conn = conn
         ino = parsed[1][0]
         gate = self.gates.get(ino)
         if gate is not None:
@@ -203,3 +206,31 @@ async def test_an_unexpected_frame_closes_the_connection(caplog: pytest.LogCaptu
         with trio.fail_after(5):
             await ended.wait()
     assert "protocol error" in caplog.text and "unexpected OK frame" in caplog.text
+
+
+async def test_a_superseded_connection_runs_nothing_more_after_the_call_under_way() -> None:
+    """The session registered on a newer connection: the call under way here ends
+    first, what is queued or still comes is dropped, and the connection closes."""
+    server = FakeServer()
+    server.gates[1] = trio.Event()
+    async with connection(server) as (client, ended):
+        await client.send(call(1, 1) + call(2, 2) + call(3, 3))
+        await trio.sleep(0.1)
+        conn = server.conn
+        assert conn is not None
+        superseded = trio.Event()
+
+        async def supersede() -> None:
+            await conn.supersede()
+            superseded.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(supersede)
+            await client.send(call(4, 4))
+            await trio.sleep(0.1)
+            assert not superseded.is_set(), "returned while the call under way still ran"
+            server.gates[1].set()
+            with trio.fail_after(5):
+                await superseded.wait()
+                await ended.wait()
+        assert server.executed == [1]
