@@ -502,9 +502,13 @@ class RemoteMeta(Meta):
             down_since = trio.current_time()
             log.warning("lost the metadata server at %s (%s); reconnecting", self.address, conn.reason)
             # Our registration answers every recall the server sent us (it forgets
-            # what we held), so, as for an answer, the transfers begun under maps we
-            # held end first (each within the transport's deadlines): a truncate it
-            # lets go ahead then may free their chunks.
+            # what we held), so, as for an answer, the transfers our transport began
+            # under maps we held end first (each within the transport's deadlines):
+            # a truncate it lets go ahead then may free their chunks.  No transfer
+            # begins meanwhile (every map went with the caches), so none runs under
+            # the old lease token when we name a new one either.  (memfs.array's,
+            # made by other processes under our maps, are not waited for: they are
+            # cut off by the fence of an eviction only.)
             await self._transfers_ended("begun before the connection was lost")
             while True:
                 try:
@@ -571,13 +575,10 @@ class RemoteMeta(Meta):
             if self._named_token:
                 # Our leases were taken without our word (the old token is fenced:
                 # transfers under it fail) or the server restarted (it knows no old
-                # tokens: they finish).  Either way every transfer of our transport
-                # begun under the old token ends before one goes out under the new:
-                # no call is made before we return, so no new one begins meanwhile.
-                # Each ends within the transport's deadlines (a few requests each).
+                # tokens).  Every transfer of our transport begun under the old one
+                # has ended (_connection_loop waited before reconnecting).
                 log.info("new lease token from the metadata server (it took our leases, "
-                         "or restarted); transfers begun under the old one end first")
-                await self._transfers_ended("begun under the old lease token")
+                         "or restarted)")
             self._on_token(self.token)
             self._named_token = self.token
         return _Connection(fs, self.timeout, self.cache, self.leases.on_recall,
@@ -650,7 +651,18 @@ class RemoteMeta(Meta):
                 got = await fs.receive()
                 if got is None:
                     raise WireError("connection closed during registration")
-                replies[got[0].req_id] = got
+                h = got[0]
+                if h.kind is Kind.UNLOCKED:  # (a lock went while the server registered us)
+                    self.lock_client.unlocked(codec.check_int(wire.decode(got[1])[0], "unlocked inode"))
+                    continue
+                if h.kind is Kind.RECALL:
+                    # We hold nothing: every cache went before we registered, and
+                    # transfers under old maps have ended.
+                    await fs.send(wire.frame(Kind.RECALLED, h.req_id, wire.encode([])))
+                    continue
+                if h.kind not in _REPLY_KINDS or h.req_id not in (1, 2):
+                    raise WireError(f"unexpected {h.kind.name} frame {h.req_id} during registration")
+                replies[h.req_id] = got
             values = []
             for rid in (1, 2):
                 h, payload = replies[rid]
@@ -1303,6 +1315,26 @@ class RemoteMeta(Meta):
         return await self._call("statfs")
 
     async def map_read(self, ino: int, offset: int, length: int) -> list[Extent]:
+        extents = await self._map_read(ino, offset, length)
+        self._pages_here(ino)
+        return extents
+
+    async def map_write(self, ino: int, offset: int, length: int) -> WritePlan:
+        plan = await self._map_write(ino, offset, length)
+        self._pages_here(ino)
+        return plan
+
+    def _pages_here(self, ino: int) -> None:
+        """The kernel may keep the pages of what is read or written here (also of a
+        file it was given no attributes to keep): a lost lease drops them
+        (LeaseKeeper.lost).  Counted once the map is ours, under a valid lease (the
+        loss of an expired one is being handled, and a read that waited for the
+        connection counts once it got its map)."""
+        cache = self.cache
+        if cache.term and cache.valid():
+            cache.kernel_inodes.add(ino)
+
+    async def _map_read(self, ino: int, offset: int, length: int) -> list[Extent]:
         """From the cache when it knows; else, at most one call per map window on its
         way: the kernel's readahead sends several reads of one window at once, and
         they wait for the first one's answer (a cacheable map of the window around
@@ -1311,9 +1343,6 @@ class RemoteMeta(Meta):
         cacheable (still in the backing directory, recalled) are not waited for."""
         if not self.cache.term or ino in self._maps_plain:
             return await self._map_read_call(ino, offset, length)
-        # The kernel may keep what it reads in its page cache: a lost lease drops it
-        # (LeaseKeeper.lost), whether or not the kernel was given attributes to keep.
-        self.cache.kernel_inodes.add(ino)
         key = (ino, offset // codec.MAP_WINDOW)
         extents = await self._map_read_cached(ino, offset, length)
         if extents is not None:
@@ -1377,12 +1406,10 @@ class RemoteMeta(Meta):
             # lease went with a recall before we ran (_roundtrip answers OK then).
             return _clip(extents, offset, offset + length)
 
-    async def map_write(self, ino: int, offset: int, length: int) -> WritePlan:
+    async def _map_write(self, ino: int, offset: int, length: int) -> WritePlan:
         self._check_write_error(ino)
         cache = self.cache
         end = offset + length
-        if cache.term:
-            cache.kernel_inodes.add(ino)  # (as in map_read: the pages written stay cached)
         if cache.term and self.opens.get(ino):  # write leases end at close: only with a handle
             if cache.is_writer(ino) and cache.valid() and length:
                 extents = cache.extents(ino, offset, end, allocated=True)

@@ -982,21 +982,32 @@ class MetaServer:
         if old.sid != sid:
             if old.opens:
                 raise FsError(errno.EINVAL, "session must be named before opening files")
+            while (s := self._sessions.get(sid)) is not None:
+                # Connections register in the order the client made them: one that
+                # asks after a newer one did was given up by the client.
+                if conn.serial < s.claimant:
+                    raise FsError(errno.ESTALE, "this session registers on a newer connection")
+                s.claimant = conn.serial
+                prev = s.conn
+                if prev is None or prev is conn or prev.retired:
+                    break
+                # The client gave that connection up: the call still running there
+                # happens before this registration, what is queued there never
+                # (Connection.supersede).  Waited for while the session is still
+                # attached there: a recall of it goes there unanswered, and its
+                # eviction cancels that connection, not this one.  (Its own detach
+                # comes later and finds the session taken over, or before, and
+                # hands it over as for any lost connection.)
+                log.info("%s: session moves here from %s", conn.peer, prev.peer)
+                await prev.supersede()
             self._sessions.pop(old.sid, None)
             s = self._sessions.get(sid)
-            prev = None
             if s is None:
                 s = self._sessions[sid] = Session(sid)
-            elif s.conn is not None:
-                log.info("%s: session moves here from %s", conn.peer, s.conn.peer)
-                prev = s.conn
+                s.claimant = conn.serial
             s.conn = conn
             s.generation += 1
             conn.session = s
-            if prev is not None:
-                # What still runs there happens before this registration, and what
-                # is queued there never (Connection.supersede).
-                await prev.supersede()
         s = conn.session
         s.last_heard = trio.current_time()  # (this frame was read before it was named)
         self._t = self._real_now()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import itertools
 import logging
 import secrets
 from dataclasses import dataclass, field
@@ -105,6 +106,9 @@ class Session:
     last_heard: float = 0.0
     #: times it has (re-)registered (memfs.meta.leases.Holder)
     registrations: int = 0
+    #: the newest connection (:attr:`Connection.serial`) that registered it, or is
+    #: registering it: older ones may not any more
+    claimant: int = 0
 
     def send_recall(self, rid: int, payload: list[Any]) -> bool:
         conn = self.conn
@@ -170,6 +174,9 @@ class Dispatcher(Protocol):
         ...
 
 
+_serials = itertools.count(1)
+
+
 @dataclass(eq=False)
 class Connection:
     """One connection of a client: its calls run in arrival order (see :meth:`serve`)."""
@@ -194,12 +201,16 @@ class Connection:
     #: the client closed the connection itself (it exited, or dropped it after a
     #: timeout): it trusts nothing it cached before, so its leases end at once
     clean_close: bool = False
-    #: the session registered on a newer connection (:meth:`supersede`): nothing
-    #: more of this one runs
+    #: the session registers on a newer connection (:meth:`supersede`): nothing
+    #: more of this one runs; *retired* once its last call has ended
     superseded: bool = False
-    #: calls of this connection being executed, and who waits for none to be
+    retired: bool = False
+    #: calls of this connection being executed
     running: int = 0
+    #: set when :attr:`running` drops to 0 (for :meth:`supersede`)
     _quiet: trio.Event | None = None
+    #: the order connections were accepted in (a client's later one is newer)
+    serial: int = field(default_factory=lambda: next(_serials))
 
     async def _execute(self, value: Any, parsed: Parsed) -> tuple[Kind, bytes]:
         """Execute one call of this connection's, unless it was superseded."""
@@ -232,6 +243,7 @@ class Connection:
         while self.running:
             self._quiet = trio.Event()
             await self._quiet.wait()
+        self.retired = True
         if self.scope is not None:
             self.scope.cancel()
 
@@ -318,8 +330,6 @@ class Connection:
                             break
                         h, payload = got
                         self.session.last_heard = trio.current_time()
-                        if self.superseded:
-                            continue  # (until supersede closes it)
                         if h.kind is Kind.RECALLED:
                             if self.calls:
                                 await self._run_made_now()

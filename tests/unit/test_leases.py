@@ -7,8 +7,10 @@ kernel to drop.  The real-mount acceptance tests are in test_cluster.py.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
+import math
 import stat
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -933,6 +935,75 @@ async def test_a_release_left_on_a_given_up_connection_does_not_free_an_open_fil
         await run(old, "release", ino)
         assert ino in server.store.inodes and new.session.opens == {ino: 1}
         nursery.cancel_scope.cancel()
+
+
+async def test_a_connection_older_than_one_that_registered_may_not_register() -> None:
+    """The client made two connections in turn (it gave the first up while its
+    registration waited); the older one's registration, run late, is refused, or it
+    would undo the newer one's."""
+    async with trio.open_nursery() as nursery:
+        server, old, newer, run = await _moved_session(nursery)
+        late = Connection("late", server._new_session(), server)  # made before `newest`
+        late.session.conn = late
+        newest = Connection("newest", server._new_session(), server)
+        newest.session.conn = newest
+        await server._claim_session(newest, b"S" * 16, {})
+        assert server._sessions[b"S" * 16].conn is newest and old.retired
+        with pytest.raises(FsError) as info:
+            await server._claim_session(late, b"S" * 16, {})
+        assert info.value.errno == errno.ESTALE
+        assert server._sessions[b"S" * 16].conn is newest
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_recall_while_the_session_moves_goes_to_the_connection_given_up(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The client gave up a connection whose call still runs on the server, and
+    registers on a new one, which waits for that call.  A recall of the session meanwhile
+    goes to the old connection: unanswered there, it evicts that one (ending its call,
+    which never runs after the registration), not the new one, and the client's
+    registration (which a RECALL frame would have broken) goes through."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]  # cut, eviction
+    async with cluster(2, term=3.0, recall_timeout=1.0) as (server, (a, b), _):
+        f = await a.create(ROOT, b"f", F, 0, 0)
+        h = await a.create(ROOT, b"h", F, 0, 0)
+        await a.getattr(h.ino)  # a holds h
+        session = server._sessions[a.session]
+        given_up = session.conn
+        gate = trio.Event()
+        ran_on: list[Any] = []
+        run_call = server._run_call
+
+        async def stuck(conn: Any, value: Any, m: Any, args: Any, until: float = math.inf) -> Any:
+            if m.name == "getxattr" and conn is given_up:
+                await gate.wait()
+                ran_on.append(conn)
+            return await run_call(conn, value, m, args, until)
+
+        server._run_call = stuck  # type: ignore[method-assign]
+        assert a._conn is not None
+        old = a._conn
+        old.on_recall = lambda *args: None  # (the client no longer listens there)
+
+        async def getxattr() -> None:
+            with contextlib.suppress(FsError):
+                await a.getxattr(f.ino, b"user.x")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(getxattr)
+            await trio.sleep(0.2)
+            nursery.start_soon(b.setattr, h.ino, SetAttr(mode=0o600))  # recalls a
+            await trio.sleep(0.2)
+            old.kill("test: given up")
+            with trio.fail_after(10):
+                await a.getattr(ROOT)  # registered on a new connection
+            gate.set()
+        assert given_up not in ran_on, "a call of the connection given up ran after the registration"
+        assert session.conn is not None and session.conn is not given_up
+        assert (await a.getattr(h.ino)).mode & 0o777 == 0o600
+        await a.release(f.ino)
+        await a.release(h.ino)
 
 
 class _Fake:
