@@ -1232,7 +1232,11 @@ class MetaServer:
             return  # taken over by a newer connection
         s.conn = None
         assert self._nursery is not None
-        if conn.clean_close:
+        # A connection the session is moving away from (a registration waits for it,
+        # Connection.supersede) was given up, not closed for good: its session is
+        # handled as cut off, so that registration finds its leases and sizes.
+        clean = conn.clean_close and not conn.superseded
+        if clean:
             self.leases.forget(s)
             self._journal_destroys()
         elif self.leases.holds(s) or any(w is s for w in self.leases.writers.values()):
@@ -1240,7 +1244,7 @@ class MetaServer:
             self._nursery.start_soon(self._forget_later, s, s.registrations)
         if not s.opens:
             self._sessions.pop(s.sid, None)
-            if conn.clean_close:
+            if clean:
                 self._session_gone(s.sid)  # unmounted (or gone): forgotten by this run
             return
         s.generation += 1

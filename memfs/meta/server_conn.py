@@ -227,7 +227,7 @@ class Connection:
 
     async def supersede(self) -> None:
         """The session registers on a newer connection: run nothing more of this one
-        (its queued calls are dropped, later frames ignored), wait for the call under
+        (its queued calls are dropped, later ones refused), wait for the call under
         way to finish, then close it.
 
         The client gave this connection up (a timeout, a lost network) with calls
@@ -241,7 +241,8 @@ class Connection:
         self.superseded = True
         self.calls.clear()
         while self.running:
-            self._quiet = trio.Event()
+            if self._quiet is None or self._quiet.is_set():  # (shared by every waiter)
+                self._quiet = trio.Event()
             await self._quiet.wait()
         self.retired = True
         if self.scope is not None:

@@ -956,14 +956,107 @@ async def test_a_connection_older_than_one_that_registered_may_not_register() ->
         nursery.cancel_scope.cancel()
 
 
+async def test_the_connection_given_up_ending_first_leaves_the_registration_its_sizes() -> None:
+    """The client closed the connection it gave up, and that connection's end is
+    handled while the registration on the new one waits for it: that is a cut, not
+    the client's goodbye, so the registration still finds the write lease and its size
+    is applied (a clean close would have ended the lease without the client's word,
+    and refused the size: EIO to its writer)."""
+    async with trio.open_nursery() as nursery:
+        server, old, new, run = await _moved_session(nursery)
+        _, (ino, *_) = await run(old, "create", ROOT, b"f", F, 0, 0)
+        kind, _ = await run(old, "allocate_ahead", ino, 0, 4096, 1 << 20)
+        assert kind is Kind.OK_WRITE
+        old.clean_close = True  # the client closed it (EOF read)
+        old.superseded = True  # a registration waits for it (Connection.supersede)
+        server._detach(old)
+        _, failed, _ = await server._claim_session(
+            new, b"S" * 16, {ino: 1}, [(ino, 12288, 1, (0, 12288))])
+        assert failed == [] and server.store.inodes[ino].size == 12288
+        nursery.cancel_scope.cancel()
+
+
+async def test_every_registration_waiting_for_a_connection_given_up_goes_on() -> None:
+    """Two registrations wait for the same call of the connection given up: both go on
+    when it ends (the older one then refused), neither waits for its idle timeout."""
+    async with trio.open_nursery() as nursery:
+        server, old, new, run = await _moved_session(nursery)
+        gate = trio.Event()
+        run_call = server._run_call
+
+        async def stuck(conn: Any, value: Any, m: Any, args: Any, until: float = math.inf) -> Any:
+            if m.name == "getattr" and conn is old:
+                await gate.wait()
+            return await run_call(conn, value, m, args, until)
+
+        server._run_call = stuck  # type: ignore[method-assign]
+        nursery.start_soon(run, old, "getattr", ROOT)
+        await trio.testing.wait_all_tasks_blocked()
+        newer = Connection("newer", server._new_session(), server)
+        newer.session.conn = newer
+        done: dict[str, object] = {}
+
+        async def claim(conn: Connection) -> None:
+            try:
+                await server._claim_session(conn, b"S" * 16, {})
+                done[conn.peer] = "registered"
+            except FsError as exc:
+                done[conn.peer] = exc.errno
+
+        nursery.start_soon(claim, new)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(claim, newer)
+        await trio.testing.wait_all_tasks_blocked()
+        gate.set()
+        with trio.fail_after(5):
+            while len(done) < 2:  # noqa: ASYNC110
+                await trio.sleep(0.01)
+        assert done == {"new": errno.ESTALE, "newer": "registered"}
+        assert server._sessions[b"S" * 16].conn is newer
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_registration_takes_recall_and_unlocked_frames_before_its_answer(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Frames the server sends on its own (a RECALL, an UNLOCKED) may come before the
+    registration's answer: the client answers the recall (it holds nothing yet) and
+    goes on, instead of failing the connection."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]  # the reconnection
+    async with cluster(1) as (server, (a,), _):
+        f = await a.create(ROOT, b"f", F, 0, 0)
+        claim = server._claim_session
+        answered: list[int] = []
+        recalled = server.recalled
+
+        async def chatty(conn: Any, *args: Any, **kw: Any) -> Any:
+            conn.push(wire.frame(Kind.RECALL, 999, wire.encode([[f.ino, [], False]])), 0)
+            conn.push(wire.frame(Kind.UNLOCKED, 0, wire.encode([f.ino])), 0)
+            return await claim(conn, *args, **kw)
+
+        def recalled_too(session: Any, rid: int, payload: Any) -> None:
+            answered.append(rid)
+            recalled(session, rid, payload)
+
+        server._claim_session = chatty  # type: ignore[method-assign]
+        server.recalled = recalled_too  # type: ignore[method-assign]
+        assert a._conn is not None
+        a._conn.kill("test: cut")
+        with trio.fail_after(10):
+            await a.getattr(ROOT)  # registered again
+            while 999 not in answered:  # noqa: ASYNC110
+                await trio.sleep(0.01)
+        await a.release(f.ino)
+
+
 async def test_a_recall_while_the_session_moves_goes_to_the_connection_given_up(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """The client gave up a connection whose call still runs on the server, and
     registers on a new one, which waits for that call.  A recall of the session meanwhile
     goes to the old connection: unanswered there, it evicts that one (ending its call,
-    which never runs after the registration), not the new one, and the client's
-    registration (which a RECALL frame would have broken) goes through."""
+    which never runs after the registration), not the new one, and the registration
+    goes through."""
     caplog.expected_warnings = True  # type: ignore[attr-defined]  # cut, eviction
     async with cluster(2, term=3.0, recall_timeout=1.0) as (server, (a, b), _):
         f = await a.create(ROOT, b"f", F, 0, 0)
@@ -971,6 +1064,7 @@ async def test_a_recall_while_the_session_moves_goes_to_the_connection_given_up(
         await a.getattr(h.ino)  # a holds h
         session = server._sessions[a.session]
         given_up = session.conn
+        assert given_up is not None
         gate = trio.Event()
         ran_on: list[Any] = []
         run_call = server._run_call
@@ -993,9 +1087,12 @@ async def test_a_recall_while_the_session_moves_goes_to_the_connection_given_up(
         async with trio.open_nursery() as nursery:
             nursery.start_soon(getxattr)
             await trio.sleep(0.2)
-            nursery.start_soon(b.setattr, h.ino, SetAttr(mode=0o600))  # recalls a
-            await trio.sleep(0.2)
             old.kill("test: given up")
+            with trio.fail_after(5):
+                while not given_up.superseded:  # noqa: ASYNC110 - a registration waits
+                    await trio.sleep(0.01)
+            assert given_up.running and not given_up.retired
+            nursery.start_soon(b.setattr, h.ino, SetAttr(mode=0o600))  # recalls a
             with trio.fail_after(10):
                 await a.getattr(ROOT)  # registered on a new connection
             gate.set()

@@ -210,7 +210,8 @@ async def test_an_unexpected_frame_closes_the_connection(caplog: pytest.LogCaptu
 
 async def test_a_superseded_connection_runs_nothing_more_after_the_call_under_way() -> None:
     """The session registered on a newer connection: the call under way here ends
-    first, what is queued or still comes is dropped, and the connection closes."""
+    first, what is queued is dropped, what still comes refused, and the connection
+    closes."""
     server = FakeServer()
     server.gates[1] = trio.Event()
     async with connection(server) as (client, ended):
