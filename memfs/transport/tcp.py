@@ -65,6 +65,7 @@ from memfs.config import VolumeAddr
 from memfs.errors import TransportError, UsageError
 from memfs.transport import Buffer, Posted, Transport, VolumeInfo
 from memfs.transport.sockio import (
+    Linger,
     PeerClosed,
     RecvBuffer,
     close_socket,
@@ -93,6 +94,9 @@ _RECV_BUFFER = _SMALL_REPLY_MAX + 64
 #: (a reply counts like _REPLY_WORK bytes of data)
 _RECEIVE_WORK = 1 << 20
 _REPLY_WORK = 64 << 10
+#: how long a small READ's reply is polled for before its task parks, while the loop
+#: has nothing else to do (RecvBuffer.linger); 0: never
+LINGER = 50e-6
 #: an idle connection is checked for a server that went away after this long
 _IDLE_CHECK = 0.001
 #: a drainer of posted writes takes their answers this often while writes keep coming
@@ -433,7 +437,7 @@ class _Conn:
             p.complete()
         self.pending.clear()
 
-    async def wait(self, p: _Pending) -> None:
+    async def wait(self, p: _Pending, linger: float = 0.0) -> None:
         """Until *p* has its reply (or failed): receive, or sleep while another does.
 
         On cancellation *p* is abandoned: the rest of its reply goes to scratch.
@@ -461,15 +465,26 @@ class _Conn:
                         p.others.append(me)
                     await trio.lowlevel.wait_task_rescheduled(abort)
                 else:
-                    await self._receive_until(p)
+                    await self._receive_until(p, linger)
         except BaseException:
             p.abandon()
             raise
 
-    async def _receive_until(self, p: _Pending) -> None:
+    async def _receive_until(self, p: _Pending, linger: float = 0.0) -> None:
         self.receiving = True
         try:
+            spin = linger
+            yielded = False
             while not self.receive_available() and not p.done:
+                if spin:
+                    how = self._rx.linger(spin)
+                    if how is Linger.READY:
+                        continue
+                    if how is Linger.BUSY and not yielded:  # (a worker just started, say)
+                        yielded = True  # once more after them
+                        await trio.lowlevel.checkpoint()
+                        continue
+                    spin = 0.0
                 await self._rx.wait_readable()
             if not p.done:
                 await trio.lowlevel.checkpoint()  # many replies came at once: let others run
@@ -775,6 +790,8 @@ class TcpTransport(Transport):
         self._addrs = list(volumes)
         self._info: list[VolumeInfo] = []
         self._closed = False
+        #: calls waiting for their replies (one alone may poll for a small one)
+        self._waiting = 0
         #: the lease token our connections name (SESSION), 0: none (see set_session)
         self._token = 0
         self._fences = fences
@@ -935,7 +952,15 @@ class TcpTransport(Transport):
         take at once needs waits with deadlines.
         """
         conn, p = await self._send(server, server.next_slot(), kind, head, data, dest)
-        await conn.wait(p)
+        # A small READ's reply comes within tens of microseconds: polled for, not parked
+        # for, while the loop has nothing else to do (RecvBuffer.linger) and this is the
+        # only call waiting (with more, the CPU serves them better than a poll).
+        self._waiting += 1
+        try:
+            await conn.wait(p, LINGER if self._waiting == 1 and dest is not None
+                            and len(dest) <= _SMALL_REPLY_MAX else 0.0)
+        finally:
+            self._waiting -= 1
         failure = _failure(server, p)
         if failure is not None:
             raise TransportError(failure)

@@ -17,7 +17,7 @@ import pytest
 import trio
 import trio.testing
 
-from memfs.transport.sockio import PeerClosed, RecvBuffer, send_all, send_now
+from memfs.transport.sockio import Linger, PeerClosed, RecvBuffer, send_all, send_now
 
 
 async def fill(rx: RecvBuffer, n: int) -> None:
@@ -215,3 +215,47 @@ def test_a_blocking_bulk_receive_waits_for_its_last_short_piece() -> None:
         t.join()
         assert dest == data
         assert ours.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1
+
+
+async def test_linger_catches_what_comes_while_the_loop_is_idle(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    """A reply sent by another thread while the task polls: READY, the task never
+    left; nothing comes: DONE after the time given."""
+    import threading
+
+    a, b = pair
+    rx = RecvBuffer(a, 1024)
+    rx.drained = True
+    t = threading.Timer(0.002, b.send, (b"x",))
+    t.start()
+    try:
+        assert rx.linger(1.0) is Linger.READY
+    finally:
+        t.join()
+    assert not rx.drained and rx.receive_now(1) == 1
+    start = trio.current_time()
+    assert rx.linger(0.01) is Linger.DONE
+    assert 0.01 <= trio.current_time() - start < 0.5
+
+
+async def test_linger_leaves_the_loop_to_tasks_that_can_run(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    """With a task runnable the loop's thread is not held (BUSY); once it parked, the
+    poll goes on; another task's I/O ready ends it (DONE) before its time."""
+    a, b = pair
+    rx = RecvBuffer(a, 1024)
+    other_a, other_b = socket.socketpair()
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.lowlevel.wait_readable, other_a)
+            assert rx.linger(1.0) is Linger.BUSY  # (just started: runnable)
+            await trio.testing.wait_all_tasks_blocked()
+            other_b.send(b"y")  # its I/O, not ours
+            start = trio.current_time()
+            assert rx.linger(1.0) is Linger.DONE
+            assert trio.current_time() - start < 0.5
+    finally:
+        other_a.close()
+        other_b.close()
