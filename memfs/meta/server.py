@@ -458,9 +458,13 @@ class MetaServer:
         self.leases.recalled(session, rid, settles_from_wire(payload))
 
     def may_wait(self, session: Session, value: Any, parsed: Parsed) -> bool:
-        """Could executing this call wait?  Then it must not run in the reading task."""
+        """Could executing this call wait?  Then it must not run in the reading task.
+
+        A registration may (for the connection the session moves from,
+        Connection.supersede, and for its replayed creates' recalls): the reader
+        then still reads the client's answers to recalls of the session."""
         if parsed is None:
-            return value[0] == "control"
+            return value[0] in ("control", "session")
         if isinstance(parsed, codec.UnknownMethod):
             return False
         if not self._recovered.is_set():

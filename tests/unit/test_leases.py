@@ -1049,6 +1049,42 @@ async def test_a_registration_takes_recall_and_unlocked_frames_before_its_answer
         await a.release(f.ino)
 
 
+async def test_answers_to_recalls_are_read_while_a_registration_runs(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A registration may wait (for the connection the session leaves, for the recalls
+    its replayed creates make): the connection's reader meanwhile still reads the
+    client's answers to recalls, or a recall sent on it would wait for the registration
+    that waits for it, until the session is evicted."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]  # the reconnection
+    async with cluster(1) as (server, (a,), _):
+        f = await a.create(ROOT, b"f", F, 0, 0)
+        claim = server._claim_session
+        answered = trio.Event()
+        recalled = server.recalled
+
+        async def waits_for_an_answer(conn: Any, *args: Any, **kw: Any) -> Any:
+            conn.push(wire.frame(Kind.RECALL, 999, wire.encode([[f.ino, [], False]])), 0)
+            with trio.fail_after(5):
+                await answered.wait()
+            return await claim(conn, *args, **kw)
+
+        def recalled_too(session: Any, rid: int, payload: Any) -> None:
+            if rid == 999:
+                answered.set()
+            recalled(session, rid, payload)
+
+        server._claim_session = waits_for_an_answer  # type: ignore[method-assign]
+        server.recalled = recalled_too  # type: ignore[method-assign]
+        assert a._conn is not None
+        a._conn.kill("test: cut")
+        with trio.fail_after(10):
+            await a.getattr(ROOT)  # registered again
+        assert answered.is_set()
+        server._claim_session = claim  # type: ignore[method-assign]
+        await a.release(f.ino)
+
+
 async def test_a_recall_while_the_session_moves_goes_to_the_connection_given_up(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
