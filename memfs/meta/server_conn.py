@@ -211,6 +211,8 @@ class Connection:
     _quiet: trio.Event | None = None
     #: the order connections were accepted in (a client's later one is newer)
     serial: int = field(default_factory=lambda: next(_serials))
+    #: a registration (``session`` call) runs in the executor: nothing passes it
+    registering: bool = False
 
     async def _execute(self, value: Any, parsed: Parsed) -> tuple[Kind, bytes]:
         """Execute one call of this connection's, unless it was superseded."""
@@ -393,6 +395,8 @@ class Connection:
         files comes after its create, and one before its unlink (a release, a
         write's allocation, a setattr) works as well on the unlinked file, an orphan
         until its last release."""
+        if self.registering:  # (they came after it, and its session is not settled yet)
+            return
         server = self.server
         calls = list(self.calls)
         picked: list[tuple[int, Any, Parsed]] = []
@@ -431,6 +435,7 @@ class Connection:
             try:
                 while self.calls:
                     rid, value, parsed = self.calls.popleft()
+                    self.registering = parsed is None and value[0] == "session"
                     try:
                         kind, body = await self._execute(value, parsed)
                     except WireError as exc:
@@ -444,6 +449,7 @@ class Connection:
                         self.unanswered(kind, body)
             finally:
                 self.busy = False
+                self.registering = False
                 self.calls_wake.set()
 
 

@@ -24,6 +24,7 @@ only through :func:`close_socket`, which wakes it).
 from __future__ import annotations
 
 import enum
+import logging
 import select
 import socket
 import time
@@ -35,6 +36,8 @@ import trio.lowlevel
 
 from memfs import wire
 from memfs.net import close_socket, connect
+
+log = logging.getLogger(__name__)
 
 __all__ = ["close_socket", "connect"]  # re-exported for the transport modules
 
@@ -137,26 +140,35 @@ class Linger(enum.Enum):
     DONE = "nothing came in time, or another task's I/O did"
 
 
-_loop: tuple[Any, int] | None = None  # (trio's runner, its epoll descriptor)
+#: the loop could not be read once (a trio whose internals differ): never poll again
+_unreadable = False
 
 
 def _idle_loop() -> tuple[float, int] | None:
     """Seconds trio's loop has nothing to do (no runnable task, no callback queued,
     until its next timer; 0 if it has something now) and its epoll descriptor
     (readable once any other task's I/O is ready); None where that cannot be
-    known (not trio's epoll backend, or a trio whose internals differ).  Read
-    from the runner directly: ``trio.lowlevel.current_statistics()`` costs ~5 us,
-    a tenth of a small read's round trip (as in memfs's pyfuse3 patch 0002)."""
-    global _loop
+    known (not trio's epoll backend, or a trio whose internals differ: then never
+    again).  Read from the runner directly: ``trio.lowlevel.current_statistics()``
+    costs ~5 us, a tenth of a small read's round trip (as in memfs's pyfuse3
+    patch 0002).  Tasks woken in the loop's current pass are not in its run queue
+    any more, so they are not seen: the caller lets them run first."""
+    global _unreadable
+    if _unreadable:
+        return None
     try:
         runner = trio._core._run.GLOBAL_RUN_CONTEXT.runner
-        if _loop is None or _loop[0] is not runner:
-            _loop = (runner, runner.io_manager._epoll.fileno())
+        epfd = runner.io_manager._epoll.fileno()
         queue = runner.entry_queue
         if runner.runq or queue.queue or queue.idempotent_queue:
-            return 0.0, _loop[1]
-        return max(0.0, runner.deadlines.next_deadline() - runner.clock.current_time()), _loop[1]
-    except AttributeError:
+            return 0.0, epfd
+        return max(0.0, runner.deadlines.next_deadline() - runner.clock.current_time()), epfd
+    except AttributeError:  # not in a trio run, or not the epoll backend
+        return None
+    except Exception:
+        _unreadable = True
+        log.warning("trio's event loop cannot be read here: small reads will not poll",
+                    exc_info=True)
         return None
 
 

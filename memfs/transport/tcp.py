@@ -437,7 +437,7 @@ class _Conn:
             p.complete()
         self.pending.clear()
 
-    async def wait(self, p: _Pending, linger: float = 0.0) -> None:
+    async def wait(self, p: _Pending, alone: Callable[[], bool] | None = None) -> None:
         """Until *p* has its reply (or failed): receive, or sleep while another does.
 
         On cancellation *p* is abandoned: the rest of its reply goes to scratch.
@@ -465,26 +465,28 @@ class _Conn:
                         p.others.append(me)
                     await trio.lowlevel.wait_task_rescheduled(abort)
                 else:
-                    await self._receive_until(p, linger)
+                    await self._receive_until(p, alone)
         except BaseException:
             p.abandon()
             raise
 
-    async def _receive_until(self, p: _Pending, linger: float = 0.0) -> None:
+    async def _receive_until(self, p: _Pending, alone: Callable[[], bool] | None = None) -> None:
+        """*alone*: may this small READ poll for its reply (RecvBuffer.linger)?  Asked
+        before each poll (another call may have begun meanwhile)."""
         self.receiving = True
         try:
-            spin = linger
             yielded = False
             while not self.receive_available() and not p.done:
-                if spin:
-                    how = self._rx.linger(spin)
-                    if how is Linger.READY:
-                        continue
-                    if how is Linger.BUSY and not yielded:  # (a worker just started, say)
-                        yielded = True  # once more after them
+                if alone is not None:
+                    if not yielded:
+                        # Tasks woken in this pass of the loop (a worker with the next
+                        # FUSE request) are not in its run queue: they run first.
+                        yielded = True
                         await trio.lowlevel.checkpoint()
                         continue
-                    spin = 0.0
+                    if alone() and self._rx.linger(LINGER) is Linger.READY:
+                        continue
+                    alone = None
                 await self._rx.wait_readable()
             if not p.done:
                 await trio.lowlevel.checkpoint()  # many replies came at once: let others run
@@ -957,8 +959,8 @@ class TcpTransport(Transport):
         # only call waiting (with more, the CPU serves them better than a poll).
         self._waiting += 1
         try:
-            await conn.wait(p, LINGER if self._waiting == 1 and dest is not None
-                            and len(dest) <= _SMALL_REPLY_MAX else 0.0)
+            await conn.wait(p, self._alone if LINGER and dest is not None
+                            and len(dest) <= _SMALL_REPLY_MAX else None)
         finally:
             self._waiting -= 1
         failure = _failure(server, p)
@@ -992,6 +994,9 @@ class TcpTransport(Transport):
                     conn.send_lock.release()
             return conn, p
         return await self._send_waiting(server, slot, p, kind, head, data), p
+
+    def _alone(self) -> bool:
+        return self._waiting == 1
 
     async def post_write(
         self, volume: int, offset: int, data: Buffer, key: int,

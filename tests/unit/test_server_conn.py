@@ -20,7 +20,7 @@ import trio.testing
 
 from memfs import wire
 from memfs.meta.conn import FrameSocket
-from memfs.meta.server_conn import Connection, Parsed, Session
+from memfs.meta.server_conn import Connection, Parsed, Session, parse_call
 from memfs.wire import Kind
 
 
@@ -235,3 +235,16 @@ async def test_a_superseded_connection_runs_nothing_more_after_the_call_under_wa
                 await superseded.wait()
                 await ended.wait()
         assert server.executed == [1]
+
+
+async def test_creates_queued_behind_a_registration_do_not_pass_it() -> None:
+    """A recall answer lets the creates queued on a connection run ahead of a call that
+    waits (Connection._run_made_now), but not ahead of a registration: they name the
+    session it registers."""
+    server = FakeServer()
+    conn = Connection("test-peer", Session(b"s" * 16), server)
+    value = ["create_at", 1, b"f", 0o100644, 0, 0, 5, 1]
+    conn.calls.append((7, value, parse_call(value)))
+    conn.registering = True
+    await conn._run_made_now()
+    assert server.executed == [] and len(conn.calls) == 1
