@@ -509,7 +509,7 @@ class RemoteMeta(Meta):
             # the old lease token when we name a new one either.  (memfs.array's,
             # made by other processes under our maps, are not waited for: they are
             # cut off by the fence of an eviction only.)
-            await self._transfers_ended("begun before the connection was lost")
+            await self._transfers_ended()
             while True:
                 try:
                     conn = await self._connect(False)
@@ -584,14 +584,14 @@ class RemoteMeta(Meta):
         return _Connection(fs, self.timeout, self.cache, self.leases.on_recall,
                            self.lock_client.unlocked)
 
-    async def _transfers_ended(self, which: str) -> None:
+    async def _transfers_ended(self) -> None:
         """Until no transfer of this process's transport holds a map (each ends within
         the transport's deadlines); a warning every ``timeout`` meanwhile."""
         while True:
             with trio.move_on_after(self.timeout):
                 await self.cache.wait_unpinned(None)
                 return
-            log.warning("transfers %s still run", which)
+            log.warning("transfers begun before the connection was lost still run")
 
     async def _handshake(self, fs: FrameSocket) -> None:
         hs = wire.Handshake(self.secret)

@@ -1016,6 +1016,35 @@ async def test_every_registration_waiting_for_a_connection_given_up_goes_on() ->
         nursery.cancel_scope.cancel()
 
 
+def _recall_at_registration(
+    server: MetaServer, ino: int, *, unlocked: bool = False, wait: bool = False,
+) -> trio.Event:
+    """Make *server* send a RECALL (request 999) of *ino*, and an UNLOCKED if
+    *unlocked*, at the start of each registration, which first waits for the answer
+    if *wait*; the event is set once the answer is read."""
+    claim = server._claim_session
+    recalled = server.recalled
+    answered = trio.Event()
+
+    async def chatty(conn: Any, *args: Any, **kw: Any) -> Any:
+        conn.push(wire.frame(Kind.RECALL, 999, wire.encode([[ino, [], False]])), 0)
+        if unlocked:
+            conn.push(wire.frame(Kind.UNLOCKED, 0, wire.encode([ino])), 0)
+        if wait:
+            with trio.fail_after(5):
+                await answered.wait()
+        return await claim(conn, *args, **kw)
+
+    def recalled_too(session: Any, rid: int, payload: Any) -> None:
+        if rid == 999:
+            answered.set()
+        recalled(session, rid, payload)
+
+    server._claim_session = chatty  # type: ignore[method-assign]
+    server.recalled = recalled_too  # type: ignore[method-assign]
+    return answered
+
+
 async def test_a_registration_takes_recall_and_unlocked_frames_before_its_answer(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -1025,27 +1054,12 @@ async def test_a_registration_takes_recall_and_unlocked_frames_before_its_answer
     caplog.expected_warnings = True  # type: ignore[attr-defined]  # the reconnection
     async with cluster(1) as (server, (a,), _):
         f = await a.create(ROOT, b"f", F, 0, 0)
-        claim = server._claim_session
-        answered: list[int] = []
-        recalled = server.recalled
-
-        async def chatty(conn: Any, *args: Any, **kw: Any) -> Any:
-            conn.push(wire.frame(Kind.RECALL, 999, wire.encode([[f.ino, [], False]])), 0)
-            conn.push(wire.frame(Kind.UNLOCKED, 0, wire.encode([f.ino])), 0)
-            return await claim(conn, *args, **kw)
-
-        def recalled_too(session: Any, rid: int, payload: Any) -> None:
-            answered.append(rid)
-            recalled(session, rid, payload)
-
-        server._claim_session = chatty  # type: ignore[method-assign]
-        server.recalled = recalled_too  # type: ignore[method-assign]
+        answered = _recall_at_registration(server, f.ino, unlocked=True)
         assert a._conn is not None
         a._conn.kill("test: cut")
         with trio.fail_after(10):
             await a.getattr(ROOT)  # registered again
-            while 999 not in answered:  # noqa: ASYNC110
-                await trio.sleep(0.01)
+            await answered.wait()
         await a.release(f.ino)
 
 
@@ -1059,29 +1073,12 @@ async def test_answers_to_recalls_are_read_while_a_registration_runs(
     caplog.expected_warnings = True  # type: ignore[attr-defined]  # the reconnection
     async with cluster(1) as (server, (a,), _):
         f = await a.create(ROOT, b"f", F, 0, 0)
-        claim = server._claim_session
-        answered = trio.Event()
-        recalled = server.recalled
-
-        async def waits_for_an_answer(conn: Any, *args: Any, **kw: Any) -> Any:
-            conn.push(wire.frame(Kind.RECALL, 999, wire.encode([[f.ino, [], False]])), 0)
-            with trio.fail_after(5):
-                await answered.wait()
-            return await claim(conn, *args, **kw)
-
-        def recalled_too(session: Any, rid: int, payload: Any) -> None:
-            if rid == 999:
-                answered.set()
-            recalled(session, rid, payload)
-
-        server._claim_session = waits_for_an_answer  # type: ignore[method-assign]
-        server.recalled = recalled_too  # type: ignore[method-assign]
+        answered = _recall_at_registration(server, f.ino, wait=True)
         assert a._conn is not None
         a._conn.kill("test: cut")
         with trio.fail_after(10):
             await a.getattr(ROOT)  # registered again
         assert answered.is_set()
-        server._claim_session = claim  # type: ignore[method-assign]
         await a.release(f.ino)
 
 
