@@ -349,10 +349,15 @@ class ClientCache:
     def any_pinned(self, inos: list[int]) -> bool:
         return any(ino in self._pins for ino in inos)
 
-    async def wait_unpinned(self, inos: list[int] | None) -> None:
+    def any_transfer(self) -> bool:
+        """Some transfer holds a map (this process's or a memfs.array process's)."""
+        return bool(self._pins)
+
+    async def wait_unpinned(self, inos: list[int] | None, *, everyone: bool = False) -> None:
         """Until no transfer holds a map of *inos* (None: no transfer of this process's
-        transport runs)."""
-        while self._here if inos is None else any(ino in self._pins for ino in inos):
+        transport runs; with *everyone*, no memfs.array process's either)."""
+        while ((self._pins if everyone else self._here) if inos is None
+               else any(ino in self._pins for ino in inos)):
             if self._unpinned.is_set():  # other waiters may be parked on the current one
                 self._unpinned = trio.Event()
             await self._unpinned.wait()

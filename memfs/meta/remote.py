@@ -506,10 +506,12 @@ class RemoteMeta(Meta):
             # under maps we held end first (each within the transport's deadlines):
             # a truncate it lets go ahead then may free their chunks.  No transfer
             # begins meanwhile (every map went with the caches), so none runs under
-            # the old lease token when we name a new one either.  (memfs.array's,
-            # made by other processes under our maps, are not waited for: they are
-            # cut off by the fence of an eviction only.)
+            # the old lease token when we name a new one either.  memfs.array's,
+            # made by other processes under our maps, get as long as a recall's
+            # answer would; any still running then are cut off: the registration
+            # asks the server to fence our token first (_others_ended).
             await self._transfers_ended()
+            await self._others_ended()
             while True:
                 try:
                     conn = await self._connect(False)
@@ -532,7 +534,10 @@ class RemoteMeta(Meta):
             fs = FrameSocket(await connect(self.host, self.port), MAX_REPLY)
             try:
                 await self._handshake(fs)
-                lost, failed, desc = await self._register(fs)
+                # Transfers still pinned now began under the old connection's maps
+                # (no map is handed out without a connection): memfs.array's, which
+                # _others_ended gave up waiting for.
+                lost, failed, desc = await self._register(fs, self.cache.any_transfer())
             except BaseException:
                 fs.close()
                 raise
@@ -593,6 +598,19 @@ class RemoteMeta(Meta):
                 return
             log.warning("transfers begun before the connection was lost still run")
 
+    async def _others_ended(self) -> None:
+        """Until memfs.array's transfers under our maps have ended, for as long as we
+        would wait for them before answering a recall: those are other processes'
+        (stopped, say), whose connections we cannot close.  Any still running then
+        make the registration fence our lease token (``_register``), as an eviction
+        would: the memory servers refuse their late frames."""
+        with trio.move_on_after(self.leases.answer_within):
+            await self.cache.wait_unpinned(None, everyone=True)
+            return
+        log.warning("memfs.array transfers begun before the connection was lost still run "
+                    "after %.1f s: registering with a new lease token (they will fail)",
+                    self.leases.answer_within)
+
     async def _handshake(self, fs: FrameSocket) -> None:
         hs = wire.Handshake(self.secret)
         got = await fs.receive()
@@ -622,10 +640,14 @@ class RemoteMeta(Meta):
         except WireError as exc:
             raise AuthRefused(f"{self.address}: {exc}") from None
 
-    async def _register(self, fs: FrameSocket) -> tuple[list[int], list[int], PoolDescription]:
+    async def _register(
+        self, fs: FrameSocket, fence: bool = False,
+    ) -> tuple[list[int], list[int], PoolDescription]:
         """Name our session with our open handles and the sizes we wrote; ask for the
         pool description.  Returns the inodes gone, those whose sizes were refused, and
-        the description."""
+        the description.  *fence*: transfers under our maps may still run (other
+        processes'), so the server must fence our lease token before the registration
+        answers the recalls sent to us."""
         # Sizes written under write leases that the server has not heard yet (again on
         # a second pass: one applied is no longer larger than the known size, one
         # refused is refused again, and a refusal is only heard with an answer).
@@ -642,6 +664,8 @@ class RemoteMeta(Meta):
             locks = self.lock_client.claims()
             call: list[Any] = ["session", self.session, claimed, settles,
                                [c for _, c in ops], locks]
+            if fence:
+                call.append(1)
             await fs.send(
                 wire.frame(Kind.CALL, 1, wire.encode(call))
                 + wire.frame(Kind.CALL, 2, wire.encode(["describe"]))

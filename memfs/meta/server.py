@@ -20,9 +20,10 @@ Protocol (frames from :mod:`memfs.wire`):
 * Control calls: ``["describe"]`` (pool volume URLs in order, volume size, chunk
   and stripe size: what a client needs to build its data path),
   ``["session", id, [[ino, count], ...], [[ino, size, mtime], ...], [replayed
-  creates and unlinks], [locks held]]`` (answered with the inodes gone, those whose
+  creates and unlinks], [locks held], fence]`` (answered with the inodes gone, those whose
   sizes were refused, the lease token, the replays refused and the locks lost; the
-  last two lists are optional) and ``["ping"]``.
+  last two lists and *fence* are optional: 1 when transfers under the client's maps
+  may still run, so its old token must be fenced first) and ``["ping"]``.
 * File locks (memfs.meta.locks) are kept here for every session and never
   journaled; a client states its own with each registration, so they survive a
   restart.  Nobody waits here for a lock: a waiter is refused and sent an
@@ -927,7 +928,7 @@ class MetaServer:
             except Exception:
                 log.exception("%s: control %s failed", conn.peer, op)
                 raise FsError(errno.EIO, "internal error in the metadata server") from None
-        if name == "session" and len(raw) in (2, 3, 4, 5):
+        if name == "session" and len(raw) in (2, 3, 4, 5, 6):
             sid = codec.check_bytes(raw[0], "session id")
             if not 8 <= len(sid) <= 64:
                 raise WireError("session id of a bad length")
@@ -953,7 +954,8 @@ class MetaServer:
                 return await self._claim_session(conn, sid, claimed, settles, ops)
             locks = [[codec.check_int(x, "lock") for x in codec.check_list(item, "lock", 7)]
                      for item in codec.check_list(raw[4], "locks")]
-            answer = await self._claim_session(conn, sid, claimed, settles, ops)
+            fence = len(raw) == 6 and bool(codec.check_int(raw[5], "fence"))
+            answer = await self._claim_session(conn, sid, claimed, settles, ops, fence=fence)
             # The locks its client holds (memfs.meta.locks): those lost meanwhile are
             # refused (after the handles: a lock is on an open file).
             conn.session.last_heard = trio.current_time()  # (the above may have waited)
@@ -971,6 +973,7 @@ class MetaServer:
         self, conn: Connection, sid: bytes, claimed: dict[int, int],
         settles: list[Settle] | None = None,
         ops: list[tuple[str, list[Any]]] | None = None,
+        *, fence: bool = False,
     ) -> list[Any]:
         """Attach *conn* to session *sid* and make its open counts exactly *claimed*.
 
@@ -980,7 +983,9 @@ class MetaServer:
         after a server restart nobody holds any, and they are what it wrote).
         Returns the inodes that no longer exist (the client drops those handles),
         those whose reported writes were refused (the client fails their writers) and
-        the lease token its memory-server connections must name.
+        the lease token its memory-server connections must name.  *fence*: transfers
+        under its maps may still run that the client cannot stop (memfs.array
+        processes'): its token is fenced before anything it held is let go.
         """
         old = conn.session
         if old.sid != sid:
@@ -1028,6 +1033,13 @@ class MetaServer:
         # its writers (EIO), never report it.  A size no larger than the known one is
         # stale (an answer that did arrive): ignored.
         s.registrations += 1
+        if fence:
+            # Before the forget below lets the recalls waiting for it go: a change
+            # they let through that grants or cuts chunks waits for this fence
+            # (_run_call).  Its leases and sizes stay: only the token is taken.
+            log.warning("%s: transfers under the old lease token may still run: fencing it",
+                        conn.peer)
+            self._take_token(s)
         renamed = s.fenced  # its token changed since it last heard one
         s.fenced = False  # it hears its token now
         # The session's first registration in this run: of an earlier run (eligible

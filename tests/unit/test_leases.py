@@ -11,6 +11,7 @@ import contextlib
 import errno
 import functools
 import math
+import socket
 import stat
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -675,6 +676,71 @@ async def test_a_client_registers_again_only_once_its_transfers_ended(
         await a.release(f.ino)
 
 
+def _partition(c: RemoteMeta) -> socket.socket:
+    """Cut *c* off the way a network partition does: the server hears no close, and
+    the session moves to the client's next connection (Connection.supersede).  The
+    socket is the caller's to close."""
+    conn = c._conn
+    assert conn is not None
+    sock: socket.socket = conn.fs.sock
+    conn.fs.close = lambda: None  # type: ignore[method-assign]
+    conn.kill("test: partition")
+    return sock
+
+
+async def test_a_registration_waits_a_while_for_array_transfers(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """memfs.array transfers under the client's maps (other processes') get as long
+    as a recall's answer would before the client registers again; one that ends in
+    time changes nothing (same token)."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]  # the reconnection
+    async with cluster(1) as (server, (a,), _):
+        a.leases.answer_within = 5.0
+        f = await a.create(ROOT, b"f", F, 0, 0)
+        await a.map_write(f.ino, 0, 65536)
+        session = server._sessions[a.session]
+        registered, token = session.registrations, session.token
+        with a.io(f.ino, here=False):  # a memfs.array process's write under way
+            sock = _partition(a)
+            await trio.sleep(0.5)
+            assert session.registrations == registered, "registered while a transfer ran"
+        with trio.fail_after(10):
+            await a.getattr(ROOT)
+        sock.close()
+        assert session.registrations == registered + 1
+        assert session.token == token == a.token
+        await a.release(f.ino)
+
+
+async def test_array_transfers_still_running_at_a_registration_have_the_token_fenced(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """One still running when that time is up cannot be stopped by the client, and
+    its registration answers every recall sent to it (a truncate may free the chunks
+    that transfer writes): the registration has the server fence the client's token
+    first, as an eviction would, so the memory servers refuse the transfer's late
+    frames.  The client's own sizes and open handles stay."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]  # reconnection, fence
+    async with cluster(2) as (server, (a, b), _):
+        a.leases.answer_within = 0.3
+        f = await a.create(ROOT, b"f", F, 0, 0)
+        await a.map_write(f.ino, 0, 65536)
+        session = server._sessions[a.session]
+        registered, token = session.registrations, session.token
+        with a.io(f.ino, here=False):  # stuck (its process stopped, say)
+            sock = _partition(a)
+            with trio.fail_after(10):
+                await a.getattr(ROOT)  # reconnected meanwhile
+            sock.close()
+            assert session.registrations == registered + 1
+            assert session.token != token and a.token == session.token
+            assert server.store.inodes[f.ino].size == 65536  # its size went with it
+            assert not a.write_errors
+            await b.truncate(f.ino, 0)
+        await a.release(f.ino)
+
+
 async def test_a_lost_lease_drops_the_pages_of_files_read_or_written_here(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -761,8 +827,8 @@ async def test_a_refusal_whose_answer_is_lost_is_repeated(
             await back.wait()
             return await connect(first)
 
-        async def lose_first_answer(fs: Any) -> Any:
-            got = await register(fs)
+        async def lose_first_answer(fs: Any, fence: bool = False) -> Any:
+            got = await register(fs, fence)
             tries.append(got[1])
             if len(tries) == 1:
                 raise WireError("test: the answer is lost")
@@ -2291,8 +2357,8 @@ async def test_numbers_are_dropped_even_when_the_registration_that_changed_the_t
         real_connect, real_register = a._connect, a._register
         held: list[Any] = []
 
-        async def register(fs: Any) -> Any:
-            got = await real_register(fs)
+        async def register(fs: Any, fence: bool = False) -> Any:
+            got = await real_register(fs, fence)
             if not held:
                 held.append(fs.sock)
                 fs.close = lambda: None  # its close comes late
