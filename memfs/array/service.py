@@ -178,6 +178,8 @@ class _Transfer:
     extents: list[list[int]]
     #: cancels the warning about a long transfer
     watch: trio.CancelScope = field(default_factory=trio.CancelScope)
+    #: called once the client says its bytes moved (see Meta.io), if the pin says so
+    landed: Callable[[], None] | None = None
 
 
 class ArrayService:
@@ -360,11 +362,12 @@ class ArraySession:
             with ExitStack() as hold:
                 if self.service.scrub_hold is not None:
                     hold.enter_context(self.service.scrub_hold())
-                hold.enter_context(meta.io(h.ino, here=False))
+                pin = hold.enter_context(meta.io(h.ino, here=False))
                 if meta.generation(h.ino) != gen:
                     continue  # recalled while we asked: the map may name freed chunks
                 out = [[e.offset, e.length, e.volume, e.voffset] for e in extents]
-                t = _Transfer(hid, offset, length, write, gen, hold.pop_all(), out)
+                t = _Transfer(hid, offset, length, write, gen, hold.pop_all(), out,
+                              landed=pin if callable(pin) else None)
                 tid = self._next_transfer
                 self._next_transfer += 1
                 self._transfers[tid] = t
@@ -379,6 +382,10 @@ class ArraySession:
             raise FsError(errno.EINVAL, "no such transfer open on this handle")
         del self._transfers[_int(args, "t")]
         t.watch.cancel()
+        if t.landed is not None:
+            # Its bytes are where they go: a reconnection need not wait for the calls
+            # below (which wait for it).
+            t.landed()
         with t.hold:  # let go of at the end, whatever happens
             moved = self.meta.generation(h.ino) != t.gen
             if not t.write:

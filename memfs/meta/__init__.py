@@ -263,7 +263,9 @@ class Meta(abc.ABC):
         caches chunk maps waits for these before it lets a change free those chunks.
         *here*: made by this process's transport (not by a memfs.array process on its
         own connections): a client waits for these before its transport names a new
-        lease token."""
+        lease token.  What it yields, if callable, is called once a memfs.array
+        process says the transfer's bytes have moved (RemoteMeta: a reconnection stops
+        waiting for it; the hold itself still lasts until the block ends)."""
         return contextlib.nullcontext()
 
     def generation(self, ino: int) -> int:

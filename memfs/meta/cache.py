@@ -20,7 +20,7 @@ only if the inode's *generation* did not move while the map was fetched.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -33,6 +33,10 @@ from memfs.meta import Attr, Extent, add_run
 HOLE = (-1, 0)
 #: generation step at a lease loss: above any per-inode count
 _EPOCH = 1 << 40
+
+
+def _nothing() -> None:
+    pass
 
 
 @dataclass(slots=True)
@@ -149,6 +153,8 @@ class ClientCache:
         self._pins: dict[int, int] = {}
         #: transfers of this process's transport (see pinned) in progress
         self._here = 0
+        #: memfs.array transfers among them that have not said their bytes moved
+        self._flying = 0
         self._unpinned = trio.Event()
         #: the kernel's caches are being dropped after a lost lease: until that is done,
         #: pages it holds must not be kept at open, nor anything new cached
@@ -329,14 +335,29 @@ class ClientCache:
         return self._epoch + self._gens.get(ino, 0)
 
     @contextmanager
-    def pinned(self, ino: int, *, here: bool = True) -> Iterator[None]:
+    def pinned(self, ino: int, *, here: bool = True) -> Iterator[Callable[[], None]]:
         """Held around a transfer that uses a map of *ino*; *here*: by this process's
-        transport (memfs.array processes move bytes on connections of their own)."""
+        transport (memfs.array processes move bytes on connections of their own).
+        Yields what to call once such a process says its bytes have moved: a
+        reconnection stops waiting for the transfer then (the pin stays, and a
+        recall still waits for it)."""
         self._pins[ino] = self._pins.get(ino, 0) + 1
         self._here += here
+        landed = _nothing
+        if not here:
+            self._flying += 1
+            flying = True
+
+            def landed() -> None:
+                nonlocal flying
+                if flying:
+                    flying = False
+                    self._flying -= 1
+                    self._unpinned.set()
         try:
-            yield
+            yield landed
         finally:
+            landed()
             self._here -= here
             n = self._pins[ino] - 1
             if n:
@@ -350,13 +371,14 @@ class ClientCache:
         return any(ino in self._pins for ino in inos)
 
     def any_transfer(self) -> bool:
-        """Some transfer holds a map (this process's or a memfs.array process's)."""
-        return bool(self._pins)
+        """Some transfer under our maps may still move bytes (this process's, or a
+        memfs.array process's that has not said it is done)."""
+        return bool(self._here or self._flying)
 
     async def wait_unpinned(self, inos: list[int] | None, *, everyone: bool = False) -> None:
         """Until no transfer holds a map of *inos* (None: no transfer of this process's
-        transport runs; with *everyone*, no memfs.array process's either)."""
-        while ((self._pins if everyone else self._here) if inos is None
+        transport runs; with *everyone*, no memfs.array process's still moves bytes)."""
+        while ((self._here + self._flying if everyone else self._here) if inos is None
                else any(ino in self._pins for ino in inos)):
             if self._unpinned.is_set():  # other waiters may be parked on the current one
                 self._unpinned = trio.Event()

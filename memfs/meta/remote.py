@@ -506,12 +506,13 @@ class RemoteMeta(Meta):
             # under maps we held end first (each within the transport's deadlines):
             # a truncate it lets go ahead then may free their chunks.  No transfer
             # begins meanwhile (every map went with the caches), so none runs under
-            # the old lease token when we name a new one either.  memfs.array's,
-            # made by other processes under our maps, get as long as a recall's
-            # answer would; any still running then are cut off: the registration
-            # asks the server to fence our token first (_others_ended).
+            # the old lease token when we name a new one either.  memfs.array's, made
+            # by other processes under our maps, get as long as a recall's answer
+            # would; for any still running then the registration has the server
+            # fence the token they were made under (_others_ended, _connect).
             await self._transfers_ended()
-            await self._others_ended()
+            if self.cache.term:  # (without leases nothing waits for our answer)
+                await self._others_ended()
             while True:
                 try:
                     conn = await self._connect(False)
@@ -534,10 +535,13 @@ class RemoteMeta(Meta):
             fs = FrameSocket(await connect(self.host, self.port), MAX_REPLY)
             try:
                 await self._handshake(fs)
-                # Transfers still pinned now began under the old connection's maps
+                # Transfers still running now began under the old connection's maps
                 # (no map is handed out without a connection): memfs.array's, which
-                # _others_ended gave up waiting for.
-                lost, failed, desc = await self._register(fs, self.cache.any_transfer())
+                # _others_ended gave up waiting for (or ours: see _transfers_ended).
+                # (Made under the token of our last registration: maps are handed out
+                # only while it stands.)
+                fence = self.token if self.cache.term and self.cache.any_transfer() else 0
+                lost, failed, desc = await self._register(fs, fence)
             except BaseException:
                 fs.close()
                 raise
@@ -592,6 +596,9 @@ class RemoteMeta(Meta):
     async def _transfers_ended(self) -> None:
         """Until no transfer of this process's transport holds a map (each ends within
         the transport's deadlines); a warning every ``timeout`` meanwhile."""
+        # A reply read just before the connection broke woke its caller in the same
+        # step: let it run first (a truncate pins its file for zeroing the tail).
+        await trio.lowlevel.checkpoint()
         while True:
             with trio.move_on_after(self.timeout):
                 await self.cache.wait_unpinned(None)
@@ -641,12 +648,12 @@ class RemoteMeta(Meta):
             raise AuthRefused(f"{self.address}: {exc}") from None
 
     async def _register(
-        self, fs: FrameSocket, fence: bool = False,
+        self, fs: FrameSocket, fence: int = 0,
     ) -> tuple[list[int], list[int], PoolDescription]:
         """Name our session with our open handles and the sizes we wrote; ask for the
         pool description.  Returns the inodes gone, those whose sizes were refused, and
-        the description.  *fence*: transfers under our maps may still run (other
-        processes'), so the server must fence our lease token before the registration
+        the description.  *fence*: the lease token transfers that may still run were
+        made under (other processes'): the server fences it before the registration
         answers the recalls sent to us."""
         # Sizes written under write leases that the server has not heard yet (again on
         # a second pass: one applied is no longer larger than the known size, one
@@ -665,7 +672,8 @@ class RemoteMeta(Meta):
             call: list[Any] = ["session", self.session, claimed, settles,
                                [c for _, c in ops], locks]
             if fence:
-                call.append(1)
+                call.append(fence)
+                fence = 0  # (done, if a second pass comes)
             await fs.send(
                 wire.frame(Kind.CALL, 1, wire.encode(call))
                 + wire.frame(Kind.CALL, 2, wire.encode(["describe"]))

@@ -22,8 +22,8 @@ Protocol (frames from :mod:`memfs.wire`):
   ``["session", id, [[ino, count], ...], [[ino, size, mtime], ...], [replayed
   creates and unlinks], [locks held], fence]`` (answered with the inodes gone, those whose
   sizes were refused, the lease token, the replays refused and the locks lost; the
-  last two lists and *fence* are optional: 1 when transfers under the client's maps
-  may still run, so its old token must be fenced first) and ``["ping"]``.
+  last two lists and *fence* are optional: the lease token under which transfers
+  of the client's may still run, fenced first) and ``["ping"]``.
 * File locks (memfs.meta.locks) are kept here for every session and never
   journaled; a client states its own with each registration, so they survive a
   restart.  Nobody waits here for a lock: a waiter is refused and sent an
@@ -954,7 +954,7 @@ class MetaServer:
                 return await self._claim_session(conn, sid, claimed, settles, ops)
             locks = [[codec.check_int(x, "lock") for x in codec.check_list(item, "lock", 7)]
                      for item in codec.check_list(raw[4], "locks")]
-            fence = len(raw) == 6 and bool(codec.check_int(raw[5], "fence"))
+            fence = codec.check_int(raw[5], "fence") if len(raw) == 6 else 0
             answer = await self._claim_session(conn, sid, claimed, settles, ops, fence=fence)
             # The locks its client holds (memfs.meta.locks): those lost meanwhile are
             # refused (after the handles: a lock is on an open file).
@@ -973,7 +973,7 @@ class MetaServer:
         self, conn: Connection, sid: bytes, claimed: dict[int, int],
         settles: list[Settle] | None = None,
         ops: list[tuple[str, list[Any]]] | None = None,
-        *, fence: bool = False,
+        *, fence: int = 0,
     ) -> list[Any]:
         """Attach *conn* to session *sid* and make its open counts exactly *claimed*.
 
@@ -983,9 +983,9 @@ class MetaServer:
         after a server restart nobody holds any, and they are what it wrote).
         Returns the inodes that no longer exist (the client drops those handles),
         those whose reported writes were refused (the client fails their writers) and
-        the lease token its memory-server connections must name.  *fence*: transfers
-        under its maps may still run that the client cannot stop (memfs.array
-        processes'): its token is fenced before anything it held is let go.
+        the lease token its memory-server connections must name.  *fence*: the token
+        under which transfers the client cannot stop (memfs.array processes') may
+        still run: fenced before anything the session held is let go.
         """
         old = conn.session
         if old.sid != sid:
@@ -1036,10 +1036,15 @@ class MetaServer:
         if fence:
             # Before the forget below lets the recalls waiting for it go: a change
             # they let through that grants or cuts chunks waits for this fence
-            # (_run_call).  Its leases and sizes stay: only the token is taken.
-            log.warning("%s: transfers under the old lease token may still run: fencing it",
-                        conn.peer)
-            self._take_token(s)
+            # (_run_call).  Its sizes count as usual: only the token is taken.
+            log.warning("%s: transfers under lease token %x may still run: fencing it",
+                        conn.peer, fence)
+            if fence == s.token:
+                self._take_token(s)
+            elif self._nursery is not None:
+                # A token of the session before it expired, or of an earlier run of
+                # this server (tokens are not journaled): not the session's now.
+                self.fencing.begin(self._nursery, fence)
         renamed = s.fenced  # its token changed since it last heard one
         s.fenced = False  # it hears its token now
         # The session's first registration in this run: of an earlier run (eligible

@@ -25,7 +25,7 @@ import trio.testing
 from memfs import wire
 from memfs.config import PoolConfig
 from memfs.errors import FsError
-from memfs.meta import Attr, SetAttr, codec, lease_client
+from memfs.meta import Attr, SetAttr, codec, fencing, lease_client
 from memfs.meta.cache import MAX_RANGES, READ_AT, ClientCache, add_range
 from memfs.meta.journal import Journal
 from memfs.meta.leases import Item, LeaseTable
@@ -33,6 +33,7 @@ from memfs.meta.remote import RemoteMeta, open_remote_meta
 from memfs.meta.server import MetaServer
 from memfs.meta.server_conn import Connection, parse_call
 from memfs.meta.store import ROOT_INO as ROOT
+from memfs.transport.tcp import Fences
 from memfs.wire import Kind, WireError
 from tests.unit.test_meta_conformance import metadata_only
 
@@ -701,44 +702,110 @@ async def test_a_registration_waits_a_while_for_array_transfers(
         await a.map_write(f.ino, 0, 65536)
         session = server._sessions[a.session]
         registered, token = session.registrations, session.token
-        with a.io(f.ino, here=False):  # a memfs.array process's write under way
-            sock = _partition(a)
-            await trio.sleep(0.5)
-            assert session.registrations == registered, "registered while a transfer ran"
-        with trio.fail_after(10):
-            await a.getattr(ROOT)
-        sock.close()
+        with contextlib.closing(_partition(a)):  # (closed once the session moved)
+            with a.io(f.ino, here=False):  # a memfs.array process's write under way
+                await trio.sleep(0.5)
+                assert session.registrations == registered, "registered while a transfer ran"
+            with trio.fail_after(10):
+                await a.getattr(ROOT)
         assert session.registrations == registered + 1
         assert session.token == token == a.token
         await a.release(f.ino)
 
 
-async def test_array_transfers_still_running_at_a_registration_have_the_token_fenced(
+async def test_a_transfer_whose_bytes_moved_is_not_waited_for(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
+    """Once its process says the bytes moved (ArrayService._done), the daemon still
+    holds the transfer's pin while it asks the server about the write: the
+    reconnection those calls wait for must not wait for that pin (nor fence)."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]  # the reconnection
+    async with cluster(1) as (server, (a,), _):
+        a.leases.answer_within = 5.0
+        f = await a.create(ROOT, b"f", F, 0, 0)
+        await a.map_write(f.ino, 0, 65536)
+        session = server._sessions[a.session]
+        token = session.token
+        with contextlib.closing(_partition(a)), a.io(f.ino, here=False) as landed:
+            assert callable(landed)
+            landed()
+            with trio.fail_after(2):
+                await a.map_read(f.ino, 0, 65536)  # as _done does, holding the pin
+        assert session.token == token == a.token
+        await a.release(f.ino)
+
+
+async def test_array_transfers_still_running_at_a_registration_have_the_token_fenced(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """One still running when that time is up cannot be stopped by the client, and
-    its registration answers every recall sent to it (a truncate may free the chunks
-    that transfer writes): the registration has the server fence the client's token
-    first, as an eviction would, so the memory servers refuse the transfer's late
-    frames.  The client's own sizes and open handles stay."""
+    its registration answers every recall sent to it: another node's truncate waiting
+    for one would free the chunks that transfer writes.  The registration has the
+    server fence the token it was made under first, as an eviction would (the memory
+    servers then refuse its late frames), and the truncate waits for that fence."""
     caplog.expected_warnings = True  # type: ignore[attr-defined]  # reconnection, fence
-    async with cluster(2) as (server, (a, b), _):
+    monkeypatch.setattr(fencing, "FENCE_TIMEOUT", 0.5)  # no memory server confirms it
+    async with cluster(2, recall_timeout=5.0, term=10.0) as (server, (a, b), _):
+        server.fencing.fences = Fences(["m:1"])
         a.leases.answer_within = 0.3
         f = await a.create(ROOT, b"f", F, 0, 0)
         await a.map_write(f.ino, 0, 65536)
         session = server._sessions[a.session]
         registered, token = session.registrations, session.token
-        with a.io(f.ino, here=False):  # stuck (its process stopped, say)
-            sock = _partition(a)
-            with trio.fail_after(10):
-                await a.getattr(ROOT)  # reconnected meanwhile
-            sock.close()
-            assert session.registrations == registered + 1
-            assert session.token != token and a.token == session.token
-            assert server.store.inodes[f.ino].size == 65536  # its size went with it
-            assert not a.write_errors
-            await b.truncate(f.ino, 0)
+        waited: list[int] = []
+        wait_begun = server.fencing.wait_begun
+
+        async def waits(upto: int) -> bool:
+            waited.append(upto)
+            return await wait_begun(upto)
+
+        server.fencing.wait_begun = waits  # type: ignore[method-assign]
+        with contextlib.closing(_partition(a)), a.io(f.ino, here=False):  # stuck
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(b.truncate, f.ino, 0)  # recalls a
+                with trio.fail_after(10):
+                    await a.getattr(ROOT)  # reconnected meanwhile
+        assert session.registrations == registered + 1
+        assert token in server.fencing.fences.pending["m:1"]
+        assert session.token != token and a.token == session.token
+        assert waited and waited[-1] >= 1, "the truncate did not wait for the fence"
+        assert not a.write_errors
         await a.release(f.ino)
+
+
+async def test_after_an_mds_restart_the_token_fenced_is_the_one_transfers_named(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A restarted server knows no tokens of its earlier run (a session is new to it,
+    with a new token): the registration names the token to fence."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]  # the mds goes away
+    from tests.unit.test_journal import POOL as JPOOL
+    from tests.unit.test_journal import SECRET as JSECRET
+
+    async with journaled_server(tmp_path, session_grace=5) as (port, journal, kill):
+        async with open_remote_meta("127.0.0.1", port, JSECRET) as a:
+            a.leases.answer_within = 0.2
+            f = await a.create(ROOT, b"f", F, 0, 0)
+            await a.map_write(f.ino, 0, 65536)
+            token, conn = a.token, a._conn
+            assert conn is not None
+            with a.io(f.ino, here=False):  # an array transfer, begun before the mds died
+                kill()
+                await trio.sleep(0.05)
+                journal.close()
+                journal2 = Journal(tmp_path)
+                try:
+                    store2 = await journal2.open(JPOOL)
+                    async with trio.open_nursery() as n2:
+                        server2 = MetaServer(store2, JSECRET, None, journal2, session_grace=5)
+                        server2.fencing.fences = fences = Fences(["m:1"])
+                        a.port = await n2.start(server2.serve, "127.0.0.1", 0)
+                        conn.kill("mds restarted")
+                        await until_back(lambda: a.getattr(ROOT))
+                        assert token in fences.pending["m:1"] and a.token != token
+                        n2.cancel_scope.cancel()
+                finally:
+                    journal2.close()
 
 
 async def test_a_lost_lease_drops_the_pages_of_files_read_or_written_here(
@@ -827,7 +894,7 @@ async def test_a_refusal_whose_answer_is_lost_is_repeated(
             await back.wait()
             return await connect(first)
 
-        async def lose_first_answer(fs: Any, fence: bool = False) -> Any:
+        async def lose_first_answer(fs: Any, fence: int = 0) -> Any:
             got = await register(fs, fence)
             tries.append(got[1])
             if len(tries) == 1:
@@ -2357,7 +2424,7 @@ async def test_numbers_are_dropped_even_when_the_registration_that_changed_the_t
         real_connect, real_register = a._connect, a._register
         held: list[Any] = []
 
-        async def register(fs: Any, fence: bool = False) -> Any:
+        async def register(fs: Any, fence: int = 0) -> Any:
             got = await real_register(fs, fence)
             if not held:
                 held.append(fs.sock)
