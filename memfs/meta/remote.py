@@ -43,7 +43,6 @@ import logging
 import os
 import random
 import stat
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -62,6 +61,7 @@ from memfs.meta import (
     SetAttr,
     StatFs,
     WritePlan,
+    clock,
     codec,
     set_ids_to_drop,
 )
@@ -81,8 +81,6 @@ KEEPALIVE = 5.0
 HOLD_MAX = 0.25
 #: at close, what is held or queued gets this long to reach the socket (the server may hang)
 CLOSE_FLUSH = 1.0
-#: the clock the metadata server stamps with (memfs.meta.store): mtimes stay ordered
-_CLOCK = getattr(time, "CLOCK_REALTIME_COARSE", 5)
 #: most space a sequential writer asks for ahead of its writes (the server caps it too)
 MAX_AHEAD = 64 << 20
 RECONNECT_MIN = 0.05
@@ -966,6 +964,9 @@ class RemoteMeta(Meta):
         return a
 
     async def setattr(self, ino: int, changes: SetAttr) -> Attr:
+        for t in (changes.atime_ns, changes.mtime_ns):
+            if t is not None:
+                clock.saw(t)  # (the stamps of our writes under a lease come after it)
         if (w := self.leases.settled_first(ino)) is not None:
             await w
         kind, a = await self._call_kind("setattr", ino, changes)
@@ -1558,8 +1559,8 @@ def _clip(extents: list[Extent], start: int, end: int) -> list[Extent]:
     return out
 
 
-def _now_ns() -> int:
-    return time.clock_gettime_ns(_CLOCK)
+#: the clock the metadata server stamps with too: timestamps stay in the kernel's order
+_now_ns = clock.now_ns
 
 
 @asynccontextmanager

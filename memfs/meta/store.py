@@ -16,7 +16,6 @@ from __future__ import annotations
 import errno
 import logging
 import stat
-import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Protocol
 
@@ -36,6 +35,7 @@ from memfs.meta import (
     StatFs,
     WritePlan,
     add_run,
+    clock,
     set_ids_to_drop,
 )
 from memfs.meta.space import ChunkSpace
@@ -45,15 +45,8 @@ log = logging.getLogger(__name__)
 ROOT_INO = 1
 XATTR_SIZE_MAX = 65536
 _DAY_NS = 86400 * 10**9
-# The kernel stamps utimensat(UTIME_NOW) (touch) from its coarse clock.  Stamping
-# our own updates from the finer time.time_ns() made `touch b` right after a
-# write to `a` leave b *older* than a, which misleads make and rsync.  One clock
-# for both keeps the order of updates.
-_CLOCK = getattr(time, "CLOCK_REALTIME_COARSE", 5)  # 5 on Linux; not exported by time
-
-
-def _now() -> int:
-    return time.clock_gettime_ns(_CLOCK)
+# Timestamps in the kernel's order (see memfs.meta.clock).
+_now = clock.now_ns
 
 
 #: what :attr:`MetaStore.on_backing` reports (journal record kinds)
@@ -400,8 +393,10 @@ class MetaStore(Meta):
             i.gid = changes.gid
         if changes.atime_ns is not None:
             i.atime_ns = changes.atime_ns
+            clock.saw(changes.atime_ns)
         if changes.mtime_ns is not None:
             i.mtime_ns = changes.mtime_ns
+            clock.saw(changes.mtime_ns)
         i.ctime_ns = self.now()
         if self.watcher is not None and (
             changes.mode is not None or changes.uid is not None
