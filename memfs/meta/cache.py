@@ -155,8 +155,6 @@ class ClientCache:
         self._here = 0
         #: memfs.array transfers among them that have not said their bytes moved
         self._flying = 0
-        #: inode -> memfs.array transfers holding one of its maps
-        self._arrays: dict[int, int] = {}
         self._unpinned = trio.Event()
         #: the kernel's caches are being dropped after a lost lease: until that is done,
         #: pages it holds must not be kept at open, nor anything new cached
@@ -347,7 +345,6 @@ class ClientCache:
         self._here += here
         landed = _nothing
         if not here:
-            self._arrays[ino] = self._arrays.get(ino, 0) + 1
             self._flying += 1
             flying = True
 
@@ -362,11 +359,6 @@ class ClientCache:
         finally:
             landed()
             self._here -= here
-            if not here:
-                if self._arrays[ino] > 1:
-                    self._arrays[ino] -= 1
-                else:
-                    del self._arrays[ino]
             n = self._pins[ino] - 1
             if n:
                 self._pins[ino] = n
@@ -377,17 +369,6 @@ class ClientCache:
 
     def any_pinned(self, inos: list[int]) -> bool:
         return any(ino in self._pins for ino in inos)
-
-    def array_transfers(self, ino: int) -> bool:
-        """A memfs.array transfer holds a map of *ino*."""
-        return ino in self._arrays
-
-    async def wait_array_transfers(self, ino: int) -> None:
-        """Until no memfs.array transfer holds a map of *ino*."""
-        while ino in self._arrays:
-            if self._unpinned.is_set():
-                self._unpinned = trio.Event()
-            await self._unpinned.wait()
 
     def any_transfer(self) -> bool:
         """Some transfer under our maps may still move bytes (this process's, or a

@@ -1019,8 +1019,6 @@ class RemoteMeta(Meta):
         cache.dirty.pop(ino, None)
         cache.answered.pop(ino, None)
         cache.cut(ino)
-        if cache.array_transfers(ino):
-            await self._array_transfers_ended(ino)
         try:
             while True:
                 try:
@@ -1038,21 +1036,6 @@ class RemoteMeta(Meta):
             if cache.is_writer(ino):
                 self._ahead_unsure.add(ino)
             cache.cut(ino)
-
-    async def _array_transfers_ended(self, ino: int) -> None:
-        """Before our truncate of *ino*: until memfs.array transfers under its maps have
-        ended, as a recall from another node's truncate would wait: the server frees
-        the chunks past the new end at once, and they are soon reused.  (Not our own
-        transfers: the kernel orders our writes with the truncate, and a read in
-        flight sent its request to the memory server as it took its map, before
-        this call.)  Bounded as a recall's answer is; one still running then (a
-        stopped process) may write into chunks the truncate freed."""
-        with trio.move_on_after(self.leases.answer_within):
-            await self.cache.wait_array_transfers(ino)
-            return
-        log.warning("truncating inode %d while transfers of it still run after %.1f s "
-                    "(a stopped memfs.array process?): their bytes may land in freed memory",
-                    ino, self.leases.answer_within)
 
     def _touched(self, kind: Kind, parent: int, t: int, links: int = 0) -> None:
         """Our change of directory *parent* at time *t* (its mtime and ctime now), which

@@ -808,34 +808,6 @@ async def test_after_an_mds_restart_the_token_fenced_is_the_one_transfers_named(
                     journal2.close()
 
 
-async def test_a_truncate_waits_for_the_transfers_of_its_own_node(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    """The server recalls nothing from the node that truncates, and frees the chunks
-    past the new end at once: that node's truncate first waits for its own transfers
-    of the file (a memfs.array process's write above all), as a recall would, and
-    only as long as a recall's answer would."""
-    caplog.expected_warnings = True  # type: ignore[attr-defined]  # the one given up on
-    async with cluster(1) as (server, (a,), _):
-        a.leases.answer_within = 5.0
-        f = await a.create(ROOT, b"f", F, 0, 0)
-        await a.map_write(f.ino, 0, 65536)
-        chunks = dict(server.store.inodes[f.ino].chunks or {})
-        assert chunks
-        async with trio.open_nursery() as nursery:
-            with a.io(f.ino, here=False):  # a memfs.array write of f under way
-                nursery.start_soon(a.truncate, f.ino, 0)
-                await trio.sleep(0.3)
-                assert server.store.inodes[f.ino].chunks == chunks, "freed under the write"
-        assert not server.store.inodes[f.ino].chunks
-        a.leases.answer_within = 0.2
-        await a.map_write(f.ino, 0, 65536)
-        with a.io(f.ino, here=False), trio.fail_after(5):  # stopped: given up on
-            await a.truncate(f.ino, 0)
-        assert "truncating inode" in caplog.text
-        await a.release(f.ino)
-
-
 async def test_a_lost_lease_drops_the_pages_of_files_read_or_written_here(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
