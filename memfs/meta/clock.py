@@ -12,7 +12,13 @@ handed it since: otherwise ``touch b`` and then a write to ``a`` could leave
 
 The floor itself cannot be read from userspace; a stamp the kernel set
 (:func:`saw`) is a lower bound of it, which is all the order needs: our stamps
-stay at or below the kernel's next one, and at or above its last one.
+stay at or below the kernel's next one, and at or above its last one.  pyfuse3
+does not say whether a ``setattr`` time was the kernel's "now" or one the caller
+chose, so a time chosen within the last tick counts too; if the kernel never
+handed that time out, a ``touch`` in the next tick may look older than our
+stamps after it (a caller making up fine-grained "now" times; times copied
+from another filesystem were handed out by the kernel).  A floor more than
+:data:`LEAD` ahead of the coarse clock (the clock was stepped back) is ignored.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ import time
 
 #: the kernel's coarse realtime clock (5 on Linux; not exported by ``time``)
 CLOCK = getattr(time, "CLOCK_REALTIME_COARSE", 5)
+#: the most the kernel's floor leads its coarse clock (a tick, 10 ms at HZ=100), with room
+LEAD = 20_000_000
 
 _floor = 0
 
@@ -28,13 +36,13 @@ _floor = 0
 def now_ns() -> int:
     """Now, for a timestamp memfs sets itself."""
     t = time.clock_gettime_ns(CLOCK)
-    return t if t >= _floor else _floor
+    return _floor if t < _floor < t + LEAD else t
 
 
 def saw(ns: int) -> None:
-    """A timestamp of a ``setattr`` (the kernel's ``touch``, or a time someone
-    chose): taken as a floor for :func:`now_ns` if it is *now* on the kernel's
-    clock, ahead of the coarse clock and not in the future."""
+    """A time a ``setattr`` set (the kernel's ``touch``, or a time someone chose):
+    the floor of :func:`now_ns` from now on if it is *now* on the kernel's clock,
+    ahead of the coarse clock and not in the future."""
     global _floor
     if ns > _floor and time.clock_gettime_ns(CLOCK) < ns <= time.time_ns():
         _floor = ns

@@ -964,12 +964,12 @@ class RemoteMeta(Meta):
         return a
 
     async def setattr(self, ino: int, changes: SetAttr) -> Attr:
-        for t in (changes.atime_ns, changes.mtime_ns):
-            if t is not None:
-                clock.saw(t)  # (the stamps of our writes under a lease come after it)
         if (w := self.leases.settled_first(ino)) is not None:
             await w
         kind, a = await self._call_kind("setattr", ino, changes)
+        for t in (changes.atime_ns, changes.mtime_ns):
+            if t is not None:
+                clock.saw(t)  # (the stamps of our writes under a lease come after it)
         self._after_change(kind, a)
         return a
 
