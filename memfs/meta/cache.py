@@ -155,6 +155,8 @@ class ClientCache:
         self._here = 0
         #: memfs.array transfers among them that have not said their bytes moved
         self._flying = 0
+        #: inode -> memfs.array transfers holding one of its maps
+        self._arrays: dict[int, int] = {}
         self._unpinned = trio.Event()
         #: the kernel's caches are being dropped after a lost lease: until that is done,
         #: pages it holds must not be kept at open, nor anything new cached
@@ -345,6 +347,7 @@ class ClientCache:
         self._here += here
         landed = _nothing
         if not here:
+            self._arrays[ino] = self._arrays.get(ino, 0) + 1
             self._flying += 1
             flying = True
 
@@ -359,27 +362,38 @@ class ClientCache:
         finally:
             landed()
             self._here -= here
+            if not here:
+                if self._arrays[ino] > 1:
+                    self._arrays[ino] -= 1
+                else:
+                    del self._arrays[ino]
             n = self._pins[ino] - 1
             if n:
                 self._pins[ino] = n
             else:
                 del self._pins[ino]
-            if not n or (here and not self._here):
+            if not n or here:
                 self._unpinned.set()
 
     def any_pinned(self, inos: list[int]) -> bool:
         return any(ino in self._pins for ino in inos)
+
+    def pinned_here(self, ino: int) -> bool:
+        """A transfer of this process's transport holds a map of *ino*."""
+        return self._pins.get(ino, 0) > self._arrays.get(ino, 0)
 
     def any_transfer(self) -> bool:
         """Some transfer under our maps may still move bytes (this process's, or a
         memfs.array process's that has not said it is done)."""
         return bool(self._here or self._flying)
 
-    async def wait_unpinned(self, inos: list[int] | None, *, everyone: bool = False) -> None:
-        """Until no transfer holds a map of *inos* (None: no transfer of this process's
-        transport runs; with *everyone*, no memfs.array process's still moves bytes)."""
+    async def wait_unpinned(self, inos: list[int] | None, *, everyone: bool = False,
+                            here: bool = False) -> None:
+        """Until no transfer holds a map of *inos* (*here*: no transfer of this process's
+        transport; None: no transfer of this process's transport runs; with *everyone*,
+        no memfs.array process's still moves bytes)."""
         while ((self._here + self._flying if everyone else self._here) if inos is None
-               else any(ino in self._pins for ino in inos)):
+               else any(self.pinned_here(ino) if here else ino in self._pins for ino in inos)):
             if self._unpinned.is_set():  # other waiters may be parked on the current one
                 self._unpinned = trio.Event()
             await self._unpinned.wait()

@@ -452,6 +452,8 @@ class RemoteMeta(Meta):
         self._on_token: Callable[[int], None] | None = None
         #: the token _on_token was last told
         self._named_token = 0
+        #: inodes this node is truncating -> set once that is applied (maps wait for it)
+        self._truncating: dict[int, trio.Event] = {}
 
     @property
     def address(self) -> str:
@@ -1012,8 +1014,32 @@ class RemoteMeta(Meta):
             self.cache.attrs.pop(a.ino, None)
 
     async def truncate(self, ino: int, size: int) -> list[tuple[int, int, int]]:
+        """The server recalls nothing from the node that asks, and frees the chunks
+        past the new end at once: this node's own transfers of the file under maps
+        from before (posted writes above all, which may still be going out) end
+        first, and no new map of the file is handed out here until the truncate is
+        applied (``_truncating``), so that none begins meanwhile and nothing the
+        server answers from the file's state before the truncate is cached after it.
+        (memfs.array transfers are not waited for: see docs/ARCHITECTURE.md, "Direct
+        array I/O".)"""
+        await self._truncated(ino)  # one at a time
+        self._truncating[ino] = gate = trio.Event()
+        try:
+            return await self._truncate(ino, size)
+        finally:
+            del self._truncating[ino]
+            gate.set()
+
+    async def _truncate(self, ino: int, size: int) -> list[tuple[int, int, int]]:
         if (w := self.leases.settled_first(ino)) is not None:
             await w
+        while True:
+            with trio.move_on_after(self.timeout):
+                await self.cache.wait_unpinned([ino], here=True)
+                break
+            log.warning("truncating inode %d: transfers of it begun before still run", ino)
+        # From here no await until the call is sent (when connected): the state
+        # dropped now stays dropped.
         cache = self.cache
         # Our chunk map past the new size is void, and so is any size we did not send.
         cache.dirty.pop(ino, None)
@@ -1348,14 +1374,23 @@ class RemoteMeta(Meta):
         return await self._call("statfs")
 
     async def map_read(self, ino: int, offset: int, length: int) -> list[Extent]:
+        if self._truncating:
+            await self._truncated(ino)
         extents = await self._map_read(ino, offset, length)
         self._pages_here(ino)
         return extents
 
     async def map_write(self, ino: int, offset: int, length: int) -> WritePlan:
+        if self._truncating:
+            await self._truncated(ino)
         plan = await self._map_write(ino, offset, length)
         self._pages_here(ino)
         return plan
+
+    async def _truncated(self, ino: int) -> None:
+        """Until a truncate of *ino* by this node has been applied (see :meth:`truncate`)."""
+        while (ev := self._truncating.get(ino)) is not None:
+            await ev.wait()
 
     def _pages_here(self, ino: int) -> None:
         """The kernel may keep the pages of what is read or written here (also of a

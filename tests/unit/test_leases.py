@@ -808,6 +808,38 @@ async def test_after_an_mds_restart_the_token_fenced_is_the_one_transfers_named(
                     journal2.close()
 
 
+async def test_a_truncate_waits_for_the_transfers_of_its_own_node() -> None:
+    """The server recalls nothing from the node that truncates, and frees the tail's
+    chunks at once: that node's own transfers of the file under maps from before (a
+    posted write still going out) end first, and no map of the file is handed out
+    there meanwhile (a write then would take chunks the truncate frees)."""
+    async with cluster(1) as (server, (a,), _):
+        f = await a.create(ROOT, b"f", F, 0, 0)
+        await a.map_write(f.ino, 0, 65536)
+        chunks = dict(server.store.inodes[f.ino].chunks or {})
+        assert chunks
+        done: list[str] = []
+
+        async def truncate() -> None:
+            await a.truncate(f.ino, 0)
+            done.append("truncated")
+
+        async def write() -> None:
+            await a.map_write(f.ino, 0, 4096)
+            done.append("mapped")
+
+        async with trio.open_nursery() as nursery:
+            with a.io(f.ino):  # a posted write of f, still going out
+                nursery.start_soon(truncate)
+                await trio.sleep(0.2)
+                nursery.start_soon(write)
+                await trio.sleep(0.2)
+                assert server.store.inodes[f.ino].chunks == chunks, "freed under the write"
+                assert not done
+        assert done == ["truncated", "mapped"]
+        await a.release(f.ino)
+
+
 async def test_a_lost_lease_drops_the_pages_of_files_read_or_written_here(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
