@@ -372,8 +372,8 @@ class ClientCache:
                 self._pins[ino] = n
             else:
                 del self._pins[ino]
-            if not n or here:
-                self._unpinned.set()
+            if not n or (here and (not self._here or n == self._arrays.get(ino, 0))):
+                self._unpinned.set()  # (no pin of ino, none of ours, or none of ours of ino)
 
     def any_pinned(self, inos: list[int]) -> bool:
         return any(ino in self._pins for ino in inos)

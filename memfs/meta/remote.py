@@ -1033,6 +1033,8 @@ class RemoteMeta(Meta):
     async def _truncate(self, ino: int, size: int) -> list[tuple[int, int, int]]:
         if (w := self.leases.settled_first(ino)) is not None:
             await w
+        if self.leases.barrier is not None and self.cache.pinned_here(ino):
+            await self.leases.barrier(ino)  # posted writes confirmed now, not at the next look
         while True:
             with trio.move_on_after(self.timeout):
                 await self.cache.wait_unpinned([ino], here=True)
