@@ -294,13 +294,17 @@ class LeaseKeeper:
                     return  # recalled meanwhile: the answer carried the size (and d may be stale)
             try:
                 # One call per range (the call says one), the one that ends the
-                # lease last: a report after it would be ignored.
+                # lease last: a report after it would be ignored.  A size taken
+                # before a truncate of ours (or a recall) is not sent after it: the
+                # server keeps a writer's sizes, which only grow (-1: no size).
                 *before, last = ranges or [(0, 0)]
                 for span in before:
-                    await self.call("settle", ino, d[0], d[1], 0, *span)
+                    size, mtime = d if cache.generation(ino) == gen else (-1, 0)
+                    await self.call("settle", ino, size, mtime, 0, *span)
+                size, mtime = d if cache.generation(ino) == gen else (-1, 0)
                 # Landed as its reply is read, not when this task runs again: replies
                 # read after it (whose callers may run first) reflect it.
-                await self.call("settle", ino, d[0], d[1], int(trim), *last,
+                await self.call("settle", ino, size, mtime, int(trim), *last,
                                 on_ok=lambda _k, _p: cache.land(ino, d, cache.generation(ino) == gen))
             except FsError as exc:
                 if exc.errno == errno.ESTALE:  # our lease ended without us: lost

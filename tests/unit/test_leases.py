@@ -840,6 +840,37 @@ async def test_a_truncate_waits_for_the_transfers_of_its_own_node() -> None:
         await a.release(f.ino)
 
 
+async def test_a_size_taken_before_our_truncate_is_not_sent_after_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A close's size report (which ends the write lease) takes the size, waits for
+    the bytes of the writes before it, then sends it: a truncate of the file on this
+    node meanwhile (another descriptor) must not be undone by that older size (the
+    server keeps a writer's sizes, which only grow)."""
+    monkeypatch.setattr(lease_client, "SETTLE_DELAY", 100.0)  # sizes only when asked
+    async with cluster(1) as (server, (a,), _):
+        f = await a.create(ROOT, b"f", F, 0, 0)
+        await a.map_write(f.ino, 0, 8192)  # not reported yet
+        landed = trio.Event()
+        first = True
+
+        async def barrier(ino: int) -> None:  # the bytes of the close's writes landing
+            nonlocal first
+            if first:
+                first = False
+                await landed.wait()
+
+        a.leases.barrier = barrier
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(functools.partial(a.leases.settle, f.ino, trim=True))
+            await trio.sleep(0.1)
+            await a.truncate(f.ino, 0)
+            assert server.store.inodes[f.ino].size == 0
+            landed.set()
+        assert server.store.inodes[f.ino].size == 0, "the older size came after the truncate"
+        await a.release(f.ino)
+
+
 async def test_a_lost_lease_drops_the_pages_of_files_read_or_written_here(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
