@@ -81,6 +81,8 @@ class LeaseKeeper:
         #: a call that may be granted the lease again waits for it (the server would
         #: take that late report as the end of the new lease, and free its space ahead)
         self.ending: dict[int, trio.Event] = {}
+        #: inodes we truncated while such a report was on its way (see :meth:`truncated`)
+        self._cut_while_ending: set[int] = set()
         #: a recall is answered within this (below the server's --recall-timeout)
         self.answer_within = RECALL_ANSWER
         self.dirty_wake = trio.Event()
@@ -295,13 +297,16 @@ class LeaseKeeper:
             try:
                 # One call per range (the call says one), the one that ends the
                 # lease last: a report after it would be ignored.  A size taken
-                # before a truncate of ours (or a recall) is not sent after it: the
-                # server keeps a writer's sizes, which only grow (-1: no size).
+                # before a truncate of ours is not sent after it (the server keeps a
+                # writer's sizes, which only grow: it would undo the truncate); -1:
+                # no size.  (A coalesced report's first call went before any such
+                # change, or not at all; a close's report still carries its size
+                # after a recall or a lost lease: the server may have no other.)
                 *before, last = ranges or [(0, 0)]
                 for span in before:
-                    size, mtime = d if cache.generation(ino) == gen else (-1, 0)
+                    size, mtime = self._still(ino, d, gen, trim)
                     await self.call("settle", ino, size, mtime, 0, *span)
-                size, mtime = d if cache.generation(ino) == gen else (-1, 0)
+                size, mtime = self._still(ino, d, gen, trim)
                 # Landed as its reply is read, not when this task runs again: replies
                 # read after it (whose callers may run first) reflect it.
                 await self.call("settle", ino, size, mtime, int(trim), *last,
@@ -322,6 +327,7 @@ class LeaseKeeper:
             if ended is not None:
                 if self.ending.get(ino) is ended:
                     del self.ending[ino]
+                    self._cut_while_ending.discard(ino)
                 ended.set()
         if cache.dirty.get(ino) == d:
             del cache.dirty[ino]
@@ -330,6 +336,18 @@ class LeaseKeeper:
             # answered before this report are not news (ClientCache.newest).
             r = cache.reported.get(ino)
             cache.reported[ino] = d if r is None else (max(r[0], d[0]), max(r[1], d[1]))
+
+    def _still(self, ino: int, d: tuple[int, int], gen: int, trim: bool) -> tuple[int, int]:
+        """What a report taken as *d* at generation *gen* may say now."""
+        if trim:
+            return (-1, 0) if ino in self._cut_while_ending else d
+        return d if self.cache.generation(ino) == gen else (-1, 0)
+
+    def truncated(self, ino: int) -> None:
+        """We are truncating *ino* (before the call goes): a close's report of it on its
+        way sends no size from before."""
+        if ino in self.ending:
+            self._cut_while_ending.add(ino)
 
     async def lease_ended(self, ino: int) -> None:
         """Until our report that ends *ino*'s write lease, if one is on its way, is over."""

@@ -1047,6 +1047,7 @@ class RemoteMeta(Meta):
         cache.dirty.pop(ino, None)
         cache.answered.pop(ino, None)
         cache.cut(ino)
+        self.leases.truncated(ino)
         try:
             while True:
                 try:

@@ -840,34 +840,104 @@ async def test_a_truncate_waits_for_the_transfers_of_its_own_node() -> None:
         await a.release(f.ino)
 
 
+async def _closing_report_waits(
+    a: RemoteMeta, ino: int, *, later: float | None = None,
+) -> trio.Event:
+    """A close's size report of *ino* (which ends the write lease) that took its size
+    and waits for the bytes of its writes until the event returned is set.  With
+    *later*, waits for bytes after it (a recall's answer) end then too, that much
+    after it; without, they do not wait."""
+    landed = trio.Event()
+    calls = 0
+
+    async def barrier(ino: int) -> None:
+        nonlocal calls
+        calls += 1
+        me = calls
+        if me == 1 or later is not None:
+            await landed.wait()
+        if me > 1 and later:
+            await trio.sleep(later)
+
+    a.leases.barrier = barrier
+    assert a.leases.tasks is not None
+    a.leases.tasks.start_soon(functools.partial(a.leases.settle, ino, trim=True))
+    return landed
+
+
+async def _written_under_the_lease(server: MetaServer, a: RemoteMeta) -> Attr:
+    """A file whose size only the client knows (73,728: written in its space ahead)."""
+    f = await a.create(ROOT, b"f", F, 0, 0)
+    await a.map_write(f.ino, 0, 8192)
+    plan = await a.map_write(f.ino, 65536, 8192)
+    assert plan.posted and a.cache.dirty[f.ino][0] == 73728
+    assert server.store.inodes[f.ino].size == 8192
+    return f
+
+
 async def test_a_size_taken_before_our_truncate_is_not_sent_after_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A close's size report (which ends the write lease) takes the size, waits for
-    the bytes of the writes before it, then sends it: a truncate of the file on this
-    node meanwhile (another descriptor) must not be undone by that older size (the
-    server keeps a writer's sizes, which only grow)."""
+    """A close's size report takes the size, waits for the bytes of the writes before
+    it, then sends it: a truncate of the file on this node meanwhile (another
+    descriptor) must not be undone by that older size (the server keeps a writer's
+    sizes, which only grow).  The report still ends the lease."""
     monkeypatch.setattr(lease_client, "SETTLE_DELAY", 100.0)  # sizes only when asked
     async with cluster(1) as (server, (a,), _):
-        f = await a.create(ROOT, b"f", F, 0, 0)
-        await a.map_write(f.ino, 0, 8192)  # not reported yet
-        landed = trio.Event()
-        first = True
-
-        async def barrier(ino: int) -> None:  # the bytes of the close's writes landing
-            nonlocal first
-            if first:
-                first = False
-                await landed.wait()
-
-        a.leases.barrier = barrier
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(functools.partial(a.leases.settle, f.ino, trim=True))
-            await trio.sleep(0.1)
-            await a.truncate(f.ino, 0)
-            assert server.store.inodes[f.ino].size == 0
-            landed.set()
+        f = await _written_under_the_lease(server, a)
+        landed = await _closing_report_waits(a, f.ino)
+        await trio.sleep(0.1)
+        await a.truncate(f.ino, 0)
+        assert server.store.inodes[f.ino].size == 0
+        landed.set()
+        with trio.fail_after(5):
+            await a.leases.lease_ended(f.ino)
         assert server.store.inodes[f.ino].size == 0, "the older size came after the truncate"
+        assert f.ino not in server.leases.writers
+        await a.release(f.ino)
+
+
+async def test_a_close_report_racing_a_recall_keeps_its_size_and_mtime(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Another node's stat recalls the file while our close's report waits for its
+    bytes; the report goes first (the recall's answer waits for the kernel too) and
+    ends the lease: it must carry its size and mtime, or the server, holding no other,
+    frees the tail written under the lease and then ignores the answer (found in
+    review of a first version that sent no size once the file's generation moved)."""
+    monkeypatch.setattr(lease_client, "SETTLE_DELAY", 100.0)
+    async with cluster(2) as (server, (a, b), _):
+        f = await _written_under_the_lease(server, a)
+        mtime = a.cache.dirty[f.ino][1]
+        landed = await _closing_report_waits(a, f.ino, later=0.05)
+        await trio.sleep(0.1)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(b.getattr, f.ino)  # recalls a
+            await trio.sleep(0.1)
+            landed.set()
+        i = server.store.inodes[f.ino]
+        assert i.size == 73728 and i.mtime_ns == mtime, "the size written under the lease was lost"
+        assert 1 in (i.chunks or {}), "the chunk written under the lease was freed"
+        await a.release(f.ino)
+
+
+async def test_a_close_report_after_the_lease_ran_out_here_keeps_its_size(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The client's lease runs out (the mds silent longer than the term, this process
+    stopped) while a close's report waits, the connection still up: the server, which
+    recalled nothing, still counts us the writer, and the report's size is the only one
+    it will get."""
+    monkeypatch.setattr(lease_client, "SETTLE_DELAY", 100.0)
+    async with cluster(1) as (server, (a,), _):
+        f = await _written_under_the_lease(server, a)
+        landed = await _closing_report_waits(a, f.ino)
+        await trio.sleep(0.1)
+        a.leases.lost("lease expired")  # what LeaseKeeper.watch does
+        landed.set()
+        with trio.fail_after(5):
+            await a.leases.lease_ended(f.ino)
+        assert server.store.inodes[f.ino].size == 73728, "the size written under the lease was lost"
         await a.release(f.ino)
 
 
