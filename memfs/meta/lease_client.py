@@ -83,6 +83,8 @@ class LeaseKeeper:
         self.ending: dict[int, trio.Event] = {}
         #: inodes we truncated while such a report was on its way (see :meth:`truncated`)
         self._cut_while_ending: set[int] = set()
+        #: inodes this node is truncating -> set once that is over (RemoteMeta.truncate)
+        self.truncating: dict[int, trio.Event] = {}
         #: a recall is answered within this (below the server's --recall-timeout)
         self.answer_within = RECALL_ANSWER
         self.dirty_wake = trio.Event()
@@ -304,9 +306,9 @@ class LeaseKeeper:
                 # after a recall or a lost lease: the server may have no other.)
                 *before, last = ranges or [(0, 0)]
                 for span in before:
-                    size, mtime = self._still(ino, d, gen, trim)
+                    size, mtime = await self._still(ino, d, gen, trim)
                     await self.call("settle", ino, size, mtime, 0, *span)
-                size, mtime = self._still(ino, d, gen, trim)
+                size, mtime = await self._still(ino, d, gen, trim)
                 # Landed as its reply is read, not when this task runs again: replies
                 # read after it (whose callers may run first) reflect it.
                 await self.call("settle", ino, size, mtime, int(trim), *last,
@@ -337,15 +339,19 @@ class LeaseKeeper:
             r = cache.reported.get(ino)
             cache.reported[ino] = d if r is None else (max(r[0], d[0]), max(r[1], d[1]))
 
-    def _still(self, ino: int, d: tuple[int, int], gen: int, trim: bool) -> tuple[int, int]:
-        """What a report taken as *d* at generation *gen* may say now."""
+    async def _still(self, ino: int, d: tuple[int, int], gen: int, trim: bool) -> tuple[int, int]:
+        """What a report taken as *d* at generation *gen* may say now.  A close's report
+        waits for a truncate of ours under way (sent before it, the server applies it
+        first; sent after it, the older size would undo it): none if it was applied."""
         if trim:
+            while (ev := self.truncating.get(ino)) is not None:
+                await ev.wait()
             return (-1, 0) if ino in self._cut_while_ending else d
         return d if self.cache.generation(ino) == gen else (-1, 0)
 
     def truncated(self, ino: int) -> None:
-        """We are truncating *ino* (before the call goes): a close's report of it on its
-        way sends no size from before."""
+        """The server applied our truncate of *ino*: a close's report of it on its way
+        sends no size from before."""
         if ino in self.ending:
             self._cut_while_ending.add(ino)
 

@@ -452,8 +452,9 @@ class RemoteMeta(Meta):
         self._on_token: Callable[[int], None] | None = None
         #: the token _on_token was last told
         self._named_token = 0
-        #: inodes this node is truncating -> set once that is applied (maps wait for it)
-        self._truncating: dict[int, trio.Event] = {}
+        #: inodes this node is truncating -> set once that is over (maps, and a close's
+        #: size report, wait for it)
+        self._truncating = self.leases.truncating
 
     @property
     def address(self) -> str:
@@ -1047,11 +1048,12 @@ class RemoteMeta(Meta):
         cache.dirty.pop(ino, None)
         cache.answered.pop(ino, None)
         cache.cut(ino)
-        self.leases.truncated(ino)
         try:
             while True:
                 try:
-                    return await self._call("truncate", ino, size)
+                    ranges: list[tuple[int, int, int]] = await self._call("truncate", ino, size)
+                    self.leases.truncated(ino)
+                    return ranges
                 except FsError as exc:
                     # Another client's change of the file waits on the server's backing
                     # directory (memfs.meta.gates): told after a while, ask again.

@@ -865,9 +865,12 @@ async def _closing_report_waits(
     return landed
 
 
-async def _written_under_the_lease(server: MetaServer, a: RemoteMeta) -> Attr:
-    """A file whose size only the client knows (73,728: written in its space ahead)."""
+async def _written_under_the_lease(server: MetaServer, a: RemoteMeta, opens: int = 1) -> Attr:
+    """A file whose size only the client knows (73,728: written in its space ahead),
+    open *opens* times."""
     f = await a.create(ROOT, b"f", F, 0, 0)
+    for _ in range(opens - 1):
+        await a.open(f.ino)
     await a.map_write(f.ino, 0, 8192)
     plan = await a.map_write(f.ino, 65536, 8192)
     assert plan.posted and a.cache.dirty[f.ino][0] == 73728
@@ -918,6 +921,37 @@ async def test_a_close_report_racing_a_recall_keeps_its_size_and_mtime(
         i = server.store.inodes[f.ino]
         assert i.size == 73728 and i.mtime_ns == mtime, "the size written under the lease was lost"
         assert 1 in (i.chunks or {}), "the chunk written under the lease was freed"
+        await a.release(f.ino)
+
+
+async def test_a_close_report_keeps_its_size_when_our_truncate_was_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As above, and a truncate of ours (another descriptor) that the server refuses
+    meanwhile: the file was never truncated, so the close's report still carries its
+    size, the only one the server will get (the recall took it from our cache).  It
+    waits for the truncate's outcome to know (found in review)."""
+    monkeypatch.setattr(lease_client, "SETTLE_DELAY", 100.0)
+    async with cluster(2) as (server, (a, b), _):
+        f = await _written_under_the_lease(server, a, opens=2)  # one truncates
+        mtime = a.cache.dirty[f.ino][1]
+        landed = await _closing_report_waits(a, f.ino, later=0.05)
+
+        async def refused(ino: int, size: int) -> Any:
+            raise FsError(errno.EIO, "test: the journal could not be written")
+
+        monkeypatch.setattr(server.store, "truncate", refused)
+        await trio.sleep(0.1)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(b.getattr, f.ino)  # recalls a
+            await trio.sleep(0.1)
+            with pytest.raises(FsError):
+                await a.truncate(f.ino, 0)
+            landed.set()
+        i = server.store.inodes[f.ino]
+        assert i.size == 73728 and i.mtime_ns == mtime, "the size written under the lease was lost"
+        assert 1 in (i.chunks or {}), "the chunk written under the lease was freed"
+        await a.release(f.ino)
         await a.release(f.ino)
 
 
