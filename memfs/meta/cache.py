@@ -387,13 +387,19 @@ class ClientCache:
         memfs.array process's that has not said it is done)."""
         return bool(self._here or self._flying)
 
+    def _busy(self, inos: list[int] | None, everyone: bool, here: bool) -> bool:
+        if inos is None:
+            return bool(self._here or (everyone and self._flying))
+        if here:
+            return any(self.pinned_here(ino) for ino in inos)
+        return any(ino in self._pins for ino in inos)
+
     async def wait_unpinned(self, inos: list[int] | None, *, everyone: bool = False,
                             here: bool = False) -> None:
         """Until no transfer holds a map of *inos* (*here*: no transfer of this process's
         transport; None: no transfer of this process's transport runs; with *everyone*,
         no memfs.array process's still moves bytes)."""
-        while ((self._here + self._flying if everyone else self._here) if inos is None
-               else any(self.pinned_here(ino) if here else ino in self._pins for ino in inos)):
+        while self._busy(inos, everyone, here):
             if self._unpinned.is_set():  # other waiters may be parked on the current one
                 self._unpinned = trio.Event()
             await self._unpinned.wait()

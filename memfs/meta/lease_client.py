@@ -83,7 +83,8 @@ class LeaseKeeper:
         self.ending: dict[int, trio.Event] = {}
         #: inodes we truncated while such a report was on its way (see :meth:`truncated`)
         self._cut_while_ending: set[int] = set()
-        #: inodes this node is truncating -> set once that is over (RemoteMeta.truncate)
+        #: inodes this node is truncating -> set once that is over (RemoteMeta.truncate:
+        #: maps of the file, and a close's size report, wait for it)
         self.truncating: dict[int, trio.Event] = {}
         #: a recall is answered within this (below the server's --recall-timeout)
         self.answer_within = RECALL_ANSWER
@@ -344,10 +345,14 @@ class LeaseKeeper:
         waits for a truncate of ours under way (sent before it, the server applies it
         first; sent after it, the older size would undo it): none if it was applied."""
         if trim:
-            while (ev := self.truncating.get(ino)) is not None:
-                await ev.wait()
+            await self.truncates_over(ino)
             return (-1, 0) if ino in self._cut_while_ending else d
         return d if self.cache.generation(ino) == gen else (-1, 0)
+
+    async def truncates_over(self, ino: int) -> None:
+        """Until no truncate of *ino* by this node is under way."""
+        while (ev := self.truncating.get(ino)) is not None:
+            await ev.wait()
 
     def truncated(self, ino: int) -> None:
         """The server applied our truncate of *ino*: a close's report of it on its way

@@ -452,9 +452,6 @@ class RemoteMeta(Meta):
         self._on_token: Callable[[int], None] | None = None
         #: the token _on_token was last told
         self._named_token = 0
-        #: inodes this node is truncating -> set once that is over (maps, and a close's
-        #: size report, wait for it)
-        self._truncating = self.leases.truncating
 
     @property
     def address(self) -> str:
@@ -1019,16 +1016,17 @@ class RemoteMeta(Meta):
         past the new end at once: this node's own transfers of the file under maps
         from before (posted writes above all, which may still be going out) end
         first, and no new map of the file is handed out here until the truncate is
-        applied (``_truncating``), so that none begins meanwhile and nothing the
+        applied (``LeaseKeeper.truncating``), so that none begins meanwhile and nothing the
         server answers from the file's state before the truncate is cached after it.
         (memfs.array transfers are not waited for: see docs/ARCHITECTURE.md, "Direct
         array I/O".)"""
-        await self._truncated(ino)  # one at a time
-        self._truncating[ino] = gate = trio.Event()
+        truncating = self.leases.truncating
+        await self.leases.truncates_over(ino)  # one at a time
+        truncating[ino] = gate = trio.Event()
         try:
             return await self._truncate(ino, size)
         finally:
-            del self._truncating[ino]
+            del truncating[ino]
             gate.set()
 
     async def _truncate(self, ino: int, size: int) -> list[tuple[int, int, int]]:
@@ -1379,23 +1377,18 @@ class RemoteMeta(Meta):
         return await self._call("statfs")
 
     async def map_read(self, ino: int, offset: int, length: int) -> list[Extent]:
-        if self._truncating:
-            await self._truncated(ino)
+        if self.leases.truncating:
+            await self.leases.truncates_over(ino)
         extents = await self._map_read(ino, offset, length)
         self._pages_here(ino)
         return extents
 
     async def map_write(self, ino: int, offset: int, length: int) -> WritePlan:
-        if self._truncating:
-            await self._truncated(ino)
+        if self.leases.truncating:
+            await self.leases.truncates_over(ino)
         plan = await self._map_write(ino, offset, length)
         self._pages_here(ino)
         return plan
-
-    async def _truncated(self, ino: int) -> None:
-        """Until a truncate of *ino* by this node has been applied (see :meth:`truncate`)."""
-        while (ev := self._truncating.get(ino)) is not None:
-            await ev.wait()
 
     def _pages_here(self, ino: int) -> None:
         """The kernel may keep the pages of what is read or written here (also of a
