@@ -82,6 +82,7 @@ class DataEngine:
         self.quiesce: Callable[[], bool] | None = None
         if transport.posts_writes:  # no size reported ahead of the bytes under it
             meta.order_sizes_after(self.wait_posted)
+        meta.zero_tails_with(self._zero_tail)
 
     @property
     def posts_writes(self) -> bool:
@@ -304,8 +305,13 @@ class DataEngine:
     async def truncate(self, ino: int, size: int) -> None:
         if ino in self._posted:
             await self.wait_posted(ino)  # a zeroing could overtake them
-        ranges = await self.meta.truncate(ino, size)
-        if ranges and self.quiesce is not None:
+        await self._zero_tail(ino, await self.meta.truncate(ino, size))
+
+    async def _zero_tail(self, ino: int, ranges: list[tuple[int, int, int]]) -> None:
+        """Zero what a truncate cut off in chunks that stay (see Meta.zero_tails_with)."""
+        if not ranges:
+            return
+        if self.quiesce is not None:
             # A read's reply may still be copying the tail out (fs.replies_written_now).
             # No await from here to the zeroing: nothing may free and reuse the chunk
             # meanwhile.  Zeroed even if the wait gives up: past EOF must read as zeros.

@@ -281,6 +281,15 @@ class Meta(abc.ABC):
         (evicted), others would read zeros there.  A no-op where sizes are exact at
         once."""
 
+    def zero_tails_with(  # noqa: B027 (a no-op where nothing gates maps during a truncate)
+        self, zero: Callable[[int, list[tuple[int, int, int]]], Awaitable[None]],
+    ) -> None:
+        """*zero(ino, ranges)*: zeroes what a truncate of *ino* cut off in chunks that
+        stay (:meth:`truncate`'s ranges).  A client that hands out no map of a file
+        while it truncates it (RemoteMeta) runs it before it hands one out again, and
+        its truncate then returns no ranges: a memfs.array process of the node could
+        otherwise write past the new end before those zeros land over its bytes."""
+
     def locks(self) -> Locks | None:
         """Where the kernel's lock requests go (cluster-wide locks: a cluster client);
         None: the kernel keeps locks itself, per node (one node sees every change)."""

@@ -433,6 +433,8 @@ class RemoteMeta(Meta):
         #: the lease token of the registration our reserved inode numbers came under
         self._inos_token = 0
         self.leases = LeaseKeeper(self.cache, self._call, self, self.creates)
+        #: zeroes a truncate's cut in chunks that stay (the data engine's: zero_tails_with)
+        self._zero_tails: Callable[[int, list[tuple[int, int, int]]], Awaitable[None]] | None = None
         #: this client's cluster-wide file locks
         self.lock_client = LockClient(self.session, self._call)
         #: (inode, map window) -> set once the map_read that will bring it has ended
@@ -856,6 +858,11 @@ class RemoteMeta(Meta):
     def order_sizes_after(self, barrier: Callable[[int], Awaitable[None]]) -> None:
         self.leases.barrier = barrier
 
+    def zero_tails_with(
+        self, zero: Callable[[int, list[tuple[int, int, int]]], Awaitable[None]],
+    ) -> None:
+        self._zero_tails = zero
+
     def recalls_drop_pages(self) -> bool:
         # Under leases every change to a file by another client (map_write,
         # allocate_ahead, truncate, ...) recalls us first, and the recall drops the
@@ -1016,7 +1023,8 @@ class RemoteMeta(Meta):
         past the new end at once: this node's own transfers of the file under maps
         from before (posted writes above all, which may still be going out) end
         first, and no new map of the file is handed out here until the truncate is
-        applied (``LeaseKeeper.truncating``), so that none begins meanwhile and nothing the
+        applied and its cut in the chunk that stays zeroed (``LeaseKeeper.truncating``,
+        ``zero_tails_with``), so that none begins meanwhile and nothing the
         server answers from the file's state before the truncate is cached after it.
         (memfs.array transfers are not waited for: see docs/ARCHITECTURE.md, "Direct
         array I/O".)"""
@@ -1024,7 +1032,13 @@ class RemoteMeta(Meta):
         await self.leases.truncates_over(ino)  # one at a time
         truncating[ino] = gate = trio.Event()
         try:
-            return await self._truncate(ino, size)
+            ranges = await self._truncate(ino, size)
+            if ranges and self._zero_tails is not None:
+                # Before any map of the file is handed out here again (no await before
+                # its pin: a recall read right behind the reply waits for the zeroing).
+                await self._zero_tails(ino, ranges)
+                return []
+            return ranges
         finally:
             del truncating[ino]
             gate.set()

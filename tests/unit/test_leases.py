@@ -840,6 +840,37 @@ async def test_a_truncate_waits_for_the_transfers_of_its_own_node() -> None:
         await a.release(f.ino)
 
 
+async def test_no_map_of_a_file_is_handed_out_before_its_truncated_tail_is_zeroed() -> None:
+    """A truncate to the middle of a chunk zeroes the rest of that chunk.  On its own
+    node (the mds recalls nothing from it) a memfs.array process could map the file
+    right after the answer and write past the new end, under the zeros still on
+    their way: the truncate zeroes before it hands out maps of the file again."""
+    async with cluster(1) as (server, (a,), _):
+        f = await a.create(ROOT, b"f", F, 0, 0)
+        await a.map_write(f.ino, 0, 100_000)
+        order: list[str] = []
+        zeroing = trio.Event()
+
+        async def zero(ino: int, ranges: list[tuple[int, int, int]]) -> None:
+            assert ino == f.ino and ranges
+            order.append("zeroing")
+            zeroing.set()
+            await trio.sleep(0.3)
+            order.append("zeroed")
+
+        async def write() -> None:
+            await zeroing.wait()
+            await a.map_write(f.ino, 70_000, 4096)
+            order.append("mapped")
+
+        a.zero_tails_with(zero)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(write)
+            assert await a.truncate(f.ino, 70_000) == []  # zeroed already
+        assert order == ["zeroing", "zeroed", "mapped"]
+        await a.release(f.ino)
+
+
 async def _closing_report_waits(
     a: RemoteMeta, ino: int, *, later: float | None = None,
 ) -> trio.Event:
