@@ -40,13 +40,11 @@ import numpy as np
 import trio
 
 from memfs.errors import FsError, SpaceBusy
-from memfs.meta import NOT_RESIDENT, Extent, Meta, WritePlan
+from memfs.meta import MAP_TRIES, NOT_RESIDENT, Extent, Meta, WritePlan, map_retry_delay
 from memfs.transport import Buffer, Posted, Transport
 
 log = logging.getLogger(__name__)
 
-#: a read or write whose chunk map is recalled while it is fetched asks again, this often
-_MAX_TRIES = 100
 #: fallocate asks for its range in pieces of this (the kernel's largest write)
 ALLOCATE_PIECE = 1 << 20
 
@@ -139,7 +137,9 @@ class DataEngine:
         if ino in self._posted:
             await self.wait_posted(ino)  # on another connection the read could overtake them
         meta = self.meta
-        for _ in range(_MAX_TRIES):
+        for tries in range(MAP_TRIES):
+            if (pause := map_retry_delay(tries)) > 0:
+                await trio.sleep(pause)
             gen = meta.generation(ino)
             extents = await meta.map_read(ino, offset, length)
             with meta.io(ino):
@@ -188,7 +188,9 @@ class DataEngine:
         out = self._posted.get(ino)
         if out is not None and out.error is not None:
             self._report(ino, out)  # an earlier write's failure, reported here
-        for _ in range(_MAX_TRIES):
+        for tries in range(MAP_TRIES):
+            if (pause := map_retry_delay(tries)) > 0:
+                await trio.sleep(pause)
             gen = meta.generation(ino)
             plan = await self._plan(ino, offset, len(src))
             with meta.io(ino):

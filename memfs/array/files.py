@@ -23,6 +23,7 @@ import errno
 import logging
 import os
 import secrets
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -36,6 +37,7 @@ from memfs.array.movers import (
     settle,
 )
 from memfs.errors import ControlError, FsError, UsageError
+from memfs.meta import map_retry_delay
 
 log = logging.getLogger(__name__)
 
@@ -329,7 +331,8 @@ class _Pipeline:
         while self.waiting and self.waiting[0] == "done":
             if not self._receive().get("stale"):
                 return
-            for _ in range(_MAX_TRIES):
+            for tries in range(_MAX_TRIES):
+                time.sleep(map_retry_delay(tries))  # (see there: a change may wait on us)
                 self.ask(offset, len(part))
                 tid, extents = self.answer_map(offset, len(part))
                 self.finish(self.begin(extents, offset, part))

@@ -71,7 +71,7 @@ from memfs.config import format_size
 from memfs.errors import FsError, SpaceBusy
 from memfs.host import Peer
 from memfs.layout import LAYOUT_XATTR
-from memfs.meta import NAME_MAX, Attr, Extent, Meta
+from memfs.meta import MAP_TRIES, NAME_MAX, Attr, Extent, Meta, map_retry_delay
 
 log = logging.getLogger(__name__)
 
@@ -347,7 +347,9 @@ class ArraySession:
             raise FsError(errno.EINVAL, f"a write past the end of the array file "
                                         f"({offset}+{length} > {h.size})")
         meta = self.meta
-        for _ in range(100):
+        for tries in range(MAP_TRIES):
+            if (pause := map_retry_delay(tries)) > 0:
+                await trio.sleep(pause)
             if self.service.scrub_turn is not None:
                 await self.service.scrub_turn()
             if self.service.wait_posted is not None:

@@ -56,6 +56,21 @@ class Extent:
     voffset: int
 
 
+#: a transfer whose chunk map is recalled while it is fetched asks again, this often
+MAP_TRIES = 100
+
+
+def map_retry_delay(tries: int) -> float:
+    """How long to wait before asking again for a chunk map whose generation moved
+    under the last *tries* answers (a recall came while it was fetched).  A change
+    waiting for its recalls (another node's truncate, or stat of a file written
+    here) recalls again every map fetched meanwhile: asking again at once, a busy
+    writer can keep it from being applied for as long as its own tries last, and
+    then fail (memfs.array slab writes failed with EIO "keeps changing" that way).
+    The first few go at once, then 1 ms doubling to 50 ms (all 100: ~4.6 s)."""
+    return 0.0 if tries < 3 else min(0.05, 0.001 * 2 ** (tries - 3))
+
+
 def add_run(out: list[Extent], pos: int, n: int, volume: int, voffset: int) -> None:
     """Append ``n`` bytes at file offset *pos* to *out*, extending the last extent when
     they continue it (the same hole, or contiguous volume memory)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import math
 import random
 import stat
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -22,7 +23,7 @@ from memfs.config import PoolConfig
 from memfs.data import DataEngine
 from memfs.errors import FsError, TransportError
 from memfs.layout import LAYOUT_XATTR
-from memfs.meta import Meta, WritePlan
+from memfs.meta import Extent, Meta, WritePlan
 from memfs.meta.store import MetaStore
 from memfs.scrub import Scrubber
 from memfs.transport import Buffer, Posted, Transport, VolumeInfo
@@ -483,3 +484,68 @@ async def test_sizes_are_reported_after_the_posted_writes_under_them() -> None:
 
 async def _read_into(engine: DataEngine, ino: int, out: list[bytes]) -> None:
     out.append(await read(engine, ino, 0, 32 * K))
+
+
+class Recalling(MetaStore):
+    """A store whose chunk maps are recalled as they are fetched while a change made
+    elsewhere waits: that change recalls again every map fetched during its last
+    round of recalls, so it goes ahead only once no map was fetched for *quiet*
+    seconds.  Counts the fetches; the generation moves with each recall."""
+
+    def __init__(self, pool: PoolConfig, quiet: float) -> None:
+        super().__init__(pool)
+        self.quiet = quiet
+        self.recalling = False
+        self.fetches = 0
+        self._gen = 0
+        self._last = -math.inf
+
+    def generation(self, ino: int) -> int:
+        return self._gen
+
+    def _fetched(self) -> None:
+        self.fetches += 1
+        now = trio.current_time()
+        if self.recalling:
+            if now - self._last >= self.quiet:
+                self.recalling = False  # the change went ahead: the next map is current
+            else:
+                self._gen += 1  # recalled again, right after this answer
+        self._last = now
+
+    async def map_read(self, ino: int, offset: int, length: int) -> list[Extent]:
+        extents = await super().map_read(ino, offset, length)
+        self._fetched()
+        return extents
+
+    async def map_write(self, ino: int, offset: int, length: int) -> WritePlan:
+        plan = await super().map_write(ino, offset, length)
+        self._fetched()
+        return plan
+
+
+@pytest.mark.parametrize("op", ["read", "write"])
+async def test_a_map_recalled_as_it_comes_is_asked_for_again_after_a_pause(
+    autojump_clock: trio.abc.Clock, op: str,
+) -> None:
+    """A change waiting for its recalls recalls every map fetched meanwhile (another
+    node truncating, or stat'ing, a file written here): asking again at once, a
+    writer kept it from going ahead until its own tries ran out (EIO).  The engine
+    pauses between later tries, and the change gets its turn."""
+    meta = Recalling(POOL, quiet=0.002)
+    transport = LocalTransport(POOL.volumes, POOL.volume_size)
+    eng = DataEngine(meta, transport)
+    try:
+        ino = await create(meta, b"f")
+        await eng.write(ino, 0, b"x" * 4096)
+        meta.recalling, meta.fetches = True, 0
+        start = trio.current_time()
+        if op == "read":
+            assert await read(eng, ino, 0, 4096) == b"x" * 4096
+        else:
+            assert await eng.write(ino, 0, b"y" * 4096) == 4096
+        assert not meta.recalling and meta.fetches <= 10, meta.fetches
+        assert trio.current_time() - start < 0.1
+    finally:
+        await meta.aclose()
+        await transport.aclose()
