@@ -181,8 +181,20 @@ class DirectSession:
         pipelined = self.depth > 1
         p.ask(offset, pieces[0][1])
         for i, (pos, n) in enumerate(pieces):
-            tid, extents = p.answer_map(offset + pos, n)
-            if i and pipelined:
+            answered = not (i and pipelined)  # piece i-1's done (sent after this map)
+            while True:
+                try:
+                    tid, extents = p.answer_map(offset + pos, n)
+                    break
+                except OSError as exc:
+                    if exc.errno != errno.EAGAIN or answered:
+                        raise
+                # Piece i-1 was open when the map was asked for: a truncate of the
+                # file on this node waited for it.  Its done has gone since.
+                p.answer_done(offset + pieces[i - 1][0], view[slice(*_span(pieces[i - 1]))])
+                answered = True
+                p.ask(offset + pos, n)
+            if not answered:
                 p.answer_done(offset + pieces[i - 1][0], view[slice(*_span(pieces[i - 1]))])
             if pipelined and i + 1 < len(pieces):
                 p.ask(offset + pieces[i + 1][0], pieces[i + 1][1])
@@ -205,9 +217,19 @@ class DirectSession:
         try:
             p.ask(offset, pieces[0][1])
             for i, (pos, n) in enumerate(pieces):
-                tid, extents = p.answer_map(offset + pos, n)
+                while True:
+                    try:
+                        tid, extents = p.answer_map(offset + pos, n)
+                        break
+                    except OSError as exc:
+                        if exc.errno != errno.EAGAIN or not begun:
+                            raise
+                    # A truncate of the file on this node waits for the piece we
+                    # have open, and held this map: end that piece, then ask again.
+                    self._ended(p, offset, view, begun.pop(0), publish=False)
+                    p.ask(offset + pos, n)
                 begun.append((pos, n, tid, p.begin(extents, offset + pos, view[pos : pos + n])))
-                if i:
+                if len(begun) > 1:
                     self._ended(p, offset, view, begun[0], publish=False)
                     del begun[0]
                 if i + 1 < len(pieces):

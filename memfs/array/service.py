@@ -355,6 +355,12 @@ class ArraySession:
             if self.service.wait_posted is not None:
                 await self.service.wait_posted(h.ino)
             gen = meta.generation(h.ino)
+            if write and meta.truncating(h.ino) and self._writing(h.ino):
+                # That truncate waits for our open pieces to land, and the map would
+                # wait for it: a client that asks for its next piece before it ends
+                # the last (pipelined) must end it first.
+                raise FsError(errno.EAGAIN, "a truncate of the file on this node waits "
+                              "for the piece open here: end it, then ask again")
             if write:
                 extents = (await self._map_write(h.ino, offset, length)) if length else []
             else:
@@ -367,6 +373,10 @@ class ArraySession:
                 pin = hold.enter_context(meta.io(h.ino, here=False))
                 if meta.generation(h.ino) != gen:
                     continue  # recalled while we asked: the map may name freed chunks
+                if not write and callable(pin):
+                    # A read moves nothing into the pool: a reconnection or a truncate
+                    # need not wait for it (one the map changed under reads again).
+                    pin()
                 out = [[e.offset, e.length, e.volume, e.voffset] for e in extents]
                 t = _Transfer(hid, offset, length, write, gen, hold.pop_all(), out,
                               landed=pin if callable(pin) else None)
@@ -392,24 +402,47 @@ class ArraySession:
             moved = self.meta.generation(h.ino) != t.gen
             if not t.write:
                 return {"stale": moved}
-            if moved:
-                # Recalled meanwhile (cluster): if the range is not where we wrote it any
-                # more, the file was truncated or its chunks freed under the write.
-                now = await self.meta.map_read(h.ino, t.offset, t.length)
-                if [[e.offset, e.length, e.volume, e.voffset] for e in now] != t.extents:
-                    raise FsError(errno.EIO, "the file changed under the write (truncated, "
-                                             "or its chunks moved): write it again")
-            # The write's other effects, before the hold goes: mtime, and for the burst
-            # buffer the file is dirty again (a write-back that copied it mid-transfer
-            # is redone; a clean file could be evicted).  Only within the size: a
-            # truncate meanwhile wins, as if it came after.
-            size = (await self.meta.getattr(h.ino)).size
-            n = min(t.length, size - t.offset)
-            if n > 0:
-                await self._map_write(h.ino, t.offset, n)
+            await self._wrote(h, t, moved)
         if args.get("publish") and h.temp is None:
             await self._publish(h)
         return {"stale": False}
+
+    async def _wrote(self, h: _Handle, t: _Transfer, moved: bool) -> None:
+        """A write's other effects, before its hold goes: mtime, and for the burst
+        buffer the file is dirty again (a write-back that copied it mid-transfer is
+        redone; a clean file could be evicted).  Only within the size: a truncate
+        meanwhile wins, as if it came after.  A truncate of the file under way on this
+        node (it waited for this piece to land) comes after it, with its own mtime,
+        and may wait for this session's next piece: nothing here waits for it."""
+        meta = self.meta
+        if meta.truncating(h.ino):
+            return
+        if moved:
+            # Recalled meanwhile (cluster): if the range is not where we wrote it any
+            # more, the file was truncated or its chunks freed under the write.
+            now = await meta.map_read(h.ino, t.offset, t.length)
+            if [[e.offset, e.length, e.volume, e.voffset] for e in now] != t.extents:
+                raise FsError(errno.EIO, "the file changed under the write (truncated, "
+                                         "or its chunks moved): write it again")
+        for tries in range(MAP_TRIES):
+            if (pause := map_retry_delay(tries)) > 0:
+                await trio.sleep(pause)
+            gen = meta.generation(h.ino)
+            size = (await meta.getattr(h.ino)).size
+            if meta.truncating(h.ino):
+                return
+            if meta.generation(h.ino) == gen:
+                break  # (else truncated, or recalled, meanwhile: the size may be old)
+        else:
+            raise FsError(errno.EIO, "the file's chunk map keeps changing")
+        n = min(t.length, size - t.offset)
+        if n > 0:  # (no await since the size: a truncate of ours would come after it)
+            await self._map_write(h.ino, t.offset, n)
+
+    def _writing(self, ino: int) -> bool:
+        """This session has a write of *ino* open."""
+        return any(t.write and (h := self._handles.get(t.handle)) is not None and h.ino == ino
+                   for t in self._transfers.values())
 
     async def _commit(self, args: dict[str, Any]) -> dict[str, Any]:
         _, h = self._handle(args)

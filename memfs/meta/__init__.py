@@ -305,6 +305,13 @@ class Meta(abc.ABC):
         its truncate then returns no ranges: a memfs.array process of the node could
         otherwise write past the new end before those zeros land over its bytes."""
 
+    def truncating(self, ino: int) -> bool:
+        """A truncate of *ino* made on this node is under way: its chunk maps (and calls
+        that wait for them) wait until it is over (RemoteMeta).  A memfs.array session
+        that holds a piece of the file open must end it instead of waiting: that
+        truncate waits for it (memfs.array.service)."""
+        return False
+
     def locks(self) -> Locks | None:
         """Where the kernel's lock requests go (cluster-wide locks: a cluster client);
         None: the kernel keeps locks itself, per node (one node sees every change)."""

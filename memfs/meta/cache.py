@@ -153,10 +153,12 @@ class ClientCache:
         self._pins: dict[int, int] = {}
         #: transfers of this process's transport (see pinned) in progress
         self._here = 0
-        #: memfs.array transfers among them that have not said their bytes moved
-        self._flying = 0
         #: inode -> memfs.array transfers holding one of its maps
         self._arrays: dict[int, int] = {}
+        #: inode -> those among them whose process has not said its bytes moved, and
+        #: their number
+        self._moving: dict[int, int] = {}
+        self._flying = 0
         self._unpinned = trio.Event()
         #: the kernel's caches are being dropped after a lost lease: until that is done,
         #: pages it holds must not be kept at open, nor anything new cached
@@ -341,13 +343,14 @@ class ClientCache:
         """Held around a transfer that uses a map of *ino*; *here*: by this process's
         transport (memfs.array processes move bytes on connections of their own).
         Yields what to call once such a process says its bytes have moved: a
-        reconnection stops waiting for the transfer then (the pin stays, and a
-        recall still waits for it)."""
+        reconnection, and a truncate of *ino* made here, stop waiting for the
+        transfer then (the pin stays, and a recall still waits for it)."""
         self._pins[ino] = self._pins.get(ino, 0) + 1
         self._here += here
         landed = _nothing
         if not here:
             self._arrays[ino] = self._arrays.get(ino, 0) + 1
+            self._moving[ino] = self._moving.get(ino, 0) + 1
             self._flying += 1
             flying = True
 
@@ -356,6 +359,7 @@ class ClientCache:
                 if flying:
                     flying = False
                     self._flying -= 1
+                    _drop_one(self._moving, ino)
                     self._unpinned.set()
         try:
             yield landed
@@ -363,15 +367,8 @@ class ClientCache:
             landed()
             self._here -= here
             if not here:
-                if self._arrays[ino] > 1:
-                    self._arrays[ino] -= 1
-                else:
-                    del self._arrays[ino]
-            n = self._pins[ino] - 1
-            if n:
-                self._pins[ino] = n
-            else:
-                del self._pins[ino]
+                _drop_one(self._arrays, ino)
+            n = _drop_one(self._pins, ino)
             if not n or (here and (not self._here or n == self._arrays.get(ino, 0))):
                 self._unpinned.set()  # (no pin of ino, none of ours, or none of ours of ino)
 
@@ -381,6 +378,11 @@ class ClientCache:
     def pinned_here(self, ino: int) -> bool:
         """A transfer of this process's transport holds a map of *ino*."""
         return self._pins.get(ino, 0) > self._arrays.get(ino, 0)
+
+    def moving(self, ino: int) -> bool:
+        """A transfer under a map of *ino* may still move bytes: one of this process's
+        transport, or a memfs.array process's that has not said its bytes moved."""
+        return ino in self._moving or self.pinned_here(ino)
 
     def any_transfer(self) -> bool:
         """Some transfer under our maps may still move bytes (this process's, or a
@@ -399,7 +401,14 @@ class ClientCache:
         """Until no transfer holds a map of *inos* (*here*: no transfer of this process's
         transport; None: no transfer of this process's transport runs; with *everyone*,
         no memfs.array process's still moves bytes)."""
-        while self._busy(inos, everyone, here):
+        await self._until(lambda: not self._busy(inos, everyone, here))
+
+    async def wait_landed(self, ino: int) -> None:
+        """Until every memfs.array transfer of *ino* has said its bytes moved."""
+        await self._until(lambda: ino not in self._moving)
+
+    async def _until(self, done: Callable[[], bool]) -> None:
+        while not done():
             if self._unpinned.is_set():  # other waiters may be parked on the current one
                 self._unpinned = trio.Event()
             await self._unpinned.wait()
@@ -540,3 +549,13 @@ class ClientCache:
         self._epoch += _EPOCH
         self.cuts += 1
         self.until = 0.0
+
+
+def _drop_one(counts: dict[int, int], key: int) -> int:
+    """One fewer of *key* in *counts* (forgotten at 0); how many are left."""
+    n = counts[key] - 1
+    if n:
+        counts[key] = n
+    else:
+        del counts[key]
+    return n

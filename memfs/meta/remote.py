@@ -863,6 +863,9 @@ class RemoteMeta(Meta):
     ) -> None:
         self._zero_tails = zero
 
+    def truncating(self, ino: int) -> bool:
+        return ino in self.leases.truncating
+
     def recalls_drop_pages(self) -> bool:
         # Under leases every change to a file by another client (map_write,
         # allocate_ahead, truncate, ...) recalls us first, and the recall drops the
@@ -1026,8 +1029,11 @@ class RemoteMeta(Meta):
         applied and its cut in the chunk that stays zeroed (``LeaseKeeper.truncating``,
         ``zero_tails_with``), so that none begins meanwhile and nothing the
         server answers from the file's state before the truncate is cached after it.
-        (memfs.array transfers are not waited for: see docs/ARCHITECTURE.md, "Direct
-        array I/O".)"""
+        memfs.array processes' writes of the file get as long as a recall's answer
+        would give them to land (their maps of the file are refused meanwhile,
+        ``truncating``, so that a pipelined one ends the piece it has open); one still
+        under way then (a stopped process) makes the truncate fail with ETXTBSY rather
+        than free chunks it may still write."""
         truncating = self.leases.truncating
         await self.leases.truncates_over(ino)  # one at a time
         truncating[ino] = gate = trio.Event()
@@ -1048,14 +1054,21 @@ class RemoteMeta(Meta):
             await w
         if self.leases.barrier is not None and self.cache.pinned_here(ino):
             await self.leases.barrier(ino)  # posted writes confirmed now, not at the next look
+        cache = self.cache
+        arrays_by = trio.current_time() + self.leases.answer_within
         while True:
             with trio.move_on_after(self.timeout):
-                await self.cache.wait_unpinned([ino], here=True)
-                break
+                await cache.wait_unpinned([ino], here=True)
+                if not cache.moving(ino):
+                    break
+                with trio.move_on_at(arrays_by):
+                    await cache.wait_landed(ino)
+                    continue  # our own transport's again: none began meanwhile
+                raise FsError(errno.ETXTBSY, "a memfs.array process on this node is still "
+                              f"writing it ({self.leases.answer_within:.1f} s)")
             log.warning("truncating inode %d: transfers of it begun before still run", ino)
         # From here no await until the call is sent (when connected): the state
         # dropped now stays dropped.
-        cache = self.cache
         # Our chunk map past the new size is void, and so is any size we did not send.
         cache.dirty.pop(ino, None)
         cache.answered.pop(ino, None)

@@ -477,3 +477,58 @@ def test_cluster_array_writes_racing_truncates_and_stats(tmp_path: Path) -> None
         for node in ("c1", "c2"):
             log = (tmp_path / f"{node}.log").read_text()
             assert "not answering the recall" not in log, node
+
+
+def test_cluster_truncate_under_a_stopped_array_writer(tmp_path: Path) -> None:
+    """A truncate on the node of an array process stopped in the middle of a piece (its
+    bytes not all moved) waits for it as a recall would, then fails with ETXTBSY and
+    frees nothing: had it freed the chunks, files made meanwhile on the other node
+    (in that space) would get the stopped writer's bytes once it runs again."""
+    import random
+    import signal
+
+    from tests.mount.test_cluster import make_cluster
+    from tests.netns import netns_unavailable
+
+    if (why := netns_unavailable()) is not None:
+        pytest.skip(why)
+    rng = random.Random(5)
+    with make_cluster(tmp_path, [], volume_size="256M") as c:
+        c1, c2 = c.mnt["c1"], c.mnt["c2"]
+        on1 = tuple(c.net.cmd("c1", []))
+        path = c1 / "a.npy"
+        writer = start_py(RACE_WRITER, on1, path, 120, 64)  # one 64 MiB piece per slab
+        try:
+            assert writer.stdout is not None
+            assert writer.stdout.readline().startswith("direct True")
+            refused: list[float] = []
+            tries = 0
+            while len(refused) < 2 and tries < 30:
+                tries += 1
+                time.sleep(rng.uniform(0.05, 0.3))
+                os.kill(writer.pid, signal.SIGSTOP)
+                try:
+                    began = time.monotonic()
+                    try:
+                        subprocess.run([*on1, "truncate", "-s", "0", str(path)], check=True,
+                                       capture_output=True, text=True, timeout=30)
+                    except subprocess.CalledProcessError as e:
+                        assert "Text file busy" in e.stderr, e.stderr
+                        refused.append(time.monotonic() - began)
+                    # Files made in the space a truncate frees, while the writer is stopped.
+                    others = c2 / "others"
+                    others.mkdir(exist_ok=True)
+                    for k in range(8):
+                        (others / str(k)).write_bytes(bytes([k + 1]) * (16 << 20))
+                finally:
+                    os.kill(writer.pid, signal.SIGCONT)
+                time.sleep(0.3)  # the writer's late bytes, if it had any to land
+                for k in range(8):
+                    assert (others / str(k)).read_bytes() == bytes([k + 1]) * (16 << 20), (
+                        f"file {k} got bytes it was not written (try {tries})")
+                shutil.rmtree(others)
+            assert len(refused) == 2, f"no truncate met a stopped transfer in {tries} tries"
+            assert all(0.8 < t < 10 for t in refused), refused  # a recall's answer time
+        finally:
+            writer.kill()
+            writer.communicate()

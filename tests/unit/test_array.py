@@ -4,6 +4,7 @@ a real control socket with an embedded store, scrubber and memfd volumes."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import io
@@ -11,7 +12,7 @@ import os
 import stat
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -38,6 +39,7 @@ from memfs.control import ControlClient, serve_control
 from memfs.errors import FsError, TransportError
 from memfs.host import Peer
 from memfs.layout import LAYOUT_XATTR
+from memfs.meta import WritePlan
 from memfs.meta.store import MetaStore
 from memfs.scrub import Scrubber
 from memfs.transport.local import LocalTransport
@@ -380,6 +382,85 @@ async def test_pipelined_transfers(tmp_path: Path) -> None:
 
         await blocking(work)
         assert d.service.orphans == 0
+
+
+class TruncatingStore(MetaStore):
+    """A store as a cluster client's meta looks to a memfs.array session while that
+    node truncates a file: right after the *at*-th map_write of the file it is
+    truncating (maps asked for then wait) until every piece open then has landed."""
+
+    def __init__(self, pool: PoolConfig, at: int) -> None:
+        super().__init__(pool)
+        self.at = at
+        self.maps = 0
+        self.waiting: set[int] = set()  # the pieces the truncate waits for
+        self.pieces: set[int] = set()  # open now
+        self.over = trio.Event()
+        self.began = False
+        self._next = 0
+
+    def truncating(self, ino: int) -> bool:
+        return self.began and not self.over.is_set()
+
+    async def map_write(self, ino: int, offset: int, length: int) -> WritePlan:
+        if self.truncating(ino):
+            await self.over.wait()
+        plan = await super().map_write(ino, offset, length)
+        self.maps += 1
+        if self.maps == self.at:  # (the service pins the piece before it awaits again)
+            trio.lowlevel.current_trio_token().run_sync_soon(self._begin)
+        return plan
+
+    def _begin(self) -> None:
+        self.began = True
+        self.waiting = set(self.pieces)
+        if not self.waiting:
+            self.over.set()
+
+    @contextlib.contextmanager
+    def io(self, ino: int, *, here: bool = True) -> Iterator[Callable[[], None]]:
+        k, self._next = self._next, self._next + 1
+        self.pieces.add(k)
+
+        def landed() -> None:
+            self.pieces.discard(k)
+            self.waiting.discard(k)
+            if self.began and not self.waiting:
+                self.over.set()
+
+        try:
+            yield landed
+        finally:
+            landed()
+
+
+@pytest.mark.parametrize("overlaps", [True, False], ids=["tcp", "in-turn"])
+async def test_a_pipelined_writer_ends_its_open_piece_when_a_truncate_waits_for_it(
+    tmp_path: Path, overlaps: bool,
+) -> None:
+    """A truncate on the writer's node waits for the pieces open there, and the map
+    of the next piece is answered EAGAIN meanwhile: the client ends the piece it
+    has open (with tcp pools it has not said done yet), asks again, and goes on."""
+    async with daemon(tmp_path, cluster=True) as d:
+        store = TruncatingStore(POOL, at=3)
+        d.service.meta = store
+        data = np.arange(1 << 17, dtype="f8")  # 1 MiB in 4 pieces
+
+        def work() -> None:
+            s = d.pipelined(256 << 10)
+            s.mover = FailingMover(s.mover, 0, overlaps=overlaps)  # type: ignore[arg-type]
+            r = s.call("x", "array.create", path="p", size=data.nbytes, mode=0o600)
+            f = DirectFile(s, "x", r["h"], data.nbytes)
+            f.write(0, npy.byte_view(data))
+            back = np.zeros_like(data)
+            f.read(0, npy.byte_view(back))
+            f.close()
+            s.close()
+            assert np.array_equal(back, data)
+
+        with trio.fail_after(10):
+            await blocking(work)
+        assert store.began and store.over.is_set()
 
 
 class FailingMover:

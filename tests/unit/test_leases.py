@@ -11,6 +11,7 @@ import contextlib
 import errno
 import functools
 import math
+import os
 import socket
 import stat
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -23,8 +24,10 @@ import trio
 import trio.testing
 
 from memfs import wire
+from memfs.array.service import ArrayService, ArraySession, PoolAccess
 from memfs.config import PoolConfig
 from memfs.errors import FsError
+from memfs.host import Peer
 from memfs.meta import Attr, SetAttr, codec, fencing, lease_client
 from memfs.meta.cache import MAX_RANGES, READ_AT, ClientCache, add_range
 from memfs.meta.journal import Journal
@@ -869,6 +872,170 @@ async def test_no_map_of_a_file_is_handed_out_before_its_truncated_tail_is_zeroe
             assert await a.truncate(f.ino, 70_000) == []  # zeroed already
         assert order == ["zeroing", "zeroed", "mapped"]
         await a.release(f.ino)
+
+
+def _array_session(c: RemoteMeta) -> ArraySession:
+    """A memfs.array session of *c*'s node (over its RemoteMeta; no bytes are copied)."""
+    service = ArrayService(c, PoolAccess("tcp", volumes=("tcp://127.0.0.1:9/0",)))
+    return service.session(Peer(os.getpid(), 0, 0))
+
+
+async def _array_file(s: ArraySession, name: str, size: int) -> tuple[int, int]:
+    """A published file of *size* bytes, open for writing in *s*: (handle, inode)."""
+    r, _ = await s.call("array.create", {"path": name, "size": size, "mode": 0o600})
+    h = r["h"]
+    await s.call("array.commit", {"h": h})
+    return h, s._handles[h].ino
+
+
+async def _map(s: ArraySession, h: int, offset: int, length: int, write: bool = True) -> int:
+    r, _ = await s.call("array.map", {"h": h, "offset": offset, "length": length,
+                                      "write": write})
+    return int(r["t"])
+
+
+async def test_a_truncate_waits_for_the_array_piece_open_on_its_node() -> None:
+    """A memfs.array process writing the file on the node that truncates it (the mds
+    recalls nothing from that node, and frees the chunks past the new end at once):
+    the truncate waits until it ends the piece it has open.  A pipelined client asks
+    for its next piece's map before it ends the last one (with tcp pools it waits
+    for that map's answer first): the map is sent back (EAGAIN) rather than held
+    for the truncate, which waits for it.  The bookkeeping after the piece does not
+    grow the file back either."""
+    async with cluster(1) as (server, (a,), _):
+        a.leases.answer_within = 5.0
+        s = _array_session(a)
+        h, ino = await _array_file(s, "f", 2 << 20)
+        chunks = dict(server.store.inodes[ino].chunks or {})
+        t0 = await _map(s, h, 0, 1 << 20)
+        done = trio.Event()
+
+        async def truncate() -> None:
+            await a.truncate(ino, 0)
+            done.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(truncate)
+            await trio.sleep(0.2)
+            with trio.fail_after(1), pytest.raises(FsError) as info:
+                await _map(s, h, 1 << 20, 1 << 20)
+            assert info.value.errno == errno.EAGAIN
+            assert server.store.inodes[ino].chunks == chunks, "freed under the write"
+            assert not done.is_set()
+            with trio.fail_after(2):
+                r, _ = await s.call("array.done", {"h": h, "t": t0})
+                await done.wait()
+        assert r == {"stale": False}
+        await a.sync(ino)
+        assert server.store.inodes[ino].size == 0
+        t1 = await _map(s, h, 1 << 20, 1 << 20)  # asked again: goes ahead
+        await s.call("array.done", {"h": h, "t": t1})
+        await a.sync(ino)
+        assert server.store.inodes[ino].size == 2 << 20
+        await s.aclose()
+
+
+async def test_ending_one_array_piece_does_not_wait_for_a_truncate_that_waits_for_the_next() -> None:
+    """Two pieces open (a pipelined client): the truncate waits for both, so ending
+    the first (the daemon then applies the write: mtime, a map_write within the
+    size) must not wait for the truncate, or the client never gets to end the
+    second."""
+    async with cluster(1) as (server, (a,), _):
+        a.leases.answer_within = 5.0
+        s = _array_session(a)
+        h, ino = await _array_file(s, "f", 2 << 20)
+        t0 = await _map(s, h, 0, 1 << 20)
+        t1 = await _map(s, h, 1 << 20, 1 << 20)
+        done = trio.Event()
+
+        async def truncate() -> None:
+            await a.truncate(ino, 0)
+            done.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(truncate)
+            await trio.sleep(0.2)
+            with trio.fail_after(1):
+                await s.call("array.done", {"h": h, "t": t0})
+            assert not done.is_set()
+            with trio.fail_after(2):
+                await s.call("array.done", {"h": h, "t": t1})
+                await done.wait()
+        await a.sync(ino)
+        assert server.store.inodes[ino].size == 0
+        await s.aclose()
+
+
+async def test_a_truncate_is_refused_while_an_array_piece_of_the_file_stays_open() -> None:
+    """A piece that stays open as long as a recall's answer would wait (a stopped
+    process): the truncate fails (ETXTBSY) and frees nothing; the file goes on."""
+    async with cluster(1) as (server, (a,), _):
+        a.leases.answer_within = 0.3
+        s = _array_session(a)
+        h, ino = await _array_file(s, "f", 1 << 20)
+        chunks = dict(server.store.inodes[ino].chunks or {})
+        t0 = await _map(s, h, 0, 1 << 20)
+        with trio.fail_after(3), pytest.raises(FsError) as info:
+            await a.truncate(ino, 0)
+        assert info.value.errno == errno.ETXTBSY
+        assert server.store.inodes[ino].chunks == chunks
+        with trio.fail_after(2):
+            await s.call("array.done", {"h": h, "t": t0})
+        await a.truncate(ino, 0)
+        assert server.store.inodes[ino].size == 0
+        await s.aclose()
+
+
+async def test_a_truncate_does_not_wait_for_array_reads() -> None:
+    """A read moves nothing into the pool: the truncate goes ahead, and the read is
+    told its map went stale (its process reads the piece again)."""
+    async with cluster(1) as (server, (a,), _):
+        a.leases.answer_within = 5.0
+        s = _array_session(a)
+        h, ino = await _array_file(s, "f", 1 << 20)
+        t0 = await _map(s, h, 0, 1 << 20, write=False)
+        with trio.fail_after(2):
+            await a.truncate(ino, 0)
+        r, _ = await s.call("array.done", {"h": h, "t": t0})
+        assert r == {"stale": True}
+        await s.aclose()
+
+
+async def test_another_nodes_truncate_during_an_array_pieces_bookkeeping_wins() -> None:
+    """After a piece, the daemon applies the write (getattr, then a map_write within
+    that size) still holding the piece's pin, which a recall waits for: another
+    node's truncate cannot come between the two and be grown back over."""
+    async with cluster(2, recall_timeout=5.0, term=10.0) as (server, (a, b), _):
+        f = await a.mknod(ROOT, b"f", F, 0, 0)
+        await a.open(f.ino)
+        await a.map_write(f.ino, 0, 1 << 20)
+        await a.release(f.ino)
+        s = _array_session(b)
+        r, _ = await s.call("array.open", {"path": "f", "write": True})
+        h = r["h"]
+        t = await _map(s, h, 0, 65536)
+        getattr_ = b.getattr
+
+        async def slow_getattr(ino: int) -> Attr:
+            attr = await getattr_(ino)
+            await trio.sleep(0.3)  # the size is in, the map_write not sent yet
+            return attr
+
+        b.getattr = slow_getattr  # type: ignore[method-assign]
+        async with trio.open_nursery() as nursery:
+
+            async def truncate() -> None:
+                await trio.sleep(0.1)
+                await a.truncate(f.ino, 0)
+
+            nursery.start_soon(truncate)
+            await s.call("array.done", {"h": h, "t": t})
+        b.getattr = getattr_  # type: ignore[method-assign]
+        await s.call("array.close", {"h": h})
+        await b.sync(f.ino)
+        assert server.store.inodes[f.ino].size == 0
+        assert server.leases.evictions == 0
+        await s.aclose()
 
 
 async def _closing_report_waits(
