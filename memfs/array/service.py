@@ -256,6 +256,8 @@ class ArraySession:
         self._next = 1
         self._transfers: dict[int, _Transfer] = {}
         self._next_transfer = 1
+        #: inode -> write ranges whose effects are still to be made (see _wrote)
+        self._owed: dict[int, list[tuple[int, int]]] = {}
         #: transfers open at once (see ``array.map``)
         self.depth = 1 if service.access.kind == "local" else MAX_TRANSFERS
 
@@ -355,13 +357,8 @@ class ArraySession:
             if self.service.wait_posted is not None:
                 await self.service.wait_posted(h.ino)
             gen = meta.generation(h.ino)
-            if write and meta.truncating(h.ino) and self._writing(h.ino):
-                # That truncate waits for our open pieces to land, and the map would
-                # wait for it: a client that asks for its next piece before it ends
-                # the last (pipelined) must end it first.
-                raise FsError(errno.EAGAIN, "a truncate of the file on this node waits "
-                              "for the piece open here: end it, then ask again")
             if write:
+                self._not_held_up(h.ino)
                 extents = (await self._map_write(h.ino, offset, length)) if length else []
             else:
                 extents = await meta.map_read(h.ino, offset, length)
@@ -411,33 +408,65 @@ class ArraySession:
         """A write's other effects, before its hold goes: mtime, and for the burst
         buffer the file is dirty again (a write-back that copied it mid-transfer is
         redone; a clean file could be evicted).  Only within the size: a truncate
-        meanwhile wins, as if it came after.  A truncate of the file under way on this
-        node (it waited for this piece to land) comes after it, with its own mtime,
-        and may wait for this session's next piece: nothing here waits for it."""
-        meta = self.meta
-        if meta.truncating(h.ino):
-            return
-        if moved:
-            # Recalled meanwhile (cluster): if the range is not where we wrote it any
-            # more, the file was truncated or its chunks freed under the write.
-            now = await meta.map_read(h.ino, t.offset, t.length)
-            if [[e.offset, e.length, e.volume, e.voffset] for e in now] != t.extents:
-                raise FsError(errno.EIO, "the file changed under the write (truncated, "
-                                         "or its chunks moved): write it again")
+        meanwhile wins, as if it came after.
+
+        A truncate of the file under way on this node waited for this piece to land
+        and comes after it; it may also be waiting for the next piece this session
+        has open, so nothing here waits for it then (the piece's effects are owed,
+        and made with a later piece's); else they wait for it to be over (it may
+        fail: ETXTBSY)."""
+        meta, ino = self.meta, h.ino
+        spans = [(t.offset, t.length)]
+        checked = not moved
         for tries in range(MAP_TRIES):
             if (pause := map_retry_delay(tries)) > 0:
                 await trio.sleep(pause)
-            gen = meta.generation(h.ino)
-            size = (await meta.getattr(h.ino)).size
-            if meta.truncating(h.ino):
+            if meta.truncating(ino):
+                if self._writing(ino):
+                    self._owed.setdefault(ino, []).extend(spans)
+                    return
+                await meta.truncates_over(ino)
+                checked = checked and meta.generation(ino) == t.gen
+                continue
+            if not checked:
+                # Recalled or truncated since the map: if the range is not where we
+                # wrote it any more, the file was cut or its chunks freed under it.
+                now = await meta.map_read(ino, t.offset, t.length)
+                if [[e.offset, e.length, e.volume, e.voffset] for e in now] != t.extents:
+                    self._owed.pop(ino, None)
+                    raise FsError(errno.EIO, "the file changed under the write (truncated, "
+                                             "or its chunks moved): write it again")
+                checked = True
+                continue  # (the map_read awaited: the gate again)
+            spans += self._owed.pop(ino, ())
+            gen = meta.generation(ino)
+            size = (await meta.getattr(ino)).size
+            while spans and not meta.truncating(ino) and meta.generation(ino) == gen:
+                # (no await between these checks and the map_write's own: a truncate
+                # of ours begun since would come after it, with a size read before)
+                off, length = spans[0]
+                if (n := min(length, size - off)) > 0:
+                    try:
+                        await self._map_write(ino, off, n)
+                    except FsError as exc:
+                        if exc.errno != errno.EAGAIN:  # (a truncate began while we waited)
+                            raise
+                        self._owed.setdefault(ino, []).extend(spans)
+                        return
+                spans.pop(0)
+            if not spans:
                 return
-            if meta.generation(h.ino) == gen:
-                break  # (else truncated, or recalled, meanwhile: the size may be old)
-        else:
-            raise FsError(errno.EIO, "the file's chunk map keeps changing")
-        n = min(t.length, size - t.offset)
-        if n > 0:  # (no await since the size: a truncate of ours would come after it)
-            await self._map_write(h.ino, t.offset, n)
+        self._owed.setdefault(ino, []).extend(spans)
+        raise FsError(errno.EIO, "the file's chunk map keeps changing")
+
+    def _not_held_up(self, ino: int) -> None:
+        """Before a map_write of *ino*, which waits for a truncate of it under way on
+        this node: that truncate waits for our open pieces to land, so a client that
+        asks for its next piece before it ends the last (pipelined) must end it
+        first (EAGAIN)."""
+        if self.meta.truncating(ino) and self._writing(ino):
+            raise FsError(errno.EAGAIN, "a truncate of the file on this node waits for "
+                          "the piece open here: end it, then ask again")
 
     def _writing(self, ino: int) -> bool:
         """This session has a write of *ino* open."""
@@ -533,6 +562,7 @@ class ArraySession:
             return (await self.meta.map_write(ino, offset, length)).extents
         except SpaceBusy:  # only freed, not yet zeroed space is left: wait once
             await self.meta.reclaim()
+            self._not_held_up(ino)
             try:
                 return (await self.meta.map_write(ino, offset, length)).extents
             except SpaceBusy:

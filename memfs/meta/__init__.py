@@ -312,6 +312,9 @@ class Meta(abc.ABC):
         truncate waits for it (memfs.array.service)."""
         return False
 
+    async def truncates_over(self, ino: int) -> None:  # noqa: B027 (see truncating)
+        """Until no truncate of *ino* made on this node is under way."""
+
     def locks(self) -> Locks | None:
         """Where the kernel's lock requests go (cluster-wide locks: a cluster client);
         None: the kernel keeps locks itself, per node (one node sees every change)."""

@@ -866,6 +866,9 @@ class RemoteMeta(Meta):
     def truncating(self, ino: int) -> bool:
         return ino in self.leases.truncating
 
+    async def truncates_over(self, ino: int) -> None:
+        await self.leases.truncates_over(ino)
+
     def recalls_drop_pages(self) -> bool:
         # Under leases every change to a file by another client (map_write,
         # allocate_ahead, truncate, ...) recalls us first, and the recall drops the
@@ -1055,12 +1058,14 @@ class RemoteMeta(Meta):
         if self.leases.barrier is not None and self.cache.pinned_here(ino):
             await self.leases.barrier(ino)  # posted writes confirmed now, not at the next look
         cache = self.cache
-        arrays_by = trio.current_time() + self.leases.answer_within
+        arrays_by: float | None = None
         while True:
             with trio.move_on_after(self.timeout):
                 await cache.wait_unpinned([ino], here=True)
                 if not cache.moving(ino):
                     break
+                if arrays_by is None:
+                    arrays_by = trio.current_time() + self.leases.answer_within
                 with trio.move_on_at(arrays_by):
                     await cache.wait_landed(ino)
                     continue  # our own transport's again: none began meanwhile

@@ -438,8 +438,7 @@ def test_cluster_array_writes_racing_truncates_and_stats(tmp_path: Path) -> None
     and the other node truncates and stats it: the writer's slabs fail only as cut by
     a truncate (never "the chunk map keeps changing"), the truncates and stats do not
     fail, and the other node's files, made in the space the truncates free, keep their
-    own bytes.  (A transfer already under way when its own node truncates the file is
-    not waited for: docs/ARCHITECTURE.md, "Direct array I/O".  Pieces here are short.)"""
+    own bytes."""
     import json
 
     from tests.mount.test_cluster import make_cluster

@@ -922,10 +922,11 @@ async def test_a_truncate_waits_for_the_array_piece_open_on_its_node() -> None:
             assert info.value.errno == errno.EAGAIN
             assert server.store.inodes[ino].chunks == chunks, "freed under the write"
             assert not done.is_set()
+            with trio.fail_after(2), pytest.raises(FsError) as info:
+                await s.call("array.done", {"h": h, "t": t0})  # landed, then cut
+            assert info.value.errno == errno.EIO
             with trio.fail_after(2):
-                r, _ = await s.call("array.done", {"h": h, "t": t0})
                 await done.wait()
-        assert r == {"stale": False}
         await a.sync(ino)
         assert server.store.inodes[ino].size == 0
         t1 = await _map(s, h, 1 << 20, 1 << 20)  # asked again: goes ahead
@@ -958,12 +959,52 @@ async def test_ending_one_array_piece_does_not_wait_for_a_truncate_that_waits_fo
             with trio.fail_after(1):
                 await s.call("array.done", {"h": h, "t": t0})
             assert not done.is_set()
-            with trio.fail_after(2):
-                await s.call("array.done", {"h": h, "t": t1})
-                await done.wait()
+            with trio.fail_after(2), pytest.raises(FsError) as info:
+                await s.call("array.done", {"h": h, "t": t1})  # waits for it: cut
+            assert info.value.errno == errno.EIO
+            assert done.is_set()
         await a.sync(ino)
         assert server.store.inodes[ino].size == 0
         await s.aclose()
+
+
+async def test_a_piece_ended_while_a_truncate_waits_in_vain_is_applied_after_it() -> None:
+    """Two processes write one file; one stops with a piece open, so the truncate
+    waits for it and fails (ETXTBSY).  The other's piece, ended meanwhile, still
+    has its effects (mtime; with a backing directory the file is dirty again)."""
+    async with cluster(1) as (server, (a,), _):
+        a.leases.answer_within = 0.5
+        s1, s2 = _array_session(a), _array_session(a)
+        h1, ino = await _array_file(s1, "f", 2 << 20)
+        r, _ = await s2.call("array.open", {"path": "f", "write": True})
+        h2 = r["h"]
+        await a.sync(ino)
+        before = server.store.inodes[ino].mtime_ns
+        await _map(s1, h1, 0, 1 << 20)  # never ended (a stopped process)
+        t2 = await _map(s2, h2, 1 << 20, 1 << 20)
+        mapped: list[Any] = []
+        map_write = a.map_write
+
+        async def counting(ino_: int, offset: int, length: int) -> Any:
+            mapped.append((offset, length))
+            return await map_write(ino_, offset, length)
+
+        a.map_write = counting  # type: ignore[method-assign,assignment]
+        async with trio.open_nursery() as nursery:
+
+            async def truncate() -> None:
+                with pytest.raises(FsError) as info:
+                    await a.truncate(ino, 0)
+                assert info.value.errno == errno.ETXTBSY
+
+            nursery.start_soon(truncate)
+            await trio.sleep(0.1)
+            with trio.fail_after(3):
+                await s2.call("array.done", {"h": h2, "t": t2})
+        assert mapped == [(1 << 20, 1 << 20)]  # the write's effects, after the truncate
+        await a.sync(ino)
+        assert server.store.inodes[ino].mtime_ns > before
+        assert server.store.inodes[ino].size == 2 << 20
 
 
 async def test_a_truncate_is_refused_while_an_array_piece_of_the_file_stays_open() -> None:
