@@ -256,8 +256,8 @@ class ArraySession:
         self._next = 1
         self._transfers: dict[int, _Transfer] = {}
         self._next_transfer = 1
-        #: inode -> write ranges whose effects are still to be made (see _wrote)
-        self._owed: dict[int, list[tuple[int, int]]] = {}
+        #: inode -> ended writes whose effects are still to be made (see _wrote)
+        self._owed: dict[int, list[_Transfer]] = {}
         #: transfers open at once (see ``array.map``)
         self.depth = 1 if service.access.kind == "local" else MAX_TRANSFERS
 
@@ -399,64 +399,63 @@ class ArraySession:
             moved = self.meta.generation(h.ino) != t.gen
             if not t.write:
                 return {"stale": moved}
-            await self._wrote(h, t, moved)
+            await self._wrote(h, t)
         if args.get("publish") and h.temp is None:
             await self._publish(h)
         return {"stale": False}
 
-    async def _wrote(self, h: _Handle, t: _Transfer, moved: bool) -> None:
-        """A write's other effects, before its hold goes: mtime, and for the burst
-        buffer the file is dirty again (a write-back that copied it mid-transfer is
-        redone; a clean file could be evicted).  Only within the size: a truncate
-        meanwhile wins, as if it came after.
+    async def _wrote(self, h: _Handle, t: _Transfer) -> None:
+        """A write's other effects, before its hold goes: if the map changed since, the
+        check that the range is still where it was written (EIO: cut by a truncate,
+        or its chunks freed); mtime, and for the burst buffer the file is dirty again
+        (a write-back that copied it mid-transfer is redone; a clean file could be
+        evicted).  Only within the size: a truncate meanwhile wins, as if it came
+        after.
 
         A truncate of the file under way on this node waited for this piece to land
         and comes after it; it may also be waiting for the next piece this session
-        has open, so nothing here waits for it then (the piece's effects are owed,
-        and made with a later piece's); else they wait for it to be over (it may
+        has open, so nothing here waits for it then: the piece is owed, and made
+        with a later piece of the file (after waiting for the truncate, which may
         fail: ETXTBSY)."""
         meta, ino = self.meta, h.ino
-        spans = [(t.offset, t.length)]
-        checked = not moved
+        pieces = [t]
+        checked: set[int] = set()  # (ids of) pieces found where they were written
         for tries in range(MAP_TRIES):
             if (pause := map_retry_delay(tries)) > 0:
                 await trio.sleep(pause)
             if meta.truncating(ino):
                 if self._writing(ino):
-                    self._owed.setdefault(ino, []).extend(spans)
+                    self._owed.setdefault(ino, []).extend(pieces)
                     return
                 await meta.truncates_over(ino)
-                checked = checked and meta.generation(ino) == t.gen
                 continue
-            if not checked:
-                # Recalled or truncated since the map: if the range is not where we
-                # wrote it any more, the file was cut or its chunks freed under it.
-                now = await meta.map_read(ino, t.offset, t.length)
-                if [[e.offset, e.length, e.volume, e.voffset] for e in now] != t.extents:
-                    self._owed.pop(ino, None)
+            pieces += self._owed.pop(ino, ())
+            gen = meta.generation(ino)
+            moved = next((p for p in pieces if id(p) not in checked and p.gen != gen), None)
+            if moved is not None:
+                now = await meta.map_read(ino, moved.offset, moved.length)
+                if [[e.offset, e.length, e.volume, e.voffset] for e in now] != moved.extents:
                     raise FsError(errno.EIO, "the file changed under the write (truncated, "
                                              "or its chunks moved): write it again")
-                checked = True
+                checked.add(id(moved))
                 continue  # (the map_read awaited: the gate again)
-            spans += self._owed.pop(ino, ())
-            gen = meta.generation(ino)
             size = (await meta.getattr(ino)).size
-            while spans and not meta.truncating(ino) and meta.generation(ino) == gen:
+            while pieces and not meta.truncating(ino) and meta.generation(ino) == gen:
                 # (no await between these checks and the map_write's own: a truncate
                 # of ours begun since would come after it, with a size read before)
-                off, length = spans[0]
-                if (n := min(length, size - off)) > 0:
+                p = pieces[0]
+                if (n := min(p.length, size - p.offset)) > 0:
                     try:
-                        await self._map_write(ino, off, n)
+                        await self._map_write(ino, p.offset, n)
                     except FsError as exc:
                         if exc.errno != errno.EAGAIN:  # (a truncate began while we waited)
                             raise
-                        self._owed.setdefault(ino, []).extend(spans)
+                        self._owed.setdefault(ino, []).extend(pieces)
                         return
-                spans.pop(0)
-            if not spans:
+                pieces.pop(0)
+            if not pieces:
                 return
-        self._owed.setdefault(ino, []).extend(spans)
+        self._owed.setdefault(ino, []).extend(pieces)
         raise FsError(errno.EIO, "the file's chunk map keeps changing")
 
     def _not_held_up(self, ino: int) -> None:

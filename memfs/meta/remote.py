@@ -1035,8 +1035,10 @@ class RemoteMeta(Meta):
         memfs.array processes' writes of the file get as long as a recall's answer
         would give them to land (their maps of the file are refused meanwhile,
         ``truncating``, so that a pipelined one ends the piece it has open); one still
-        under way then (a stopped process) makes the truncate fail with ETXTBSY rather
-        than free chunks it may still write."""
+        under way then (a stopped process; or one whose next map, asked before the
+        truncate, waits for the server: a reconnection, the burst buffer's dirty cap)
+        makes the truncate fail with ETXTBSY rather than free chunks it may still
+        write."""
         truncating = self.leases.truncating
         await self.leases.truncates_over(ino)  # one at a time
         truncating[ino] = gate = trio.Event()
@@ -1069,8 +1071,8 @@ class RemoteMeta(Meta):
                 with trio.move_on_at(arrays_by):
                     await cache.wait_landed(ino)
                     continue  # our own transport's again: none began meanwhile
-                raise FsError(errno.ETXTBSY, "a memfs.array process on this node is still "
-                              f"writing it ({self.leases.answer_within:.1f} s)")
+                raise FsError(errno.ETXTBSY, "a memfs.array write of it on this node did not "
+                              f"end within {self.leases.answer_within:.1f} s")
             log.warning("truncating inode %d: transfers of it begun before still run", ino)
         # From here no await until the call is sent (when connected): the state
         # dropped now stays dropped.

@@ -26,7 +26,7 @@ import trio.testing
 from memfs import wire
 from memfs.array.service import ArrayService, ArraySession, PoolAccess
 from memfs.config import PoolConfig
-from memfs.errors import FsError
+from memfs.errors import FsError, SpaceBusy
 from memfs.host import Peer
 from memfs.meta import Attr, SetAttr, codec, fencing, lease_client
 from memfs.meta.cache import MAX_RANGES, READ_AT, ClientCache, add_range
@@ -1005,6 +1005,106 @@ async def test_a_piece_ended_while_a_truncate_waits_in_vain_is_applied_after_it(
         await a.sync(ino)
         assert server.store.inodes[ino].mtime_ns > before
         assert server.store.inodes[ino].size == 2 << 20
+
+
+@pytest.mark.parametrize("moved", [False, True], ids=["in-place", "moved"])
+async def test_pieces_owed_while_a_truncate_waited_in_vain_are_checked_and_applied(
+    moved: bool,
+) -> None:
+    """One session ends a piece while the truncate also waits for its next piece (and
+    for another process's, stopped): the first piece's effects are owed, then made
+    with the next one's once the truncate has failed; and its range is checked like
+    any piece's (EIO if it moved meanwhile)."""
+    async with cluster(1) as (server, (a,), _):
+        a.leases.answer_within = 0.5
+        s1, s2 = _array_session(a), _array_session(a)
+        h1, ino = await _array_file(s1, "f", 3 << 20)
+        r, _ = await s2.call("array.open", {"path": "f", "write": True})
+        await _map(s2, r["h"], 2 << 20, 1 << 20)  # never ended (a stopped process)
+        t0 = await _map(s1, h1, 0, 1 << 20)
+        t1 = await _map(s1, h1, 1 << 20, 1 << 20)
+        mapped: list[Any] = []
+        map_write, map_read = a.map_write, a.map_read
+
+        async def counting(ino_: int, offset: int, length: int) -> Any:
+            mapped.append((offset, length))
+            return await map_write(ino_, offset, length)
+
+        async def elsewhere(ino_: int, offset: int, length: int) -> Any:
+            extents = await map_read(ino_, offset, length)
+            return extents[1:] if moved and offset == 0 else extents
+
+        a.map_write = counting  # type: ignore[method-assign,assignment]
+        a.map_read = elsewhere  # type: ignore[method-assign,assignment]
+        async with trio.open_nursery() as nursery:
+
+            async def truncate() -> None:
+                with pytest.raises(FsError) as info:
+                    await a.truncate(ino, 0)
+                assert info.value.errno == errno.ETXTBSY
+
+            nursery.start_soon(truncate)
+            await trio.sleep(0.1)
+            with trio.fail_after(1):
+                await s1.call("array.done", {"h": h1, "t": t0})  # owed
+            assert not mapped
+            if moved:
+                a.cache.drop(ino)  # (as a recall would: the map of piece 0 moved)
+            with trio.fail_after(3):
+                if moved:
+                    with pytest.raises(FsError) as info:
+                        await s1.call("array.done", {"h": h1, "t": t1})
+                    assert info.value.errno == errno.EIO
+                else:
+                    await s1.call("array.done", {"h": h1, "t": t1})
+        assert mapped == ([] if moved else [(1 << 20, 1 << 20), (0, 1 << 20)])
+
+
+async def test_a_map_that_waited_for_freed_space_is_sent_back_during_such_a_truncate() -> None:
+    """A write map that finds only freed, not yet zeroed, space waits for the scrubber
+    and asks again: a truncate of the file begun on the node meanwhile, which waits
+    for the piece the session has open, sends it back (EAGAIN) too."""
+    async with cluster(1) as (server, (a,), _):
+        a.leases.answer_within = 5.0
+        s = _array_session(a)
+        h, ino = await _array_file(s, "f", 2 << 20)
+        t0 = await _map(s, h, 0, 1 << 20)
+        map_write, reclaim = a.map_write, a.reclaim
+        busy = [True]
+        done = trio.Event()
+
+        async def busy_once(ino_: int, offset: int, length: int) -> Any:
+            if busy[0] and offset == 1 << 20:
+                busy[0] = False
+                raise SpaceBusy()
+            return await map_write(ino_, offset, length)
+
+        async def slow_reclaim() -> None:
+            await trio.sleep(0.2)  # the truncate begins while freed space is zeroed
+            await reclaim()
+
+        a.map_write = busy_once  # type: ignore[method-assign,assignment]
+        a.reclaim = slow_reclaim  # type: ignore[method-assign]
+
+        async def truncate() -> None:
+            await a.truncate(ino, 0)
+            done.set()
+
+        async with trio.open_nursery() as nursery:
+
+            async def start_truncate() -> None:
+                await trio.sleep(0.05)
+                nursery.start_soon(truncate)
+
+            nursery.start_soon(start_truncate)
+            with trio.fail_after(1), pytest.raises(FsError) as info:
+                await _map(s, h, 1 << 20, 1 << 20)
+            assert info.value.errno == errno.EAGAIN
+            with trio.fail_after(2), pytest.raises(FsError):
+                await s.call("array.done", {"h": h, "t": t0})  # cut by the truncate: EIO
+            with trio.fail_after(2):
+                await done.wait()
+        await s.aclose()
 
 
 async def test_a_truncate_is_refused_while_an_array_piece_of_the_file_stays_open() -> None:
