@@ -416,7 +416,7 @@ class ArraySession:
         and comes after it; it may also be waiting for the next piece this session
         has open, so nothing here waits for it then: the piece is owed, and made
         with a later piece of the file (after waiting for the truncate, which may
-        fail: ETXTBSY)."""
+        fail: ETXTBSY).  On EIO the owed pieces go too: the slab write failed."""
         meta, ino = self.meta, h.ino
         pieces = [t]
         checked: set[int] = set()  # (ids of) pieces found where they were written
@@ -455,8 +455,7 @@ class ArraySession:
                 pieces.pop(0)
             if not pieces:
                 return
-        self._owed.setdefault(ino, []).extend(pieces)
-        raise FsError(errno.EIO, "the file's chunk map keeps changing")
+        raise FsError(errno.EIO, "the file's chunk map keeps changing")  # (pieces dropped)
 
     def _not_held_up(self, ino: int) -> None:
         """Before a map_write of *ino*, which waits for a truncate of it under way on
