@@ -894,6 +894,26 @@ async def _map(s: ArraySession, h: int, offset: int, length: int, write: bool = 
     return int(r["t"])
 
 
+def _count_map_writes(c: RemoteMeta) -> list[tuple[int, int]]:
+    """The (offset, length) of every map_write *c* is asked for from now on."""
+    mapped: list[tuple[int, int]] = []
+    map_write = c.map_write
+
+    async def counting(ino: int, offset: int, length: int) -> Any:
+        mapped.append((offset, length))
+        return await map_write(ino, offset, length)
+
+    c.map_write = counting  # type: ignore[method-assign]
+    return mapped
+
+
+async def _truncate_refused(c: RemoteMeta, ino: int) -> None:
+    """A truncate of *ino* through *c* that an array piece left open refuses."""
+    with pytest.raises(FsError) as info:
+        await c.truncate(ino, 0)
+    assert info.value.errno == errno.ETXTBSY
+
+
 async def test_a_truncate_waits_for_the_array_piece_open_on_its_node() -> None:
     """A memfs.array process writing the file on the node that truncates it (the mds
     recalls nothing from that node, and frees the chunks past the new end at once):
@@ -982,22 +1002,9 @@ async def test_a_piece_ended_while_a_truncate_waits_in_vain_is_applied_after_it(
         before = server.store.inodes[ino].mtime_ns
         await _map(s1, h1, 0, 1 << 20)  # never ended (a stopped process)
         t2 = await _map(s2, h2, 1 << 20, 1 << 20)
-        mapped: list[Any] = []
-        map_write = a.map_write
-
-        async def counting(ino_: int, offset: int, length: int) -> Any:
-            mapped.append((offset, length))
-            return await map_write(ino_, offset, length)
-
-        a.map_write = counting  # type: ignore[method-assign,assignment]
+        mapped = _count_map_writes(a)
         async with trio.open_nursery() as nursery:
-
-            async def truncate() -> None:
-                with pytest.raises(FsError) as info:
-                    await a.truncate(ino, 0)
-                assert info.value.errno == errno.ETXTBSY
-
-            nursery.start_soon(truncate)
+            nursery.start_soon(_truncate_refused, a, ino)
             await trio.sleep(0.1)
             with trio.fail_after(3):
                 await s2.call("array.done", {"h": h2, "t": t2})
@@ -1023,27 +1030,16 @@ async def test_pieces_owed_while_a_truncate_waited_in_vain_are_checked_and_appli
         await _map(s2, r["h"], 2 << 20, 1 << 20)  # never ended (a stopped process)
         t0 = await _map(s1, h1, 0, 1 << 20)
         t1 = await _map(s1, h1, 1 << 20, 1 << 20)
-        mapped: list[Any] = []
-        map_write, map_read = a.map_write, a.map_read
-
-        async def counting(ino_: int, offset: int, length: int) -> Any:
-            mapped.append((offset, length))
-            return await map_write(ino_, offset, length)
+        mapped = _count_map_writes(a)
+        map_read = a.map_read
 
         async def elsewhere(ino_: int, offset: int, length: int) -> Any:
             extents = await map_read(ino_, offset, length)
             return extents[1:] if moved and offset == 0 else extents
 
-        a.map_write = counting  # type: ignore[method-assign,assignment]
         a.map_read = elsewhere  # type: ignore[method-assign,assignment]
         async with trio.open_nursery() as nursery:
-
-            async def truncate() -> None:
-                with pytest.raises(FsError) as info:
-                    await a.truncate(ino, 0)
-                assert info.value.errno == errno.ETXTBSY
-
-            nursery.start_soon(truncate)
+            nursery.start_soon(_truncate_refused, a, ino)
             await trio.sleep(0.1)
             with trio.fail_after(1):
                 await s1.call("array.done", {"h": h1, "t": t0})  # owed
