@@ -20,6 +20,7 @@ only if the inode's *generation* did not move while the map was fetched.
 
 from __future__ import annotations
 
+import stat
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from memfs.meta import Attr, Extent, add_run
+from memfs.meta import CAPABILITY_XATTR, Attr, Extent, add_run
 
 #: chunk map value of a hole (reads as zeros)
 HOLE = (-1, 0)
@@ -454,6 +455,62 @@ class ClientCache:
         if d is not None:
             d.names.pop(name, None)
             d.complete = False
+
+    # -- our own changes, as the server answered them (cacheable: under our lease) ------
+
+    def changed(self, a: Attr, cacheable: bool) -> None:
+        """We changed *a*'s inode (setattr): its new attributes."""
+        self.mark(a.ino)
+        if cacheable:
+            self.put_attr(a)
+        else:
+            self.attrs.pop(a.ino, None)
+
+    def touched(self, parent: int, t: int, links: int, cacheable: bool) -> None:
+        """Our change of directory *parent* at time *t* (its mtime and ctime now), which
+        gained *links* subdirectories."""
+        a = self.attrs.get(parent)
+        if a is None:
+            return
+        if cacheable:
+            a.mtime_ns = a.ctime_ns = t
+            a.nlink += links
+        else:
+            del self.attrs[parent]
+
+    def created(self, parent: int, name: bytes, a: Attr, cacheable: bool, *, new: bool = True) -> None:
+        """We named *a* *name* in *parent* (*new*: a new inode, not a link)."""
+        self.mark(a.ino, parent, ("names", parent))
+        # The directory's mtime is the new entry's ctime (one timestamp per call).
+        self.touched(parent, a.ctime_ns, 1 if stat.S_ISDIR(a.mode) and a.nlink == 2 else 0, cacheable)
+        if cacheable:
+            self.put_entry(parent, name, a.ino)
+            self.put_attr(a)
+            if new:
+                # A new inode has no file capabilities: the kernel's look before the
+                # first write, and drop_privileges, need not ask.
+                self.put_xattr(a.ino, CAPABILITY_XATTR, None)
+            if stat.S_ISDIR(a.mode):
+                self.new_directory(a.ino)
+        else:
+            self.drop_entry(parent, name)
+
+    def removed(self, parent: int, name: bytes, child: int, t: int, links: int, cacheable: bool) -> None:
+        """We removed *name* (inode *child*) from *parent* at time *t*."""
+        self.mark(child, parent, ("names", parent))
+        self.touched(parent, t, links, cacheable)
+        self.attrs.pop(child, None)  # nlink and ctime moved
+        if cacheable:
+            self.put_entry(parent, name, 0)
+        else:
+            self.drop_entry(parent, name)
+
+    def named_elsewhere(self, ino: int | None) -> None:
+        """*ino* gets (or loses) a name the server knows: others may learn of it there,
+        so it is no longer ours alone to unlink without asking."""
+        if ino:
+            for born in self.creators.values():
+                born.discard(ino)
 
     def land(self, ino: int, d: tuple[int, int], applied: bool = True) -> None:
         """The reply to our report of *d* (size, mtime) was just read: what the server

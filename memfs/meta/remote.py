@@ -2,8 +2,9 @@
 
 One TCP connection carries many outstanding calls (request ids); a writer task
 sends, a reader task matches replies to callers, and a keepalive ping keeps an
-idle connection provably alive.  :func:`open_remote_meta` owns the nursery these
-tasks run in.
+idle connection provably alive (:mod:`memfs.meta.remote_conn`).
+:func:`open_remote_meta` owns the nursery these tasks run in.  Chunk maps for
+reads and writes: :mod:`memfs.meta.remote_maps`.
 
 Deadlines: every call finishes within ``timeout`` seconds, counting any wait for
 a reconnection; otherwise it fails with ``FsError(EIO)``.  A call that times
@@ -66,26 +67,28 @@ from memfs.meta import (
     set_ids_to_drop,
 )
 from memfs.meta.cache import READ_AT, ClientCache
-from memfs.meta.conn import MAX_REPLY, ROLE, FrameSocket
-from memfs.meta.creates import CREATE_HOLD, RESERVE, AsyncCreates
+from memfs.meta.conn import MAX_REPLY, FrameSocket
+from memfs.meta.creates import RESERVE, AsyncCreates
 from memfs.meta.lease_client import LeaseKeeper
 from memfs.meta.lock_client import LockClient
+from memfs.meta.remote_conn import (
+    NOT_CACHEABLE,
+    PING,
+    REPLY_KINDS,
+    MdsConnection,
+    OnReply,
+    handshake,
+)
+from memfs.meta.remote_maps import MapClient
 from memfs.net import connect
 from memfs.wire import Kind, WireError
 
 log = logging.getLogger(__name__)
 
-#: an idle connection sends a ping this often; the server drops silent ones
-KEEPALIVE = 5.0
-#: calls without reply (releases) wait at most this long for a call to go with
-HOLD_MAX = 0.25
 #: at close, what is held or queued gets this long to reach the socket (the server may hang)
 CLOSE_FLUSH = 1.0
-#: most space a sequential writer asks for ahead of its writes (the server caps it too)
-MAX_AHEAD = 64 << 20
 RECONNECT_MIN = 0.05
 RECONNECT_MAX = 2.0
-_PING = wire.encode(["ping"])
 #: what a failed connection attempt raises (FsError aside)
 _CONNECT_ERRORS = (
     OSError, WireError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError,
@@ -141,13 +144,6 @@ class PoolDescription:
             raise WireError(f"describe: missing {exc}") from None
 
 
-class AuthRefused(FsError):
-    """The server refused our secret (or we refused its proof)."""
-
-    def __init__(self, msg: str) -> None:
-        super().__init__(errno.EACCES, msg)
-
-
 class KnownAbsent(FsError):
     """An error the server says the client may cache under its lease (an absent name)."""
 
@@ -157,248 +153,6 @@ class FilesystemGone(FsError):
 
     def __init__(self, msg: str) -> None:
         super().__init__(errno.EIO, msg)
-
-
-#: run by the reader as a reply is read (no reconnection in between): (kind, payload)
-OnReply = Callable[[Kind, bytes], None]
-
-
-class _Pending:
-    __slots__ = ("event", "kind", "payload", "lost", "on_ok", "on_fail", "sent", "recalls", "read_at")
-
-    def __init__(self, on_ok: OnReply | None, sent: float, on_fail: OnReply | None = None) -> None:
-        self.event = trio.Event()
-        self.kind = Kind.ERROR
-        self.payload = b""
-        self.lost = False
-        self.on_ok = on_ok
-        self.on_fail = on_fail
-        self.sent = sent
-        #: the connection's count of recalls handled when the reply was read
-        self.recalls = 0
-        #: the cache's count of our reports' replies read before this one (cache.READ_AT)
-        self.read_at = -1
-
-
-#: reply kinds of a call that succeeded
-_OK_KINDS = frozenset({Kind.OK, Kind.OK_CACHE, Kind.OK_WRITE})
-_REPLY_KINDS = _OK_KINDS | {Kind.ERROR, Kind.ERROR_CACHE}
-#: what a cacheable reply kind becomes when a recall came between reading the reply
-#: and its caller's turn (see _Connection.recalls)
-_NOT_CACHEABLE = {Kind.OK_CACHE: Kind.OK, Kind.OK_WRITE: Kind.OK, Kind.ERROR_CACHE: Kind.ERROR}
-
-
-class _Connection:
-    """One authenticated connection and the calls outstanding on it."""
-
-    def __init__(
-        self, fs: FrameSocket, timeout: float, cache: ClientCache,
-        on_recall: Callable[[_Connection, int, bytes], None],
-        on_unlocked: Callable[[int], None],
-    ) -> None:
-        self.fs = fs
-        self.timeout = timeout
-        self.cache = cache
-        self.on_recall = on_recall
-        self.on_unlocked = on_unlocked
-        #: idle pings this often keep the lease (and the connection) alive
-        self.keepalive = min(KEEPALIVE, cache.term / 4) if cache.term else KEEPALIVE
-        self.pending: dict[int, _Pending] = {}
-        #: RECALL frames handled so far.  The reader hands a reply to its caller and
-        #: goes on reading: a RECALL right behind the reply (the server granted, then
-        #: took back) is handled before the caller runs, and the caller would then
-        #: cache what the recall has just dropped, where the server no longer thinks
-        #: it is held (never recalled again: stale for good; a write lease whose
-        #: preallocated chunks were freed).  A reply read before a recall that its
-        #: caller sees after it is therefore not cacheable (_roundtrip).
-        self.recalls = 0
-        self.dead = False
-        self.reason = "closed"
-        self._next_id = 1
-        self._wake = trio.Event()
-        self._scope = trio.CancelScope()
-        self._last_send = trio.current_time()
-        #: calls without reply not sent yet: they go with the next call (or ping)
-        self._held = bytearray()
-        #: set when an asynchronous create is held: it leaves within CREATE_HOLD
-        self._flush_soon = trio.Event()
-
-    def request(self, payload: bytes, on_ok: OnReply | None = None) -> tuple[int, _Pending]:
-        """Send a call (no await: callers do their bookkeeping atomically with it)."""
-        rid = self._next_id
-        self._next_id = rid % 0xFFFFFFFF + 1
-        now = trio.current_time()
-        p = _Pending(on_ok, now)
-        self.pending[rid] = p
-        frame = wire.frame(Kind.CALL, rid, payload)
-        if self._held:
-            self._held += frame
-            frame = bytes(self._held)
-            self._held.clear()
-        self._send(frame, now)
-        return rid, p
-
-    def _send(self, frame: bytes, now: float) -> None:
-        try:
-            self.fs.send_now(frame)
-        except trio.BrokenResourceError as exc:
-            self.kill(f"send failed: {exc}")
-        else:
-            if self.fs.pending():
-                self._wake.set()
-        self._last_send = now
-
-    def hold(self, payload: bytes, on_ok: OnReply, on_fail: OnReply) -> None:
-        """A call whose answer nobody waits for (an asynchronous create): it leaves with
-        the next call, or at most ``CREATE_HOLD`` later with the others held meanwhile;
-        the reader hands its answer to *on_ok* or *on_fail* (a lost connection: neither)."""
-        rid = self._next_id
-        self._next_id = rid % 0xFFFFFFFF + 1
-        self.pending[rid] = _Pending(on_ok, trio.current_time(), on_fail)
-        self._held += wire.frame(Kind.CALL, rid, payload)
-        if not self._flush_soon.is_set():
-            self._flush_soon.set()
-
-    def flush_held(self) -> None:
-        """Send the held calls now."""
-        if self._held and not self.dead:
-            frame = bytes(self._held)
-            self._held.clear()
-            self._send(frame, trio.current_time())
-
-    async def _flusher(self) -> None:
-        while True:
-            await self._flush_soon.wait()
-            await trio.sleep(CREATE_HOLD)
-            self._flush_soon = trio.Event()
-            self.flush_held()
-
-    def cast(self, payload: bytes) -> None:
-        """A call that wants no reply (request id 0): the server runs it in order with
-        the others and answers nothing.  It leaves with our next call, in the same
-        send, or with a ping at most ``HOLD_MAX`` later."""
-        self._held += wire.frame(Kind.CALL, 0, payload)
-
-    def send_recalled(self, rid: int, payload: bytes) -> None:
-        """Acknowledge recall *rid* (no await: the reader must not wait on the socket)."""
-        if self.dead:
-            return
-        try:
-            self.fs.send_now(wire.frame(Kind.RECALLED, rid, payload))
-        except trio.BrokenResourceError as exc:
-            self.kill(f"send failed: {exc}")
-        else:
-            if self.fs.pending():
-                self._wake.set()
-
-    async def delivered(self) -> bool:
-        """A ping's reply: the server has read every frame sent before it (in order)."""
-        if self.dead:
-            return False
-        _, p = self.request(_PING)
-        await p.event.wait()  # bounded by the watchdog, like every call
-        return not p.lost
-
-    def kill(self, reason: str) -> None:
-        if not self.dead and not self._scope.cancel_called:
-            self.reason = reason
-        self._scope.cancel()
-
-    async def run(self) -> None:
-        """Serve this connection until it breaks; then every outstanding call is lost."""
-        try:
-            with self._scope:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._writer)
-                    nursery.start_soon(self._reader)
-                    nursery.start_soon(self._keepalive)
-                    nursery.start_soon(self._watchdog)
-                    nursery.start_soon(self._flusher)
-        finally:
-            self.dead = True
-            self.fs.close()
-            for p in self.pending.values():
-                p.lost = True
-                p.event.set()
-            self.pending.clear()
-
-    async def _writer(self) -> None:
-        """Send what the socket did not take at once."""
-        try:
-            while True:
-                await self._wake.wait()
-                self._wake = trio.Event()
-                with trio.fail_after(self.timeout):
-                    await self.fs.flush()
-        except trio.TooSlowError:
-            self.kill(f"could not send for {self.timeout:.0f} s")
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            self.kill(f"send failed: {exc}")
-
-    async def _reader(self) -> None:
-        limit = self.keepalive + self.timeout  # the server answers our pings well within this
-        cache = self.cache
-        try:
-            # One scope whose deadline moves (in steps: setting a deadline is not
-            # free): cheaper than a fail_after per frame.
-            step = min(0.1, limit / 8)
-            with trio.CancelScope(deadline=trio.current_time() + limit) as silent:
-                while True:
-                    now = trio.current_time()
-                    if now + limit - silent.deadline > step:
-                        silent.deadline = now + limit
-                    got = await self.fs.receive()
-                    if got is None:
-                        self.kill("closed by the server")
-                        return
-                    h, payload = got
-                    if h.kind is Kind.RECALL:
-                        self.recalls += 1
-                        self.on_recall(self, h.req_id, payload)
-                        continue
-                    if h.kind is Kind.UNLOCKED:
-                        self.on_unlocked(codec.check_int(wire.decode(payload)[0], "unlocked inode"))
-                        continue
-                    if h.kind not in _REPLY_KINDS:
-                        raise WireError(f"unexpected {h.kind.name} frame")
-                    p = self.pending.pop(h.req_id, None)
-                    if p is None:
-                        continue  # the caller gave up on it (timeout, or a ping)
-                    if cache.term:
-                        cache.renew(p.sent)
-                    p.kind, p.payload, p.recalls, p.read_at = h.kind, payload, self.recalls, cache.landings
-                    if h.kind in _OK_KINDS:
-                        if p.on_ok is not None:
-                            p.on_ok(h.kind, payload)
-                    elif p.on_fail is not None:
-                        p.on_fail(h.kind, payload)
-                    p.event.set()
-            if silent.cancelled_caught:
-                self.kill(f"silent for {limit:.0f} s")
-        except WireError as exc:
-            log.error("metadata server broke the protocol: %s", exc)
-            self.kill(f"protocol error: {exc}")
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            self.kill(f"receive failed: {exc}")
-
-    async def _watchdog(self) -> None:
-        """End the connection when its oldest call has waited ``timeout`` for a reply
-        (the server is hung or unreachable): its calls are lost, callers start over on
-        a fresh connection or fail.  Checked a few times per timeout."""
-        every = min(0.25, self.timeout / 8)
-        while True:
-            await trio.sleep(every)
-            for p in self.pending.values():  # insertion order: the oldest first
-                if trio.current_time() - p.sent >= self.timeout:
-                    self.kill(f"no reply within {self.timeout:g} s")
-                break
-
-    async def _keepalive(self) -> None:
-        """Ping when idle (keeps the lease), or when calls were held for a while."""
-        while True:
-            await trio.sleep_until(min(self._last_send + self.keepalive, trio.current_time() + HOLD_MAX))
-            if self._held or trio.current_time() >= self._last_send + self.keepalive:
-                self.request(_PING)
 
 
 class RemoteMeta(Meta):
@@ -419,11 +173,11 @@ class RemoteMeta(Meta):
         #: writes and fsyncs fail with EIO until the last handle here closes
         self.write_errors: set[int] = set()
         self._opens_version = 0
-        self._conn: _Connection | None = None
+        self._conn: MdsConnection | None = None
         self._ready = trio.Event()
         self._closed = False
         self._scope = trio.CancelScope()
-        self._first: _Connection | None = None
+        self._first: MdsConnection | None = None
         self._gone: FilesystemGone | None = None
         #: what this client may serve without asking, under its lease
         self.cache = ClientCache()
@@ -437,16 +191,10 @@ class RemoteMeta(Meta):
         self._zero_tails: Callable[[int, list[tuple[int, int, int]]], Awaitable[None]] | None = None
         #: this client's cluster-wide file locks
         self.lock_client = LockClient(self.session, self._call)
-        #: (inode, map window) -> set once the map_read that will bring it has ended
-        self._maps_asked: dict[tuple[int, int], trio.Event] = {}
-        #: inodes whose last map_read answer was not cacheable (reads do not wait)
-        self._maps_plain: set[int] = set()
-        #: files whose space ahead of need the server may hold for us although the reply
-        #: that gave it was not cacheable here (a recall or a change of ours came
-        #: meanwhile): their last close gives it back all the same
-        self._ahead_unsure: set[int] = set()
+        #: the chunk maps reads and writes go by (memfs.meta.remote_maps)
+        self.maps = MapClient(self.cache, self.leases, self._call_kind, self.getattr,
+                              self.opens, self._check_write_error)
         self._last_open: tuple[int, bool] = (0, False)
-        self.stripe_size = 0
         #: the lease token our memory-server connections name (from the registration);
         #: a new one means the server took our leases without our word, or restarted
         self.token = 0
@@ -487,7 +235,7 @@ class RemoteMeta(Meta):
                     tasks.start_soon(self.leases.settle_dirty)
                 await self._connection_loop(conn)
 
-    async def _connection_loop(self, conn: _Connection) -> None:
+    async def _connection_loop(self, conn: MdsConnection) -> None:
         backoff = RECONNECT_MIN
         while True:
             self._conn = conn
@@ -530,11 +278,11 @@ class RemoteMeta(Meta):
             log.warning("reconnected to the metadata server at %s after %.1f s",
                         self.address, trio.current_time() - down_since)
 
-    async def _connect(self, first: bool) -> _Connection:
+    async def _connect(self, first: bool) -> MdsConnection:
         with trio.fail_after(self.timeout):
             fs = FrameSocket(await connect(self.host, self.port), MAX_REPLY)
             try:
-                await self._handshake(fs)
+                await handshake(fs, self.secret, self.address)
                 # Transfers still running now began under the old connection's maps
                 # (no map is handed out without a connection): memfs.array's, which
                 # _others_ended gave up waiting for (or ours: see _transfers_ended).
@@ -548,7 +296,7 @@ class RemoteMeta(Meta):
         if first:
             self.pool = desc
             self.chunk_size, self.n_volumes = desc.chunk_size, desc.n_volumes
-            self.stripe_size = desc.stripe_size
+            self.maps.stripe_size = desc.stripe_size
             self.cache.chunk_size = desc.chunk_size
             self.cache.term = desc.lease_term
             self.leases.server_patience(desc.recall_timeout)
@@ -590,7 +338,7 @@ class RemoteMeta(Meta):
                          "or restarted)")
             self._on_token(self.token)
             self._named_token = self.token
-        return _Connection(fs, self.timeout, self.cache, self.leases.on_recall,
+        return MdsConnection(fs, self.timeout, self.cache, self.leases.on_recall,
                            self.lock_client.unlocked)
 
     async def _transfers_ended(self) -> None:
@@ -617,35 +365,6 @@ class RemoteMeta(Meta):
         log.warning("memfs.array transfers begun before the connection was lost still run "
                     "after %.1f s: registering with a new lease token (they will fail)",
                     self.leases.answer_within)
-
-    async def _handshake(self, fs: FrameSocket) -> None:
-        hs = wire.Handshake(self.secret)
-        got = await fs.receive()
-        if got is None:
-            raise AuthRefused(f"{self.address} closed the connection before greeting")
-        h, payload = got
-        if h.kind is Kind.ERROR:
-            raise AuthRefused(f"{self.address} refused: {wire.decode_error(payload)[1]}")
-        if h.kind is not Kind.HELLO:
-            raise WireError(f"expected HELLO, got {h.kind.name}")
-        await fs.send(wire.frame(Kind.AUTH, 0, hs.auth(payload, ROLE)))
-        try:
-            got = await fs.receive()
-        except trio.BrokenResourceError:  # reset: e.g. a memory server refusing our role
-            got = None
-        if got is None:
-            raise AuthRefused(
-                f"{self.address} refused authentication (wrong secret, or not a metadata server?)"
-            )
-        h, payload = got
-        if h.kind is Kind.ERROR:
-            raise AuthRefused(f"{self.address} refused authentication: {wire.decode_error(payload)[1]}")
-        if h.kind is not Kind.WELCOME:
-            raise WireError(f"expected WELCOME, got {h.kind.name}")
-        try:
-            hs.check_welcome(payload)
-        except WireError as exc:
-            raise AuthRefused(f"{self.address}: {exc}") from None
 
     async def _register(
         self, fs: FrameSocket, fence: int = 0,
@@ -692,7 +411,7 @@ class RemoteMeta(Meta):
                     # transfers under old maps have ended.
                     await fs.send(wire.frame(Kind.RECALLED, h.req_id, wire.encode([])))
                     continue
-                if h.kind not in _REPLY_KINDS or h.req_id not in (1, 2):
+                if h.kind not in REPLY_KINDS or h.req_id not in (1, 2):
                     raise WireError(f"unexpected {h.kind.name} frame {h.req_id} during registration")
                 replies[h.req_id] = got
             values = []
@@ -782,8 +501,8 @@ class RemoteMeta(Meta):
                     conn.pending.pop(rid, None)
             if not p.lost:
                 READ_AT.set(p.read_at)  # for what the caller does with the reply (cache.newest)
-                if (p.recalls != conn.recalls or self.cache.cuts != cuts) and p.kind in _NOT_CACHEABLE:
-                    return _NOT_CACHEABLE[p.kind], p.payload  # (callers cache with no await)
+                if (p.recalls != conn.recalls or self.cache.cuts != cuts) and p.kind in NOT_CACHEABLE:
+                    return NOT_CACHEABLE[p.kind], p.payload  # (callers cache with no await)
                 return p.kind, p.payload
             if trio.current_time() >= deadline:
                 break
@@ -935,7 +654,7 @@ class RemoteMeta(Meta):
             # Not known to have arrived: the connection went.  The next registration
             # carries it; once a call goes through, the server has heard it (or said
             # that it was lost: write_errors).
-            await self._roundtrip("ping", _PING, retry=True)
+            await self._roundtrip("ping", PING, retry=True)
         self._check_write_error(ino)
 
     # -- Meta ------------------------------------------------------------------------------------
@@ -983,7 +702,7 @@ class RemoteMeta(Meta):
         for t in (changes.atime_ns, changes.mtime_ns):
             if t is not None:
                 clock.saw(t)  # (the stamps of our writes under a lease come after it)
-        self._after_change(kind, a)
+        self.cache.changed(a, kind is Kind.OK_CACHE)
         return a
 
     async def drop_privileges(self, ino: int, set_ids: bool) -> bool:
@@ -1016,13 +735,6 @@ class RemoteMeta(Meta):
             self.cache.attrs.pop(ino, None)
             self.cache.xattrs.pop(ino, None)
         return dropped
-
-    def _after_change(self, kind: Kind, a: Attr) -> None:
-        self.cache.mark(a.ino)
-        if kind is Kind.OK_CACHE:
-            self.cache.put_attr(a)
-        else:
-            self.cache.attrs.pop(a.ino, None)
 
     async def truncate(self, ino: int, size: int) -> list[tuple[int, int, int]]:
         """The server recalls nothing from the node that asks, and frees the chunks
@@ -1097,44 +809,15 @@ class RemoteMeta(Meta):
             # (A write lease taken meanwhile goes from the cache, not from the
             # server: its space ahead goes back at our last close all the same.)
             if cache.is_writer(ino):
-                self._ahead_unsure.add(ino)
+                self.maps.ahead_unsure.add(ino)
             cache.cut(ino)
-
-    def _touched(self, kind: Kind, parent: int, t: int, links: int = 0) -> None:
-        """Our change of directory *parent* at time *t* (its mtime and ctime now), which
-        gained *links* subdirectories."""
-        a = self.cache.attrs.get(parent)
-        if a is None:
-            return
-        if kind is Kind.OK_CACHE:
-            a.mtime_ns = a.ctime_ns = t
-            a.nlink += links
-        else:
-            del self.cache.attrs[parent]
-
-    def _created(self, kind: Kind, parent: int, name: bytes, a: Attr, *, new: bool = True) -> None:
-        cache = self.cache
-        cache.mark(a.ino, parent, ("names", parent))
-        # The directory's mtime is the new entry's ctime (one timestamp per call).
-        self._touched(kind, parent, a.ctime_ns, 1 if stat.S_ISDIR(a.mode) and a.nlink == 2 else 0)
-        if kind is Kind.OK_CACHE:
-            cache.put_entry(parent, name, a.ino)
-            cache.put_attr(a)
-            if new:
-                # A new inode has no file capabilities: the kernel's look before the
-                # first write, and drop_privileges, need not ask.
-                cache.put_xattr(a.ino, CAPABILITY_XATTR, None)
-            if stat.S_ISDIR(a.mode):
-                cache.new_directory(a.ino)
-        else:
-            cache.drop_entry(parent, name)
 
     async def mknod(
         self, parent: int, name: bytes, mode: int, uid: int, gid: int,
         rdev: int = 0, target: bytes | None = None,
     ) -> Attr:
         kind, a = await self._call_kind("mknod", parent, name, mode, uid, gid, rdev, target)
-        self._created(kind, parent, name, a)
+        self.cache.created(parent, name, a, kind is Kind.OK_CACHE)
         return a
 
     async def create(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Attr:
@@ -1153,7 +836,7 @@ class RemoteMeta(Meta):
         kind, a = await self._call_kind("create", parent, name, mode, uid, gid, on_ok=counted)
         if kind is Kind.OK_WRITE:
             kind = Kind.OK_CACHE
-        self._created(kind, parent, name, a)
+        self.cache.created(parent, name, a, kind is Kind.OK_CACHE)
         self._last_open = (a.ino, kind is Kind.OK_CACHE)
         return a
 
@@ -1174,7 +857,7 @@ class RemoteMeta(Meta):
         self._hold_made(conn, op, call, lambda err, msg: self._create_failed(ino, parent, name, err, msg))
         self.opens[ino] = self.opens.get(ino, 0) + 1
         self._opens_version += 1
-        self._created(Kind.OK_CACHE, parent, name, a)
+        self.cache.created(parent, name, a, True)
         self._last_open = (ino, True)
         return a
 
@@ -1209,11 +892,11 @@ class RemoteMeta(Meta):
             return False
         ino, op, call = removed
         self._hold_made(conn, op, call, lambda err, msg: self._unlink_failed(parent, name, err, msg))
-        self._removed(Kind.OK_CACHE, parent, name, ino, t, 0)
+        self.cache.removed(parent, name, ino, t, 0, True)
         return True
 
     def _hold_made(
-        self, conn: _Connection, op: int, call: list[Any], refused: Callable[[int, str], None],
+        self, conn: MdsConnection, op: int, call: list[Any], refused: Callable[[int, str], None],
     ) -> None:
         """Send *call* (operation *op* of :class:`AsyncCreates`) without waiting; its
         answer settles it, and *refused* hears of a refusal."""
@@ -1254,48 +937,31 @@ class RemoteMeta(Meta):
         self.leases.forget_kernel_names()
 
     async def link(self, ino: int, parent: int, name: bytes) -> Attr:
-        self._named_elsewhere(ino)
+        self.cache.named_elsewhere(ino)
         kind, a = await self._call_kind("link", ino, parent, name)
-        self._created(kind, parent, name, a, new=False)
+        self.cache.created(parent, name, a, kind is Kind.OK_CACHE, new=False)
         return a
-
-    def _named_elsewhere(self, ino: int | None) -> None:
-        """*ino* gets (or loses) a name the server knows: others may learn of it there,
-        so it is no longer ours alone to unlink without asking."""
-        if ino:
-            for born in self.cache.creators.values():
-                born.discard(ino)
-
-    def _removed(self, kind: Kind, parent: int, name: bytes, child: int, t: int, links: int) -> None:
-        cache = self.cache
-        cache.mark(child, parent, ("names", parent))
-        self._touched(kind, parent, t, links)
-        cache.attrs.pop(child, None)  # nlink and ctime moved
-        if kind is Kind.OK_CACHE:
-            cache.put_entry(parent, name, 0)
-        else:
-            cache.drop_entry(parent, name)
 
     async def unlink(self, parent: int, name: bytes) -> None:
         if parent in self.cache.creators and self._unlink_here(parent, name):
             return
         kind, (child, t) = await self._call_kind("unlink", parent, name)
-        self._removed(kind, parent, name, child, t, 0)
+        self.cache.removed(parent, name, child, t, 0, kind is Kind.OK_CACHE)
 
     async def rmdir(self, parent: int, name: bytes) -> None:
         kind, (child, t) = await self._call_kind("rmdir", parent, name)
-        self._removed(kind, parent, name, child, t, -1)
+        self.cache.removed(parent, name, child, t, -1, kind is Kind.OK_CACHE)
         self.cache.drop(child)
 
     async def rename(
         self, parent: int, name: bytes, new_parent: int, new_name: bytes, flags: int = 0
     ) -> None:
         # Named elsewhere (or replaced) from now on, even if the answer never comes.
-        self._named_elsewhere(self.cache.entry(parent, name))
-        self._named_elsewhere(self.cache.entry(new_parent, new_name))
+        self.cache.named_elsewhere(self.cache.entry(parent, name))
+        self.cache.named_elsewhere(self.cache.entry(new_parent, new_name))
         kind, (src, dst, _) = await self._call_kind("rename", parent, name, new_parent, new_name, flags)
-        self._named_elsewhere(src)
-        self._named_elsewhere(dst)
+        self.cache.named_elsewhere(src)
+        self.cache.named_elsewhere(dst)
         cache = self.cache
         cache.mark(*(i for i in (parent, new_parent, src, dst) if i),
                    ("names", parent), ("names", new_parent))
@@ -1344,9 +1010,9 @@ class RemoteMeta(Meta):
         if self.opens.get(ino, 0) <= 0:
             log.debug("release of inode %d, which this client does not hold open", ino)
             return
-        unsure = self.opens[ino] == 1 and ino in self._ahead_unsure
+        unsure = self.opens[ino] == 1 and ino in self.maps.ahead_unsure
         if unsure:
-            self._ahead_unsure.discard(ino)
+            self.maps.ahead_unsure.discard(ino)
         if self.opens[ino] == 1 and (self.cache.is_writer(ino) or ino in self.cache.dirty or unsure):
             # The last handle here: our size goes to the server, our write lease and
             # the space it took ahead of need go back.
@@ -1411,166 +1077,10 @@ class RemoteMeta(Meta):
         return await self._call("statfs")
 
     async def map_read(self, ino: int, offset: int, length: int) -> list[Extent]:
-        if self.leases.truncating:
-            await self.leases.truncates_over(ino)
-        extents = await self._map_read(ino, offset, length)
-        self._pages_here(ino)
-        return extents
+        return await self.maps.read(ino, offset, length)
 
     async def map_write(self, ino: int, offset: int, length: int) -> WritePlan:
-        if self.leases.truncating:
-            await self.leases.truncates_over(ino)
-        plan = await self._map_write(ino, offset, length)
-        self._pages_here(ino)
-        return plan
-
-    def _pages_here(self, ino: int) -> None:
-        """The kernel may keep the pages of what is read or written here (also of a
-        file it was given no attributes to keep): a lost lease drops them
-        (LeaseKeeper.lost).  Counted once the map is ours, under a valid lease (the
-        loss of an expired one is being handled, and a read that waited for the
-        connection counts once it got its map)."""
-        cache = self.cache
-        if cache.term and cache.valid():
-            cache.kernel_inodes.add(ino)
-
-    async def _map_read(self, ino: int, offset: int, length: int) -> list[Extent]:
-        """From the cache when it knows; else, at most one call per map window on its
-        way: the kernel's readahead sends several reads of one window at once, and
-        they wait for the first one's answer (a cacheable map of the window around
-        it) instead of each asking the mds.  A read waits once; what the answer did
-        not bring to the cache it then asks for itself.  Files whose answers are not
-        cacheable (still in the backing directory, recalled) are not waited for."""
-        if not self.cache.term or ino in self._maps_plain:
-            return await self._map_read_call(ino, offset, length)
-        key = (ino, offset // codec.MAP_WINDOW)
-        extents = await self._map_read_cached(ino, offset, length)
-        if extents is not None:
-            return extents
-        asked = self._maps_asked.get(key)
-        if asked is not None:
-            await asked.wait()
-            extents = await self._map_read_cached(ino, offset, length)
-            if extents is not None:
-                return extents
-            return await self._map_read_call(ino, offset, length)
-        self._maps_asked[key] = asked = trio.Event()
-        try:
-            return await self._map_read_call(ino, offset, length)
-        finally:
-            del self._maps_asked[key]
-            asked.set()
-
-    async def _map_read_cached(self, ino: int, offset: int, length: int) -> list[Extent] | None:
-        """The map from the cache, or None: ask the mds."""
-        cache = self.cache
-        a = cache.attr(ino)
-        if a is None and cache.files.get(ino) is not None and cache.valid():
-            # A map but no size (a recall of another kind dropped it): one call
-            # for the attributes, then reads go on without the mds.
-            await self.getattr(ino)
-            a = cache.attr(ino)
-        stale_atime = a is not None and (a.atime_ns <= a.mtime_ns or a.atime_ns <= a.ctime_ns)
-        if a is not None and stale_atime and cache.is_writer(ino):
-            a.atime_ns = _now_ns()  # relatime, kept here: our own writes are not news
-            stale_atime = False
-        if a is not None and not stale_atime:
-            end = min(offset + length, a.size)
-            if end <= offset:
-                return []
-            extents = cache.extents(ino, offset, end)
-            if extents is not None:
-                return extents
-        if stale_atime:
-            cache.attrs.pop(ino, None)  # the server moves atime (relatime): ask it next time
-        if (w := self.leases.settled_first(ino)) is not None:
-            await w  # the server clips at the size it knows
-        return None
-
-    async def _map_read_call(self, ino: int, offset: int, length: int) -> list[Extent]:
-        cache = self.cache
-        while True:
-            try:
-                kind, extents = await self._call_kind("map_read", ino, offset, length)
-            except FsError as exc:
-                # The server is still fetching from its backing directory.  Ask again.
-                if exc.errno != errno.EINPROGRESS:
-                    raise
-                continue
-            if kind is Kind.OK_CACHE:
-                cache.put_extents(ino, extents)
-                self._maps_plain.discard(ino)
-            elif cache.term:
-                self._maps_plain.add(ino)  # nothing to wait for: see map_read
-            # A wider window than asked comes with a lease, and stays wider when the
-            # lease went with a recall before we ran (_roundtrip answers OK then).
-            return _clip(extents, offset, offset + length)
-
-    async def _map_write(self, ino: int, offset: int, length: int) -> WritePlan:
-        self._check_write_error(ino)
-        cache = self.cache
-        end = offset + length
-        if cache.term and self.opens.get(ino):  # write leases end at close: only with a handle
-            if cache.is_writer(ino) and cache.valid() and length:
-                extents = cache.extents(ino, offset, end, allocated=True)
-                if extents is not None:
-                    cache.wrote(ino, offset, end, _now_ns())
-                    self.leases.dirty_wake.set()
-                    return WritePlan(extents, posted=True)
-            f = cache.files.get(ino)
-            sequential = offset == 0 or (f is not None and f.last_end == offset)
-            ahead = 0
-            if sequential and length:
-                # Like readahead: a stream that keeps going gets more each time.
-                ahead = min(MAX_AHEAD, max(self.stripe_size, length, 2 * f.ahead if f is not None else 0))
-            method, args = "allocate_ahead", [ino, offset, length, ahead]
-        else:
-            method, args = "map_write", [ino, offset, length]
-        if method == "allocate_ahead":
-            # A close of ours reporting the end of our last lease on it goes first:
-            # after a new grant the server would take it as the end of that one.
-            await self.leases.lease_ended(ino)
-        granted: list[Kind] = []  # the reply's kind as read (before _roundtrip's downgrade)
-        sent = cache.seq
-        while True:
-            try:
-                kind, result = await self._call_kind(method, *args, on_ok=lambda k, _: granted.append(k))
-            except FsError as exc:
-                # The server's write-back is behind (its dirty cap): it said so after
-                # waiting a while, rather than let this call time out.  Ask again.
-                if exc.errno != errno.EINPROGRESS:
-                    raise
-                continue
-            if method == "map_write":
-                plan = result
-                kind = Kind.OK
-            else:
-                plan, a = result
-            if granted and granted[-1] is Kind.OK_WRITE and length:
-                # The server counted these chunks written as it answered, and holds
-                # us as their writer (also when the reply came back not cacheable,
-                # our generation unmoved: the write goes ahead with this plan); it
-                # hears of the bytes (the span) once they have landed.
-                cache.written(ino, offset, end)
-                self.leases.dirty_wake.set()
-            if kind is Kind.OK_WRITE or kind is Kind.OK_CACHE:
-                cache.put_extents(ino, plan.extents, writer=kind is Kind.OK_WRITE)
-                if cache.stale(ino, sent):  # a chmod of ours since: not those attributes
-                    cache.attrs.pop(ino, None)
-                else:
-                    cache.put_attr(a)
-                f = cache.files.get(ino)
-                if f is not None:
-                    f.last_end = end
-                    f.ahead = args[3] if method == "allocate_ahead" else 0
-            else:
-                # Size, blocks, mtime moved and holes may be data now.  (Our own change:
-                # maps taken before stay usable, so the generation stays.)
-                cache.attrs.pop(ino, None)
-                cache.files.pop(ino, None)
-                if granted and granted[-1] is Kind.OK_WRITE:
-                    self._ahead_unsure.add(ino)  # the server holds the lease and space for us
-            return WritePlan(_clip(plan.extents, offset, end), posted=kind is Kind.OK_WRITE)
+        return await self.maps.write(ino, offset, length)
 
     async def control(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
         if op == "flush":
@@ -1589,24 +1099,6 @@ class RemoteMeta(Meta):
 
     async def reclaim(self) -> None:
         await self._call("reclaim")
-
-
-def _clip(extents: list[Extent], start: int, end: int) -> list[Extent]:
-    """*extents* within ``[start, end)`` (the server answers with a wider window)."""
-    out = []
-    for e in extents:
-        e_end = e.offset + e.length
-        if e_end <= start:
-            continue
-        if e.offset >= end:
-            break
-        lo, hi = max(e.offset, start), min(e_end, end)
-        if hi <= lo:
-            continue
-        if (lo, hi) != (e.offset, e_end):
-            e = Extent(lo, hi - lo, e.volume, e.voffset + (lo - e.offset) if e.volume >= 0 else e.voffset)
-        out.append(e)
-    return out
 
 
 #: the clock the metadata server stamps with too: timestamps stay in the kernel's order

@@ -40,7 +40,8 @@ from memfs import wire
 from memfs.errors import FsError
 from memfs.layout import LAYOUT_XATTR
 from memfs.meta import Meta, SetAttr
-from memfs.meta.remote import AuthRefused, open_remote_meta
+from memfs.meta.remote import open_remote_meta
+from memfs.meta.remote_conn import AuthRefused
 from memfs.wire import Kind
 from tests.conftest import MEMFS
 

@@ -2208,7 +2208,7 @@ async def test_a_write_given_no_lease_sends_nothing_more_at_close(
             await a.truncate(g.ino, 0)  # the reply is not cacheable now
             late.go.set()
         assert f.ino not in server.leases.writers
-        assert f.ino not in a._ahead_unsure
+        assert f.ino not in a.maps.ahead_unsure
 
 
 async def test_a_change_of_ours_leaves_what_we_are_told_of_other_directories_cacheable() -> None:
