@@ -66,7 +66,8 @@ from memfs.config import PoolConfig, format_size
 from memfs.errors import FsError, UsageError
 from memfs.layout import Layout, LayoutSpec
 from memfs.meta import codec
-from memfs.meta.store import BACKING_RECORDS, Inode, MetaStore, _now
+from memfs.meta.placement import BACKING_RECORDS
+from memfs.meta.store import Inode, MetaStore, _now
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +237,7 @@ def load_state(state: Any, pool: PoolConfig) -> MetaStore:
             i.chunks = chunks
             i.backed = backed
             store.inodes[ino] = i
-        store.reserved = {(vol, voff) for vol, voff in state.get("reserved", ())}
+        store.placement.reserved = {(vol, voff) for vol, voff in state.get("reserved", ())}
         store.unsaid = {int(ino): {bytes(x) for x in sids} for ino, sids in state.get("unsaid", ())}
         eligible, this_run = state.get("sessions", ((), ()))
         store.eligible, store.this_run = {bytes(x) for x in eligible}, {bytes(x) for x in this_run}
@@ -383,7 +384,7 @@ async def apply_record(
                 raise JournalError(f"record {seq} ({method}) was written by an mds with "
                                    "--backing: start it with the same --backing")
             if method in BACKING_RECORDS:
-                store.replay_backing(method, [codec.check_int(x, "argument") for x in raw])
+                store.placement.replay_backing(method, [codec.check_int(x, "argument") for x in raw])
             elif not extension.replay(method, raw):
                 raise JournalError(f"record {seq}: unknown record {method!r}")
             return
@@ -579,7 +580,7 @@ class Journal:
         if store.reserved:
             log.info("journal %s: %d chunks of interrupted fetches go to the scrubber",
                      self.dir, len(store.reserved))
-            store.release_reserved()
+            store.placement.release_reserved()
         log.info(
             "journal %s: loaded snapshot %d and replayed %d records: %d inodes",
             self.dir, snap_seq, replayed, len(store.inodes),

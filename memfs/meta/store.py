@@ -9,6 +9,10 @@ allocated chunk that lies at or past EOF, or that was never written, is zero.
 Only clean chunks are allocated (freed ones are zeroed by the scrubber,
 :mod:`memfs.scrub`, before reuse), and a shrinking truncate returns the tail of
 the chunk holding the new EOF for the caller to zero.
+
+Files' chunk maps (extents, allocation, write leases' reports, data that lives
+in a backing directory) are :class:`memfs.meta.placement.Placement`'s, which the
+store hands its inode table and its pool's :class:`ChunkSpace`.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 import errno
 import logging
 import stat
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from memfs.config import PoolConfig
@@ -25,7 +29,6 @@ from memfs.layout import LAYOUT_XATTR, Layout, LayoutSpec
 from memfs.meta import (
     CAPABILITY_XATTR,
     NAME_MAX,
-    NOT_RESIDENT,
     RENAME_EXCHANGE,
     RENAME_NOREPLACE,
     Attr,
@@ -34,10 +37,10 @@ from memfs.meta import (
     SetAttr,
     StatFs,
     WritePlan,
-    add_run,
     clock,
     set_ids_to_drop,
 )
+from memfs.meta.placement import Placement
 from memfs.meta.space import ChunkSpace
 
 log = logging.getLogger(__name__)
@@ -47,11 +50,6 @@ XATTR_SIZE_MAX = 65536
 _DAY_NS = 86400 * 10**9
 # Timestamps in the kernel's order (see memfs.meta.clock).
 _now = clock.now_ns
-
-
-#: what :attr:`MetaStore.on_backing` reports (journal record kinds)
-RESERVE, INSTALL, UNRESERVE, EVICT = "_reserve", "_install", "_unreserve", "_evict"
-BACKING_RECORDS = (RESERVE, INSTALL, UNRESERVE, EVICT)
 
 
 class Inode:
@@ -153,6 +151,9 @@ class MetaStore(Meta):
         #: the pool's chunks: free, allocated, or freed and waiting to be zeroed
         self.space = ChunkSpace(pool)
         self.inodes: dict[int, Inode] = {}
+        #: regular files' chunk maps: extents, allocation, write leases' reports, and
+        #: the chunks of data that lives in a backing directory (fetch, eviction)
+        self.placement = Placement(self.inodes, self.space)
         self._next_ino = ROOT_INO
         #: the clock every timestamp comes from; the metadata server injects one that
         #: it records, so journal replay stamps exactly the same times
@@ -165,9 +166,6 @@ class MetaStore(Meta):
         self.defer_destroy = False
         #: write-back to a backing directory (memfs.backing) follows changes through this
         self.watcher: Watcher | None = None
-        #: chunks reserved for a fetch from the backing directory, not yet installed:
-        #: owned by no file (a journal snapshot keeps them; recovery frees them)
-        self.reserved: set[tuple[int, int]] = set()
         #: file -> sessions whose write lease on it ended without their word (their
         #: space past EOF freed): such a session's larger size, reported after an mds
         #: restart, covers freed space (memfs.meta.server refuses it).  Journaled
@@ -183,9 +181,6 @@ class MetaStore(Meta):
         #: out otherwise: ``_next_ino`` moved past them).  Journaled (``reserve_inos``,
         #: ``create_at``; a session's go when it does)
         self.delegated: dict[bytes, set[int]] = {}
-        #: called with each change the burst buffer makes outside metadata calls
-        #: (``_reserve``, ``_install``, ``_unreserve``, ``_evict``: the journal records them)
-        self.on_backing: Callable[[str, list[Any]], None] | None = None
         #: with a journal: returns once every change recorded so far is durable (the
         #: scrubber waits for it before zeroing freed chunks: a crash must not bring
         #: back a file whose memory was already zeroed)
@@ -240,16 +235,6 @@ class MetaStore(Meta):
             i.atime_ns, i.mtime_ns, i.ctime_ns,
         )
 
-    def _free_chunks(self, inode: Inode, keep_below: int = 0) -> None:
-        """Return chunks with index >= *keep_below* to their volumes."""
-        if not inode.chunks:
-            return
-        assert inode.layout is not None
-        cs = self.chunk_size
-        doomed = [k for k in inode.chunks if k >= keep_below]
-        self.space.release([(inode.layout.volume_of_chunk(k, cs), inode.chunks.pop(k))
-                            for k in doomed])
-
     def _drop_link(self, inode: Inode, now: int) -> None:
         inode.nlink -= 1
         inode.ctime_ns = now
@@ -260,7 +245,7 @@ class MetaStore(Meta):
             self._destroy(inode)
 
     def _destroy(self, inode: Inode) -> None:
-        self._free_chunks(inode)
+        self.placement.free_chunks(inode)
         del self.inodes[inode.ino]
         self.unsaid.pop(inode.ino, None)
         if self.on_destroy is not None:
@@ -445,7 +430,7 @@ class MetaStore(Meta):
             assert i.layout is not None
             cs = self.chunk_size
             tail_chunk, tail_off = divmod(size, cs)
-            self._free_chunks(i, keep_below=tail_chunk + (1 if tail_off else 0))
+            self.placement.free_chunks(i, keep_below=tail_chunk + (1 if tail_off else 0))
             if tail_off and tail_chunk in i.chunks:
                 vol = i.layout.volume_of_chunk(tail_chunk, cs)
                 zero.append((vol, i.chunks[tail_chunk] + tail_off, cs - tail_off))
@@ -800,37 +785,7 @@ class MetaStore(Meta):
             i.atime_ns = self.now()
         if end <= offset:
             return []
-        return self._extents(i, offset, end)
-
-    def _extents(self, i: Inode, offset: int, end: int) -> list[Extent]:
-        assert i.chunks is not None and i.layout is not None
-        cs = self.chunk_size
-        get = i.chunks.get
-        layout = i.layout
-        # a stripe unit is on one volume; with one volume, so is all of the file
-        unit = layout.stripe_size if len(layout.volumes) > 1 else max(end, 1)
-        out: list[Extent] = []
-        pos = offset
-        k = pos // cs
-        while pos < end:
-            base = get(k)
-            k += 1
-            if base is None:
-                vol, voff = (NOT_RESIDENT if pos < i.backed else -1), 0
-                stop = min(k * cs, end)
-            else:
-                # with the chunks after it in its stripe unit (one volume) that continue
-                # its memory: one lookup each, not an extent each
-                vol, voff = layout.volume_of_chunk(k - 1, cs), base + pos - (k - 1) * cs
-                last = min(end, (pos // unit + 1) * unit)
-                nxt = base + cs
-                while k * cs < last and get(k) == nxt:
-                    k += 1
-                    nxt += cs
-                stop = min(k * cs, end)
-            add_run(out, pos, stop - pos, vol, voff)
-            pos = stop
-        return out
+        return self.placement.extents_of(i, offset, end)
 
     async def map_write(self, ino: int, offset: int, length: int) -> WritePlan:
         i = self._get(ino)
@@ -848,13 +803,13 @@ class MetaStore(Meta):
             if i.backed and missing[0] * cs < i.backed:
                 # A fresh chunk would read as zeros where the backing copy has data.
                 raise FsError(errno.EIO, f"inode {ino}: write to data not fetched yet")
-            self._allocate(i, missing)  # clean chunks: they read as zeros already
+            self.placement.allocate(i, missing)  # clean chunks: they read as zeros already
         if end > i.size:
             i.size = end
         i.mtime_ns = i.ctime_ns = self.now()
         if self.watcher is not None:
             self.watcher.wrote(ino, first, last)
-        return WritePlan(self._extents(i, offset, end))
+        return WritePlan(self.placement.extents_of(i, offset, end))
 
     async def allocate_ahead(
         self, ino: int, offset: int, length: int, ahead: int
@@ -869,11 +824,11 @@ class MetaStore(Meta):
             missing = [k for k in range(first, last + 1) if k not in i.chunks]
             if missing:
                 try:
-                    self._allocate(i, missing)
+                    self.placement.allocate(i, missing)
                 except FsError:  # SpaceBusy too: ahead of need is best effort
                     pass
                 else:
-                    plan = WritePlan(self._extents(i, offset, end + ahead))
+                    plan = WritePlan(self.placement.extents_of(i, offset, end + ahead))
                     if self.watcher is not None:
                         # Write-back: the writer fills them without asking (its
                         # reports mark the file again), so they count as dirty now.
@@ -888,60 +843,18 @@ class MetaStore(Meta):
     def settle_now(
         self, ino: int, size: int, mtime_ns: int, trim: bool, span: tuple[int, int] = (-1, -1),
     ) -> bool:
-        """A write lease's size and mtime (``size < 0``: unknown), the bytes its holder
-        wrote under it (*span*, ``[lo, hi)``; ``lo < 0``: unknown, anywhere; empty:
-        nothing) and, with *trim*, the end of its preallocation: chunks wholly past
-        EOF are freed.  True if anything changed."""
-        i = self.inodes.get(ino)
-        if i is None or i.chunks is None:
-            return False
-        changed = False
-        if size > i.size:
-            # Only ever grows: a writer never shrinks a file without truncate.
-            i.size = size
-            changed = True
-        if mtime_ns > i.mtime_ns and size >= 0:
-            i.mtime_ns = i.ctime_ns = mtime_ns
-            changed = True
-        if trim and i.chunks:
-            cs = self.chunk_size
-            keep = (i.size + cs - 1) // cs
-            if max(i.chunks) >= keep:
-                self._free_chunks(i, keep_below=keep)
-                changed = True
-                if self.watcher is not None:
-                    self.watcher.truncated(ino)  # space ahead counted dirty: not any more
-        lo, hi = span
-        if self.watcher is not None and i.chunks and (lo < 0 or hi > lo):
-            # Write-back (the only watcher): the holder wrote without asking (its size
-            # and mtime need not move: an overwrite, another node's clock): a new
-            # version, the span counted dirty.  Changed, so that it is journaled: a
-            # replay must find the file dirty too.
-            if lo < 0:
-                self.watcher.rewritten(ino)
-            else:
-                self._wrote_existing(i, lo // self.chunk_size, (hi - 1) // self.chunk_size)
-            changed = True
-        return changed
+        """:meth:`Placement.settle` (a write lease's report; memfs.meta.server's call)."""
+        return self.placement.settle(ino, size, mtime_ns, trim, span, self.watcher)
 
-    def _wrote_existing(self, i: Inode, first: int, last: int) -> None:
-        """Tell the watcher of chunks *first*..*last* of *i* that exist, in runs (a span
-        is the hull of a lease's writes: sparse ones would count chunks that do not)."""
-        assert self.watcher is not None and i.chunks is not None
-        chunks = i.chunks
-        if last - first + 1 <= len(chunks):
-            ks: Iterable[int] = (k for k in range(first, last + 1) if k in chunks)
-        else:
-            ks = sorted(k for k in chunks if first <= k <= last)
-        start = prev = -2
-        for k in ks:
-            if k != prev + 1:
-                if start >= 0:
-                    self.watcher.wrote(i.ino, start, prev)
-                start = k
-            prev = k
-        if start >= 0:
-            self.watcher.wrote(i.ino, start, prev)
+    def preallocated(self) -> list[int]:
+        """:meth:`Placement.preallocated` (memfs.meta.server trims them)."""
+        return self.placement.preallocated()
+
+    def _extents(self, i: Inode, offset: int, end: int) -> list[Extent]:
+        # memfs.meta.server widens the maps it answers with this
+        return self.placement.extents_of(i, offset, end)
+
+    # -- sessions of write leases (memfs.meta.server) ---------------------------------
 
     def new_run(self) -> None:
         """A server starts: sessions of the run before may report within its grace."""
@@ -994,27 +907,6 @@ class MetaStore(Meta):
             del self.unsaid[ino]
         return True
 
-    def preallocated(self) -> list[int]:
-        """Regular files holding chunks wholly past their EOF (unused preallocation)."""
-        cs = self.chunk_size
-        return [
-            i.ino for i in self.inodes.values()
-            if i.chunks and max(i.chunks) >= (i.size + cs - 1) // cs
-        ]
-
-    def _allocate(self, i: Inode, missing: list[int]) -> None:
-        """Allocate all of *missing* or nothing (ENOSPC)."""
-        assert i.chunks is not None
-        for k, _, voffset in self._take_chunks(i, missing):
-            i.chunks[k] = voffset
-
-    def _take_chunks(self, i: Inode, ks: list[int]) -> list[tuple[int, int, int]]:
-        """Clean chunks for file chunks *ks*, all or none: ``(k, volume, voffset)``."""
-        assert i.layout is not None
-        cs = self.chunk_size
-        vols = [i.layout.volume_of_chunk(k, cs) for k in ks]
-        return list(zip(ks, vols, self.space.take(vols), strict=True))
-
     # -- data that lives in a backing directory (memfs.flush) ----------------------
 
     def extents(self, ino: int, offset: int, length: int) -> list[Extent]:
@@ -1023,84 +915,43 @@ class MetaStore(Meta):
         if i.chunks is None:
             raise FsError(errno.EISDIR if i.children is not None else errno.EINVAL)
         end = min(offset + length, i.size)
-        return self._extents(i, offset, end) if end > offset else []
+        return self.placement.extents_of(i, offset, end) if end > offset else []
+
+    # The burst buffer's calls (memfs.backing.surface): see :class:`Placement`.
+
+    @property
+    def reserved(self) -> set[tuple[int, int]]:
+        """:attr:`Placement.reserved`: chunks of fetches not yet installed."""
+        return self.placement.reserved
+
+    @property
+    def on_backing(self) -> Callable[[str, list[Any]], None] | None:
+        """:attr:`Placement.on_backing` (memfs.meta.server journals what it reports)."""
+        return self.placement.on_backing
+
+    @on_backing.setter
+    def on_backing(self, hook: Callable[[str, list[Any]], None] | None) -> None:
+        self.placement.on_backing = hook
 
     def missing(self, ino: int, offset: int, length: int) -> list[int]:
-        """Chunks of ``[offset, offset+length)`` whose data is only in the backing directory."""
-        i = self._get(ino)
-        if not i.backed or i.chunks is None or length <= 0:
-            return []
-        cs = self.chunk_size
-        # Whole chunks: a write past ``backed`` into its last chunk needs the chunk too.
-        last = min((offset + length - 1) // cs, (i.backed - 1) // cs)
-        return [k for k in range(offset // cs, last + 1) if k not in i.chunks]
+        """:meth:`Placement.missing`."""
+        return self.placement.missing(ino, offset, length)
 
     def reserve(self, ino: int, ks: list[int]) -> list[tuple[int, int, int]]:
-        """Allocate chunks for fetching *ks* of *ino*: ``(k, volume, voffset)``, not yet
-        part of the file (:meth:`install` makes them so).  ENOSPC/SpaceBusy like a write."""
-        i = self._get(ino)
-        assert i.chunks is not None
-        placed = self._take_chunks(i, ks)
-        self.reserved.update((vol, voff) for _, vol, voff in placed)
-        if self.on_backing is not None:
-            self.on_backing(RESERVE, [ino, *(x for p in placed for x in p)])
-        return placed
+        """:meth:`Placement.reserve`."""
+        return self.placement.reserve(ino, ks)
 
     def install(self, ino: int, k: int, volume: int, voffset: int) -> bool:
-        """Make fetched chunk *k* part of *ino*; False (chunk freed) if no longer wanted."""
-        if self.on_backing is not None:
-            self.on_backing(INSTALL, [ino, k, volume, voffset])
-        self.reserved.discard((volume, voffset))
-        i = self.inodes.get(ino)
-        if i is None or i.chunks is None or k in i.chunks or k * self.chunk_size >= i.backed:
-            self.space.release([(volume, voffset)])
-            return False
-        i.chunks[k] = voffset
-        return True
+        """:meth:`Placement.install`."""
+        return self.placement.install(ino, k, volume, voffset)
 
     def unreserve(self, volume: int, voffset: int) -> None:
-        """Give back a reserved chunk (it may hold partial data: it is scrubbed first)."""
-        if self.on_backing is not None:
-            self.on_backing(UNRESERVE, [volume, voffset])
-        self.reserved.discard((volume, voffset))
-        self.space.release([(volume, voffset)])
-
-    def release_reserved(self) -> None:
-        """Recovery: fetches that were under way died with the server; their chunks
-        (maybe partly written) go to the scrubber."""
-        self.space.release(sorted(self.reserved))
-        self.reserved.clear()
+        """:meth:`Placement.unreserve`."""
+        self.placement.unreserve(volume, voffset)
 
     def evict(self, ino: int) -> int:
-        """Drop the pool copy of clean file *ino*: its data is in the backing directory.
-        Returns the number of chunks freed."""
-        i = self._get(ino)
-        if not i.chunks:
-            return 0
-        if self.on_backing is not None:
-            self.on_backing(EVICT, [ino])
-        n = len(i.chunks)
-        i.backed = i.size
-        self._free_chunks(i)
-        return n
-
-    def replay_backing(self, kind: str, args: list[int]) -> None:
-        """Apply a change recorded through :attr:`on_backing` (journal replay); it must
-        come out as it did (allocation is deterministic), else ValueError."""
-        if kind == RESERVE:
-            ino, flat = args[0], args[1:]
-            want = [tuple(flat[j : j + 3]) for j in range(0, len(flat), 3)]
-            got = self.reserve(ino, [k for k, _, _ in want])
-            if [tuple(p) for p in got] != want:
-                raise ValueError(f"reserve for inode {ino} gave {got}, recorded {want}")
-        elif kind == INSTALL:
-            self.install(*args)
-        elif kind == UNRESERVE:
-            self.unreserve(*args)
-        elif kind == EVICT:
-            self.evict(args[0])
-        else:
-            raise ValueError(f"not a burst-buffer record: {kind!r}")
+        """:meth:`Placement.evict`."""
+        return self.placement.evict(ino)
 
     def adopt(
         self, parent: int, name: bytes, mode: int, uid: int, gid: int, *,

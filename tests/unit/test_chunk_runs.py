@@ -13,7 +13,7 @@ import pytest
 from memfs.layout import Layout
 from memfs.meta import NOT_RESIDENT, Extent, add_run
 from memfs.meta.cache import HOLE, ClientCache
-from memfs.meta.store import MetaStore
+from memfs.meta.placement import Placement
 
 CS = 64 << 10
 
@@ -147,11 +147,11 @@ def test_store_runs_are_read_as_chunk_by_chunk(seed: int) -> None:
             chunks.update({k + j: base + j * CS for j in range(n)})
         k += n
     i = SimpleNamespace(chunks=chunks, layout=layout, backed=rng.randrange(600 * CS))
-    store = SimpleNamespace(chunk_size=CS)
+    placement = SimpleNamespace(chunk_size=CS)
     for _ in range(300):
         a = rng.randrange(600 * CS)
         b = min(600 * CS, a + rng.choice([1, 100, CS, 3 * CS + 5, rng.randrange(200 * CS)]))
-        got = MetaStore._extents(store, i, a, b)  # type: ignore[arg-type]
+        got = Placement.extents_of(placement, i, a, b)  # type: ignore[arg-type]
         want = store_per_chunk(i, a, b)
         assert [(e.offset, e.length, e.volume, e.voffset) for e in got] == \
                [(e.offset, e.length, e.volume, e.voffset) for e in want]

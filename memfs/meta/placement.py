@@ -1,0 +1,260 @@
+"""Where files' bytes are: each regular file's chunk map, for the metadata store.
+
+:class:`Placement` turns a file's chunk map (chunk index -> offset in the volume
+its layout gives that chunk) into extents, fills it with clean chunks from the
+pool's :class:`memfs.meta.space.ChunkSpace` (all or none) and gives chunks back;
+it applies a write lease's report (its size, the chunks it wrote, the end of its
+preallocation) and keeps the chunks of data that lives in a backing directory:
+which are missing, fetched into reserved chunks, installed, evicted.
+
+:class:`memfs.meta.store.MetaStore` owns the inode table and the namespace; it
+hands this class that table and the space, and calls it from its own methods.
+Nothing here awaits: each call is atomic on the trio loop, like the store's.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from memfs.errors import FsError
+from memfs.meta import NOT_RESIDENT, Extent, add_run
+from memfs.meta.space import ChunkSpace
+
+if TYPE_CHECKING:  # the store imports this module
+    from memfs.meta.store import Inode, Watcher
+
+#: what :attr:`Placement.on_backing` reports (journal record kinds)
+RESERVE, INSTALL, UNRESERVE, EVICT = "_reserve", "_install", "_unreserve", "_evict"
+BACKING_RECORDS = (RESERVE, INSTALL, UNRESERVE, EVICT)
+
+
+class Placement:
+    """The chunk maps of the files of one store, and the chunks of its fetches."""
+
+    def __init__(self, inodes: Mapping[int, Inode], space: ChunkSpace) -> None:
+        #: the store's inode table (shared: the store adds and removes inodes)
+        self.inodes = inodes
+        #: the pool's chunks: free, allocated, or freed and waiting to be zeroed
+        self.space = space
+        self.chunk_size = space.chunk_size
+        #: chunks reserved for a fetch from the backing directory, not yet installed:
+        #: owned by no file (a journal snapshot keeps them; recovery frees them)
+        self.reserved: set[tuple[int, int]] = set()
+        #: called with each change the burst buffer makes outside metadata calls
+        #: (``_reserve``, ``_install``, ``_unreserve``, ``_evict``: the journal records them)
+        self.on_backing: Callable[[str, list[Any]], None] | None = None
+
+    def _get(self, ino: int) -> Inode:
+        try:
+            return self.inodes[ino]
+        except KeyError:
+            raise FsError(errno.ENOENT) from None
+
+    # -- a file's chunks ------------------------------------------------------------
+
+    def extents_of(self, i: Inode, offset: int, end: int) -> list[Extent]:
+        """The extents of regular file *i* over ``[offset, end)``: its chunks' volume
+        memory, holes, and (below ``backed``) bytes only in the backing directory."""
+        assert i.chunks is not None and i.layout is not None
+        cs = self.chunk_size
+        get = i.chunks.get
+        layout = i.layout
+        # a stripe unit is on one volume; with one volume, so is all of the file
+        unit = layout.stripe_size if len(layout.volumes) > 1 else max(end, 1)
+        out: list[Extent] = []
+        pos = offset
+        k = pos // cs
+        while pos < end:
+            base = get(k)
+            k += 1
+            if base is None:
+                vol, voff = (NOT_RESIDENT if pos < i.backed else -1), 0
+                stop = min(k * cs, end)
+            else:
+                # with the chunks after it in its stripe unit (one volume) that continue
+                # its memory: one lookup each, not an extent each
+                vol, voff = layout.volume_of_chunk(k - 1, cs), base + pos - (k - 1) * cs
+                last = min(end, (pos // unit + 1) * unit)
+                nxt = base + cs
+                while k * cs < last and get(k) == nxt:
+                    k += 1
+                    nxt += cs
+                stop = min(k * cs, end)
+            add_run(out, pos, stop - pos, vol, voff)
+            pos = stop
+        return out
+
+    def allocate(self, i: Inode, missing: list[int]) -> None:
+        """Allocate all of *missing* or nothing (ENOSPC)."""
+        assert i.chunks is not None
+        for k, _, voffset in self.take_chunks(i, missing):
+            i.chunks[k] = voffset
+
+    def take_chunks(self, i: Inode, ks: list[int]) -> list[tuple[int, int, int]]:
+        """Clean chunks for file chunks *ks*, all or none: ``(k, volume, voffset)``."""
+        assert i.layout is not None
+        cs = self.chunk_size
+        vols = [i.layout.volume_of_chunk(k, cs) for k in ks]
+        return list(zip(ks, vols, self.space.take(vols), strict=True))
+
+    def free_chunks(self, inode: Inode, keep_below: int = 0) -> None:
+        """Return chunks with index >= *keep_below* to their volumes."""
+        if not inode.chunks:
+            return
+        assert inode.layout is not None
+        cs = self.chunk_size
+        doomed = [k for k in inode.chunks if k >= keep_below]
+        self.space.release([(inode.layout.volume_of_chunk(k, cs), inode.chunks.pop(k))
+                            for k in doomed])
+
+    # -- what write leases wrote, and their preallocation -----------------------------
+
+    def settle(
+        self, ino: int, size: int, mtime_ns: int, trim: bool, span: tuple[int, int],
+        watcher: Watcher | None,
+    ) -> bool:
+        """A write lease's size and mtime (``size < 0``: unknown), the bytes its holder
+        wrote under it (*span*, ``[lo, hi)``; ``lo < 0``: unknown, anywhere; empty:
+        nothing) and, with *trim*, the end of its preallocation: chunks wholly past
+        EOF are freed.  *watcher*: the store's.  True if anything changed."""
+        i = self.inodes.get(ino)
+        if i is None or i.chunks is None:
+            return False
+        changed = False
+        if size > i.size:
+            # Only ever grows: a writer never shrinks a file without truncate.
+            i.size = size
+            changed = True
+        if mtime_ns > i.mtime_ns and size >= 0:
+            i.mtime_ns = i.ctime_ns = mtime_ns
+            changed = True
+        if trim and i.chunks:
+            cs = self.chunk_size
+            keep = (i.size + cs - 1) // cs
+            if max(i.chunks) >= keep:
+                self.free_chunks(i, keep_below=keep)
+                changed = True
+                if watcher is not None:
+                    watcher.truncated(ino)  # space ahead counted dirty: not any more
+        lo, hi = span
+        if watcher is not None and i.chunks and (lo < 0 or hi > lo):
+            # Write-back (the only watcher): the holder wrote without asking (its size
+            # and mtime need not move: an overwrite, another node's clock): a new
+            # version, the span counted dirty.  Changed, so that it is journaled: a
+            # replay must find the file dirty too.
+            if lo < 0:
+                watcher.rewritten(ino)
+            else:
+                self._wrote_existing(i, lo // self.chunk_size, (hi - 1) // self.chunk_size,
+                                     watcher)
+            changed = True
+        return changed
+
+    @staticmethod
+    def _wrote_existing(i: Inode, first: int, last: int, watcher: Watcher) -> None:
+        """Tell the watcher of chunks *first*..*last* of *i* that exist, in runs (a span
+        is the hull of a lease's writes: sparse ones would count chunks that do not)."""
+        assert i.chunks is not None
+        chunks = i.chunks
+        if last - first + 1 <= len(chunks):
+            ks: Iterable[int] = (k for k in range(first, last + 1) if k in chunks)
+        else:
+            ks = sorted(k for k in chunks if first <= k <= last)
+        start = prev = -2
+        for k in ks:
+            if k != prev + 1:
+                if start >= 0:
+                    watcher.wrote(i.ino, start, prev)
+                start = k
+            prev = k
+        if start >= 0:
+            watcher.wrote(i.ino, start, prev)
+
+    def preallocated(self) -> list[int]:
+        """Regular files holding chunks wholly past their EOF (unused preallocation)."""
+        cs = self.chunk_size
+        return [
+            i.ino for i in self.inodes.values()
+            if i.chunks and max(i.chunks) >= (i.size + cs - 1) // cs
+        ]
+
+    # -- data that lives in a backing directory (memfs.flush) ----------------------
+
+    def missing(self, ino: int, offset: int, length: int) -> list[int]:
+        """Chunks of ``[offset, offset+length)`` whose data is only in the backing directory."""
+        i = self._get(ino)
+        if not i.backed or i.chunks is None or length <= 0:
+            return []
+        cs = self.chunk_size
+        # Whole chunks: a write past ``backed`` into its last chunk needs the chunk too.
+        last = min((offset + length - 1) // cs, (i.backed - 1) // cs)
+        return [k for k in range(offset // cs, last + 1) if k not in i.chunks]
+
+    def reserve(self, ino: int, ks: list[int]) -> list[tuple[int, int, int]]:
+        """Allocate chunks for fetching *ks* of *ino*: ``(k, volume, voffset)``, not yet
+        part of the file (:meth:`install` makes them so).  ENOSPC/SpaceBusy like a write."""
+        i = self._get(ino)
+        assert i.chunks is not None
+        placed = self.take_chunks(i, ks)
+        self.reserved.update((vol, voff) for _, vol, voff in placed)
+        if self.on_backing is not None:
+            self.on_backing(RESERVE, [ino, *(x for p in placed for x in p)])
+        return placed
+
+    def install(self, ino: int, k: int, volume: int, voffset: int) -> bool:
+        """Make fetched chunk *k* part of *ino*; False (chunk freed) if no longer wanted."""
+        if self.on_backing is not None:
+            self.on_backing(INSTALL, [ino, k, volume, voffset])
+        self.reserved.discard((volume, voffset))
+        i = self.inodes.get(ino)
+        if i is None or i.chunks is None or k in i.chunks or k * self.chunk_size >= i.backed:
+            self.space.release([(volume, voffset)])
+            return False
+        i.chunks[k] = voffset
+        return True
+
+    def unreserve(self, volume: int, voffset: int) -> None:
+        """Give back a reserved chunk (it may hold partial data: it is scrubbed first)."""
+        if self.on_backing is not None:
+            self.on_backing(UNRESERVE, [volume, voffset])
+        self.reserved.discard((volume, voffset))
+        self.space.release([(volume, voffset)])
+
+    def release_reserved(self) -> None:
+        """Recovery: fetches that were under way died with the server; their chunks
+        (maybe partly written) go to the scrubber."""
+        self.space.release(sorted(self.reserved))
+        self.reserved.clear()
+
+    def evict(self, ino: int) -> int:
+        """Drop the pool copy of clean file *ino*: its data is in the backing directory.
+        Returns the number of chunks freed."""
+        i = self._get(ino)
+        if not i.chunks:
+            return 0
+        if self.on_backing is not None:
+            self.on_backing(EVICT, [ino])
+        n = len(i.chunks)
+        i.backed = i.size
+        self.free_chunks(i)
+        return n
+
+    def replay_backing(self, kind: str, args: list[int]) -> None:
+        """Apply a change recorded through :attr:`on_backing` (journal replay); it must
+        come out as it did (allocation is deterministic), else ValueError."""
+        if kind == RESERVE:
+            ino, flat = args[0], args[1:]
+            want = [tuple(flat[j : j + 3]) for j in range(0, len(flat), 3)]
+            got = self.reserve(ino, [k for k, _, _ in want])
+            if [tuple(p) for p in got] != want:
+                raise ValueError(f"reserve for inode {ino} gave {got}, recorded {want}")
+        elif kind == INSTALL:
+            self.install(*args)
+        elif kind == UNRESERVE:
+            self.unreserve(*args)
+        elif kind == EVICT:
+            self.evict(args[0])
+        else:
+            raise ValueError(f"not a burst-buffer record: {kind!r}")
