@@ -1,8 +1,11 @@
 """The metadata server (``memfs mds``): one :class:`MetaStore` served to many mounts.
 
-This module gives calls their meaning (sessions, leases, locks, recovery);
+This module gives calls their meaning (registrations, leases, locks, recovery);
 :mod:`memfs.meta.server_conn` runs each connection (handshake, frames, order of
-calls and replies) and :mod:`memfs.meta.fencing` the fences of lease tokens.
+calls and replies), :mod:`memfs.meta.sessions` keeps the client sessions and
+their open counts, :mod:`memfs.meta.lease_policy` says what each call recalls
+and what its reply may be cached for, and :mod:`memfs.meta.fencing` keeps the
+fences of lease tokens.
 
 Protocol (frames from :mod:`memfs.wire`):
 
@@ -29,13 +32,8 @@ Protocol (frames from :mod:`memfs.wire`):
   restart.  Nobody waits here for a lock: a waiter is refused and sent an
   UNLOCKED frame when a lock on that file goes.
 
-Open counts belong to client *sessions*, not connections: a client names its
-session (a random id) on every connection and states the handles it holds; the
-server sets that session's counts to exactly that (so saying it twice is
-harmless).  This is how handles survive a dropped connection and a server
-restart.  A session whose client is gone for ``session_grace`` seconds is
-released, and after a restart the unlinked-but-open inodes found in the journal
-are held for the same time so their clients can reconnect and claim them.
+Open counts belong to client *sessions*, not connections, so that handles
+survive a dropped connection and a server restart (see :mod:`memfs.meta.sessions`).
 
 With a :class:`~memfs.meta.journal.Journal`, every change is recorded (with
 the one timestamp the store used for it), and no reply leaves before the
@@ -72,6 +70,7 @@ from memfs.meta.journal import (
     SESSION_GONE,
     Journal,
 )
+from memfs.meta.lease_policy import LeasePolicy
 from memfs.meta.leases import (
     ANYWHERE,
     LEASE_TERM,
@@ -92,6 +91,7 @@ from memfs.meta.server_conn import (
     handshake,
     new_token,
 )
+from memfs.meta.sessions import Registration, SessionTable
 from memfs.meta.store import ANY_EARLIER, MetaStore
 from memfs.wire import Kind, WireError
 
@@ -110,8 +110,6 @@ IDLE_TIMEOUT = 120.0
 SESSION_GRACE = 60.0
 #: largest map_read/map_write range per call (FUSE sends at most a few MiB)
 MAX_RANGE = 16 << 30
-#: most handles one client may claim on one inode when it re-registers
-MAX_HANDLES = 1 << 20
 REPLY_QUEUE = 64
 #: longest a map_read/map_write waits on the backing directory (a fetch, the dirty cap)
 #: before the client is told to ask again
@@ -135,20 +133,12 @@ _MAPS = frozenset({"map_read", "map_write", "allocate_ahead", "truncate"})
 #: file's gate (memfs.meta.gates)
 _GATED = {"map_read": gates.READ, "map_write": gates.CHANGE, "allocate_ahead": gates.CHANGE,
           "truncate": gates.CUT}
-#: seconds a truncate's caller may take to zero the tail of the file's last chunk
-#: (as the write-back's settle time, memfs.mds.SETTLE)
-TAIL_SETTLE = 2.0
-#: seconds the write-back waits for a glimpse of a file's writers (memfs.backing)
-GLIMPSE_WAIT = 0.5
 #: most inode numbers one reserve_inos call hands a session
 MAX_RESERVE = 4096
 
 
 #: cluster-wide lock calls (memfs.meta.locks)
 _LOCK_CALLS = frozenset({"getlk", "setlk", "flock", "unlock", "unwait"})
-#: with leases off, a client pings every few seconds when idle: silent longer than
-#: this, its locks stand in nobody's way (with leases: silent for a lease term)
-LOCK_SILENCE = 15.0
 
 
 #: calls that may allocate or free a file's chunks (args[0] is the file; sizes go by
@@ -175,7 +165,6 @@ class MetaServer:
         self.secret = secret
         self.pool = pool
         self.journal = journal
-        self.session_grace = session_grace
         self.idle_timeout = idle_timeout
         self.handshake_timeout = handshake_timeout
         self.port = 0
@@ -195,10 +184,6 @@ class MetaServer:
             store.space.on_clean = self._cleaned
             store.on_backing = self._backing_changed
             store.wait_durable = self._wait_durable
-        self._sessions: dict[bytes, Session] = {}
-        #: ino -> when a truncate last sent its caller a tail to zero (those zeros are
-        #: confirmed by nothing: the write-back gives them its settle time)
-        self._tails: dict[int, float] = {}
         #: after a restart, until --grace has passed: sessions of the previous run may
         #: come back and report what they wrote (their write leases died with it)
         self._recovering = False
@@ -213,6 +198,12 @@ class MetaServer:
                                  settle=self._settle, lost=self._lost_write,
                                  unsaid=self._take_token)
         self.gates = ChangeGates(self.leases)
+        #: what each call recalls first and what its reply may be cached for
+        self.lease_policy = LeasePolicy(store, self.leases, lambda: self._recovering)
+        #: the clients' sessions by id, and their open counts
+        self.sessions = SessionTable(store, self.leases, grace=session_grace,
+                                     conflicts=self.lease_policy.conflicts, stamp=self._stamp,
+                                     destroyed=self._journal_destroys, gone=self._session_gone)
         #: fences of tokens whose leases were taken (memfs.mds sets ``fencing.fences``)
         self.fencing = Fencing()
         #: request counters and latencies (``memfs mds --metrics``); None: not kept
@@ -222,8 +213,18 @@ class MetaServer:
         #: grant write leases through a backing directory too (``memfs mds
         #: --no-backing-write-leases`` turns them off there)
         self.backing_write_leases = True
-        self.locks = LockService(self._lock_holder_silent, self._evict_sid, self._tell_unlocked,
-                                 trio.current_time)
+        self.locks = LockService(self.sessions.holder_silent, self.sessions.evict,
+                                 self.sessions.tell_unlocked, trio.current_time)
+
+    @property
+    def session_grace(self) -> float:
+        """Seconds a vanished client's open files are kept for it (``--grace``; after a
+        restart, how long sessions of the run before may come back and report)."""
+        return self.sessions.grace
+
+    @session_grace.setter
+    def session_grace(self, grace: float) -> None:
+        self.sessions.grace = grace
 
     @property
     def write_leases(self) -> bool:
@@ -242,10 +243,8 @@ class MetaServer:
     def gauges(self) -> dict[str, float]:
         """This server's numbers for ``--metrics`` (sessions, leases, journal)."""
         out = {
-            "memfs_mds_sessions": float(len(self._sessions)),
-            "memfs_mds_sessions_connected": float(
-                sum(1 for x in self._sessions.values() if x.conn is not None)
-            ),
+            "memfs_mds_sessions": float(len(self.sessions)),
+            "memfs_mds_sessions_connected": float(self.sessions.connected()),
             "memfs_mds_leased_inodes": float(len(self.leases.holders)),
             "memfs_mds_recalls_sent": float(self.leases.recalls_sent),
             "memfs_mds_lease_evictions": float(self.leases.evictions),
@@ -282,23 +281,6 @@ class MetaServer:
         if self.store.lost_write(ino, sid, lost) and self.journal is not None:
             self.journal.append(self._t, LOST_WRITE, [ino, sid, int(lost)])
 
-    def _lock_holder_silent(self, sid: bytes) -> bool:
-        s = self._sessions.get(sid)
-        if s is None:
-            return True
-        silence = self.leases.term or LOCK_SILENCE
-        return trio.current_time() - s.last_heard > silence
-
-    def _evict_sid(self, sid: bytes, reason: str) -> None:
-        s = self._sessions.get(sid)
-        if s is not None:
-            s.evict(reason)
-
-    def _tell_unlocked(self, sid: bytes, ino: int) -> None:
-        s = self._sessions.get(sid)
-        if s is not None:
-            s.send_unlocked(ino)
-
     def _session_gone(self, sid: bytes) -> None:
         self.locks.drop_session(sid)
         if sid in self.store.this_run or sid in self.store.eligible:
@@ -326,6 +308,10 @@ class MetaServer:
     def _clock(self) -> int:
         return self._t
 
+    def _stamp(self) -> None:
+        """What follows is stamped with the time now (one timestamp per change)."""
+        self._t = self._real_now()
+
     # -- lifecycle -----------------------------------------------------------------------
 
     async def serve(
@@ -341,7 +327,7 @@ class MetaServer:
                 self._nursery = nursery
                 if self.journal is not None:
                     await nursery.start(self.journal.run)
-                await self._hold_orphans()
+                await self.sessions.hold_orphans(nursery)
                 if self.journal is not None:
                     # Sessions of the runs before may come back and report (MetaStore.eligible).
                     self.store.new_run()
@@ -370,25 +356,6 @@ class MetaServer:
             nursery.start_soon(self._handle, sock, f"{addr[0]}:{addr[1]}")
 
         await net.accept_connections(listener, serve)
-
-    async def _hold_orphans(self) -> None:
-        """After a restart: keep unlinked inodes that clients may still hold open."""
-        orphans = [i.ino for i in self.store.inodes.values() if i.nlink <= 0]
-        if not orphans:
-            return
-        for ino in orphans:
-            await self.store.open(ino)
-        log.info(
-            "holding %d unlinked inodes for %.0f s for their clients to reclaim",
-            len(orphans), self.session_grace,
-        )
-        assert self._nursery is not None
-        self._nursery.start_soon(self._drop_orphans, orphans)
-
-    async def _drop_orphans(self, orphans: list[int]) -> None:
-        await trio.sleep(self.session_grace)
-        for ino in orphans:
-            await self._release_ino(ino)
 
     async def _recovery_window(self) -> None:
         """After a restart: hold calls until the clients of the run before are back,
@@ -436,7 +403,7 @@ class MetaServer:
     # -- one connection --------------------------------------------------------------------
 
     async def _handle(self, sock: socket.socket, peer: str) -> None:
-        conn = Connection(peer, self._new_session(), self)
+        conn = Connection(peer, self.sessions.new(), self)
         conn.session.conn = conn
         fs = FrameSocket(sock, HANDSHAKE_MAX_PAYLOAD)
         try:
@@ -452,7 +419,7 @@ class MetaServer:
             log.exception("%s: connection failed", peer)
         finally:
             fs.close()
-            self._detach(conn)
+            self.sessions.detach(conn, self._nursery)
 
     def recalled(self, session: Session, rid: int, payload: Any) -> None:
         self._t = self._real_now()
@@ -477,7 +444,7 @@ class MetaServer:
             return True
         if not self.leases.holders:
             return False
-        items = self._conflicts(session, m.name, args)
+        items = self.lease_policy.conflicts(session, m.name, args)
         return bool(items) and self.leases.needs_recall(session, items)
 
     # -- calls ---------------------------------------------------------------------------
@@ -551,7 +518,7 @@ class MetaServer:
             if self.leases.term > 0:
                 # What conflicts may change while we wait (another call renamed the
                 # entry, say): ask again until nothing is left to recall.
-                while (items := self._conflicts(session, m.name, args)) and \
+                while (items := self.lease_policy.conflicts(session, m.name, args)) and \
                         self.leases.needs_recall(session, items, first=first):
                     if m.name == "map_read" and trio.current_time() >= until:
                         return Kind.ERROR, wire.encode_error(
@@ -581,7 +548,7 @@ class MetaServer:
         widen = True
         try:
             if m.name == "open":
-                result: Any = await self._open(session, args[0])
+                result: Any = await self.sessions.open(session, args[0])
             elif m.name == "create":
                 # Through the burst buffer if there is one: it reserves a name.
                 result = await self.meta.create(*args)
@@ -589,7 +556,7 @@ class MetaServer:
                 if self.journal is not None:
                     self.journal.append(self._t, "mknod", [*value[1:6], 0, None])
             elif m.name == "release":
-                await self._release(session, args[0])
+                await self.sessions.release(session, args[0])
                 result = None
             elif m.name in _LOCK_CALLS:
                 if args[0] not in self.store.inodes:
@@ -666,7 +633,7 @@ class MetaServer:
             return Kind.ERROR, wire.encode_error(errno.EOVERFLOW, "reply too large")
         kind = Kind.OK
         if m.name in _LEASED and self.leases.term > 0:
-            if self.leases.register(session, self._holds(m.name, args, result),
+            if self.leases.register(session, self.lease_policy.holds(m.name, args, result),
                                     transfer=m.name in _MAPS):
                 kind = Kind.OK_CACHE
                 # Not while another session's map read is under way (waiting for a
@@ -680,137 +647,29 @@ class MetaServer:
                         and self.leases.grant_directory(session, args[0])):
                     kind = Kind.OK_WRITE  # a create lease on the directory
                 if m.name == "map_read" or (m.name == "allocate_ahead" and widen):
-                    body = self._widened(m.name, args, result) or body
+                    body = self.lease_policy.widened(m.name, args, result) or body
             if m.name in ("map_write", "allocate_ahead") and kind is not Kind.OK_WRITE and args[2]:
                 # Its bytes go out after this reply: readers elsewhere (and the
                 # write-back) wait for them.
                 self.leases.wrote(session, args[0], placed=True)
         if m.name == "truncate" and result:
-            if len(self._tails) >= 4096:
-                gone_by = trio.current_time() - TAIL_SETTLE
-                self._tails = {i: t for i, t in self._tails.items() if t > gone_by}
-            self._tails[args[0]] = trio.current_time()
+            self.lease_policy.tail_sent(args[0])
         return kind, body
 
-    def _widened(self, name: str, args: list[Any], result: Any) -> bytes | None:
-        """A cacheable chunk map around the range asked (``codec.MAP_WINDOW`` aligned), so the
-        client's next reads and writes nearby need no call; None: nothing to add."""
-        ino, offset, length = args[0], args[1], args[2]
-        i = self.store.inodes.get(ino)
-        if i is None or i.chunks is None or i.backed or not length:
-            return None
-        lo = offset - offset % codec.MAP_WINDOW
-        if name == "map_read":
-            hi = min(i.size, offset + length - (offset + length) % codec.MAP_WINDOW + codec.MAP_WINDOW)
-            if hi <= offset + length and lo == offset:
-                return None
-            return wire.encode(codec.extents_to_wire(self.store.extents(ino, lo, hi - lo)))
-        plan, attr = result
-        end = offset + length + args[3]
-        hi = max(end, min(i.size, end - end % codec.MAP_WINDOW + codec.MAP_WINDOW))
-        extents = self.store._extents(i, lo, hi)
-        return wire.encode(codec.ahead_to_wire((type(plan)(extents), attr)))
-
-    def _conflicts(self, session: Session | None, name: str, args: list[Any]) -> list[Item]:
-        """What other clients must give up before call *name* runs (pre-change state)."""
-        store = self.store
-        leases = self.leases
-        if name == "map_read":
-            ino = args[0]
-            return ([Item(ino, write_only=True)]
-                    if ino in leases.writers or leases.others_writing(session, ino) else [])
-        if name in ("getattr", "open", "readlink"):
-            return [Item(args[0], write_only=True)] if args[0] in leases.writers else []
-        if name == "lookup":
-            if not leases.writers:
-                return []
-            d = store.inodes.get(args[0])
-            child = d.children.get(args[1]) if d is not None and d.children is not None else None
-            items = [Item(child, write_only=True)] if child in leases.writers else []
-            if args[0] in leases.writers:  # a create lease: its creates must arrive first
-                items.append(Item(args[0], write_only=True))
-            return items
-        if name in ("readdirplus", "readdir"):
-            d = store.inodes.get(args[0])
-            if not leases.writers or d is None or d.children is None:
-                return []
-            items = [Item(c, write_only=True) for c in d.children.values()
-                     if c in leases.writers] if name == "readdirplus" else []
-            if args[0] in leases.writers:
-                items.append(Item(args[0], write_only=True))
-            return items
-        if name in ("setattr", "truncate", "map_write", "allocate_ahead", "setxattr", "removexattr"):
-            return [Item(args[0])]
-        if name == "drop_privileges":  # only if there is something to drop
-            return [Item(args[0])] if store.has_privileges(args[0], bool(args[1])) else []
-        if name in ("mknod", "create", "create_at"):
-            return [Item(args[0], (args[1],), directory=True)]
-        if name == "link":
-            return [Item(args[0]), Item(args[1], (args[2],), directory=True)]
-        if name in ("unlink", "rmdir", "unlink_at"):
-            items = [Item(args[0], (args[1],), directory=True)]
-            d = store.inodes.get(args[0])
-            child = d.children.get(args[1]) if d is not None and d.children is not None else None
-            if child is not None:
-                items.append(Item(child, directory=name == "rmdir"))
-            return items
-        if name == "rename":
-            parent, old, new_parent, new = args[:4]
-            items = [Item(parent, (old,), directory=True), Item(new_parent, (new,), directory=True)]
-            for d_ino, n in ((parent, old), (new_parent, new)):
-                d = store.inodes.get(d_ino)
-                child = d.children.get(n) if d is not None and d.children is not None else None
-                if child is not None:
-                    c = store.inodes[child]
-                    # a moved directory's ".." changes
-                    items.append(Item(child, (b"..",) if c.children is not None else (),
-                                      directory=c.children is not None))
-            return items
-        if name == "release":
-            i = store.inodes.get(args[0])
-            if i is not None and i.nlink <= 0 and i.opens <= 1:
-                return [Item(args[0])]  # the last handle: its chunks are freed
-        return []
-
     async def recall_inodes(self, inos: list[int]) -> None:
-        """Take everything clients cache of *inos* back (the server itself is about to
-        change them: burst-buffer eviction frees their chunks)."""
-        items = [Item(ino) for ino in inos]
-        first = True
-        while self.leases.needs_recall(None, items, first=first):
-            await self.leases.recall(None, items)
-            first = False
+        """Take everything clients cache of *inos* back, before the burst buffer's
+        eviction frees their chunks (``LeasePolicy.recall_inodes``)."""
+        await self.lease_policy.recall_inodes(inos)
 
     def writes_landed(self, ino: int) -> bool:
-        """Has every write the file's state shows reached the memory servers?  True when
-        no session placed writes there that it has not confirmed (by a recall's
-        answer or its close) and no truncate's tail is being zeroed, outside a
-        restart's recovery (writers of the run before are not known yet).  A write
-        lease's holder counts as confirmed: it reports writes only once they landed,
-        and its report makes the file dirty again (``LeaseTable.unconfirmed``).  The
-        write-back then needs no settle time."""
-        if self.leases.term <= 0 or self._recovering or self.leases.unconfirmed(ino):
-            return False  # (without leases, writers are not marked)
-        t = self._tails.get(ino)
-        if t is not None:
-            if trio.current_time() - t < TAIL_SETTLE:
-                return False
-            del self._tails[ino]
-        return True
+        """Has every write to *ino* reached the memory servers, for the write-back
+        (``LeasePolicy.writes_landed``)?"""
+        return self.lease_policy.writes_landed(ino)
 
     async def glimpse_writers_of(self, ino: int) -> None:
-        """Recall *ino*'s writers that have not confirmed their placed writes: each
-        answers once its bytes have landed.  Only a glimpse: not while a write
-        lease is held (its recall would revoke it), and given up after
-        ``GLIMPSE_WAIT`` rather than evicting a writer that does not answer (its
-        transfer may run long, a memfs.array slab): the copy then waits the
-        settle time instead."""
-        items = [Item(ino, write_only=True)]
-        if (not self.leases.unconfirmed(ino) or ino in self.leases.writers
-                or not self.leases.needs_recall(None, items)):
-            return
-        with trio.move_on_after(min(GLIMPSE_WAIT, self.leases.recall_timeout / 2)):
-            await self.leases.recall(None, items)
+        """Recall, briefly, *ino*'s writers that have not confirmed their writes, for the
+        write-back (``LeasePolicy.glimpse_writers_of``)."""
+        await self.lease_policy.glimpse_writers_of(ino)
 
     def evictions_held(self) -> bool:
         """Within the grace after a restart, until every session of the run before is
@@ -821,36 +680,11 @@ class MetaServer:
         return (self.write_leases and self._recovering
                 and bool(self.store.eligible - self.store.this_run))
 
-    async def _glimpse_writers(self, session: Session | None) -> None:
-        """Every other session's write leases end with their reports (which mark the
-        files dirty), so a flush asked on one node takes what another node wrote and
-        closed a moment ago: the writer's close does not wait for its report."""
-        items = [Item(ino, write_only=True) for ino in self.leases.writers]
-        first = True
-        while items and self.leases.needs_recall(session, items, first=first):
-            await self.leases.recall(session, items)
-            first = False
-
     def _child(self, parent: int, name: bytes) -> int:
         d = self.store.inodes.get(parent)
         if d is None or d.children is None:
             return 0
         return d.children.get(name, 0)
-
-    @staticmethod
-    def _holds(name: str, args: list[Any], result: Any) -> list[int]:
-        """Inodes whose state a reply to call *name* carries (the caller caches them)."""
-        if name in ("lookup", "mknod", "create", "create_at"):
-            return [args[0], result.ino]
-        if name == "link":
-            return [args[1], args[0]]
-        if name in ("unlink", "rmdir", "unlink_at"):
-            return [args[0]]
-        if name == "rename":
-            return [args[0], args[2]]
-        if name == "readdirplus":
-            return [args[0], *(a.ino for _, a in result)]
-        return [args[0]]
 
     async def _map_read(self, session: Session, m: codec.Method, args: list[Any],
                         until: float) -> Any:
@@ -921,7 +755,7 @@ class MetaServer:
                 raise WireError("malformed control call")
             try:
                 if op == "flush" and self.meta is not self.store:
-                    await self._glimpse_writers(conn.session)
+                    await self.lease_policy.glimpse_writers(conn.session)
                 return await self.meta.control(op, args)
             except FsError:
                 raise
@@ -929,45 +763,19 @@ class MetaServer:
                 log.exception("%s: control %s failed", conn.peer, op)
                 raise FsError(errno.EIO, "internal error in the metadata server") from None
         if name == "session" and len(raw) in (2, 3, 4, 5, 6):
-            sid = codec.check_bytes(raw[0], "session id")
-            if not 8 <= len(sid) <= 64:
-                raise WireError("session id of a bad length")
-            claimed: dict[int, int] = {}
-            for item in codec.check_list(raw[1], "open handles"):
-                ino, count = (codec.check_int(x, "open handle") for x in codec.check_list(item, "open handle", 2))
-                if not 0 < count <= MAX_HANDLES:
-                    raise WireError(f"open handle count {count} out of range")
-                claimed[ino] = claimed.get(ino, 0) + count
-            settles = settles_from_wire(raw[2]) if len(raw) >= 3 else []
-            if len(raw) < 4:
-                return await self._claim_session(conn, sid, claimed, settles)
-            ops = []
-            for item in codec.check_list(raw[3], "operations"):
-                try:
-                    m, args = codec.decode_call(item)
-                except codec.UnknownMethod as exc:
-                    raise WireError(f"registration: {exc.args[0]!r} is not replayed") from None
-                if m.name not in ("create_at", "unlink_at"):
-                    raise WireError(f"registration: {m.name} is not replayed")
-                ops.append((m.name, args))
-            if len(raw) < 5:
-                return await self._claim_session(conn, sid, claimed, settles, ops)
-            locks = [[codec.check_int(x, "lock") for x in codec.check_list(item, "lock", 7)]
-                     for item in codec.check_list(raw[4], "locks")]
-            fence = codec.check_int(raw[5], "fence") if len(raw) == 6 else 0
-            answer = await self._claim_session(conn, sid, claimed, settles, ops, fence=fence)
+            r = Registration.from_wire(raw)
+            if r.ops is None:
+                return await self._claim_session(conn, r.sid, r.claimed, r.settles)
+            if r.locks is None:
+                return await self._claim_session(conn, r.sid, r.claimed, r.settles, r.ops)
+            answer = await self._claim_session(conn, r.sid, r.claimed, r.settles, r.ops, fence=r.fence)
             # The locks its client holds (memfs.meta.locks): those lost meanwhile are
             # refused (after the handles: a lock is on an open file).
             conn.session.last_heard = trio.current_time()  # (the above may have waited)
-            return [*answer, self.locks.reclaim(conn.session.sid, locks, self.store.inodes.__contains__)]
+            return [*answer, self.locks.reclaim(conn.session.sid, r.locks, self.store.inodes.__contains__)]
         raise WireError(f"malformed {name} call")
 
-    # -- sessions and open counts -----------------------------------------------------------
-
-    def _new_session(self) -> Session:
-        s = Session(os.urandom(16))
-        self._sessions[s.sid] = s
-        return s
+    # -- registrations (memfs.meta.sessions keeps the sessions and their open counts) -------
 
     async def _claim_session(
         self, conn: Connection, sid: bytes, claimed: dict[int, int],
@@ -987,37 +795,7 @@ class MetaServer:
         under which transfers the client cannot stop (memfs.array processes') may
         still run: fenced before anything the session held is let go.
         """
-        old = conn.session
-        if old.sid != sid:
-            if old.opens:
-                raise FsError(errno.EINVAL, "session must be named before opening files")
-            while (s := self._sessions.get(sid)) is not None:
-                # Connections register in the order the client made them: one that
-                # asks after a newer one did was given up by the client.
-                if conn.serial < s.claimant:
-                    raise FsError(errno.ESTALE, "this session registers on a newer connection")
-                s.claimant = conn.serial
-                prev = s.conn
-                if prev is None or prev is conn or prev.retired:
-                    break
-                # The client gave that connection up: the call still running there
-                # happens before this registration, what is queued there never
-                # (Connection.supersede).  Waited for while the session is still
-                # attached there: a recall of it goes there unanswered, and its
-                # eviction cancels that connection, not this one.  (Its own detach
-                # comes later and finds the session taken over, or before, and
-                # hands it over as for any lost connection.)
-                log.info("%s: session moves here from %s", conn.peer, prev.peer)
-                await prev.supersede()
-            self._sessions.pop(old.sid, None)
-            s = self._sessions.get(sid)
-            if s is None:
-                s = self._sessions[sid] = Session(sid)
-                s.claimant = conn.serial
-            s.conn = conn
-            s.generation += 1
-            conn.session = s
-        s = conn.session
+        s = await self.sessions.attach(conn, sid)
         s.last_heard = trio.current_time()  # (this frame was read before it was named)
         self._t = self._real_now()
         # A size counts if the session still holds the write lease (cut off for less
@@ -1055,7 +833,7 @@ class MetaServer:
         previous_run = self._recovering and first and sid in self.store.eligible
         marks = self.store.unsaid
         lost_here = {ino for ino, sids in marks.items() if sid in sids}
-        # The same client under an older object (dropped from _sessions with no open
+        # The same client under an older object (dropped from the session table with no open
         # handles while it still held a write lease): still its lease.
         olds = {w for w in self.leases.writers.values()
                 if w is not s and isinstance(w, Session) and w.sid == sid}
@@ -1099,7 +877,7 @@ class MetaServer:
         unlinked_later = {args[2]: k for k, (name, args) in enumerate(replayed) if name == "unlink_at"}
         for k, (name, args) in enumerate(replayed):
             try:
-                await self._recall_for(s, name, args)
+                await self.lease_policy.recall_for(s, name, args)
                 if name == "create_at":
                     if unlinked_later.get(args[5], -1) > k and args[5] not in self.store.inodes \
                             and args[5] not in self.store.delegated.get(sid, ()):
@@ -1110,7 +888,7 @@ class MetaServer:
                     # counts no opens yet): its claim first.
                     ino = args[2]
                     if claimed.get(ino, 0) > s.opens.get(ino, 0) and ino in self.store.inodes:
-                        await self._set_opens(s, ino, claimed[ino])
+                        await self.sessions.set_opens(s, ino, claimed[ino])
                     await self._unlink_at(s, args)
             except FsError as exc:
                 log.warning("%s: %s of %r in inode %d, made under a create lease, failed on "
@@ -1125,7 +903,7 @@ class MetaServer:
             # registration a first one again.)
             self.store.delegated.pop(sid, None)
         lost = [ino for ino in set(claimed) | set(s.opens)
-                if not await self._set_opens(s, ino, claimed.get(ino, 0))]
+                if not await self.sessions.set_opens(s, ino, claimed.get(ino, 0))]
         self._journal_destroys()
         if claimed:
             log.info("%s: session re-registered %d open inodes (%d gone)", conn.peer, len(claimed), len(lost))
@@ -1133,25 +911,6 @@ class MetaServer:
         if ops is not None:
             return [sorted(lost), failed, s.token, refused_ops]
         return [sorted(lost), failed, s.token]
-
-    async def _set_opens(self, s: Session, ino: int, want: int) -> bool:
-        """Make session *s*'s open count of *ino* *want*; False if it no longer exists."""
-        have = s.opens.get(ino, 0)
-        there = True
-        try:
-            while have < want:
-                await self.store.open(ino)
-                have += 1
-        except FsError:
-            there = False
-        while have > want:
-            await self.store.release(ino)
-            have -= 1
-        if have:
-            s.opens[ino] = have
-        else:
-            s.opens.pop(ino, None)
-        return there
 
     # -- asynchronous creates (create leases) -------------------------------------------------
 
@@ -1195,14 +954,6 @@ class MetaServer:
             self.journal.append(t, "unlink", [parent, name])
         return [ino, t]
 
-    async def _recall_for(self, session: Session, name: str, args: list[Any]) -> None:
-        """Recall what other sessions hold that call *name* changes."""
-        first = True
-        while (items := self._conflicts(session, name, args)) and \
-                self.leases.needs_recall(session, items, first=first):
-            await self.leases.recall(session, items)
-            first = False
-
     # -- fencing: a lease taken without the client's word ------------------------------
 
     def _take_token(self, holder: Holder) -> None:
@@ -1217,80 +968,3 @@ class MetaServer:
         old, holder.token = holder.token, new_token()
         if self._nursery is not None:
             self.fencing.begin(self._nursery, old)
-
-    async def _open(self, s: Session, ino: int) -> Any:
-        attr = await self.store.open(ino)
-        s.opens[ino] = s.opens.get(ino, 0) + 1
-        return attr
-
-    async def _release(self, s: Session, ino: int) -> None:
-        n = s.opens.get(ino, 0)
-        if n <= 0:
-            # Never let one client drop another's counts; a re-registration may have
-            # already settled this one.
-            log.debug("release of inode %d that this session does not hold: ignored", ino)
-            return
-        if n == 1:
-            del s.opens[ino]
-            self.leases.done_writing(s, ino)  # its writes landed before it released
-        else:
-            s.opens[ino] = n - 1
-        await self.store.release(ino)
-
-    async def _release_ino(self, ino: int) -> None:
-        items = self._conflicts(None, "release", [ino])
-        first = True
-        while items and self.leases.needs_recall(None, items, first=first):
-            await self.leases.recall(None, items)
-            first = False
-        self._t = self._real_now()
-        await self.store.release(ino)
-        self._journal_destroys()
-
-    def _detach(self, conn: Connection) -> None:
-        s = conn.session
-        if s.conn is not conn:
-            return  # taken over by a newer connection
-        s.conn = None
-        assert self._nursery is not None
-        # A connection the session is moving away from (a registration waits for it,
-        # Connection.supersede) was given up, not closed for good: its session is
-        # handled as cut off, so that registration finds its leases and sizes.
-        clean = conn.clean_close and not conn.superseded
-        if clean:
-            self.leases.forget(s)
-            self._journal_destroys()
-        elif self.leases.holds(s) or any(w is s for w in self.leases.writers.values()):
-            # Cut off: its caches stay trusted (by it) until its lease runs out.
-            self._nursery.start_soon(self._forget_later, s, s.registrations)
-        if not s.opens:
-            self._sessions.pop(s.sid, None)
-            if clean:
-                self._session_gone(s.sid)  # unmounted (or gone): forgotten by this run
-            return
-        s.generation += 1
-        log.info("%s: client gone with %d open inodes; holding them for %.0f s",
-                 conn.peer, len(s.opens), self.session_grace)
-        assert self._nursery is not None
-        self._nursery.start_soon(self._expire, s, s.generation)
-
-    async def _forget_later(self, s: Session, registrations: int) -> None:
-        await trio.sleep_until(s.last_heard + self.leases.term)
-        if s.conn is None and s.registrations == registrations:  # else: back since
-            self._t = self._real_now()
-            self.leases.forget(s)
-            self._journal_destroys()
-
-    async def _expire(self, s: Session, generation: int) -> None:
-        await trio.sleep(self.session_grace)
-        if s.conn is not None or s.generation != generation or self._sessions.get(s.sid) is not s:
-            return
-        del self._sessions[s.sid]
-        # Back later, it is a stranger to this run: its sizes are refused.  (Now, not
-        # after the releases below, which may wait: it may be back by then.)
-        self._session_gone(s.sid)
-        log.info("session expired: releasing %d open inodes", len(s.opens))
-        for ino, n in s.opens.items():
-            for _ in range(n):
-                await self._release_ino(ino)
-        s.opens.clear()

@@ -99,7 +99,7 @@ async def leave(server: MetaServer, meta: Meta) -> None:
     the mark that it did not say its sizes), so the state after is the final one."""
     await meta.aclose()
     for _ in range(500):  # the server notices the close
-        if all(s.conn is None for s in server._sessions.values()):
+        if all(s.conn is None for s in server.sessions.values()):
             return
         await trio.sleep(0.01)
     raise AssertionError("the server did not notice the client leave")

@@ -366,7 +366,7 @@ async def test_write_lease_writes_locally_and_is_glimpsed() -> None:
     async with cluster(2) as (server, (a, b), _):
         f = await a.create(ROOT, b"f", F, 0, 0)
         await a.map_write(f.ino, 0, 4096)
-        assert server.leases.is_writer(server._sessions[a.session], f.ino)
+        assert server.leases.is_writer(server.sessions[a.session], f.ino)
         ino = server.store.inodes[f.ino]
         await a.map_write(f.ino, 4096, 4096)  # within the space taken ahead: no server call
         assert a.cache.dirty[f.ino][0] == 8192
@@ -522,9 +522,9 @@ async def test_the_write_back_hears_when_every_write_placed_has_landed(
     ``glimpse_writers_of`` (their recall) makes it so for the first, the settle
     time for the second.  A write lease's holder reports writes only once they
     have landed: it is not recalled for this."""
-    from memfs.meta import server as server_module
+    from memfs.meta import lease_policy
 
-    monkeypatch.setattr(server_module, "TAIL_SETTLE", 0.2)
+    monkeypatch.setattr(lease_policy, "TAIL_SETTLE", 0.2)
     async with cluster(1) as (server, (a,), _):
         f = await a.create(ROOT, b"f", F, 0, 0)
         assert server.writes_landed(f.ino)
@@ -553,7 +553,7 @@ async def test_a_glimpse_gives_up_on_a_writer_that_does_not_answer_without_evict
     that does not answer in time (a long memfs.array transfer pins its file) is
     not evicted for it (its writes would fail): the copy waits the settle time.
     Found by a review."""
-    from memfs.meta import server as server_module
+    from memfs.meta import lease_policy
 
     async with cluster(1) as (server, (a,), _):
         monkeypatch.setattr(MetaServer, "write_leases", property(lambda self: False))
@@ -564,7 +564,7 @@ async def test_a_glimpse_gives_up_on_a_writer_that_does_not_answer_without_evict
         t0 = trio.current_time()
         with trio.fail_after(5):
             await server.glimpse_writers_of(f.ino)
-        assert trio.current_time() - t0 < server_module.GLIMPSE_WAIT + 0.3
+        assert trio.current_time() - t0 < lease_policy.GLIMPSE_WAIT + 0.3
         await trio.sleep(server.leases.recall_timeout + 0.5)
         assert server.leases.evictions == 0
         assert not server.writes_landed(f.ino)
@@ -666,7 +666,7 @@ async def test_a_client_registers_again_only_once_its_transfers_ended(
     async with cluster(2) as (server, (a, b), _):
         f = await a.create(ROOT, b"f", F, 0, 0)
         await a.map_write(f.ino, 0, 65536)
-        session = server._sessions[a.session]
+        session = server.sessions[a.session]
         registered = session.registrations
         assert a._conn is not None
         with a.io(f.ino):  # a write to the memory servers under way
@@ -703,7 +703,7 @@ async def test_a_registration_waits_a_while_for_array_transfers(
         a.leases.answer_within = 5.0
         f = await a.create(ROOT, b"f", F, 0, 0)
         await a.map_write(f.ino, 0, 65536)
-        session = server._sessions[a.session]
+        session = server.sessions[a.session]
         registered, token = session.registrations, session.token
         with contextlib.closing(_partition(a)):  # (closed once the session moved)
             with a.io(f.ino, here=False):  # a memfs.array process's write under way
@@ -727,7 +727,7 @@ async def test_a_transfer_whose_bytes_moved_is_not_waited_for(
         a.leases.answer_within = 5.0
         f = await a.create(ROOT, b"f", F, 0, 0)
         await a.map_write(f.ino, 0, 65536)
-        session = server._sessions[a.session]
+        session = server.sessions[a.session]
         token = session.token
         with contextlib.closing(_partition(a)), a.io(f.ino, here=False) as landed:
             assert callable(landed)
@@ -753,7 +753,7 @@ async def test_array_transfers_still_running_at_a_registration_have_the_token_fe
         a.leases.answer_within = 0.3
         f = await a.create(ROOT, b"f", F, 0, 0)
         await a.map_write(f.ino, 0, 65536)
-        session = server._sessions[a.session]
+        session = server.sessions[a.session]
         registered, token = session.registrations, session.token
         waited: list[int] = []
         wait_begun = server.fencing.wait_begun
@@ -1446,18 +1446,18 @@ async def test_an_eviction_does_not_end_leases_taken_after_it(
                 while a._conn is None or a._conn is old or a._conn.dead:  # noqa: ASYNC110
                     await trio.sleep(0.01)
             assert server.leases.evictions == 1 and not done.is_set()
-            assert a.token != token and a.token == server._sessions[a.session].token
+            assert a.token != token and a.token == server.sessions[a.session].token
             g = await a.create(ROOT, b"g", F, 0, 0)  # a new connection, a new lease
             await a.map_write(g.ino, 0, 4096)
             await a.map_write(g.ino, 4096, 4096)  # within its space ahead
             with trio.fail_after(5):
                 await done.wait()
-        s = server._sessions[a.session]
+        s = server.sessions[a.session]
         assert server.leases.is_writer(s, g.ino), "the eviction's end took the new lease"
         await a.sync(g.ino)
         assert server.store.inodes[g.ino].size == 8192
         assert not a.write_errors
-        assert a.token == server._sessions[a.session].token  # fenced once, not again
+        assert a.token == server.sessions[a.session].token  # fenced once, not again
         await a.release(g.ino)
         await a.release(f.ino)
 
@@ -1478,7 +1478,7 @@ async def test_a_new_token_is_named_only_after_transfers_under_the_old_one(
         old = a._conn
         assert old is not None
         old.on_recall = lambda *args: None  # this connection never answers
-        session = server._sessions[a.session]
+        session = server.sessions[a.session]
         with a.io(f.ino):  # a transfer under the old token, in flight
             with trio.fail_after(5):
                 await b.getattr(f.ino)  # recalls a: evicted, forgotten after its term
@@ -1489,7 +1489,7 @@ async def test_a_new_token_is_named_only_after_transfers_under_the_old_one(
         with trio.fail_after(5):
             while len(named) < 2:  # noqa: ASYNC110
                 await trio.sleep(0.01)
-        assert named[1] == a.token == server._sessions[a.session].token
+        assert named[1] == a.token == server.sessions[a.session].token
         await a.release(f.ino)
 
 
@@ -1525,7 +1525,7 @@ async def _moved_session(
     a call on either as its connection would."""
     server = MetaServer(metadata_only(POOL), SECRET, lease_term=4.0, recall_timeout=2.0)
     server._nursery = nursery
-    old = Connection("old", server._new_session(), server)
+    old = Connection("old", server.sessions.new(), server)
     old.session.conn = old
     await server._claim_session(old, b"S" * 16, {})
 
@@ -1533,7 +1533,7 @@ async def _moved_session(
         kind, body = await conn._execute(list(value), parse_call(list(value)))
         return kind, wire.decode(body) if kind is not Kind.ERROR else wire.decode_error(body)
 
-    new = Connection("new", server._new_session(), server)
+    new = Connection("new", server.sessions.new(), server)
     new.session.conn = new
     return server, old, new, run
 
@@ -1579,16 +1579,16 @@ async def test_a_connection_older_than_one_that_registered_may_not_register() ->
     would undo the newer one's."""
     async with trio.open_nursery() as nursery:
         server, old, newer, run = await _moved_session(nursery)
-        late = Connection("late", server._new_session(), server)  # made before `newest`
+        late = Connection("late", server.sessions.new(), server)  # made before `newest`
         late.session.conn = late
-        newest = Connection("newest", server._new_session(), server)
+        newest = Connection("newest", server.sessions.new(), server)
         newest.session.conn = newest
         await server._claim_session(newest, b"S" * 16, {})
-        assert server._sessions[b"S" * 16].conn is newest and old.retired
+        assert server.sessions[b"S" * 16].conn is newest and old.retired
         with pytest.raises(FsError) as info:
             await server._claim_session(late, b"S" * 16, {})
         assert info.value.errno == errno.ESTALE
-        assert server._sessions[b"S" * 16].conn is newest
+        assert server.sessions[b"S" * 16].conn is newest
         nursery.cancel_scope.cancel()
 
 
@@ -1605,7 +1605,7 @@ async def test_the_connection_given_up_ending_first_leaves_the_registration_its_
         assert kind is Kind.OK_WRITE
         old.clean_close = True  # the client closed it (EOF read)
         old.superseded = True  # a registration waits for it (Connection.supersede)
-        server._detach(old)
+        server.sessions.detach(old, nursery)
         _, failed, _ = await server._claim_session(
             new, b"S" * 16, {ino: 1}, [(ino, 12288, 1, (0, 12288))])
         assert failed == [] and server.store.inodes[ino].size == 12288
@@ -1628,7 +1628,7 @@ async def test_every_registration_waiting_for_a_connection_given_up_goes_on() ->
         server._run_call = stuck  # type: ignore[method-assign]
         nursery.start_soon(run, old, "getattr", ROOT)
         await trio.testing.wait_all_tasks_blocked()
-        newer = Connection("newer", server._new_session(), server)
+        newer = Connection("newer", server.sessions.new(), server)
         newer.session.conn = newer
         done: dict[str, object] = {}
 
@@ -1648,7 +1648,7 @@ async def test_every_registration_waiting_for_a_connection_given_up_goes_on() ->
             while len(done) < 2:  # noqa: ASYNC110
                 await trio.sleep(0.01)
         assert done == {"new": errno.ESTALE, "newer": "registered"}
-        assert server._sessions[b"S" * 16].conn is newer
+        assert server.sessions[b"S" * 16].conn is newer
         nursery.cancel_scope.cancel()
 
 
@@ -1731,7 +1731,7 @@ async def test_a_recall_while_the_session_moves_goes_to_the_connection_given_up(
         f = await a.create(ROOT, b"f", F, 0, 0)
         h = await a.create(ROOT, b"h", F, 0, 0)
         await a.getattr(h.ino)  # a holds h
-        session = server._sessions[a.session]
+        session = server.sessions[a.session]
         given_up = session.conn
         assert given_up is not None
         gate = trio.Event()
@@ -2248,7 +2248,7 @@ async def test_space_ahead_given_in_a_reply_not_cached_goes_back_at_close() -> N
             await a.truncate(g.ino, 0)  # a truncate of ours meanwhile: nothing is cached
             late.go.set()
         assert not a.cache.is_writer(f.ino)
-        assert server.leases.is_writer(server._sessions[a.session], f.ino)
+        assert server.leases.is_writer(server.sessions[a.session], f.ino)
         assert max(server.store.inodes[f.ino].chunks or {0: 0}) > 0, "no space ahead to give back"
         await a.release(f.ino)
         assert f.ino not in server.leases.writers
@@ -2420,7 +2420,7 @@ async def test_no_write_lease_is_granted_while_another_clients_map_read_is_under
             slow.go_write.set()
             await trio.sleep(0.1)
             slow.go_read.set()
-        assert not server.leases.is_writer(server._sessions[a.session], f.ino)
+        assert not server.leases.is_writer(server.sessions[a.session], f.ino)
         seen = len(kb.inodes)
         await a.map_write(f.ino, 4096, 4096)  # again, over what b read
         assert f.ino in kb.inodes[seen:], "b was not asked to drop what it read"
@@ -2484,7 +2484,7 @@ async def test_a_client_alone_in_a_directory_creates_without_waiting() -> None:
         d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
         first = await a.create(d.ino, b"f0", F, 0, 0)  # asks, and gets the create lease
         assert d.ino in a.cache.creators
-        assert server.leases.is_writer(server._sessions[a.session], d.ino)
+        assert server.leases.is_writer(server.sessions[a.session], d.ino)
         before = _children(server, d.ino).copy()
         made = await _made_here(a, d.ino, [b"f%d" % k for k in range(1, 40)])
         assert a.creates.made == 39
@@ -2572,7 +2572,7 @@ async def test_fsync_waits_for_the_create_and_a_lost_connection_sends_it_again(c
         await a.getattr(ROOT)  # waits for the reconnection
         children = _children(server, d.ino)
         assert children[b"k"] == k.ino and children[b"h"] == h.ino
-        session = server._sessions[a.session]
+        session = server.sessions[a.session]
         assert session.opens[k.ino] == 1 and session.opens[h.ino] == 1
         assert server.store.inodes[h.ino].opens == 1
         assert not a.creates.pending
@@ -2846,14 +2846,14 @@ async def test_a_random_writer_into_new_space_gets_no_map_around_its_writes() ->
     for every chunk); one that writes where space is allocated gets the map around."""
     async with cluster(1) as (server, (a,), _):
         widened: list[tuple[int, int]] = []
-        real = server._widened
+        real = server.lease_policy.widened
 
         def counted(name: str, args: list[Any], result: Any) -> bytes | None:
             if name == "allocate_ahead":
                 widened.append((args[1], args[3]))
             return real(name, args, result)
 
-        server._widened = counted  # type: ignore[method-assign]
+        server.lease_policy.widened = counted  # type: ignore[method-assign]
         f = await a.create(ROOT, b"f", F, 0, 0)
         chunk = server.store.chunk_size
         await a.map_write(f.ino, 0, 4096)  # sequential: space ahead, the map around
