@@ -144,7 +144,7 @@ class LeasePolicy:
         plan, attr = result
         end = offset + length + args[3]
         hi = max(end, min(i.size, end - end % codec.MAP_WINDOW + codec.MAP_WINDOW))
-        extents = self.store._extents(i, lo, hi)
+        extents = self.store.placement.extents_of(i, lo, hi)
         return wire.encode(codec.ahead_to_wire((type(plan)(extents), attr)))
 
     def tail_sent(self, ino: int) -> None:

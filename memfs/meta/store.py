@@ -850,10 +850,6 @@ class MetaStore(Meta):
         """:meth:`Placement.preallocated` (memfs.meta.server trims them)."""
         return self.placement.preallocated()
 
-    def _extents(self, i: Inode, offset: int, end: int) -> list[Extent]:
-        # memfs.meta.server widens the maps it answers with this
-        return self.placement.extents_of(i, offset, end)
-
     # -- sessions of write leases (memfs.meta.server) ---------------------------------
 
     def new_run(self) -> None:
