@@ -119,7 +119,7 @@ CALL_WAIT = 3.0
 RECOVERY_WAIT = 3.0
 #: a sequential writer's preallocation is capped at this many bytes past its write
 MAX_AHEAD = 64 << 20
-#: methods whose reply carries state a client may cache under its lease (see _holds)
+#: methods whose reply carries state a client may cache under its lease (see LeasePolicy.holds)
 _LEASED = frozenset({
     "lookup", "getattr", "setattr", "truncate", "mknod", "create", "link", "unlink", "rmdir",
     "rename", "readlink", "readdir", "readdirplus", "open", "map_read", "map_write",
