@@ -8,8 +8,10 @@ it as one line and exits non-zero.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+from collections.abc import Iterator
 
 
 class FsError(Exception):
@@ -60,3 +62,35 @@ class ControlError(Exception):
 
     def __str__(self) -> str:
         return self.message
+
+
+def sole_cause(
+    group: BaseExceptionGroup, ignore: tuple[type[BaseException], ...] = (),
+) -> BaseException | None:
+    """The one exception in *group* that is not one of *ignore* (``trio.Cancelled``),
+    however nested, or None.
+
+    A daemon's tasks raise only to stop it: when one of them fails (a user error
+    raised inside a nursery, say) that exception, not the nursery's group, is
+    what the user must read."""
+    leaves = [e for e in _leaves(group) if not isinstance(e, ignore)]
+    return leaves[0] if len(leaves) == 1 else None
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for e in exc.exceptions for leaf in _leaves(e)]
+    return [exc]
+
+
+@contextlib.contextmanager
+def reporting_sole_cause(ignore: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
+    """Raise the :func:`sole_cause` of an exception group leaving the block, if any:
+    around ``trio.run`` of a daemon, whose tasks raise only to stop it."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        cause = sole_cause(group, ignore)
+        if cause is not None:
+            raise cause from None
+        raise

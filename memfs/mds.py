@@ -24,7 +24,7 @@ from memfs import wire
 from memfs.backing.meta import BackedMeta
 from memfs.backing.recovery import BackingJournal
 from memfs.config import FlushConfig, PoolConfig, VolumeAddr, format_size
-from memfs.errors import FsError, UsageError
+from memfs.errors import FsError, UsageError, reporting_sole_cause
 from memfs.host import sd_notify
 from memfs.meta.journal import Journal, JournalError, fsync_dir
 from memfs.meta.server import MetaServer
@@ -85,26 +85,15 @@ def run(opts: MdsOptions) -> int:
     try:
         if journal is not None:
             journal.lock()
-        try:
+        # Our tasks raise only to stop: report the one reason, however nested.
+        with reporting_sole_cause((trio.Cancelled,)):
             return trio.run(_main, opts, journal)
-        except BaseExceptionGroup as group:
-            # Our tasks raise only to stop: report the one reason, however nested.
-            leaves = [e for e in _leaves(group) if not isinstance(e, trio.Cancelled)]
-            if len(leaves) == 1:
-                raise leaves[0] from None
-            raise
     except JournalError as exc:  # while serving: the journal cannot be written
         log.error("stopping: %s", exc)
         return 1
     finally:
         if journal is not None:
             journal.close()
-
-
-def _leaves(exc: BaseException) -> list[BaseException]:
-    if isinstance(exc, BaseExceptionGroup):
-        return [leaf for e in exc.exceptions for leaf in _leaves(e)]
-    return [exc]
 
 
 def pool_config(opts: MdsOptions, volume_size: int) -> PoolConfig:

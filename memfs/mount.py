@@ -28,7 +28,7 @@ from memfs import fs
 from memfs.array.service import ArrayService, PoolAccess
 from memfs.config import FlushConfig, PoolConfig, parse_pool_spec
 from memfs.data import DataEngine
-from memfs.errors import FsError, UsageError
+from memfs.errors import FsError, UsageError, reporting_sole_cause
 from memfs.fs import Operations
 from memfs.host import mem_available, sd_notify, tune_malloc
 from memfs.meta import Meta
@@ -223,7 +223,10 @@ def run(opts: MountOptions, ready: Callable[[], None] | None = None) -> int:
     faulthandler.enable()
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     tune_malloc()
-    trio.run(_main, opts, ready)
+    # A user error raised inside a nursery (libfuse refusing an option, a busy
+    # --metrics port): the user reads it, not the nursery's group.
+    with reporting_sole_cause((trio.Cancelled,)):
+        trio.run(_main, opts, ready)
     return 0
 
 

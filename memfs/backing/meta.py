@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import math
 import os
 import stat
 import time
@@ -385,7 +386,7 @@ class BackedMeta(Meta):
             nbytes = sum(len(i.chunks or ()) for x in tracker.pinned if (i := inodes.get(x)))
             log.warning("%d files (%d MiB) under user.memfs.flush=off trees were not written "
                         "back (stage-out archives them)", len(tracker.pinned),
-                        nbytes * self.store.chunk_size >> 20)
+                        math.ceil(nbytes * self.store.chunk_size / (1 << 20)))
 
     async def close(self, give_up_after: float = CLOSE_TIMEOUT) -> None:
         """Remove our temporary directory (and DIR/.memfs-tmp if no one else uses it).
@@ -426,6 +427,11 @@ class BackedMeta(Meta):
         total, free = s.space.totals()
         tracker = self.tracker
         resident = evicted = pinned_chunks = 0
+        # Changed files in excluded trees are dirty until write-back looks at them
+        # (after the flush delay) and pins them: they are shown as pinned at once,
+        # since they will not be written back (memfs umount warns of them).
+        excluded = tracker.exclusion()
+        excluded_files = excluded_dirty = 0
         for n, i in enumerate(list(s.inodes.values())):
             if n % WALK_STEP == WALK_STEP - 1:
                 await trio.lowlevel.checkpoint()
@@ -437,17 +443,21 @@ class BackedMeta(Meta):
                 resident += 1
             if i.ino in tracker.pinned:
                 pinned_chunks += len(i.chunks)
+            elif (d := tracker.dirty.get(i.ino)) is not None and excluded(i.ino):
+                pinned_chunks += len(i.chunks)
+                excluded_files += 1
+                excluded_dirty += len(d.chunks)
         staging_files, staging_bytes = await self.tickets.staging()
         wb = self.writeback
         return BackingStatus(
             backing=self.cfg.backing,
             capacity=total * cs,
             used=(total - free) * cs,
-            dirty_bytes=tracker.dirty_chunks * cs,
-            dirty_files=len(tracker.dirty),
+            dirty_bytes=max(0, tracker.dirty_chunks - excluded_dirty) * cs,
+            dirty_files=max(0, len(tracker.dirty) - excluded_files),
             dirty_max=tracker.dirty_max,
             pinned_bytes=pinned_chunks * cs,
-            pinned_files=len(tracker.pinned),
+            pinned_files=len(tracker.pinned) + excluded_files,
             queued_files=wb.queued_files(),
             flushing_files=sum(1 for d in tracker.dirty.values() if d.busy),
             namespace_ops=len(self.mirror.ops),

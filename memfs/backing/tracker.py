@@ -175,16 +175,36 @@ class ChangeTracker:
 
     def excluded(self, ino: int) -> bool:
         """Is *ino* in a tree marked ``user.memfs.flush=off``?"""
+        return self.exclusion()(ino)
+
+    def exclusion(self) -> Callable[[int], bool]:
+        """:meth:`excluded` for one walk over many files: each directory is looked
+        at once (the answers hold until the next xattr change or rename)."""
         inodes = self.store.inodes
-        while True:
-            i = inodes.get(ino)
-            if i is None:
-                return False
-            if i.xattrs and i.xattrs.get(EXCLUDE_XATTR) == b"off":
-                return True
-            if ino == ROOT_INO:
-                return False
-            ino = i.parent
+        known: dict[int, bool] = {}
+
+        def excluded(ino: int) -> bool:
+            path = []
+            answer = False
+            while True:
+                if ino in known:
+                    answer = known[ino]
+                    break
+                i = inodes.get(ino)
+                if i is None:
+                    break
+                path.append(ino)
+                if i.xattrs and i.xattrs.get(EXCLUDE_XATTR) == b"off":
+                    answer = True
+                    break
+                if ino == ROOT_INO:
+                    break
+                ino = i.parent
+            for x in path:
+                known[x] = answer
+            return answer
+
+        return excluded
 
     def unpin(self) -> None:
         """An exclusion was lifted: pinned files are written back after all."""

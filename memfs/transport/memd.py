@@ -67,7 +67,7 @@ import trio.lowlevel
 
 from memfs import wire
 from memfs.config import format_size
-from memfs.errors import UsageError
+from memfs.errors import UsageError, reporting_sole_cause
 from memfs.host import mem_available, sd_notify
 from memfs.net import accept_connections
 from memfs.transport.local import LocalTransport
@@ -432,7 +432,9 @@ def run(n_volumes: int, volume_size: int, host: str, port: int, secret: bytes,
         server = MemoryServer(n_volumes, volume_size, secret)
     except MemoryError as exc:
         raise UsageError(str(exc)) from None
-    trio.run(_serve_until_signalled, server, host, port, rdma_device, metrics)
+    # A user error raised inside the nursery (a busy --metrics port): one line.
+    with reporting_sole_cause((trio.Cancelled,)):
+        trio.run(_serve_until_signalled, server, host, port, rdma_device, metrics)
     return 0
 
 

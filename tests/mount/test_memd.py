@@ -589,6 +589,18 @@ def test_cli_port_in_use(start_memd: Callable[..., Memd]) -> None:
     assert "Address already in use" in one_error_line(res)
 
 
+def test_cli_metrics_port_in_use(start_memd: Callable[..., Memd]) -> None:
+    a = start_memd()  # its port is taken
+    res = subprocess.run(memd_cmd("--listen", "127.0.0.1:0", "--size", "1M",
+                                  "--metrics", f"127.0.0.1:{a.port}"),
+                         capture_output=True, text=True, timeout=30)
+    # After memd's own log lines (it has set up its volumes): the error, unwrapped.
+    assert res.returncode == 2, res
+    assert "Traceback" not in res.stderr and "ExceptionGroup" not in res.stderr, res.stderr
+    last = res.stderr.splitlines()[-1]
+    assert last.startswith("memfs: error: cannot serve metrics"), res.stderr
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_cli_lifecycle(start_memd: Callable[..., Memd], tmp_path: Path, sig: int,
                        monkeypatch: pytest.MonkeyPatch) -> None:
