@@ -3,12 +3,12 @@
 # fuse3: fusermount3 and the kernel-side helpers; libfuse3-dev + pkg-config +
 # patch: to build pyfuse3 with memfs's patch (scripts/build-pyfuse3.sh); fio:
 # benchmarks and data-verification tests; iproute2: network namespaces in
-# multi-host tests.
+# multi-host tests; attr: setfattr/getfattr, which README's examples use.
 # Optional: python3-pyverbs (rdma-core's userspace verbs and their Python
 # bindings) for the verbs (RDMA) transport.  memfs installs and runs without it;
 # MEMFS_NO_RDMA=1 does not install it, and a failure to install it is only a note.
 set -eu
-PKGS="fuse3 libfuse3-dev pkg-config patch fio iproute2 python3-venv"
+PKGS="fuse3 libfuse3-dev pkg-config patch fio iproute2 python3-venv attr"
 OPTIONAL="python3-pyverbs"
 installed() {
     dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"
