@@ -26,7 +26,7 @@ import trio.lowlevel
 
 from memfs import fs
 from memfs.array.service import ArrayService, PoolAccess
-from memfs.config import FlushConfig, PoolConfig, parse_pool_spec
+from memfs.config import FlushConfig, PoolConfig, format_size, parse_pool_spec
 from memfs.data import DataEngine
 from memfs.errors import FsError, UsageError, reporting_sole_cause
 from memfs.fs import Operations
@@ -106,7 +106,7 @@ def check_memory(pool: PoolConfig) -> None:
     avail = mem_available()
     if avail is not None and pool.size > avail:
         raise UsageError(
-            f"--size {pool.size >> 20} MiB exceeds the memory available "
+            f"--size {format_size(pool.size)} exceeds the memory available "
             f"on this node ({avail >> 20} MiB)"
         )
 

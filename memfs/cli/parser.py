@@ -29,13 +29,21 @@ class _SubParser(argparse.ArgumentParser):
     def parse_known_args(  # type: ignore[override]
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
     ) -> tuple[argparse.Namespace, list[str]]:
-        if not self.intermixed or self._inside:
+        if self._inside:
             return super().parse_known_args(args, namespace)
-        self._inside = True  # parse_known_intermixed_args calls back here
-        try:
-            return self.parse_known_intermixed_args(args, namespace)
-        finally:
-            self._inside = False
+        if self.intermixed:
+            self._inside = True  # parse_known_intermixed_args calls back here
+            try:
+                ns, extra = self.parse_known_intermixed_args(args, namespace)
+            finally:
+                self._inside = False
+        else:
+            ns, extra = super().parse_known_args(args, namespace)
+        if extra:
+            # Said here, with this command's usage: the top-level parser would show
+            # only ``memfs COMMAND ...``.
+            self.error(f"unrecognized arguments: {' '.join(extra)}")
+        return ns, extra
 
 
 DESCRIPTION = ("memfs: a FUSE filesystem over pooled memory, on one node or a cluster; "

@@ -227,6 +227,19 @@ def test_umount_not_mounted(tmp_path: Path) -> None:
     assert "not mounted" in line
 
 
+@pytest.mark.parametrize(("command", "args"), [
+    ("mount", ["x"]), ("status", ["x"]), ("flush", ["x", "--wait"]),
+    ("memd", ["--listen", "127.0.0.1:0"]),
+    ("mds", ["--listen", "127.0.0.1:0", "--pool", "tcp://127.0.0.1:1/0"]),
+])
+def test_unknown_option_shows_the_commands_usage(command: str, args: list[str]) -> None:
+    """Not the top-level ``memfs [-h] COMMAND ...``: the command's own options."""
+    res = memfs(command, *args, "--no-such-option")
+    assert res.returncode == cli.EXIT_USAGE, res
+    assert f"usage: memfs {command} " in res.stderr, res.stderr
+    assert f"memfs {command}: error: unrecognized arguments: --no-such-option" in res.stderr
+
+
 def test_help() -> None:
     for args, words in (
         (["--help"], ["mount", "umount", "flush", "status", "stage-in", "stage-out"]),
