@@ -525,7 +525,11 @@ def create_file(path: str, size: int, *, allocate: bool) -> ArrayTarget:
         keep = os.stat(real).st_mode & 0o7777
     except FileNotFoundError:
         pass
-    fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+    try:
+        fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+    except OSError as exc:  # the caller named the file, not our temporary one
+        raise OSError(exc.errno, f"{exc.strerror} (creating it beside the file, to "
+                      "rename it over the file)", path) from None
     f = MountFile(path, fd, size, temp, real)
     try:
         if keep is not None:

@@ -260,6 +260,10 @@ try:
 except PermissionError as exc:
     print("refused", exc.errno)
 print(sorted(n for n in os.listdir(d) if "memfs-array" in n))
+try:
+    ma.save(sys.argv[2] + "/x.npy", a)  # a directory this user may not write in
+except PermissionError as exc:
+    print("save refused", exc.filename == sys.argv[2] + "/x.npy")
 """
 
 
@@ -284,10 +288,13 @@ def test_other_users_go_through_the_mount() -> None:
         shared.chmod(0o777)
         ma.save(shared / "secret.npy", np.ones(3))
         (shared / "secret.npy").chmod(0o600)
-        res = run_py(NON_OWNER, str(shared),
+        closed = mnt / "closed"
+        closed.mkdir(mode=0o755)
+        res = run_py(NON_OWNER, str(shared), str(closed),
                      prefix=("setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"))
-        assert res.stdout.split("\n")[:4] == ["direct False", "direct False",
-                                              f"refused {errno.EACCES}", "[]"], res.stdout
+        assert res.stdout.split("\n")[:5] == ["direct False", "direct False",
+                                              f"refused {errno.EACCES}", "[]",
+                                              "save refused True"], res.stdout
         assert (shared / "mine.npy").stat().st_uid == NOBODY
         assert same(ma.load(shared / "mine.npy"), np.arange(50_000.0).reshape(500, 100))
         assert "refused a connection from uid 65534" in log.read_text()
