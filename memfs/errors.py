@@ -43,6 +43,12 @@ class TransportError(FsError):
         super().__init__(errno.EIO, msg)
 
 
+class ClaimRefused(TransportError):
+    """A memory server's volume belongs to another memfs filesystem (the server said
+    EBUSY to our CLAIM).  EIO to applications like any unreachable memory; the
+    daemons catch it to stop with the server's message instead of going on."""
+
+
 class UsageError(ValueError):
     """A bad command-line argument or configuration value."""
 

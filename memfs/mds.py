@@ -3,7 +3,10 @@
 The pool's geometry comes from the command line and, unless ``--volume-size``
 is given, from the memory servers themselves (their INFO, through the tcp
 transport: this module sits above both ``meta`` and ``transport``).  Then the
-journal is recovered (if any), :class:`~memfs.meta.server.MetaServer` listens,
+journal is recovered (if any), which gives the filesystem its id; the pool's
+volumes are claimed for it on the memory servers (a volume another filesystem
+holds: a one-line error, no serving on someone else's memory; see CLAIM in
+:mod:`memfs.transport.memd`), :class:`~memfs.meta.server.MetaServer` listens,
 one ready line goes to stdout and ``READY=1`` to systemd, and SIGTERM/SIGINT
 stop it with status 0.
 """
@@ -24,7 +27,7 @@ from memfs import wire
 from memfs.backing.meta import BackedMeta
 from memfs.backing.recovery import BackingJournal
 from memfs.config import FlushConfig, PoolConfig, VolumeAddr, format_size
-from memfs.errors import FsError, UsageError, reporting_sole_cause
+from memfs.errors import ClaimRefused, FsError, UsageError, reporting_sole_cause
 from memfs.host import sd_notify
 from memfs.meta.journal import Journal, JournalError, fsync_dir
 from memfs.meta.server import MetaServer
@@ -156,25 +159,42 @@ def _save_incarnations(journal_dir: str, incarnations: dict[str, int]) -> None:
     fsync_dir(path.parent)
 
 
+def claim_refused(exc: ClaimRefused) -> UsageError:
+    """The user error for a pool whose memory belongs to another filesystem."""
+    return UsageError(f"{exc.args[1]}: not serving this filesystem on another one's memory "
+                      "(check --pool)")
+
+
 async def _scrub(
     store: MetaStore, pool: list[VolumeAddr], secret: bytes, server: MetaServer,
-    journal_dir: str | None,
+    journal_dir: str | None, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Zero freed chunks through the memory servers, for as long as we run.
 
     Until they are reachable, freed space stays dirty (unusable, never exposed).
     Over TCP whatever the scheme (every memd serves its ``verbs://`` volumes
     there too): zeroing is not on the clients' data path.
+
+    Its connections hold the pool's claims for this filesystem (``server.fsid``)
+    while the mds runs.  Started once the first attempt is over: if a memory
+    server says a volume belongs to another filesystem then, the mds stops with
+    that (:class:`UsageError`) before it listens; said later (the mds was cut
+    off and another filesystem took the volume meanwhile), it is logged and
+    nothing is zeroed there.
     """
     from memfs.transport.pool import as_tcp
     from memfs.transport.tcp import open_tcp_transport
 
     delay = 1.0
+    first = True
     while True:
         try:
             async with open_tcp_transport(as_tcp(pool), secret, io_timeout=INFO_TIMEOUT,
                                           incarnations=server.incarnations,
-                                          fences=server.fencing.fences) as t:
+                                          fences=server.fencing.fences, fsid=server.fsid) as t:
+                if first:
+                    first = False
+                    task_status.started()
                 delay = 1.0
                 # The memory this pool's data lives in: remembered (with the journal)
                 # so that a memory server restarted blank is never taken for it.
@@ -184,9 +204,17 @@ async def _scrub(
                         await trio.to_thread.run_sync(_save_incarnations, journal_dir, known)
                     server.incarnations.update(known)
                 await Scrubber(store, t).run()
+        except ClaimRefused as exc:
+            store.space.reclaimer = None
+            if first:
+                raise claim_refused(exc) from None
+            log.error("%s; freed space waits", exc.args[1])
         except FsError as exc:
             store.space.reclaimer = None
             log.warning("memory servers unreachable, freed space waits: %s", exc.args[1])
+        if first:  # unreachable: the mds serves meanwhile, as it did before claims
+            first = False
+            task_status.started()
         await trio.sleep(delay)
         delay = min(delay * 2, 30.0)
 
@@ -205,7 +233,7 @@ async def _fence_courier(
     assert server.fencing.fences is not None
     async with open_tcp_transport(as_tcp(opts.pool), opts.secret, io_timeout=INFO_TIMEOUT,
                                   incarnations=server.incarnations, fences=server.fencing.fences,
-                                  connections_per_server=1, lazy=True) as t:
+                                  connections_per_server=1, lazy=True, fsid=server.fsid) as t:
         with server.fencing.fences.delivering(t):
             task_status.started()
             await trio.sleep_forever()
@@ -231,7 +259,7 @@ async def _write_back(
     try:
         async with open_tcp_transport(as_tcp(opts.pool), opts.secret, io_timeout=INFO_TIMEOUT,
                                       incarnations=server.incarnations,
-                                      fences=server.fencing.fences) as t:
+                                      fences=server.fencing.fences, fsid=server.fsid) as t:
             backed = BackedMeta(store, t, opts.flush, settle=SETTLE, recovered=recovered)
             backed.before_evict = server.recall_inodes
             backed.writeback.landed = server.writes_landed
@@ -253,6 +281,8 @@ async def _write_back(
                 log.info("writing back to %s (delay %g s, dirty cap %s)", opts.flush.backing,
                          opts.flush.delay, format_size(backed.dirty_max))
                 task_status.started()
+    except ClaimRefused as exc:
+        raise claim_refused(exc) from None
     except FsError as exc:
         raise StartupError(f"cannot reach the memory servers for write-back: {exc.args[1]}") from None
 
@@ -305,7 +335,8 @@ async def _main(opts: MdsOptions, journal: Journal | None) -> int:
         server.fencing.fences = Fences([server_name(a.host, a.port) for a in as_tcp(opts.pool)])
         async with trio.open_nursery() as nursery:
             server.incarnations.update(_load_incarnations(opts.journal_dir))
-            nursery.start_soon(_scrub, store, opts.pool, opts.secret, server, opts.journal_dir)
+            # The pool claimed for this filesystem (its id known now), before listening.
+            await nursery.start(_scrub, store, opts.pool, opts.secret, server, opts.journal_dir)
             await nursery.start(_fence_courier, opts, server)
             if opts.flush is not None:
                 # Before serving: a call answered by the bare store would not be

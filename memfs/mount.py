@@ -172,8 +172,11 @@ async def _open_remote(opts: MountOptions, host: str, port: int) -> AsyncIterato
             volumes = parse_pool_spec("+".join(desc.volumes))
             access = PoolAccess(pool_scheme(volumes), volumes=tuple(desc.volumes),
                                 secret=opts.secret, incarnations=dict(desc.incarnations),
-                                lease_token=lambda: meta.token)
-            async with open_pool_transport(volumes, opts.secret, incarnations=desc.incarnations) as transport:
+                                fsid=desc.fsid, lease_token=lambda: meta.token)
+            # The volumes are claimed for this filesystem: a memory server whose
+            # volume another one holds refuses (ClaimRefused: the mount fails).
+            async with open_pool_transport(volumes, opts.secret, incarnations=desc.incarnations,
+                                           fsid=desc.fsid) as transport:
                 # Memory servers shut out a token the mds fenced (our lease taken).
                 meta.follow_token(transport.set_session)
                 log.info("pool of %d volumes from the metadata server at %s", len(volumes), where)

@@ -21,6 +21,13 @@ Payloads:
   it on that connection was served (a server serves a connection's frames in
   order), so a client confirms many writes with one answer (a server offers
   this in its INFO: ``"features": ["quiet-writes"]``);
+* CLAIM (:func:`encode_claim`: a filesystem's 16-byte fsid, then the u32
+  indices of the volumes the connection will use) makes this connection a
+  holder of those volumes for that filesystem.  A volume belongs to one
+  filesystem at a time: claiming one that another fsid holds is refused
+  (ERROR, EBUSY); a volume whose last holder's connection ended is free again.
+  Claims live in the server's memory only (INFO's ``"features"`` has
+  ``"claims"`` where a server understands them);
 * control and metadata messages carry one value in a small tagged binary
   encoding (:func:`encode` / :func:`decode`: None, bool, int64, float, bytes,
   str, list, dict);
@@ -86,6 +93,7 @@ class Kind(enum.IntEnum):
     FENCE = 26  # TOKEN struct: close that token's connections, refuse it from now on -> OK
     WRITE_QUIET = 27  # WRITE struct + data -> no answer; ERROR only if refused
     SYNC = 28  # -> OK(empty), after every frame sent before it on this connection is served
+    CLAIM = 29  # fsid + volumes (encode_claim): held by this connection -> OK or ERROR(EBUSY)
     # metadata server
     CALL = 30  # value [method, args...] -> OK(value)
     RECALL = 31  # server -> client: value [[ino, [names], revoke_write], ...] (req id: recall id)
@@ -99,6 +107,14 @@ WRITE = struct.Struct("!IQ")  # volume, offset; data follows
 ZERO = struct.Struct("!IQQ")  # volume, offset, length
 TOKEN = struct.Struct("!Q")  # a client session's lease token (memfs.meta.server)
 _ERRNO = struct.Struct("!I")
+
+
+#: a filesystem's identity (memfs.meta.server.MetaServer.fsid)
+FSID_SIZE = 16
+_VOLUME = struct.Struct("!I")
+#: the most volumes one memd serves (and so one CLAIM names)
+MAX_VOLUMES = 1024
+CLAIM_MAX = FSID_SIZE + MAX_VOLUMES * _VOLUME.size
 
 
 class WireError(Exception):
@@ -166,6 +182,30 @@ def unpack_exact(st: struct.Struct, payload: bytes | bytearray | memoryview) -> 
     return st.unpack(payload)
 
 
+def encode_claim(fsid: bytes, volumes: list[int] | tuple[int, ...]) -> bytes:
+    """The CLAIM payload: *fsid*, then each volume index (u32); ``ValueError`` if
+    they do not fit."""
+    if len(fsid) != FSID_SIZE:
+        raise ValueError(f"fsid of {len(fsid)} bytes, expected {FSID_SIZE}")
+    if not 0 < len(volumes) <= MAX_VOLUMES:
+        raise ValueError(f"a claim of {len(volumes)} volumes (1..{MAX_VOLUMES})")
+    return bytes(fsid) + struct.pack(f"!{len(volumes)}I", *volumes)
+
+
+def claim_size_ok(length: int) -> bool:
+    """Whether *length* bytes can be a CLAIM payload (checked before receiving it)."""
+    return FSID_SIZE < length <= CLAIM_MAX and (length - FSID_SIZE) % _VOLUME.size == 0
+
+
+def decode_claim(payload: bytes | bytearray | memoryview) -> tuple[bytes, list[int]]:
+    """Inverse of :func:`encode_claim`; anything malformed is :class:`WireError`."""
+    if not claim_size_ok(len(payload)):
+        raise WireError(f"CLAIM payload of {len(payload)} bytes")
+    view = memoryview(payload).cast("B")
+    n = (len(view) - FSID_SIZE) // _VOLUME.size
+    return bytes(view[:FSID_SIZE]), list(struct.unpack_from(f"!{n}I", view, FSID_SIZE))
+
+
 # -- RDMA (verbs) connection exchange ---------------------------------------------------
 
 #: one RC queue pair: number, first packet sequence number, port LID, port GID,
@@ -176,7 +216,7 @@ VERBS_ENDPOINT = struct.Struct("!IIH16sBB")
 VERBS_REGION = struct.Struct("!QIQ")
 _COUNT = struct.Struct("!I")
 #: memd serves at most 1024 volumes
-MAX_VERBS_REGIONS = 1024
+MAX_VERBS_REGIONS = MAX_VOLUMES
 VERBS_ACCEPT_MAX = VERBS_ENDPOINT.size + _COUNT.size + MAX_VERBS_REGIONS * VERBS_REGION.size
 _U24 = 1 << 24
 _U64 = 1 << 64

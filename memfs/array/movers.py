@@ -217,6 +217,13 @@ class LocalMover:
         self.fds = []
 
 
+def pool_fsid(pool: dict[str, Any]) -> bytes | None:
+    """The filesystem the pool's volumes belong to (hex in the mount's description),
+    claimed on our connections too; None from a mount that names none."""
+    fsid = pool.get("fsid")
+    return bytes.fromhex(fsid) if isinstance(fsid, str) and fsid else None
+
+
 class TcpMover:
     """Copies to and from a tcp pool's memory servers with blocking bulk transfers
     (:class:`memfs.transport.bulk.BulkTcp`: a thread per connection, each byte
@@ -235,7 +242,7 @@ class TcpMover:
             parse_pool_spec("+".join(str(v) for v in pool["volumes"])),
             bytes.fromhex(pool["secret"]),
             incarnations={str(k): int(v) for k, v in dict(pool.get("incarnations", {})).items()},
-            token=int(pool.get("token", 0)))
+            token=int(pool.get("token", 0)), fsid=pool_fsid(pool))
 
     def begin(self, extents: Sequence[Extent], base: int, view: memoryview, *,
               write: bool) -> Pending:
@@ -277,6 +284,7 @@ class RemoteMover:
         self._secret = bytes.fromhex(pool["secret"])
         self._incarnations = {str(k): int(v) for k, v in dict(pool.get("incarnations", {})).items()}
         self._lease_token = int(pool.get("token", 0))
+        self._fsid = pool_fsid(pool)
         self._token: trio.lowlevel.TrioToken | None = None
         self._stop: trio.Event | None = None
         self._transport: Any = None
@@ -304,7 +312,8 @@ class RemoteMover:
         self._token = trio.lowlevel.current_trio_token()
         self._stop = trio.Event()
         async with open_pool_transport(self._volumes, self._secret,
-                                       incarnations=self._incarnations) as transport:
+                                       incarnations=self._incarnations,
+                                       fsid=self._fsid) as transport:
             transport.set_session(self._lease_token)
             self._transport = transport
             ready.set()

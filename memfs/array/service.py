@@ -113,6 +113,8 @@ class PoolAccess:
     volumes: tuple[str, ...] = ()
     secret: bytes = b""
     incarnations: dict[str, int] = field(default_factory=dict)
+    #: cluster: the filesystem's id, which the memory servers' volumes are claimed for
+    fsid: bytes = b""
     #: cluster: the mount's lease token now (its transfers are made under the mount's
     #: leases; memory servers refuse the token once the mds fenced it)
     lease_token: Callable[[], int] | None = None
@@ -123,7 +125,8 @@ class PoolAccess:
         if self.kind == "local":
             return {"kind": "local", "sizes": list(self.sizes)}
         return {"kind": self.kind, "volumes": list(self.volumes), "secret": self.secret.hex(),
-                "incarnations": self.incarnations, "token": self.token()}
+                "incarnations": self.incarnations, "token": self.token(),
+                "fsid": self.fsid.hex()}
 
     def token(self) -> int:
         """The mount's lease token now; 0: none (embedded)."""

@@ -20,7 +20,8 @@ piece before the last one ended gives up on both.
 
 Same wire protocol, handshake and checks as :mod:`memfs.transport.tcp` (the
 shared parts live there): a server's incarnation is compared with what the pool
-knows, so a server restarted blank is an error, never zeros; every send and
+knows, so a server restarted blank is an error, never zeros; the volumes are
+claimed for the mount's filesystem (CLAIM, refused for another one's); every send and
 receive has the I/O deadline; any failure is a :class:`TransportError` naming
 the server, and the connection is dropped (reopened by the next transfer).
 """
@@ -41,15 +42,17 @@ from dataclasses import dataclass, field
 
 from memfs import wire
 from memfs.config import VolumeAddr
-from memfs.errors import TransportError, UsageError
+from memfs.errors import ClaimRefused, TransportError, UsageError
 from memfs.transport.sockio import set_rcvlowat
 from memfs.transport.splice import SpliceSender
 from memfs.transport.splice import available as splice_available
 from memfs.transport.tcp import (
+    CLAIM_ID,
     DEFAULT_IO_TIMEOUT,
     MAX_IO,
     ROLE,
     SESSION_ID,
+    check_claim_reply,
     check_info,
     check_session_reply,
     server_name,
@@ -93,7 +96,7 @@ class BulkTcp:
     def __init__(
         self, volumes: Sequence[VolumeAddr], secret: bytes, *,
         incarnations: Mapping[str, int] | None = None, connections_per_server: int = 2,
-        io_timeout: float = DEFAULT_IO_TIMEOUT, token: int = 0,
+        io_timeout: float = DEFAULT_IO_TIMEOUT, token: int = 0, fsid: bytes | None = None,
     ) -> None:
         if not volumes or any(v.scheme != "tcp" for v in volumes):
             raise UsageError("bulk transfers need a pool of tcp:// volumes")
@@ -102,6 +105,8 @@ class BulkTcp:
         #: the mount's lease token, named to every server (SESSION; see memfs.transport.memd)
         self.token = token
         self.expected = dict(incarnations or {})
+        #: the filesystem the volumes belong to (CLAIM on every connection); None: no claim
+        self.fsid = fsid
         self._servers: dict[tuple[str, int], _Server] = {}
         self._map: list[tuple[_Server, int]] = []
         for v in volumes:
@@ -158,7 +163,17 @@ class BulkTcp:
             h, payload = _recv_frame(sock, 1 << 20)
             if h.kind is not Kind.OK or h.req_id != _INFO_ID:
                 raise wire.WireError(f"unexpected {h.kind.name} reply to INFO")
-            incarnation, sizes = check_info(wire.decode(payload))
+            info = wire.decode(payload)
+            incarnation, sizes = check_info(info)
+            features = info.get("features", [])
+            if self.fsid is not None and isinstance(features, list) and "claims" in features:
+                mine = sorted({remote for srv, remote in self._map if srv is s})
+                sock.sendall(wire.frame(Kind.CLAIM, CLAIM_ID, wire.encode_claim(self.fsid, mine)))
+                h, payload = _recv_frame(sock, 1 << 20)
+                check_claim_reply(h, payload)
+        except ClaimRefused as exc:
+            sock.close()
+            raise ClaimRefused(f"memory server {s.name}: {exc.args[1]}") from None
         except (OSError, EOFError, wire.WireError) as exc:
             sock.close()
             raise TransportError(f"memory server {s.name}: {exc}") from None

@@ -11,7 +11,7 @@ number of clients:
   one thread of memd's own serves every authenticated connection with a plain
   epoll loop, no trio scheduling per request;
 * requests (INFO, READ, WRITE, WRITE_QUIET, SYNC, ZERO, VERBS_CONNECT, SESSION,
-  FENCE) are served in order, one at a time per connection; a client may
+  FENCE, CLAIM) are served in order, one at a time per connection; a client may
   pipeline them, and each reply carries its request's id.  WRITE_QUIET is not
   answered unless refused, and SYNC is answered at once: being served in
   order, its answer confirms every write sent before it (a client's posted
@@ -35,6 +35,15 @@ number of clients:
   from then on.  The loop's one thread serves the FENCE too, between two requests
   of the others: a transfer the client started under the lost lease cannot land
   after the FENCE is answered (see "Fencing" in docs/ARCHITECTURE.md);
+* a volume belongs to one memfs filesystem at a time: every cluster client
+  (an mds, its mounts, memfs.array) names its filesystem's fsid and the
+  volumes it uses (CLAIM) on each connection.  A claim of a volume that
+  connections of another fsid hold is refused (EBUSY, saying so), so a second
+  mds pointed at a live memd by mistake, or the mounts of an mds restarted
+  without its journal, cannot overwrite the other filesystem's bytes.  Claims
+  go with the connections that made them (:class:`Claims`); nothing is kept
+  across a restart (the memory is blank then anyway).  A connection that
+  claims nothing is served as before (embedded pools, tools);
 * a request that arrived whole is served and answered without a wait or a
   timer; a connection may sit idle between frames forever, but a frame that
   has started must be received, served and answered within ``frame_timeout``;
@@ -96,7 +105,7 @@ SERVED_ROLES = ("tcp", "verbs")
 #: AUTH is 65 bytes plus a short role name; nothing larger is read before it
 _AUTH_MAX = 512
 #: what INFO says this server does beyond the basic requests (see memfs.wire)
-FEATURES = ["quiet-writes"]
+FEATURES = ["quiet-writes", "claims"]
 #: fenced tokens remembered (the oldest forgotten first; a token is 63 random bits,
 #: and a client that meets a forgotten one has long since re-registered)
 FENCED_KEPT = 1 << 16
@@ -105,7 +114,7 @@ FENCED_KEPT = 1 << 16
 class _ConnState:
     """What one connection owns beyond its socket."""
 
-    __slots__ = ("qp", "err", "moved", "token", "fenced", "link")
+    __slots__ = ("qp", "err", "moved", "token", "fenced", "link", "fsid", "claimed")
 
     def __init__(self) -> None:
         #: where the data loop serves it (once authenticated)
@@ -119,6 +128,52 @@ class _ConnState:
         self.err: int | None = None
         #: bytes the last READ or WRITE moved (for --metrics)
         self.moved = 0
+        #: the filesystem this connection claimed volumes for (CLAIM), b"": none yet
+        self.fsid = b""
+        #: the volumes it holds for that filesystem
+        self.claimed: set[int] = set()
+
+
+class Claims:
+    """Which filesystem each volume belongs to now: the fsid its live claiming
+    connections named.  The data loop's thread only (CLAIM and ``ended``)."""
+
+    def __init__(self) -> None:
+        #: volume -> (owner fsid, the connections holding it for that fsid)
+        self._held: dict[int, tuple[bytes, set[_ConnState]]] = {}
+
+    def owner(self, volume: int) -> bytes | None:
+        held = self._held.get(volume)
+        return held[0] if held is not None else None
+
+    def claim(self, state: _ConnState, fsid: bytes, volumes: list[int]) -> str | None:
+        """Make *state* a holder of *volumes* for *fsid*: None, or why not (then
+        nothing was claimed).  All or none: a claim either holds every volume it
+        names or none of them."""
+        if state.fsid and state.fsid != fsid:
+            return "this connection claimed volumes for another filesystem already"
+        for v in volumes:
+            held = self._held.get(v)
+            if held is not None and held[0] != fsid:
+                n = len(held[1])
+                return (f"volume {v} belongs to another memfs filesystem, in use by {n} "
+                        f"connection{'s' if n != 1 else ''} (e.g. a second mds pointed at this "
+                        "memory server, or the mounts of an mds restarted without its journal)")
+        state.fsid = fsid
+        for v in volumes:
+            self._held.setdefault(v, (fsid, set()))[1].add(state)
+            state.claimed.add(v)
+        return None
+
+    def release(self, state: _ConnState) -> None:
+        """*state*'s connection ended: its claims go; a volume no one holds is free."""
+        for v in state.claimed:
+            held = self._held.get(v)
+            if held is not None:
+                held[1].discard(state)
+                if not held[1]:
+                    del self._held[v]
+        state.claimed.clear()
 
 
 def format_addr(host: str, port: int) -> str:
@@ -172,6 +227,8 @@ class MemoryServer:
         self._by_token: dict[int, set[_ConnState]] = {}
         #: tokens fenced, oldest first (a dict as an ordered set)
         self.fenced: dict[int, None] = {}
+        #: which filesystem holds each volume (the data loop's thread only)
+        self.claims = Claims()
         #: request counters (``memfs memd --metrics``); None: not kept
         self.metrics: Metrics | None = None
 
@@ -310,7 +367,9 @@ class MemoryServer:
 
     def ended(self, state: _ConnState) -> None:
         """A connection the data loop served has ended (on the loop's thread): its
-        lease token's entry and its queue pair go."""
+        lease token's entry, its claims and its queue pair go."""
+        if state.claimed:
+            self.claims.release(state)
         if state.token:
             mine = self._by_token.get(state.token)
             if mine is not None:
@@ -396,6 +455,21 @@ class MemoryServer:
         set_keepalive(sock)  # a vanished client's queue pair goes with its connection
         log.debug("RDMA queue pair %d connected to %d", qp.endpoint.qpn, peer.qpn)
         return 0, wire.encode_verbs_accept(qp.endpoint, self._verbs_regions)
+
+    def _claim(self, state: _ConnState, payload: bytes) -> tuple[int, str]:
+        """Serve CLAIM: (0, "") or (errno, why)."""
+        fsid, volumes = wire.decode_claim(payload)
+        bad = [v for v in volumes if v >= len(self._views)]
+        if bad:
+            return errno.EINVAL, (f"CLAIM of volume {bad[0]}: this memory server has "
+                                  f"{len(self._views)} volumes")
+        why = self.claims.claim(state, fsid, volumes)
+        if why is not None:
+            log.warning("refused a claim of volumes %s for filesystem %s: %s",
+                        ",".join(map(str, volumes)), fsid.hex(), why)
+            return errno.EBUSY, why
+        log.debug("volumes %s claimed for filesystem %s", ",".join(map(str, volumes)), fsid.hex())
+        return 0, ""
 
     def _check(self, volume: int, offset: int, length: int) -> str | None:
         """Why (volume, offset, length) is refused, or None (length and offset are unsigned)."""

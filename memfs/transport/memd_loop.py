@@ -20,8 +20,8 @@ the server's ``frame_timeout`` (a heap of deadlines sets the ``epoll_wait``
 timeout); an idle connection may stay idle forever.  A connection that keeps
 sending gets a share of work per turn, then the others get theirs.
 
-Only this thread touches the links, the lease tokens they named and the fenced
-set once serving started: FENCE, served here like any request, closes the
+Only this thread touches the links, the lease tokens they named, the volumes
+they claimed and the fenced set once serving started: FENCE, served here like any request, closes the
 fenced links before it is answered, so no byte of theirs lands after it (a
 call from another thread runs here too, :meth:`DataLoop.call`).  trio keeps
 the listening socket and the handshakes; an authenticated socket is handed
@@ -91,6 +91,10 @@ def fixed_payload(h: wire.Header) -> int:
         if h.length < wire.WRITE.size:
             raise wire.WireError(f"{kind.name} payload of {h.length} bytes")
         return wire.WRITE.size
+    if kind is Kind.CLAIM:  # variable, small (at most wire.CLAIM_MAX): all of it
+        if not wire.claim_size_ok(h.length):
+            raise wire.WireError(f"CLAIM payload of {h.length} bytes")
+        return h.length
     size = REQUEST_SIZES.get(kind)
     if size is None:
         raise wire.WireError(f"unexpected {kind.name} frame")
@@ -576,6 +580,14 @@ class DataLoop:
             rx.consume(fixed)
             server.fence(token)
             self._reply(link, [wire.pack_header(Kind.OK, h.req_id, 0)])
+        elif kind is Kind.CLAIM:
+            payload = bytes(args)
+            rx.consume(fixed)
+            err, why = server._claim(state, payload)
+            if err:
+                self._error(link, h.req_id, err, why)
+            else:
+                self._reply(link, [wire.pack_header(Kind.OK, h.req_id, 0)])
         else:
             assert kind is Kind.VERBS_CONNECT
             peer = wire.decode_verbs_endpoint(bytes(args))

@@ -47,8 +47,13 @@ async def open_pool_transport(
     io_timeout: float = DEFAULT_IO_TIMEOUT,
     verbs_device: RdmaDevice | str | None = None,
     incarnations: Mapping[str, int] | None = None,
+    fsid: bytes | None = None,
 ) -> AsyncIterator[Transport]:
     """Open the transport for *volumes* (tcp or verbs) and close it on exit.
+
+    *fsid*: the filesystem these volumes belong to, claimed on every connection
+    (a volume another filesystem holds: :class:`~memfs.errors.ClaimRefused`);
+    None claims nothing.
 
     For ``verbs://`` volumes this node needs an RDMA device (*verbs_device*:
     an opened one, a name, or None for the first pyverbs finds); without one
@@ -61,9 +66,9 @@ async def open_pool_transport(
         from memfs.transport.verbs import open_verbs_transport  # pyverbs only when used
 
         async with open_verbs_transport(volumes, secret, device=verbs_device,
-                                        io_timeout=io_timeout) as vt:
+                                        io_timeout=io_timeout, fsid=fsid) as vt:
             yield vt
     else:
         async with open_tcp_transport(volumes, secret, io_timeout=io_timeout,
-                                      incarnations=incarnations) as tt:
+                                      incarnations=incarnations, fsid=fsid) as tt:
             yield tt

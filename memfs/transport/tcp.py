@@ -39,6 +39,11 @@ Failures (all :class:`~memfs.errors.TransportError`, EIO to applications):
   watched by one task (:meth:`TcpTransport._watch_deadlines`) instead of a
   timer per request.  A dead or hung server stalls only requests to its own
   volumes: other servers have their own connections;
+* a client of a filesystem (*fsid*: the mds, its mounts) claims the volumes
+  it uses on every connection to a server that offers it (CLAIM, see
+  :mod:`memfs.transport.memd`): volumes another filesystem holds are refused,
+  and the connection attempt fails with :class:`~memfs.errors.ClaimRefused`
+  naming the server and volume;
 * a server's *incarnation* (from INFO) is remembered on first contact.  If a
   reconnect finds another one, the server restarted and the memory behind its
   volumes is blank: every later request to those volumes fails ("memory
@@ -62,7 +67,7 @@ import trio.lowlevel
 
 from memfs import wire
 from memfs.config import VolumeAddr
-from memfs.errors import TransportError, UsageError
+from memfs.errors import ClaimRefused, TransportError, UsageError
 from memfs.transport import Buffer, Posted, Transport, VolumeInfo
 from memfs.transport.sockio import (
     Linger,
@@ -86,6 +91,8 @@ ROLE = "tcp"
 _INFO_ID = 1
 #: the request id of SESSION (also memfs.transport.bulk's)
 SESSION_ID = 2
+#: the request id of CLAIM (also memfs.transport.bulk's)
+CLAIM_ID = 3
 _INFO_MAX = 1 << 20
 _SMALL_REPLY_MAX = 64 << 10  # OK to WRITE/ZERO is empty, ERROR is short
 #: a small READ's reply (up to 64 KiB of data) arrives in one recv
@@ -146,15 +153,28 @@ def check_session_reply(h: wire.Header, payload: bytes | bytearray) -> None:
         raise wire.WireError(f"unexpected {h.kind.name} reply to SESSION")
 
 
+def check_claim_reply(h: wire.Header, payload: bytes | bytearray) -> None:
+    """The answer to CLAIM: OK, or :class:`ClaimRefused` with the server's reason
+    (EBUSY: another filesystem's volume), WireError for anything else."""
+    if h.kind is Kind.ERROR:
+        raise ClaimRefused(wire.decode_error(payload)[1])
+    if h.kind is not Kind.OK or h.req_id != CLAIM_ID:
+        raise wire.WireError(f"unexpected {h.kind.name} reply to CLAIM")
+
+
 async def memd_handshake(
-    sock: socket.socket, secret: bytes, role: str, token: int = 0
+    sock: socket.socket, secret: bytes, role: str, token: int = 0,
+    fsid: bytes | None = None, volumes: Sequence[int] = (),
 ) -> ServerInfo:
     """HELLO, AUTH, WELCOME, then (with a lease *token*) SESSION and INFO: what a
-    memory server says of itself.
+    memory server says of itself; then, with *fsid*, CLAIM of *volumes* (this
+    server's volume indices) if the server offers claims.
 
     Shared by the tcp and verbs transports (the verbs transport's control
     connection starts the same way).  No deadline here: callers set one.
-    WireError if the server refuses *token* (fenced: the mds took that lease).
+    WireError if the server refuses *token* (fenced: the mds took that lease);
+    :class:`ClaimRefused` (the server's message) if the volumes belong to
+    another filesystem.
     """
     hs = wire.Handshake(secret)
     h, hello = await recv_frame(sock, wire.NONCE_SIZE)
@@ -186,7 +206,17 @@ async def memd_handshake(
     features = info.get("features", []) if isinstance(info, dict) else []
     if not isinstance(features, list):
         raise wire.WireError(f"malformed INFO features {features!r:.200}")
-    return ServerInfo(incarnation, sizes, frozenset(f for f in features if isinstance(f, str)))
+    offered = frozenset(f for f in features if isinstance(f, str))
+    if fsid is not None and volumes and "claims" in offered:
+        # After INFO: a server that predates CLAIM would take it for a broken frame.
+        await send_all(sock, [wire.frame(Kind.CLAIM, CLAIM_ID,
+                                         wire.encode_claim(fsid, sorted(set(volumes))))])
+        try:
+            h, payload = await recv_frame(sock, _INFO_MAX)
+        except PeerClosed:
+            raise wire.WireError("closed at CLAIM") from None
+        check_claim_reply(h, payload)
+    return ServerInfo(incarnation, sizes, offered)
 
 
 class _Pending:
@@ -677,16 +707,19 @@ async def open_tcp_transport(
     incarnations: Mapping[str, int] | None = None,
     fences: Fences | None = None,
     lazy: bool = False,
+    fsid: bytes | None = None,
 ) -> AsyncIterator[TcpTransport]:
     """Connect to the servers of *volumes* and yield the transport; close it on exit.
 
     Raises :class:`TransportError` if a server cannot be reached or refuses us
-    within *io_timeout*, :class:`UsageError` if a volume does not exist there.
+    within *io_timeout* (:class:`ClaimRefused` if a volume belongs to another
+    filesystem than *fsid*; None: claim nothing), :class:`UsageError` if a
+    volume does not exist there.
     *lazy*: connect to each server only when a request goes there, and never fail
     for one that cannot be reached (the mds's fence courier: volume sizes unknown).
     """
     t = TcpTransport(volumes, secret, connections_per_server=connections_per_server,
-                     io_timeout=io_timeout, fences=fences)
+                     io_timeout=io_timeout, fences=fences, fsid=fsid)
     for srv in t._servers.values():  # known to the pool: a different one means lost memory
         if incarnations and srv.name in incarnations:
             srv.incarnation = incarnations[srv.name]
@@ -773,6 +806,7 @@ class TcpTransport(Transport):
         connections_per_server: int = 2,
         io_timeout: float = DEFAULT_IO_TIMEOUT,
         fences: Fences | None = None,
+        fsid: bytes | None = None,
     ) -> None:
         if not volumes:
             raise UsageError("a tcp pool needs at least one volume")
@@ -790,6 +824,8 @@ class TcpTransport(Transport):
                 server = self._servers[v.server] = _Server(v.host, v.port, connections_per_server)
             self._map.append((server, v.volume))
         self._addrs = list(volumes)
+        #: the filesystem whose volumes these are (CLAIM on every connection); None: no claim
+        self._fsid = fsid
         self._info: list[VolumeInfo] = []
         self._closed = False
         #: calls waiting for their replies (one alone may poll for a small one)
@@ -847,7 +883,10 @@ class TcpTransport(Transport):
                 f"cannot connect to memory server {server.name}: {exc.strerror or exc}"
             ) from None
         try:
-            incarnation, sizes, features = await self._handshake(sock)
+            incarnation, sizes, features = await self._handshake(sock, server)
+        except ClaimRefused as exc:
+            close_socket(sock)
+            raise ClaimRefused(f"memory server {server.name}: {exc.args[1]}") from None
         except (OSError, wire.WireError) as exc:
             close_socket(sock)
             raise TransportError(f"memory server {server.name}: {exc}") from None
@@ -875,9 +914,10 @@ class TcpTransport(Transport):
         log.debug("connected to memory server %s (slot %d)", server.name, slot)
         return conn
 
-    async def _handshake(self, sock: socket.socket) -> ServerInfo:
+    async def _handshake(self, sock: socket.socket, server: _Server) -> ServerInfo:
         token = self._token
-        got = await memd_handshake(sock, self._secret, ROLE, token)
+        mine = [remote for s, remote in self._map if s is server]
+        got = await memd_handshake(sock, self._secret, ROLE, token, self._fsid, mine)
         if token != self._token:  # a new lease meanwhile: this one names the old
             raise wire.WireError("the lease token changed while connecting")
         return got

@@ -78,7 +78,7 @@ import trio.lowlevel
 
 from memfs import wire
 from memfs.config import VolumeAddr
-from memfs.errors import TransportError, UsageError
+from memfs.errors import ClaimRefused, TransportError, UsageError
 from memfs.transport import Buffer, Transport, VolumeInfo
 from memfs.transport.sockio import close_socket, connect, recv_frame, send_all
 from memfs.transport.tcp import memd_handshake, volume_infos
@@ -628,20 +628,23 @@ async def open_verbs_transport(
     queue_depth: int = QUEUE_DEPTH,
     bounce_size: int = BOUNCE_SIZE,
     bounce_count: int = BOUNCE_COUNT,
+    fsid: bytes | None = None,
 ) -> AsyncIterator[VerbsTransport]:
     """Connect to the servers of *volumes* over RDMA and yield the transport; close on exit.
 
     *device*: an opened :class:`RdmaDevice` (not closed here), a device name,
     or None for the first usable one.  Raises :class:`RdmaUnavailable` without
     a device, :class:`TransportError` if a server cannot be reached, refuses
-    us or has no RDMA, :class:`UsageError` if a volume does not exist there.
+    us or has no RDMA (:class:`ClaimRefused`: a volume belongs to another
+    filesystem than *fsid*, claimed on each control connection; None: no
+    claim), :class:`UsageError` if a volume does not exist there.
     """
     owned = not isinstance(device, RdmaDevice)
     dev = open_rdma_device(device) if not isinstance(device, RdmaDevice) else device
     error: BaseException | None = None
     try:
         t = VerbsTransport(volumes, secret, dev, io_timeout=io_timeout, queue_depth=queue_depth,
-                           bounce_size=bounce_size, bounce_count=bounce_count)
+                           bounce_size=bounce_size, bounce_count=bounce_count, fsid=fsid)
         try:
             async with trio.open_nursery() as nursery:
                 t._nursery = nursery
@@ -678,6 +681,7 @@ class VerbsTransport(Transport):
         queue_depth: int = QUEUE_DEPTH,
         bounce_size: int = BOUNCE_SIZE,
         bounce_count: int = BOUNCE_COUNT,
+        fsid: bytes | None = None,
     ) -> None:
         if not volumes:
             raise UsageError("a verbs pool needs at least one volume")
@@ -698,6 +702,8 @@ class VerbsTransport(Transport):
             if server is None:
                 server = self._servers[v.server] = _Server(v.host, v.port)
             self._map.append((server, v.volume))
+        #: the filesystem whose volumes these are (CLAIM on each control connection)
+        self._fsid = fsid
         self._addrs = list(volumes)
         self._info: list[VolumeInfo] = []
         self._nursery: trio.Nursery | None = None
@@ -782,7 +788,9 @@ class VerbsTransport(Transport):
         qp: QueuePair | None = None
         try:
             token = self._token
-            incarnation, sizes, _ = await memd_handshake(sock, self._secret, ROLE, token)
+            mine = [remote for s, remote in self._map if s is server]
+            incarnation, sizes, _ = await memd_handshake(sock, self._secret, ROLE, token,
+                                                         self._fsid, mine)
             if token != self._token:
                 raise wire.WireError("the lease token changed while connecting")
             qp = self._device.create_qp(self._depth, remote_access=False)
@@ -802,6 +810,9 @@ class VerbsTransport(Transport):
             ):
                 raise wire.WireError("its RDMA regions do not match its volumes")
             qp.connect(peer)
+        except ClaimRefused as exc:
+            self._discard(sock, qp)
+            raise ClaimRefused(f"memory server {server.name}: {exc.args[1]}") from None
         except (OSError, wire.WireError, RdmaError) as exc:
             self._discard(sock, qp)
             raise TransportError(f"memory server {server.name}: {exc}") from None

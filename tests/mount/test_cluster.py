@@ -600,3 +600,59 @@ def test_mds_metrics(tmp_path: Path) -> None:
         cli = scrape_until(getter("c1"), lambda g: g.get(up) == 0)
         assert cli[up] == 0
         assert cli[("memfs_memory_server_up", (("server", names["mem1"]),))] == 1
+
+
+def test_memory_belongs_to_one_filesystem(tmp_path: Path) -> None:
+    """A second mds whose pool names the memory servers' volumes of a live
+    filesystem (a typo'd --pool, or the same mds restarted without its journal
+    while the old mounts still run) stops with a one-line error instead of
+    serving, and the first filesystem's files keep their bytes.  Once the old
+    filesystem's connections are gone, a new one may have the memory."""
+    with make_cluster(tmp_path, []) as c:  # no journal: a restart is another filesystem
+        data = os.urandom(3 << 20)
+        (c.mnt["c1"] / "kept").write_bytes(data)
+        mds = c.net.addr["mds"]
+
+        def refused(argv: list[str], name: str) -> str:
+            log = c.tmp / f"{name}.log"
+            proc = start(c.net, "mds", argv, None, log)
+            try:
+                assert proc.wait(timeout=60) == 2, log.read_text()
+            finally:
+                proc.stdout.close()  # type: ignore[union-attr]
+            lines = log.read_text().splitlines()
+            assert lines and lines[-1].startswith("memfs: error: memory server "), lines
+            log.unlink()  # (its lines are the expected refusal)
+            return lines[-1]
+
+        # Another mds on the same memory servers (its own port, a pool of one volume)
+        spec = f"tcp://{c.net.addr['mem2']}:{PORT_MEMD}/1"
+        line = refused(["mds", "--listen", f"{mds}:{PORT_MDS + 1}", "--pool", spec,
+                        "--secret-file", str(c.secret)], "second-mds")
+        assert f"{c.net.addr['mem2']}:{PORT_MEMD}: volume 1 belongs to another memfs " \
+               "filesystem, in use by" in line, line
+        assert sha((c.mnt["c2"] / "kept").read_bytes()) == sha(data)
+
+        # The mds restarted without its journal: refused while the old mounts hold on
+        c.kill("mds")
+        line = refused(c.argv["mds"], "restarted-mds")
+        assert "belongs to another memfs filesystem" in line, line
+
+        # ... and serves once they are gone (the memds forget claims with connections)
+        pids = [int(pid_file(str(p)).read_text()) for p in c.mnt.values()]
+        for path in c.mnt.values():
+            subprocess.run(["fusermount3", "-u", "-z", str(path)], capture_output=True)
+        for pid in pids:
+            assert wait_gone(pid, 20)
+        c.restart("mds")
+        again = c.tmp / "again"
+        again.mkdir()
+        res = subprocess.run(c.net.cmd("c1", [
+            *MEMFS, "mount", str(again), "--mds", f"{mds}:{PORT_MDS}",
+            "--secret-file", str(c.secret), "--log", str(c.tmp / "again.log"),
+        ]), capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+        c.mnt["again"] = again  # unmounted by make_cluster
+        assert not (again / "kept").exists()  # a new, empty filesystem
+        (again / "new").write_bytes(b"on the freed memory")
+        assert (again / "new").read_bytes() == b"on the freed memory"
