@@ -183,6 +183,8 @@ async def _open_remote(opts: MountOptions, host: str, port: int) -> AsyncIterato
                 yield Backend(meta, transport, access)
     except FsError as exc:
         msg = exc.args[1]
+        if exc.errno == errno.EACCES:  # refused our secret: what a user would check first
+            msg += " (is --secret-file the secret the mds and memory servers were started with?)"
         raise UsageError(msg if where in msg else f"cannot mount from {where}: {msg}") from None
 
 

@@ -215,6 +215,25 @@ def test_authentication(start_mds: Callable[..., Mds]) -> None:
     assert log.count("refused") >= 4 and "Traceback" not in log
 
 
+def test_a_mount_with_the_wrong_secret_says_which_option(
+    start_mds: Callable[..., Mds], tmp_path: Path
+) -> None:
+    mds = start_mds()
+    wrong = tmp_path / "wrong.secret"
+    wrong.write_bytes(os.urandom(32).hex().encode())
+    wrong.chmod(0o600)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    res = subprocess.run([*MEMFS, "mount", str(mnt), "--mds", f"127.0.0.1:{mds.port}",
+                          "--secret-file", str(wrong), "--log", str(tmp_path / "mount.log")],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2, res
+    lines = res.stderr.splitlines()
+    assert len(lines) == 1 and "refused authentication" in lines[0], res.stderr
+    assert "is --secret-file the secret" in lines[0], res.stderr
+    assert not os.path.ismount(mnt)
+
+
 async def test_wrong_secret_with_the_client(start_mds: Callable[..., Mds]) -> None:
     mds = await start_async(start_mds)
     with pytest.raises(AuthRefused) as info:
