@@ -162,7 +162,9 @@ def _save_incarnations(journal_dir: str, incarnations: dict[str, int]) -> None:
 def claim_refused(exc: ClaimRefused) -> UsageError:
     """The user error for a pool whose memory belongs to another filesystem."""
     return UsageError(f"{exc.args[1]}: not serving this filesystem on another one's memory "
-                      "(check --pool)")
+                      "(check --pool; if this mds ran before without --journal, unmount the "
+                      "old filesystem's mounts and stop its memfs.array programs first, or "
+                      "restart the memory server if their nodes are gone)")
 
 
 async def _scrub(

@@ -56,6 +56,7 @@ from memfs.transport.tcp import (
     check_info,
     check_session_reply,
     server_name,
+    should_claim,
 )
 from memfs.wire import Kind
 
@@ -166,8 +167,11 @@ class BulkTcp:
             info = wire.decode(payload)
             incarnation, sizes = check_info(info)
             features = info.get("features", [])
-            if self.fsid is not None and isinstance(features, list) and "claims" in features:
-                mine = sorted({remote for srv, remote in self._map if srv is s})
+            mine = sorted({remote for srv, remote in self._map if srv is s})
+            if isinstance(features, list) and should_claim(
+                self.fsid, mine, features, sizes, incarnation, self.expected.get(s.name),
+            ):
+                assert self.fsid is not None
                 sock.sendall(wire.frame(Kind.CLAIM, CLAIM_ID, wire.encode_claim(self.fsid, mine)))
                 h, payload = _recv_frame(sock, 1 << 20)
                 check_claim_reply(h, payload)

@@ -78,7 +78,7 @@ from memfs import wire
 from memfs.config import format_size
 from memfs.errors import UsageError, reporting_sole_cause
 from memfs.host import mem_available, sd_notify
-from memfs.net import accept_connections
+from memfs.net import accept_connections, set_keepalive
 from memfs.transport.local import LocalTransport
 from memfs.transport.memd_loop import DataLoop, Drop, Link
 from memfs.transport.sockio import (
@@ -156,9 +156,12 @@ class Claims:
             held = self._held.get(v)
             if held is not None and held[0] != fsid:
                 n = len(held[1])
+                peers = sorted({st.link.peer for st in held[1] if st.link is not None})
+                shown = ", ".join(peers[:3]) + (", ..." if len(peers) > 3 else "")
                 return (f"volume {v} belongs to another memfs filesystem, in use by {n} "
-                        f"connection{'s' if n != 1 else ''} (e.g. a second mds pointed at this "
-                        "memory server, or the mounts of an mds restarted without its journal)")
+                        f"connection{'s' if n != 1 else ''}{f' from {shown}' if shown else ''} "
+                        "(e.g. a second mds pointed at this memory server, or the mounts of an "
+                        "mds restarted without its journal)")
         state.fsid = fsid
         for v in volumes:
             self._held.setdefault(v, (fsid, set()))[1].add(state)
@@ -351,6 +354,9 @@ class MemoryServer:
                 log.info("%s connected and left without a word", peer)  # a port probe
                 return
             log.debug("%s authenticated (%s)", peer, role)
+            # A vanished client's connection must end: its RDMA queue pair and its
+            # volume claims go with it (CLAIM; an idle connection has no deadline).
+            set_keepalive(sock)
             adopted = self._loop.adopt(sock, _ConnState(), peer)
         except (wire.WireError, Drop) as exc:
             log.warning("closing connection from %s: %s", peer, exc)
@@ -433,7 +439,7 @@ class MemoryServer:
         self, sock: socket.socket, peer: wire.VerbsEndpoint, state: _ConnState
     ) -> tuple[int, bytes]:
         """A queue pair for this (authenticated) connection: (0, accept) or (errno, message)."""
-        from memfs.transport.verbs import RdmaError, set_keepalive
+        from memfs.transport.verbs import RdmaError
 
         if self.rdma is None:
             return errno.ENODEV, f"no RDMA on this memory server: {self.rdma_absent}".encode()
@@ -452,7 +458,6 @@ class MemoryServer:
             return errno.EIO, str(exc).encode()
         state.qp = qp
         self._qps.add(qp)
-        set_keepalive(sock)  # a vanished client's queue pair goes with its connection
         log.debug("RDMA queue pair %d connected to %d", qp.endpoint.qpn, peer.qpn)
         return 0, wire.encode_verbs_accept(qp.endpoint, self._verbs_regions)
 

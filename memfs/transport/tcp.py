@@ -53,11 +53,12 @@ Failures (all :class:`~memfs.errors.TransportError`, EIO to applications):
 from __future__ import annotations
 
 import collections
+import errno
 import logging
 import math
 import os
 import socket
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any, NamedTuple
 
@@ -156,19 +157,37 @@ def check_session_reply(h: wire.Header, payload: bytes | bytearray) -> None:
 def check_claim_reply(h: wire.Header, payload: bytes | bytearray) -> None:
     """The answer to CLAIM: OK, or :class:`ClaimRefused` with the server's reason
     (EBUSY: another filesystem's volume), WireError for anything else."""
-    if h.kind is Kind.ERROR:
-        raise ClaimRefused(wire.decode_error(payload)[1])
-    if h.kind is not Kind.OK or h.req_id != CLAIM_ID:
+    if h.req_id != CLAIM_ID or h.kind not in (Kind.OK, Kind.ERROR):
         raise wire.WireError(f"unexpected {h.kind.name} reply to CLAIM")
+    if h.kind is Kind.ERROR:
+        err, why = wire.decode_error(payload)
+        if err == errno.EBUSY:
+            raise ClaimRefused(why)
+        raise wire.WireError(f"CLAIM refused: {why}")
+
+
+def should_claim(
+    fsid: bytes | None, volumes: Sequence[int], features: Iterable[object], sizes: Sequence[int],
+    incarnation: int, expected: int | None,
+) -> bool:
+    """Whether a new connection CLAIMs *volumes* for *fsid*: only where the server
+    offers claims, and not on a server that restarted since we knew it (another
+    *incarnation* than *expected*: our data there is gone and the caller says so;
+    another filesystem may own the blank memory by now) nor for volumes it does
+    not have (the caller says so too: a wrong pool, not a taken one)."""
+    return (fsid is not None and bool(volumes) and "claims" in features
+            and (expected is None or incarnation == expected)
+            and all(0 <= v < len(sizes) for v in volumes))
 
 
 async def memd_handshake(
     sock: socket.socket, secret: bytes, role: str, token: int = 0,
-    fsid: bytes | None = None, volumes: Sequence[int] = (),
+    fsid: bytes | None = None, volumes: Sequence[int] = (), expected: int | None = None,
 ) -> ServerInfo:
     """HELLO, AUTH, WELCOME, then (with a lease *token*) SESSION and INFO: what a
     memory server says of itself; then, with *fsid*, CLAIM of *volumes* (this
-    server's volume indices) if the server offers claims.
+    server's volume indices) if the server offers claims (see
+    :func:`should_claim`; *expected*: the incarnation we knew it by, if any).
 
     Shared by the tcp and verbs transports (the verbs transport's control
     connection starts the same way).  No deadline here: callers set one.
@@ -207,7 +226,8 @@ async def memd_handshake(
     if not isinstance(features, list):
         raise wire.WireError(f"malformed INFO features {features!r:.200}")
     offered = frozenset(f for f in features if isinstance(f, str))
-    if fsid is not None and volumes and "claims" in offered:
+    if should_claim(fsid, volumes, offered, sizes, incarnation, expected):
+        assert fsid is not None
         # After INFO: a server that predates CLAIM would take it for a broken frame.
         await send_all(sock, [wire.frame(Kind.CLAIM, CLAIM_ID,
                                          wire.encode_claim(fsid, sorted(set(volumes))))])
@@ -917,7 +937,8 @@ class TcpTransport(Transport):
     async def _handshake(self, sock: socket.socket, server: _Server) -> ServerInfo:
         token = self._token
         mine = [remote for s, remote in self._map if s is server]
-        got = await memd_handshake(sock, self._secret, ROLE, token, self._fsid, mine)
+        got = await memd_handshake(sock, self._secret, ROLE, token, self._fsid, mine,
+                                   server.incarnation)
         if token != self._token:  # a new lease meanwhile: this one names the old
             raise wire.WireError("the lease token changed while connecting")
         return got

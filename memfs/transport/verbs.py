@@ -79,6 +79,7 @@ import trio.lowlevel
 from memfs import wire
 from memfs.config import VolumeAddr
 from memfs.errors import ClaimRefused, TransportError, UsageError
+from memfs.net import set_keepalive
 from memfs.transport import Buffer, Transport, VolumeInfo
 from memfs.transport.sockio import close_socket, connect, recv_frame, send_all
 from memfs.transport.tcp import memd_handshake, volume_infos
@@ -790,7 +791,7 @@ class VerbsTransport(Transport):
             token = self._token
             mine = [remote for s, remote in self._map if s is server]
             incarnation, sizes, _ = await memd_handshake(sock, self._secret, ROLE, token,
-                                                         self._fsid, mine)
+                                                         self._fsid, mine, server.incarnation)
             if token != self._token:
                 raise wire.WireError("the lease token changed while connecting")
             qp = self._device.create_qp(self._depth, remote_access=False)
@@ -1141,12 +1142,3 @@ class VerbsTransport(Transport):
                                  (self._zero.addr, self._zero.lkey))
 
 
-def set_keepalive(sock: socket.socket) -> None:
-    """Notice a vanished peer on an otherwise silent control connection (about 2 min)."""
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 60)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 10)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 6)
-    except OSError as exc:  # pragma: no cover - Linux has them all
-        log.debug("TCP keepalive: %s", exc)

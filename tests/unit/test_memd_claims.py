@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import errno
 import os
+import socket
 
 import pytest
 import trio
 
 from memfs import wire
 from memfs.config import VolumeAddr
-from memfs.errors import ClaimRefused
+from memfs.errors import ClaimRefused, TransportError, UsageError
 from memfs.transport.bulk import BulkTcp
 from memfs.transport.memd import FEATURES, MemoryServer
 from memfs.transport.tcp import open_tcp_transport
@@ -135,3 +136,32 @@ async def test_transports_claim_for_their_filesystem(caplog: pytest.LogCaptureFi
         await wait_released(server, 1)
         async with open_tcp_transport(vols, SECRET, io_timeout=10, fsid=fs_b) as tb:
             assert bytes(await tb.read(0, 0, 15)) == b"of filesystem A"
+
+
+async def test_a_client_claims_only_where_it_may(caplog: pytest.LogCaptureFixture) -> None:
+    """No claim on a server that restarted since the client knew it (its data there
+    is lost: said as such, not as another filesystem's volume), nor of volumes the
+    server does not have (a wrong pool: said as such); and every connection the
+    memd keeps has TCP keepalive (a vanished peer's claims must not stay)."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]
+    async with serving() as (server, port):
+        vols = [VolumeAddr("tcp", "127.0.0.1", port, 0), VolumeAddr("tcp", "127.0.0.1", port, 1)]
+        fs_a, fs_b = os.urandom(16), os.urandom(16)
+        name = f"127.0.0.1:{port}"
+        async with open_tcp_transport(vols, SECRET, io_timeout=10, fsid=fs_a):
+            restarted = {name: server.incarnation ^ 1}
+            async with open_tcp_transport(vols, SECRET, io_timeout=10, fsid=fs_b,
+                                          incarnations=restarted) as tb:
+                with pytest.raises(TransportError) as info:
+                    await tb.read(0, 0, 15)
+            assert not isinstance(info.value, ClaimRefused)
+            assert "restarted; its data is lost" in str(info.value), info.value
+            with pytest.raises(UsageError, match="volumes"):
+                async with open_tcp_transport([VolumeAddr("tcp", "127.0.0.1", port, 5)],
+                                              SECRET, io_timeout=10, fsid=fs_b):
+                    pass
+            assert server.claims.owner(0) == fs_a
+            links = list(server._loop._links.values())  # (a read of the loop's table)
+            assert links and all(
+                link.sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) for link in links
+            ), links
