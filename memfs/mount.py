@@ -175,8 +175,11 @@ async def _open_remote(opts: MountOptions, host: str, port: int) -> AsyncIterato
                                 fsid=desc.fsid, lease_token=lambda: meta.token)
             # The volumes are claimed for this filesystem: a memory server whose
             # volume another one holds refuses (ClaimRefused: the mount fails).
+            # A memory server down now leaves its files EIO, not this node unmounted
+            # (the pool's volume size comes from the mds; tcp pools).
             async with open_pool_transport(volumes, opts.secret, incarnations=desc.incarnations,
-                                           fsid=desc.fsid) as transport:
+                                           fsid=desc.fsid, volume_size=desc.volume_size
+                                           ) as transport:
                 # Memory servers shut out a token the mds fenced (our lease taken).
                 meta.follow_token(transport.set_session)
                 log.info("pool of %d volumes from the metadata server at %s", len(volumes), where)

@@ -48,12 +48,15 @@ async def open_pool_transport(
     verbs_device: RdmaDevice | str | None = None,
     incarnations: Mapping[str, int] | None = None,
     fsid: bytes | None = None,
+    volume_size: int | None = None,
 ) -> AsyncIterator[Transport]:
     """Open the transport for *volumes* (tcp or verbs) and close it on exit.
 
     *fsid*: the filesystem these volumes belong to, claimed on every connection
     (a volume another filesystem holds: :class:`~memfs.errors.ClaimRefused`);
-    None claims nothing.
+    None claims nothing.  *volume_size*: the pool's, known beforehand (from the
+    mds): a tcp pool then opens without a server that cannot be reached now
+    (its volumes give EIO until it answers); a verbs pool still needs them all.
 
     For ``verbs://`` volumes this node needs an RDMA device (*verbs_device*:
     an opened one, a name, or None for the first pyverbs finds); without one
@@ -70,5 +73,6 @@ async def open_pool_transport(
             yield vt
     else:
         async with open_tcp_transport(volumes, secret, io_timeout=io_timeout,
-                                      incarnations=incarnations, fsid=fsid) as tt:
+                                      incarnations=incarnations, fsid=fsid,
+                                      volume_size=volume_size) as tt:
             yield tt

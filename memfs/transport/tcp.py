@@ -698,6 +698,8 @@ class _Server:
         self.connecting = [trio.Lock() for _ in range(n_conns)]
         self.incarnation: int | None = None
         self.sizes: list[int] = []
+        #: sizes taken from the pool's (unreachable at open): checked when it answers
+        self.assumed = False
         self.lost: str | None = None
         #: it offers WRITE_QUIET and SYNC (INFO's features)
         self.quiet_writes = False
@@ -728,6 +730,7 @@ async def open_tcp_transport(
     fences: Fences | None = None,
     lazy: bool = False,
     fsid: bytes | None = None,
+    volume_size: int | None = None,
 ) -> AsyncIterator[TcpTransport]:
     """Connect to the servers of *volumes* and yield the transport; close it on exit.
 
@@ -737,9 +740,12 @@ async def open_tcp_transport(
     volume does not exist there.
     *lazy*: connect to each server only when a request goes there, and never fail
     for one that cannot be reached (the mds's fence courier: volume sizes unknown).
+    *volume_size*: the pool's volume size, known beforehand (a mount's, from the
+    mds): a server that cannot be reached now does not fail the opening; its
+    volumes fail with EIO until it answers.
     """
     t = TcpTransport(volumes, secret, connections_per_server=connections_per_server,
-                     io_timeout=io_timeout, fences=fences, fsid=fsid)
+                     io_timeout=io_timeout, fences=fences, fsid=fsid, volume_size=volume_size)
     for srv in t._servers.values():  # known to the pool: a different one means lost memory
         if incarnations and srv.name in incarnations:
             srv.incarnation = incarnations[srv.name]
@@ -827,6 +833,7 @@ class TcpTransport(Transport):
         io_timeout: float = DEFAULT_IO_TIMEOUT,
         fences: Fences | None = None,
         fsid: bytes | None = None,
+        volume_size: int | None = None,
     ) -> None:
         if not volumes:
             raise UsageError("a tcp pool needs at least one volume")
@@ -846,6 +853,9 @@ class TcpTransport(Transport):
         self._addrs = list(volumes)
         #: the filesystem whose volumes these are (CLAIM on every connection); None: no claim
         self._fsid = fsid
+        #: the pool's volume size, if known without asking the servers (a mount's, from
+        #: the mds): then a server unreachable at open does not fail it (see _open)
+        self._volume_size = volume_size
         self._info: list[VolumeInfo] = []
         self._closed = False
         #: calls waiting for their replies (one alone may poll for a small one)
@@ -864,15 +874,31 @@ class TcpTransport(Transport):
             with trio.move_on_after(self.io_timeout) as scope:
                 try:
                     await self._connect(server, 0)
-                except TransportError:
-                    if not server.lost:  # unreachable: no pool without it
-                        raise
-                    # restarted since the pool knew it: its volumes answer EIO
+                except ClaimRefused:
+                    raise  # another filesystem's memory: never go on
+                except TransportError as exc:
+                    if not server.lost:
+                        self._unreachable(server, exc)
+                    # (restarted since the pool knew it: its volumes answer EIO)
             if scope.cancelled_caught:
-                raise TransportError(
+                self._unreachable(server, TransportError(
                     f"memory server {server.name} did not answer within {self.io_timeout:g}s"
-                )
+                ))
         self._info.extend(volume_infos(self._map, self._addrs))
+
+    def _unreachable(self, server: _Server, exc: TransportError) -> None:
+        """*server* cannot be reached now.  Without the pool's volume size there is
+        no pool without it (*exc*); with it (a mount: the mds said the size), the
+        transport opens all the same, like a server that died after it did: its
+        volumes fail with EIO, and each request tries it again (Lustre mounts
+        with an OST down, too: the node can use the files of the others)."""
+        if self._volume_size is None:
+            raise exc
+        log.warning("%s: going on without it (its volumes give EIO until it answers)",
+                    exc.args[1])
+        n = 1 + max(remote for s, remote in self._map if s is server)
+        server.sizes = [self._volume_size] * n
+        server.assumed = True
 
     def _close(self) -> None:
         if self._closed:
@@ -929,6 +955,13 @@ class TcpTransport(Transport):
                           server.incarnation)
                 server.close_all(server.lost)
             raise TransportError(server.lost)
+        if server.assumed:  # unreachable at open: its sizes were taken from the pool's
+            if any(r >= len(sizes) or sizes[r] != server.sizes[r]
+                   for s, r in self._map if s is server):
+                close_socket(sock)
+                raise TransportError(f"memory server {server.name}: its volumes are not "
+                                     f"the pool's (sizes {sizes}, the pool's {server.sizes})")
+            server.assumed = False
         conn = _Conn(server, sock, slot, self.io_timeout)
         server.slots[slot] = conn
         log.debug("connected to memory server %s (slot %d)", server.name, slot)

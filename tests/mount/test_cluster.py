@@ -354,6 +354,42 @@ def test_dead_memory_server_gives_eio_not_a_hang(cluster: Cluster) -> None:
     assert sha((late / "on-mem2" / "kept").read_bytes()) == sha(kept)
 
 
+def test_a_node_mounts_while_a_memory_server_does_not_answer(cluster: Cluster) -> None:
+    """One memd stopped (a hung or cut-off node): a node mounting meanwhile mounts
+    all the same, after the I/O timeout, and uses the files on the other memd; once
+    the stopped one answers again, the node reaches its files too (same memory:
+    nothing was lost), and writes across both."""
+    c1 = cluster.mnt["c1"]
+    for name, offset in (("on-mem1", 0), ("on-mem2", 1)):  # pool volumes 0 mem1/0, 1 mem2/0
+        (c1 / name).mkdir()
+        os.setxattr(c1 / name, "user.memfs.layout", f"stripe_count=1 stripe_offset={offset}".encode())
+    data = {name: os.urandom(1 << 20) for name in ("on-mem1", "on-mem2")}
+    for name, blob in data.items():
+        (c1 / name / "f").write_bytes(blob)
+    late = cluster.tmp / "late"
+    late.mkdir()
+    mem1 = cluster.servers["mem1"]
+    mem1.send_signal(signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        res = subprocess.run(cluster.net.cmd("c2", [
+            *MEMFS, "mount", str(late), "--mds", f"{cluster.net.addr['mds']}:{PORT_MDS}",
+            "--secret-file", str(cluster.secret), "--log", str(cluster.tmp / "late.log"),
+        ]), capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+        cluster.mnt["late"] = late  # unmounted by the fixture
+        assert time.monotonic() - t0 < 30
+        log = (cluster.tmp / "late.log").read_text()
+        assert "going on without it" in log and cluster.net.addr["mem1"] in log, log
+        assert sha((late / "on-mem2" / "f").read_bytes()) == sha(data["on-mem2"])
+    finally:
+        mem1.send_signal(signal.SIGCONT)
+    assert sha((late / "on-mem1" / "f").read_bytes()) == sha(data["on-mem1"])
+    wide = os.urandom(4 << 20)  # over all four volumes
+    (late / "wide").write_bytes(wide)
+    assert sha((c1 / "wide").read_bytes()) == sha(wide)
+
+
 def test_metadata_server_restart_with_journal(cluster: Cluster) -> None:
     """SIGKILL the mds and start it again from its journal: the clients carry on,
     no file or byte is lost, and new work succeeds."""

@@ -213,6 +213,45 @@ async def test_bad_pools() -> None:
                 pass
 
 
+async def test_a_pool_of_known_size_opens_without_a_server_that_does_not_answer(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """With the pool's volume size (a mount's, from the mds) the transport opens
+    though a server cannot be reached: its volume fails with EIO, the others work,
+    and once it answers it is used (if its volumes are the pool's)."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]
+    async with memory_server(1, SIZE) as up:
+        with trio.socket.socket() as s:  # a port with nothing behind it, for now
+            await s.bind(("127.0.0.1", 0))
+            down = s.getsockname()[1]
+        vols = [VolumeAddr("tcp", "127.0.0.1", up, 0), VolumeAddr("tcp", "127.0.0.1", down, 0)]
+        with pytest.raises(TransportError, match="cannot connect"):
+            async with open_tcp_transport(vols, SECRET, io_timeout=5):  # size unknown
+                pass
+        async with open_tcp_transport(vols, SECRET, io_timeout=5, volume_size=SIZE) as t:
+            assert [v.size for v in t.volumes] == [SIZE, SIZE]
+            await t.write(0, 0, b"up")
+            with pytest.raises(TransportError, match="cannot connect"):
+                await t.write(1, 0, b"down")
+            server = MemoryServer(1, SIZE, SECRET)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(server.serve, "127.0.0.1", down)
+                await t.write(1, 0, b"back")
+                assert bytes(await t.read(1, 0, 4)) == b"back"
+                nursery.cancel_scope.cancel()
+            await server.aclose()
+        assert "going on without it" in caplog.text
+        async with open_tcp_transport(vols[1:], SECRET, io_timeout=5,
+                                      volume_size=2 * SIZE) as t:
+            server = MemoryServer(1, SIZE, SECRET)  # not the pool's volume size
+            async with trio.open_nursery() as nursery:
+                await nursery.start(server.serve, "127.0.0.1", down)
+                with pytest.raises(TransportError, match="not the pool's"):
+                    await t.read(0, 0, 4)
+                nursery.cancel_scope.cancel()
+            await server.aclose()
+
+
 async def test_requests_larger_than_a_frame() -> None:
     size = MAX_IO * 2 + 4096
     async with memory_server(1, size) as port, open_tcp_transport(
