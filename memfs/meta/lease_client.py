@@ -86,6 +86,10 @@ class LeaseKeeper:
         #: inodes this node is truncating -> set once that is over (RemoteMeta.truncate:
         #: maps of the file, and a close's size report, wait for it)
         self.truncating: dict[int, trio.Event] = {}
+        #: ino -> reports of it taken and not yet answered (see :meth:`reports_sent`)
+        self._reporting: dict[int, int] = {}
+        #: ino -> set when its last report under way is answered
+        self._reports_over: dict[int, trio.Event] = {}
         #: a recall is answered within this (below the server's --recall-timeout)
         self.answer_within = RECALL_ANSWER
         self.dirty_wake = trio.Event()
@@ -292,6 +296,7 @@ class LeaseKeeper:
         ended = None
         if trim:
             ended = self.ending[ino] = trio.Event()
+        self._reporting[ino] = self._reporting.get(ino, 0) + 1
         try:
             if self.barrier is not None:
                 await self.barrier(ino)
@@ -326,6 +331,14 @@ class LeaseKeeper:
                 return
             heard = True
         finally:
+            n = self._reporting[ino] - 1
+            if n:
+                self._reporting[ino] = n
+            else:
+                del self._reporting[ino]
+                over = self._reports_over.pop(ino, None)
+                if over is not None:
+                    over.set()
             cache.span_sent(ino, ranges, heard=heard)
             if ended is not None:
                 if self.ending.get(ino) is ended:
@@ -365,6 +378,20 @@ class LeaseKeeper:
         ev = self.ending.get(ino)
         if ev is not None:
             await ev.wait()
+
+    async def reports_sent(self, ino: int) -> None:
+        """Until every report of *ino* taken so far has been answered.  A call that sets
+        the file's mtime waits for them: a report taken before it (a close's, whose
+        RELEASE the kernel sends after close(2) has returned, and which waits for
+        the bytes to land first) carries the mtime of the writes, and sent after
+        the call it would replace an older time set explicitly (``tar``, ``cp -a``,
+        ``rsync`` set times right after writing).  (Reports taken from now on carry
+        the new mtime, or later writes'.)"""
+        while self._reporting.get(ino):
+            over = self._reports_over.get(ino)
+            if over is None:
+                over = self._reports_over[ino] = trio.Event()
+            await over.wait()
 
     def settled_first(self, ino: int) -> Awaitable[None] | None:
         """A call about *ino* that the server answers from its own state needs our unsent size."""

@@ -698,6 +698,8 @@ class RemoteMeta(Meta):
     async def setattr(self, ino: int, changes: SetAttr) -> Attr:
         if (w := self.leases.settled_first(ino)) is not None:
             await w
+        if changes.mtime_ns is not None:
+            await self.leases.reports_sent(ino)  # (no await from here to the call's send)
         kind, a = await self._call_kind("setattr", ino, changes)
         for t in (changes.atime_ns, changes.mtime_ns):
             if t is not None:
