@@ -7,7 +7,8 @@ is translated to the :class:`memfs.meta.Meta` interface or the
 
 A file handle is its inode number (open state lives in the metadata service's open
 count) and a number of its own above it (cluster-wide locks go with the open file),
-with :data:`_UNPRIVILEGED` set when a uid other than 0 opened the file;
+with :data:`_UNPRIVILEGED` set when a uid other than 0 opened the file (and
+:data:`_APPEND` for an ``O_APPEND`` open on a cluster client);
 directory handles index a snapshot of the entries taken at opendir, so a
 listing never skips or repeats an entry while others create and delete.
 """
@@ -65,7 +66,14 @@ _UNPRIVILEGED = 1 << 63
 #: each open file has a handle of its own (its cluster-wide locks go at its release)
 _INODE_BITS = 40
 _INODE = (1 << _INODE_BITS) - 1
-_SERIAL = (1 << (63 - _INODE_BITS)) - 1
+_SERIAL = (1 << (62 - _INODE_BITS)) - 1
+#: set in the file handle of an ``O_APPEND`` open where other nodes change sizes (a
+#: cluster client): the kernel appends at the size it cached, which another node's
+#: append may have left behind (it is not asked for again before the write, only
+#: marked stale by the recall), so such a handle's writes go to the file's end as the
+#: metadata service knows it, and bypass the page cache (FOPEN_DIRECT_IO: the kernel
+#: would cache the bytes at its own offset)
+_APPEND = 1 << 62
 #: flock(2) operations as lock types (memfs.meta.Locks)
 _FLOCK_TYPES = {fcntl.LOCK_SH: fcntl.F_RDLCK, fcntl.LOCK_EX: fcntl.F_WRLCK, fcntl.LOCK_UN: fcntl.F_UNLCK}
 #: fallocate(2)'s mode flag (linux/falloc.h; not in Python's os module)
@@ -359,7 +367,8 @@ class Operations(pyfuse3.Operations):
 
         With ``-o direct_io`` (every file opened with FOPEN_DIRECT_IO: reads and
         writes go straight between the application's buffer and the daemon, no
-        page cache) FUSE_DIRECT_IO_ALLOW_MMAP keeps MAP_SHARED mappings working.
+        page cache) FUSE_DIRECT_IO_ALLOW_MMAP keeps MAP_SHARED mappings working;
+        so it does for a cluster client's ``O_APPEND`` opens (see :data:`_APPEND`).
         """
         if self.pages_follow_changes:
             conn.want &= ~pyfuse3.FUSE_CAP_AUTO_INVAL_DATA
@@ -379,7 +388,8 @@ class Operations(pyfuse3.Operations):
                 and conn.kernel_flags & FUSE_PASSTHROUGH and hasattr(pyfuse3.FileInfo(), "backing_id"):
             conn.extra_flags |= FUSE_PASSTHROUGH
             self.passthrough_asked = True
-        if self.direct_io and killpriv_v2 and conn.kernel_flags & FUSE_DIRECT_IO_ALLOW_MMAP:
+        if (self.direct_io or self.meta.sizes_change_elsewhere()) and killpriv_v2 \
+                and conn.kernel_flags & FUSE_DIRECT_IO_ALLOW_MMAP:  # (cluster: O_APPEND opens)
             conn.extra_flags |= FUSE_DIRECT_IO_ALLOW_MMAP
             self.shared_mmap = True
         self.negotiated = {"want": conn.want, "max_background": conn.max_background,
@@ -455,7 +465,7 @@ class Operations(pyfuse3.Operations):
         """The handle of an open of *a* (counted open in the metadata service already,
         released here if this fails)."""
         try:
-            fi = self._fileinfo(a.ino, ctx)
+            fi = self._fileinfo(a.ino, ctx, flags)
         except BaseException:
             await self._release(a.ino)
             raise
@@ -496,15 +506,18 @@ class Operations(pyfuse3.Operations):
             return -bid
         return bid
 
-    def _fileinfo(self, ino: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+    def _fileinfo(self, ino: int, ctx: pyfuse3.RequestContext, flags: int = 0) -> pyfuse3.FileInfo:
         if ino > _INODE:
             raise FsError(errno.EOVERFLOW, f"inode {ino} does not fit a file handle")
         flag = 0 if self._privileged(ctx) else _UNPRIVILEGED
+        append = bool(flags & os.O_APPEND) and self.meta.sizes_change_elsewhere()
+        if append:
+            flag |= _APPEND
         fh = ino | (next(self._opened) & _SERIAL) << _INODE_BITS | flag
-        while fh in self._open_files:  # (after 2**23 opens of it) one still open
+        while fh in self._open_files:  # (after 2**22 opens of it) one still open
             fh = ino | (next(self._opened) & _SERIAL) << _INODE_BITS | flag
         self._open_files.add(fh)
-        if self.direct_io:
+        if self.direct_io or append:
             return pyfuse3.FileInfo(fh=fh, direct_io=True)
         keep = self.meta.keep_cache(ino)
         return pyfuse3.FileInfo(fh=fh, keep_cache=self.keep_cache if keep is None else keep)
@@ -721,6 +734,13 @@ class Operations(pyfuse3.Operations):
         ino = fh & _INODE
         if self.drops_privileges:
             await self._drop_privileges(ino, bool(fh & _UNPRIVILEGED))
+        if fh & _APPEND:
+            # The end of the file as the metadata service knows it now (another node's
+            # appends included: its lease is recalled, its size asked for), not the
+            # kernel's offset.  Appends from several nodes at once without a lock may
+            # still meet (the size is read, then written at), as on NFS; under
+            # flock/fcntl locks, or one after the other, they never overwrite.
+            off = (await self.meta.getattr(ino)).size
         return await self.data.write(ino, off, buf)
 
     @_errno_boundary

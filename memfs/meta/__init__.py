@@ -267,6 +267,12 @@ class Meta(abc.ABC):
         the mount's default."""
         return None
 
+    def sizes_change_elsewhere(self) -> bool:
+        """Other nodes change files' sizes (a cluster client): the kernel's cached size
+        of a file may be behind, so an ``O_APPEND`` write's offset, which the kernel
+        takes from it without asking, is taken from here instead (``fs.Operations``)."""
+        return False
+
     def recalls_drop_pages(self) -> bool:
         """No one but this node changes file data, or every change made elsewhere first
         makes this node drop the file's cached pages (a recall): so the kernel need not

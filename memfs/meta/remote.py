@@ -588,6 +588,9 @@ class RemoteMeta(Meta):
     async def truncates_over(self, ino: int) -> None:
         await self.leases.truncates_over(ino)
 
+    def sizes_change_elsewhere(self) -> bool:
+        return True
+
     def recalls_drop_pages(self) -> bool:
         # Under leases every change to a file by another client (map_write,
         # allocate_ahead, truncate, ...) recalls us first, and the recall drops the

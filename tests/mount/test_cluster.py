@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -388,6 +389,33 @@ def test_a_node_mounts_while_a_memory_server_does_not_answer(cluster: Cluster) -
     wide = os.urandom(4 << 20)  # over all four volumes
     (late / "wide").write_bytes(wide)
     assert sha((c1 / "wide").read_bytes()) == sha(wide)
+
+
+def test_appends_from_two_nodes_in_turn_keep_every_line(cluster: Cluster) -> None:
+    """O_APPEND on two nodes, one write at a time (under flock, then merely one after
+    the other): each lands at the end.  The kernel appends at the size it cached,
+    which the other node's appends leave behind (a recall only marks it stale):
+    every line of one node overwrote one of the other's (found running a shared
+    log from two nodes).  The daemon now appends at the end the mds knows."""
+    c1, c2 = cluster.mnt["c1"], cluster.mnt["c2"]
+    for name, lock in (("locked.log", True), ("turns.log", False)):
+        fds = [os.open(m / name, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644) for m in (c1, c2)]
+        try:
+            want = b""
+            for i in range(20):
+                for fd, tag in zip(fds, "AB", strict=True):
+                    line = f"{tag}{i:03d}\n".encode()
+                    if lock:
+                        fcntl.flock(fd, fcntl.LOCK_EX)
+                    os.write(fd, line)
+                    if lock:
+                        fcntl.flock(fd, fcntl.LOCK_UN)
+                    want += line
+        finally:
+            for fd in fds:
+                os.close(fd)
+        assert (c1 / name).read_bytes() == want
+        assert (c2 / name).read_bytes() == want
 
 
 def test_metadata_server_restart_with_journal(cluster: Cluster) -> None:
