@@ -243,6 +243,21 @@ class ClientCache:
                 a.ctime_ns = max(a.ctime_ns, d[1])
         return a
 
+    def mtime_set(self, ino: int, mtime_ns: int) -> None:
+        """Our setattr set *ino*'s mtime to *mtime_ns* (older than our writes', maybe:
+        ``touch -d``, tar, ``cp -a``), after every report of ours (``reports_sent``):
+        what we know of our writes' mtimes is not newer any more, or :meth:`newest`
+        would lay it over the time set (and a close's report send it back)."""
+        d = self.dirty.get(ino)
+        if d is not None:
+            self.dirty[ino] = (d[0], mtime_ns)
+        r = self.reported.get(ino)
+        if r is not None:
+            self.reported[ino] = (r[0], mtime_ns)
+        landed = self.landed.get(ino)
+        if landed is not None:
+            self.landed[ino] = (landed[0], mtime_ns, landed[2])
+
     def put_entry(self, parent: int, name: bytes, ino: int) -> None:
         d = self.dirs.get(parent)
         if d is None:

@@ -9,9 +9,10 @@ nothing here may wait in :meth:`LeaseKeeper.on_recall`).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, Protocol
 
 import trio
@@ -90,6 +91,8 @@ class LeaseKeeper:
         self._reporting: dict[int, int] = {}
         #: ino -> set when its last report under way is answered
         self._reports_over: dict[int, trio.Event] = {}
+        #: ino -> (setattrs of its mtime under way, set when the last is over)
+        self._setting_mtime: dict[int, tuple[int, trio.Event]] = {}
         #: a recall is answered within this (below the server's --recall-timeout)
         self.answer_within = RECALL_ANSWER
         self.dirty_wake = trio.Event()
@@ -124,6 +127,8 @@ class LeaseKeeper:
                 a = cache.attrs.get(ino)
                 span = cache.end_span(ino)  # the lease ends with this answer
                 took = cache.take_write(ino)
+                if took is not None and ino in self._setting_mtime:
+                    took = (took[0], 0)  # (see setting_mtime)
                 if took is not None:
                     settles.append([ino, *took, *span])
                     # Ours until the server is known to have it (see _finish_recall).
@@ -131,7 +136,8 @@ class LeaseKeeper:
                     self.answering[ino] = done
                     told.append((ino, took))
                 elif a is not None:
-                    settles.append([ino, a.size, a.mtime_ns, *span])
+                    settles.append([ino, a.size, 0 if ino in self._setting_mtime else a.mtime_ns,
+                                    *span])
             cache.drop(ino)  # names of a directory: its whole entry cache goes
             inos.append(ino)
         if names_changed:
@@ -277,6 +283,10 @@ class LeaseKeeper:
         *again*: the spans of reports on their way go again (fsync, ``memfs flush``:
         this report's reply says the server has them)."""
         cache = self.cache
+        while (setting := self._setting_mtime.get(ino)) is not None:
+            # Taken now, the report would carry the mtime of our writes and reach the
+            # server after the time being set (see setting_mtime).
+            await setting[1].wait()
         d = cache.dirty.get(ino)
         if d is None and not trim and ino not in cache.spans and not (again and ino in cache.sending):
             return
@@ -378,6 +388,24 @@ class LeaseKeeper:
         ev = self.ending.get(ino)
         if ev is not None:
             await ev.wait()
+
+    @contextlib.contextmanager
+    def setting_mtime(self, ino: int) -> Iterator[None]:
+        """Around a setattr of *ino*'s mtime, from its send until its reply is in the
+        cache: a report of the file (a close's RELEASE arrives meanwhile) waits, and
+        a recall answered meanwhile says no mtime: either would carry our writes'
+        mtime, taken before the reply, and reach the server after the time set."""
+        n, over = self._setting_mtime.get(ino, (0, trio.Event()))
+        self._setting_mtime[ino] = (n + 1, over)
+        try:
+            yield
+        finally:
+            n, over = self._setting_mtime[ino]
+            if n > 1:
+                self._setting_mtime[ino] = (n - 1, over)
+            else:
+                del self._setting_mtime[ino]
+                over.set()
 
     async def reports_sent(self, ino: int) -> None:
         """Until every report of *ino* taken so far has been answered.  A call that sets

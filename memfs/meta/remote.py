@@ -701,9 +701,15 @@ class RemoteMeta(Meta):
     async def setattr(self, ino: int, changes: SetAttr) -> Attr:
         if (w := self.leases.settled_first(ino)) is not None:
             await w
-        if changes.mtime_ns is not None:
+        if changes.mtime_ns is None:
+            kind, a = await self._call_kind("setattr", ino, changes)
+        else:
+            # Our reports taken before go first; none is taken, and no recall answer
+            # carries our writes' mtime, until the reply is in the cache.
             await self.leases.reports_sent(ino)  # (no await from here to the call's send)
-        kind, a = await self._call_kind("setattr", ino, changes)
+            with self.leases.setting_mtime(ino):
+                kind, a = await self._call_kind("setattr", ino, changes)
+                self.cache.mtime_set(ino, a.mtime_ns)  # (before the reply is cached, or told)
         for t in (changes.atime_ns, changes.mtime_ns):
             if t is not None:
                 clock.saw(t)  # (the stamps of our writes under a lease come after it)

@@ -635,6 +635,57 @@ async def test_an_mtime_set_right_after_a_close_is_not_undone_by_the_close_repor
         assert (await a.getattr(f.ino)).mtime_ns == old
 
 
+async def test_an_older_mtime_set_by_the_writer_stays() -> None:
+    """A write lease holder keeps its writes' mtime over what the server says (its
+    reports may still be on their way), taking the newer of the two; an older mtime
+    it then set itself (``touch -d``, tar, ``cp -a`` right after writing) was raised
+    back to its writes' at once, in the setattr's reply to the kernel, and the
+    close's report sent it to the mds (found with tar on a cluster mount)."""
+    async with cluster(2) as (server, (a, b), _):
+        f = await a.create(ROOT, b"f", F, 0, 0)
+        await a.map_write(f.ino, 0, 100)  # the write lease
+        await a.map_write(f.ino, 100, 100)  # under it: size and mtime ours to tell
+        await a.sync(f.ino)  # reported (the writer keeps what it reported)
+        old = 981173106 * 10**9
+        got = await a.setattr(f.ino, SetAttr(atime_ns=old, mtime_ns=old))
+        assert got.mtime_ns == old
+        assert (await a.getattr(f.ino)).mtime_ns == old
+        await a.release(f.ino)  # the close's report
+        assert server.store.inodes[f.ino].mtime_ns == old
+        assert (await b.getattr(f.ino)).mtime_ns == old
+
+
+async def test_a_close_report_taken_while_an_mtime_is_being_set_does_not_undo_it() -> None:
+    """The other order: the setattr of the mtime is on its way when the close's
+    RELEASE comes; its report, taken from the cache before the setattr's reply,
+    carried the writes' mtime and was applied after the time set.  Reports wait for
+    the reply now (found with tar on a cluster mount, after the first fix)."""
+    async with cluster(1) as (server, (a,), _):
+        f = await a.create(ROOT, b"f", F, 0, 0)
+        await a.map_write(f.ino, 0, 300)  # the write lease (the server counts the write)
+        assert f.ino not in a.cache.dirty and a.cache.attrs[f.ino].mtime_ns > 0
+        applied, go = trio.Event(), trio.Event()
+        setattr_now = server.store.setattr
+
+        async def slow_reply(ino: int, changes: SetAttr) -> Attr:
+            got = await setattr_now(ino, changes)
+            applied.set()
+            await go.wait()
+            return got
+
+        server.store.setattr = slow_reply  # type: ignore[method-assign]
+        old = 981173106 * 10**9
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(a.setattr, f.ino, SetAttr(atime_ns=old, mtime_ns=old))
+            await applied.wait()
+            nursery.start_soon(a.release, f.ino)  # the close's report
+            await trio.sleep(0.05)
+            go.set()
+        server.store.setattr = setattr_now  # type: ignore[method-assign]
+        assert server.store.inodes[f.ino].mtime_ns == old
+        assert server.store.inodes[f.ino].size == 300
+
+
 async def test_a_release_sent_without_reply_is_not_lost_at_close() -> None:
     """A release leaves with the next call; a client closing (its mount unmounted)
     makes no next call, and the mds held the file open for the session's grace:
