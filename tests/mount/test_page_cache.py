@@ -197,7 +197,8 @@ def test_init_connection(pages_follow_changes: bool, offered: bool) -> None:
     ops.pages_follow_changes, ops.max_background, ops.negotiated = pages_follow_changes, 32, None
     ops.drops_privileges = ops.direct_io = ops.shared_mmap = ops.cluster_locks = False
     ops.want_cluster_locks = True
-    ops.meta = SimpleNamespace(locks=lambda: None)  # type: ignore[assignment]
+    ops.meta = SimpleNamespace(locks=lambda: None,  # type: ignore[assignment]
+                               sizes_change_elsewhere=lambda: not pages_follow_changes)
     conn = FakeConn(v2 | 1 if offered else 1)
     ops.init_connection(conn)
     assert bool(conn.want & pyfuse3.FUSE_CAP_AUTO_INVAL_DATA) is not pages_follow_changes
@@ -221,7 +222,8 @@ def test_lock_requests_are_asked_for_where_the_metadata_service_keeps_locks(
     ops.pages_follow_changes, ops.max_background, ops.negotiated = not cluster, 32, None
     ops.drops_privileges = ops.direct_io = ops.shared_mmap = ops.cluster_locks = False
     ops.want_cluster_locks = True
-    ops.meta = SimpleNamespace(locks=lambda: object() if cluster else None)  # type: ignore[assignment]
+    ops.meta = SimpleNamespace(locks=lambda: object() if cluster else None,  # type: ignore[assignment]
+                               sizes_change_elsewhere=lambda: cluster)
     ops.want_cluster_locks = not local
     conn = FakeConn(0)
     ops.init_connection(conn)
@@ -230,19 +232,24 @@ def test_lock_requests_are_asked_for_where_the_metadata_service_keeps_locks(
     assert ops.cluster_locks is forwarded
 
 
+@pytest.mark.parametrize("why", ["direct_io", "cluster", "neither"])
 @pytest.mark.parametrize("offered", [True, False])
-def test_direct_io_asks_for_shared_mappings(offered: bool) -> None:
-    """With -o direct_io, FUSE_DIRECT_IO_ALLOW_MMAP when the kernel offers it."""
+def test_direct_io_asks_for_shared_mappings(offered: bool, why: str) -> None:
+    """With -o direct_io, and on a cluster client (whose O_APPEND opens are direct
+    I/O), FUSE_DIRECT_IO_ALLOW_MMAP when the kernel offers it."""
     v2 = pyfuse3.FUSE_HANDLE_KILLPRIV_V2
     ops = Operations.__new__(Operations)
     ops.pages_follow_changes, ops.max_background, ops.negotiated = True, 32, None
-    ops.drops_privileges, ops.direct_io, ops.shared_mmap = False, True, False
-    ops.cluster_locks, ops.meta = False, SimpleNamespace(locks=lambda: None)  # type: ignore[assignment]
+    ops.drops_privileges, ops.direct_io, ops.shared_mmap = False, why == "direct_io", False
+    ops.cluster_locks = False
+    ops.meta = SimpleNamespace(locks=lambda: None,  # type: ignore[assignment]
+                               sizes_change_elsewhere=lambda: why == "cluster")
     ops.want_cluster_locks = True
     conn = FakeConn(v2 | (fs.FUSE_DIRECT_IO_ALLOW_MMAP if offered else 0))
     ops.init_connection(conn)
-    assert conn.extra_flags == v2 | (fs.FUSE_DIRECT_IO_ALLOW_MMAP if offered else 0)
-    assert ops.shared_mmap is offered
+    asked = offered and why != "neither"
+    assert conn.extra_flags == v2 | (fs.FUSE_DIRECT_IO_ALLOW_MMAP if asked else 0)
+    assert ops.shared_mmap is asked
 
 
 @pytest.mark.parametrize("offered", [True, False])
@@ -252,7 +259,8 @@ def test_passthrough_is_asked_for_with_backing_files(offered: bool) -> None:
     ops = Operations.__new__(Operations)
     ops.pages_follow_changes, ops.max_background, ops.negotiated = True, 32, None
     ops.drops_privileges = ops.direct_io = ops.shared_mmap = ops.cluster_locks = False
-    ops.meta = SimpleNamespace(locks=lambda: None)  # type: ignore[assignment]
+    ops.meta = SimpleNamespace(locks=lambda: None,  # type: ignore[assignment]
+                               sizes_change_elsewhere=lambda: False)
     ops.want_cluster_locks = True
     ops.backing = SimpleNamespace()  # type: ignore[assignment]
     conn = FakeConn(v2 | (fs.FUSE_PASSTHROUGH if offered else 0))
