@@ -72,7 +72,10 @@ _SERIAL = (1 << (62 - _INODE_BITS)) - 1
 #: append may have left behind (it is not asked for again before the write, only
 #: marked stale by the recall), so such a handle's writes go to the file's end as the
 #: metadata service knows it, and bypass the page cache (FOPEN_DIRECT_IO: the kernel
-#: would cache the bytes at its own offset)
+#: would cache the bytes at its own offset; so a MAP_SHARED mapping of such an open
+#: fails with ENODEV, unless the mount is ``-o direct_io``).  Decided at open: an
+#: ``fcntl(F_SETFL)`` of O_APPEND later does not change it.  Not with the kernel's
+#: writeback cache (``-o writeback_cache``), where the kernel asks for the size first
 _APPEND = 1 << 62
 #: flock(2) operations as lock types (memfs.meta.Locks)
 _FLOCK_TYPES = {fcntl.LOCK_SH: fcntl.F_RDLCK, fcntl.LOCK_EX: fcntl.F_WRLCK, fcntl.LOCK_UN: fcntl.F_UNLCK}
@@ -367,8 +370,10 @@ class Operations(pyfuse3.Operations):
 
         With ``-o direct_io`` (every file opened with FOPEN_DIRECT_IO: reads and
         writes go straight between the application's buffer and the daemon, no
-        page cache) FUSE_DIRECT_IO_ALLOW_MMAP keeps MAP_SHARED mappings working;
-        so it does for a cluster client's ``O_APPEND`` opens (see :data:`_APPEND`).
+        page cache) FUSE_DIRECT_IO_ALLOW_MMAP keeps MAP_SHARED mappings working.
+        Not for a cluster client's ``O_APPEND`` opens (direct I/O too, see
+        :data:`_APPEND`): the kernel would write a shared mapping's pages back
+        through such a handle, whose writes go to the end of the file.
         """
         if self.pages_follow_changes:
             conn.want &= ~pyfuse3.FUSE_CAP_AUTO_INVAL_DATA
@@ -388,8 +393,7 @@ class Operations(pyfuse3.Operations):
                 and conn.kernel_flags & FUSE_PASSTHROUGH and hasattr(pyfuse3.FileInfo(), "backing_id"):
             conn.extra_flags |= FUSE_PASSTHROUGH
             self.passthrough_asked = True
-        if (self.direct_io or self.meta.sizes_change_elsewhere()) and killpriv_v2 \
-                and conn.kernel_flags & FUSE_DIRECT_IO_ALLOW_MMAP:  # (cluster: O_APPEND opens)
+        if self.direct_io and killpriv_v2 and conn.kernel_flags & FUSE_DIRECT_IO_ALLOW_MMAP:
             conn.extra_flags |= FUSE_DIRECT_IO_ALLOW_MMAP
             self.shared_mmap = True
         self.negotiated = {"want": conn.want, "max_background": conn.max_background,
@@ -510,17 +514,23 @@ class Operations(pyfuse3.Operations):
         if ino > _INODE:
             raise FsError(errno.EOVERFLOW, f"inode {ino} does not fit a file handle")
         flag = 0 if self._privileged(ctx) else _UNPRIVILEGED
-        append = bool(flags & os.O_APPEND) and self.meta.sizes_change_elsewhere()
+        # (With the writeback cache the kernel asks for the size before an append,
+        # and its writeback may send other handles' pages through this one.)
+        append = (bool(flags & os.O_APPEND) and self.meta.sizes_change_elsewhere()
+                  and not self.enable_writeback_cache)
         if append:
             flag |= _APPEND
         fh = ino | (next(self._opened) & _SERIAL) << _INODE_BITS | flag
         while fh in self._open_files:  # (after 2**22 opens of it) one still open
             fh = ino | (next(self._opened) & _SERIAL) << _INODE_BITS | flag
         self._open_files.add(fh)
-        if self.direct_io or append:
+        if self.direct_io:
             return pyfuse3.FileInfo(fh=fh, direct_io=True)
         keep = self.meta.keep_cache(ino)
-        return pyfuse3.FileInfo(fh=fh, keep_cache=self.keep_cache if keep is None else keep)
+        keep_cache = self.keep_cache if keep is None else keep
+        if append:  # (keep_cache: other readers' pages stay)
+            return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=keep_cache)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=keep_cache)
 
     def _privileged(self, ctx: pyfuse3.RequestContext) -> bool:
         """Whether the caller keeps set-ID bits when it writes or truncates: the kernel
@@ -740,7 +750,7 @@ class Operations(pyfuse3.Operations):
             # kernel's offset.  Appends from several nodes at once without a lock may
             # still meet (the size is read, then written at), as on NFS; under
             # flock/fcntl locks, or one after the other, they never overwrite.
-            off = (await self.meta.getattr(ino)).size
+            off = await self.meta.end_of_file(ino)
         return await self.data.write(ino, off, buf)
 
     @_errno_boundary

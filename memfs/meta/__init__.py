@@ -267,6 +267,12 @@ class Meta(abc.ABC):
         the mount's default."""
         return None
 
+    async def end_of_file(self, ino: int) -> int:
+        """Where an ``O_APPEND`` write of *ino* goes when sizes change elsewhere (see
+        :meth:`sizes_change_elsewhere`): the size as known now, this node's own
+        writes included."""
+        return (await self.getattr(ino)).size
+
     def sizes_change_elsewhere(self) -> bool:
         """Other nodes change files' sizes (a cluster client): the kernel's cached size
         of a file may be behind, so an ``O_APPEND`` write's offset, which the kernel

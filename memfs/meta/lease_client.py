@@ -142,10 +142,22 @@ class LeaseKeeper:
             inos.append(ino)
         if names_changed:
             self.forget_kernel_names()
+        for entry in settles:  # reports too, until sent (see reports_sent)
+            self._reporting[entry[0]] = self._reporting.get(entry[0], 0) + 1
         assert self.tasks is not None
         self.tasks.start_soon(self._finish_recall, conn, rid, inos, settles, told, done, created_in)
 
     async def _finish_recall(
+        self, conn: RecallChannel, rid: int, inos: list[int], settles: list[list[int]],
+        told: list[tuple[int, tuple[int, int]]], done: trio.Event, created_in: list[int],
+    ) -> None:
+        try:
+            await self._answer_recall(conn, rid, inos, settles, told, done, created_in)
+        finally:
+            for entry in settles:
+                self._report_over(entry[0])
+
+    async def _answer_recall(
         self, conn: RecallChannel, rid: int, inos: list[int], settles: list[list[int]],
         told: list[tuple[int, tuple[int, int]]], done: trio.Event, created_in: list[int],
     ) -> None:
@@ -341,14 +353,7 @@ class LeaseKeeper:
                 return
             heard = True
         finally:
-            n = self._reporting[ino] - 1
-            if n:
-                self._reporting[ino] = n
-            else:
-                del self._reporting[ino]
-                over = self._reports_over.pop(ino, None)
-                if over is not None:
-                    over.set()
+            self._report_over(ino)
             cache.span_sent(ino, ranges, heard=heard)
             if ended is not None:
                 if self.ending.get(ino) is ended:
@@ -389,6 +394,16 @@ class LeaseKeeper:
         if ev is not None:
             await ev.wait()
 
+    def _report_over(self, ino: int) -> None:
+        n = self._reporting[ino] - 1
+        if n:
+            self._reporting[ino] = n
+        else:
+            del self._reporting[ino]
+            over = self._reports_over.pop(ino, None)
+            if over is not None:
+                over.set()
+
     @contextlib.contextmanager
     def setting_mtime(self, ino: int) -> Iterator[None]:
         """Around a setattr of *ino*'s mtime, from its send until its reply is in the
@@ -408,7 +423,8 @@ class LeaseKeeper:
                 over.set()
 
     async def reports_sent(self, ino: int) -> None:
-        """Until every report of *ino* taken so far has been answered.  A call that sets
+        """Until every report of *ino* taken so far has been answered (a recall's answer
+        that carries it: sent).  A call that sets
         the file's mtime waits for them: a report taken before it (a close's, whose
         RELEASE the kernel sends after close(2) has returned, and which waits for
         the bytes to land first) carries the mtime of the writes, and sent after

@@ -591,6 +591,15 @@ class RemoteMeta(Meta):
     def sizes_change_elsewhere(self) -> bool:
         return True
 
+    async def end_of_file(self, ino: int) -> int:
+        # A truncate of ours under way ends first; so does a recall's answer that
+        # carries the size of our writes (the cache dropped it: the server's reply
+        # before that answer would be our own appends' start, and they would be
+        # written over).  Then the cache, under our lease, or the server has it.
+        await self.leases.truncates_over(ino)
+        await self.leases.answer_known(ino)
+        return (await self.getattr(ino)).size
+
     def recalls_drop_pages(self) -> bool:
         # Under leases every change to a file by another client (map_write,
         # allocate_ahead, truncate, ...) recalls us first, and the recall drops the

@@ -688,6 +688,11 @@ def volume_infos(vmap: Sequence[tuple[Any, int]], addrs: Sequence[VolumeAddr]) -
     return infos
 
 
+class _Unreachable(TransportError):
+    """No connection to a memory server (refused, unroutable, timed out connecting):
+    unlike one that answers and refuses us, a pool of known size opens without it."""
+
+
 class _Server:
     """What the client knows about one memory server."""
 
@@ -870,28 +875,32 @@ class TcpTransport(Transport):
     # -- opening and closing ----------------------------------------------------------
 
     async def _open(self) -> None:
+        missing: list[TransportError] = []
         for server in self._servers.values():
             with trio.move_on_after(self.io_timeout) as scope:
                 try:
                     await self._connect(server, 0)
-                except ClaimRefused:
-                    raise  # another filesystem's memory: never go on
-                except TransportError as exc:
-                    if not server.lost:
-                        self._unreachable(server, exc)
+                except _Unreachable as exc:
+                    missing.append(self._unreachable(server, exc))
+                except TransportError:
+                    if not server.lost:  # refused us (secret, claim, protocol): no pool
+                        raise
                     # (restarted since the pool knew it: its volumes answer EIO)
             if scope.cancelled_caught:
-                self._unreachable(server, TransportError(
+                missing.append(self._unreachable(server, TransportError(
                     f"memory server {server.name} did not answer within {self.io_timeout:g}s"
-                ))
+                )))
+        if len(missing) == len(self._servers):
+            raise missing[0]  # none at all: no pool to speak of
         self._info.extend(volume_infos(self._map, self._addrs))
 
-    def _unreachable(self, server: _Server, exc: TransportError) -> None:
-        """*server* cannot be reached now.  Without the pool's volume size there is
-        no pool without it (*exc*); with it (a mount: the mds said the size), the
-        transport opens all the same, like a server that died after it did: its
-        volumes fail with EIO, and each request tries it again (Lustre mounts
-        with an OST down, too: the node can use the files of the others)."""
+    def _unreachable(self, server: _Server, exc: TransportError) -> TransportError:
+        """*server* cannot be reached now (no connection, or no answer).  Without the
+        pool's volume size there is no pool without it (*exc*); with it (a mount:
+        the mds said the size), the transport opens all the same, like a server
+        that died after it did: its volumes fail with EIO, and each request tries
+        it again (Lustre mounts with an OST down, too: the node can use the files
+        of the others).  A server that answers and refuses us is no such case."""
         if self._volume_size is None:
             raise exc
         log.warning("%s: going on without it (its volumes give EIO until it answers)",
@@ -899,6 +908,7 @@ class TcpTransport(Transport):
         n = 1 + max(remote for s, remote in self._map if s is server)
         server.sizes = [self._volume_size] * n
         server.assumed = True
+        return exc
 
     def _close(self) -> None:
         if self._closed:
@@ -925,7 +935,7 @@ class TcpTransport(Transport):
         try:
             sock = await connect(server.host, server.port)
         except OSError as exc:
-            raise TransportError(
+            raise _Unreachable(
                 f"cannot connect to memory server {server.name}: {exc.strerror or exc}"
             ) from None
         try:
@@ -956,7 +966,8 @@ class TcpTransport(Transport):
                 server.close_all(server.lost)
             raise TransportError(server.lost)
         if server.assumed:  # unreachable at open: its sizes were taken from the pool's
-            if any(r >= len(sizes) or sizes[r] != server.sizes[r]
+            # (Larger volumes are the pool's too: the mds takes the smallest.)
+            if any(r >= len(sizes) or sizes[r] < server.sizes[r]
                    for s, r in self._map if s is server):
                 close_socket(sock)
                 raise TransportError(f"memory server {server.name}: its volumes are not "

@@ -686,6 +686,66 @@ async def test_a_close_report_taken_while_an_mtime_is_being_set_does_not_undo_it
         assert server.store.inodes[f.ino].size == 300
 
 
+async def _recall_held_up(a: RemoteMeta, b: RemoteMeta, ino: int, go: trio.Event,
+                          nursery: trio.Nursery) -> None:
+    """*b* looks at *ino*, whose write lease *a* holds with unreported writes: *a*'s
+    answer, carrying their size and mtime, waits for *go* (its bytes landing)."""
+    original = a.leases.barrier
+
+    async def slow_barrier(i: int) -> None:
+        await go.wait()
+        if original is not None:
+            await original(i)
+
+    a.leases.barrier = slow_barrier
+    nursery.start_soon(b.getattr, ino)
+    with trio.fail_after(5):
+        while ino not in a.leases.answering:  # noqa: ASYNC110 - the recall reaching a
+            await trio.sleep(0.01)
+
+
+async def test_an_append_while_the_writer_answers_a_recall_goes_after_its_writes() -> None:
+    """A node appending while another node's stat recalls its write lease: the
+    recall dropped its cache, and the server's size, asked for before the answer
+    that carries the node's writes arrived, was where those writes began: the next
+    append went over them (found by a review of the O_APPEND fix)."""
+    async with cluster(2) as (server, (a, b), _):
+        f = await a.create(ROOT, b"f", F, 0, 0)
+        await a.map_write(f.ino, 0, 100)  # the write lease; the server counts 100
+        await a.map_write(f.ino, 100, 100)  # under it: 200 is ours to tell
+        go = trio.Event()
+        got: list[int] = []
+        async with trio.open_nursery() as nursery:
+            await _recall_held_up(a, b, f.ino, go, nursery)
+
+            async def append() -> None:
+                got.append(await a.end_of_file(f.ino))
+
+            nursery.start_soon(append)
+            await trio.sleep(0.05)
+            go.set()
+        assert got == [200]
+
+
+async def test_an_mtime_set_while_a_recall_answer_carries_the_writes_mtime_stays() -> None:
+    """A recall's answer taken before a setattr of the mtime carries the writes'
+    mtime; sent after the setattr, it replaced the time set (``cp -p`` sets times on
+    the open file while another node stats it).  The setattr waits for it."""
+    async with cluster(2) as (server, (a, b), _):
+        f = await a.create(ROOT, b"f", F, 0, 0)
+        await a.map_write(f.ino, 0, 100)
+        await a.map_write(f.ino, 100, 100)
+        go = trio.Event()
+        old = 981173106 * 10**9
+        async with trio.open_nursery() as nursery:
+            await _recall_held_up(a, b, f.ino, go, nursery)
+            nursery.start_soon(a.setattr, f.ino, SetAttr(atime_ns=old, mtime_ns=old))
+            await trio.sleep(0.05)
+            go.set()
+        assert server.store.inodes[f.ino].mtime_ns == old
+        assert server.store.inodes[f.ino].size == 200
+
+
 async def test_a_release_sent_without_reply_is_not_lost_at_close() -> None:
     """A release leaves with the next call; a client closing (its mount unmounted)
     makes no next call, and the mds held the file open for the session's grace:

@@ -241,15 +241,25 @@ async def test_a_pool_of_known_size_opens_without_a_server_that_does_not_answer(
                 nursery.cancel_scope.cancel()
             await server.aclose()
         assert "going on without it" in caplog.text
-        async with open_tcp_transport(vols[1:], SECRET, io_timeout=5,
-                                      volume_size=2 * SIZE) as t:
-            server = MemoryServer(1, SIZE, SECRET)  # not the pool's volume size
-            async with trio.open_nursery() as nursery:
-                await nursery.start(server.serve, "127.0.0.1", down)
-                with pytest.raises(TransportError, match="not the pool's"):
-                    await t.read(0, 0, 4)
-                nursery.cancel_scope.cancel()
-            await server.aclose()
+        with pytest.raises(TransportError, match="cannot connect"):  # none answers: no pool
+            async with open_tcp_transport(vols[1:], SECRET, io_timeout=5, volume_size=SIZE):
+                pass
+        with pytest.raises(TransportError, match="wrong secret"):  # one refuses us: no pool
+            async with open_tcp_transport(vols, b"not the secret", io_timeout=5,
+                                          volume_size=SIZE):
+                pass
+        for size, fits in ((SIZE // 2, False), (2 * SIZE, True)):  # smaller: not the pool's
+            async with open_tcp_transport(vols, SECRET, io_timeout=5, volume_size=SIZE) as t:
+                server = MemoryServer(1, size, SECRET)
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(server.serve, "127.0.0.1", down)
+                    if fits:
+                        await t.write(1, 0, b"more")
+                    else:
+                        with pytest.raises(TransportError, match="not the pool's"):
+                            await t.read(1, 0, 4)
+                    nursery.cancel_scope.cancel()
+                await server.aclose()
 
 
 async def test_requests_larger_than_a_frame() -> None:
