@@ -302,6 +302,13 @@ class LeaseKeeper:
         d = cache.dirty.get(ino)
         if d is None and not trim and ino not in cache.spans and not (again and ino in cache.sending):
             return
+        if d is None and trim:
+            # A recall's answer on its way may carry the size our last writes gave
+            # (it took it from ``dirty``): a close's report that reached the server
+            # first, without it, would end the lease, and the answer that came after
+            # would count for nothing (a writer's last appends lost while another
+            # node stat'ed the file).  So the close's report says it too.
+            d = cache.answered.get(ino)
         if d is None:
             a = cache.attrs.get(ino)
             d = (-1, 0) if a is None else (a.size, a.mtime_ns)

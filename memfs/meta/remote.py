@@ -592,12 +592,15 @@ class RemoteMeta(Meta):
         return True
 
     async def end_of_file(self, ino: int) -> int:
-        # A truncate of ours under way ends first; so does a recall's answer that
-        # carries the size of our writes (the cache dropped it: the server's reply
-        # before that answer would be our own appends' start, and they would be
-        # written over).  Then the cache, under our lease, or the server has it.
+        # A truncate of ours under way ends first.  Then the cache has it, under our
+        # lease; or the server is asked, once what we told it of our writes has
+        # reached it: a recall dropped the cache, and the server ignores reports
+        # that meet a recall, so before the recall's answer its size would be where
+        # our last appends began, and the next one would go over them.
         await self.leases.truncates_over(ino)
-        await self.leases.answer_known(ino)
+        if self.cache.attr(ino) is None:
+            await self.leases.reports_sent(ino)
+            await self.leases.answer_known(ino)
         return (await self.getattr(ino)).size
 
     def recalls_drop_pages(self) -> bool:
