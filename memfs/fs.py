@@ -74,8 +74,9 @@ _SERIAL = (1 << (62 - _INODE_BITS)) - 1
 #: metadata service knows it, and bypass the page cache (FOPEN_DIRECT_IO: the kernel
 #: would cache the bytes at its own offset; so a MAP_SHARED mapping of such an open
 #: fails with ENODEV, unless the mount is ``-o direct_io``).  Decided at open: an
-#: ``fcntl(F_SETFL)`` of O_APPEND later does not change it.  Not with the kernel's
-#: writeback cache (``-o writeback_cache``), where the kernel asks for the size first
+#: ``fcntl(F_SETFL)`` of O_APPEND later does not change it.  (Cluster mounts refuse
+#: the kernel's writeback cache, whose writeback could send other handles' pages
+#: through such a handle; the check below only makes sure.)
 _APPEND = 1 << 62
 #: flock(2) operations as lock types (memfs.meta.Locks)
 _FLOCK_TYPES = {fcntl.LOCK_SH: fcntl.F_RDLCK, fcntl.LOCK_EX: fcntl.F_WRLCK, fcntl.LOCK_UN: fcntl.F_UNLCK}
@@ -514,8 +515,8 @@ class Operations(pyfuse3.Operations):
         if ino > _INODE:
             raise FsError(errno.EOVERFLOW, f"inode {ino} does not fit a file handle")
         flag = 0 if self._privileged(ctx) else _UNPRIVILEGED
-        # (With the writeback cache the kernel asks for the size before an append,
-        # and its writeback may send other handles' pages through this one.)
+        # (Not with the writeback cache: its writeback may send other handles' pages
+        # through this one.  Cluster mounts refuse it anyway.)
         append = (bool(flags & os.O_APPEND) and self.meta.sizes_change_elsewhere()
                   and not self.enable_writeback_cache)
         if append:

@@ -75,6 +75,12 @@ def run(args: argparse.Namespace) -> int:
     if "direct_io" in options and "writeback_cache" in options:
         raise UsageError("-o direct_io and -o writeback_cache exclude each other: with "
                          "direct_io no file data is cached to write back")
+    if args.mds and "writeback_cache" in options:
+        # The kernel then trusts no size the daemon gives for a regular file: it would
+        # never see another node's file grow (nor append after another node's lines).
+        raise UsageError("-o writeback_cache goes with an embedded pool: with it the "
+                         "kernel keeps its own file sizes, and would not see other "
+                         "nodes' writes")
     if "passthrough" in options:
         check_passthrough(args, options)
     opts = mount.MountOptions(

@@ -91,6 +91,8 @@ class LeaseKeeper:
         self._reporting: dict[int, int] = {}
         #: ino -> set when its last report under way is answered
         self._reports_over: dict[int, trio.Event] = {}
+        #: inodes we truncated while reports or recall answers of them were on their way
+        self._answers_cut: set[int] = set()
         #: ino -> (setattrs of its mtime under way, set when the last is over)
         self._setting_mtime: dict[int, tuple[int, trio.Event]] = {}
         #: a recall is answered within this (below the server's --recall-timeout)
@@ -135,6 +137,12 @@ class LeaseKeeper:
                     cache.answered[ino] = took
                     self.answering[ino] = done
                     told.append((ino, took))
+                elif (prior := cache.answered.get(ino)) is not None:
+                    # An answer of ours on its way carries our writes' size: this one
+                    # says it too, for the server ends our lease with whichever answer
+                    # it reads first, and ignores the other.
+                    settles.append([ino, prior[0], 0 if ino in self._setting_mtime else prior[1],
+                                    *span])
                 elif a is not None:
                     settles.append([ino, a.size, 0 if ino in self._setting_mtime else a.mtime_ns,
                                     *span])
@@ -203,6 +211,9 @@ class LeaseKeeper:
                     del self.answering[ino]
             done.set()
             return
+        for entry in settles:
+            if entry[0] in self._answers_cut:
+                entry[1], entry[2] = 0, 0  # no size (see truncated; sizes only grow)
         conn.send_recalled(rid, wire.encode(settles))
         if not told:
             return
@@ -299,16 +310,24 @@ class LeaseKeeper:
             # Taken now, the report would carry the mtime of our writes and reach the
             # server after the time being set (see setting_mtime).
             await setting[1].wait()
+        ended = None
+        if trim:
+            # (From here: a call that may be granted the lease again waits, lease_ended.)
+            ended = self.ending[ino] = trio.Event()
+            if ino not in cache.dirty and ino in self.answering:
+                # A recall's answer on its way carries the size and span of our last
+                # writes (it took them): a close's report that reached the server
+                # first, with neither, would end the lease, and the answer that came
+                # after would count for nothing (a writer's last appends lost while
+                # another node stat'ed the file).  It says them, and ends the lease.
+                try:
+                    await self.answer_known(ino)
+                except BaseException:
+                    self._ending_over(ino, ended)
+                    raise
         d = cache.dirty.get(ino)
         if d is None and not trim and ino not in cache.spans and not (again and ino in cache.sending):
             return
-        if d is None and trim:
-            # A recall's answer on its way may carry the size our last writes gave
-            # (it took it from ``dirty``): a close's report that reached the server
-            # first, without it, would end the lease, and the answer that came after
-            # would count for nothing (a writer's last appends lost while another
-            # node stat'ed the file).  So the close's report says it too.
-            d = cache.answered.get(ino)
         if d is None:
             a = cache.attrs.get(ino)
             d = (-1, 0) if a is None else (a.size, a.mtime_ns)
@@ -322,9 +341,6 @@ class LeaseKeeper:
         # new span, sent with the next report (their bytes may land after this one).
         ranges = cache.take_span(ino, again=trim or again)
         heard = False
-        ended = None
-        if trim:
-            ended = self.ending[ino] = trio.Event()
         self._reporting[ino] = self._reporting.get(ino, 0) + 1
         try:
             if self.barrier is not None:
@@ -363,10 +379,7 @@ class LeaseKeeper:
             self._report_over(ino)
             cache.span_sent(ino, ranges, heard=heard)
             if ended is not None:
-                if self.ending.get(ino) is ended:
-                    del self.ending[ino]
-                    self._cut_while_ending.discard(ino)
-                ended.set()
+                self._ending_over(ino, ended)
         if cache.dirty.get(ino) == d:
             del cache.dirty[ino]
         if not trim and d[0] >= 0 and cache.is_writer(ino) and cache.generation(ino) == gen:
@@ -391,9 +404,19 @@ class LeaseKeeper:
 
     def truncated(self, ino: int) -> None:
         """The server applied our truncate of *ino*: a close's report of it on its way
-        sends no size from before."""
+        sends no size from before, nor does an answer to a recall (taken before, it
+        waited for the truncate's zeroing; the server, which still counts us as the
+        writer, would grow the file back)."""
         if ino in self.ending:
             self._cut_while_ending.add(ino)
+        if self._reporting.get(ino):
+            self._answers_cut.add(ino)
+
+    def _ending_over(self, ino: int, ended: trio.Event) -> None:
+        if self.ending.get(ino) is ended:
+            del self.ending[ino]
+            self._cut_while_ending.discard(ino)
+        ended.set()
 
     async def lease_ended(self, ino: int) -> None:
         """Until our report that ends *ino*'s write lease, if one is on its way, is over."""
@@ -407,6 +430,7 @@ class LeaseKeeper:
             self._reporting[ino] = n
         else:
             del self._reporting[ino]
+            self._answers_cut.discard(ino)
             over = self._reports_over.pop(ino, None)
             if over is not None:
                 over.set()

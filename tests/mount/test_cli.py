@@ -606,6 +606,9 @@ def test_cluster_mount_mistakes_are_one_line(mountpoint: Path, tmp_path: Path) -
         assert mentions in line, line
         assert line.count("metadata server") <= 1, line
         assert not is_mounted(str(mountpoint))
+    # The kernel's writeback cache keeps its own sizes: other nodes' writes unseen.
+    res = memfs("mount", str(mountpoint), "--mds", f"127.0.0.1:{port}", "-o", "writeback_cache")
+    assert "-o writeback_cache goes with an embedded pool" in assert_one_error_line(res)
 
 
 # -- burst buffer: argument mistakes (refused before anything is mounted) -------------

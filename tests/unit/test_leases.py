@@ -754,10 +754,32 @@ async def test_a_close_report_while_a_recall_answer_carries_the_size_keeps_it() 
             # now and then: the close then reports all the same, to give back the
             # space ahead the server may hold for us.)
             a.maps.ahead_unsure.add(f.ino)
-            await a.release(f.ino)  # the close's report, not held up
+            nursery.start_soon(a.release, f.ino)  # the close's report, not held up
+            await trio.sleep(0.05)
             go.set()
         assert server.store.inodes[f.ino].size == 200
         assert (await b.getattr(f.ino)).size == 200
+
+
+async def test_a_recall_answer_taken_before_our_truncate_does_not_grow_the_file_back() -> None:
+    """Our answer to a recall took our writes' size and waits (here for the bytes to
+    land); our truncate meanwhile reaches the server, which still counts us the
+    writer; the answer then grew the file back to the size from before the
+    truncate (found by a review).  It says no size now."""
+    async with cluster(2) as (server, (a, b), _):
+        f = await a.create(ROOT, b"f", F, 0, 0)
+        await a.map_write(f.ino, 0, 100)
+        await a.map_write(f.ino, 100, 100)  # 200, unreported
+        go = trio.Event()
+        async with trio.open_nursery() as nursery:
+            await _recall_held_up(a, b, f.ino, go, nursery)
+            nursery.start_soon(a.truncate, f.ino, 0)
+            with trio.fail_after(5):
+                while server.store.inodes[f.ino].size != 0:  # noqa: ASYNC110 - applied
+                    await trio.sleep(0.01)
+            go.set()
+        assert server.store.inodes[f.ino].size == 0
+        assert (await b.getattr(f.ino)).size == 0
 
 
 async def test_an_mtime_set_while_a_recall_answer_carries_the_writes_mtime_stays() -> None:
