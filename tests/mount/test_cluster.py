@@ -65,6 +65,19 @@ class Cluster:
     #: the log file of each server's latest start
     logs: dict[str, Path] = field(default_factory=dict)
 
+    def mount(self, host: str, name: str) -> Path:
+        """Mount the filesystem once more, on *host*, at ``tmp/NAME`` (log ``NAME.log``),
+        unmounted with the others at the end."""
+        path = self.tmp / name
+        path.mkdir()
+        res = subprocess.run(self.net.cmd(host, [
+            *MEMFS, "mount", str(path), "--mds", f"{self.net.addr['mds']}:{PORT_MDS}",
+            "--secret-file", str(self.secret), "--log", str(self.tmp / f"{name}.log"),
+        ]), capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+        self.mnt[name] = path
+        return path
+
     def kill(self, host: str) -> None:
         """SIGKILL *host*'s server (nothing if it has exited already) and reap it."""
         proc = self.servers[host]
@@ -341,14 +354,7 @@ def test_dead_memory_server_gives_eio_not_a_hang(cluster: Cluster) -> None:
 
     # A node that mounts only now has never seen mem1's old memory: the mds tells it
     # which incarnation the pool's data lives in, so it too reports EIO, not zeros.
-    late = cluster.tmp / "late"
-    late.mkdir()
-    res = subprocess.run(cluster.net.cmd("c1", [
-        *MEMFS, "mount", str(late), "--mds", f"{cluster.net.addr['mds']}:{PORT_MDS}",
-        "--secret-file", str(cluster.secret), "--log", str(cluster.tmp / "late.log"),
-    ]), capture_output=True, text=True, timeout=60)
-    assert res.returncode == 0, res.stderr
-    cluster.mnt["late"] = late  # unmounted by the fixture
+    late = cluster.mount("c1", "late")
     with pytest.raises(OSError) as info:
         (late / "wide").read_bytes()
     assert info.value.errno == errno.EIO
@@ -367,18 +373,11 @@ def test_a_node_mounts_while_a_memory_server_does_not_answer(cluster: Cluster) -
     data = {name: os.urandom(1 << 20) for name in ("on-mem1", "on-mem2")}
     for name, blob in data.items():
         (c1 / name / "f").write_bytes(blob)
-    late = cluster.tmp / "late"
-    late.mkdir()
     mem1 = cluster.servers["mem1"]
     mem1.send_signal(signal.SIGSTOP)
     try:
         t0 = time.monotonic()
-        res = subprocess.run(cluster.net.cmd("c2", [
-            *MEMFS, "mount", str(late), "--mds", f"{cluster.net.addr['mds']}:{PORT_MDS}",
-            "--secret-file", str(cluster.secret), "--log", str(cluster.tmp / "late.log"),
-        ]), capture_output=True, text=True, timeout=60)
-        assert res.returncode == 0, res.stderr
-        cluster.mnt["late"] = late  # unmounted by the fixture
+        late = cluster.mount("c2", "late")
         assert time.monotonic() - t0 < 30
         log = (cluster.tmp / "late.log").read_text()
         assert "going on without it" in log and cluster.net.addr["mem1"] in log, log
@@ -709,14 +708,7 @@ def test_memory_belongs_to_one_filesystem(tmp_path: Path) -> None:
         for pid in pids:
             assert wait_gone(pid, 20)
         c.restart("mds")
-        again = c.tmp / "again"
-        again.mkdir()
-        res = subprocess.run(c.net.cmd("c1", [
-            *MEMFS, "mount", str(again), "--mds", f"{mds}:{PORT_MDS}",
-            "--secret-file", str(c.secret), "--log", str(c.tmp / "again.log"),
-        ]), capture_output=True, text=True, timeout=60)
-        assert res.returncode == 0, res.stderr
-        c.mnt["again"] = again  # unmounted by make_cluster
+        again = c.mount("c1", "again")
         assert not (again / "kept").exists()  # a new, empty filesystem
         (again / "new").write_bytes(b"on the freed memory")
         assert (again / "new").read_bytes() == b"on the freed memory"

@@ -570,6 +570,20 @@ async def test_a_glimpse_gives_up_on_a_writer_that_does_not_answer_without_evict
         assert not server.writes_landed(f.ino)
 
 
+def _hold_landings(a: RemoteMeta, go: trio.Event) -> Callable[[int], Awaitable[None]] | None:
+    """Make *a*'s barrier (the bytes of its writes landing) wait for *go*; the barrier
+    it had is returned, to put back."""
+    original = a.leases.barrier
+
+    async def slow_barrier(ino: int) -> None:
+        await go.wait()
+        if original is not None:
+            await original(ino)
+
+    a.leases.barrier = slow_barrier
+    return original
+
+
 async def test_a_reopen_while_the_close_reports_keeps_its_new_write_lease() -> None:
     """A close's report ends the write lease; the same node reopening the file and
     writing meanwhile asks for the lease again.  Granted before the report arrived,
@@ -580,14 +594,7 @@ async def test_a_reopen_while_the_close_reports_keeps_its_new_write_lease() -> N
         await a.map_write(f.ino, 0, 100)  # the write lease
         assert server.leases.writers.get(f.ino) is not None
         go = trio.Event()
-        original = a.leases.barrier
-
-        async def slow_barrier(ino: int) -> None:  # the close's bytes still landing
-            await go.wait()
-            if original is not None:
-                await original(ino)
-
-        a.leases.barrier = slow_barrier
+        original = _hold_landings(a, go)  # the close's bytes still landing
         async with trio.open_nursery() as nursery:
             nursery.start_soon(a.release, f.ino)
             await trio.sleep(0.05)
@@ -614,14 +621,7 @@ async def test_an_mtime_set_right_after_a_close_is_not_undone_by_the_close_repor
         await a.leases.settle(f.ino, trim=False)  # (reported already, as ~50 ms later)
         assert f.ino not in a.cache.dirty
         go = trio.Event()
-        original = a.leases.barrier
-
-        async def slow_barrier(ino: int) -> None:  # the close's bytes still landing
-            await go.wait()
-            if original is not None:
-                await original(ino)
-
-        a.leases.barrier = slow_barrier
+        original = _hold_landings(a, go)  # the close's bytes still landing
         old = 981173106 * 10**9
         async with trio.open_nursery() as nursery:
             nursery.start_soon(a.release, f.ino)  # the close's report, taken now
@@ -690,14 +690,7 @@ async def _recall_held_up(a: RemoteMeta, b: RemoteMeta, ino: int, go: trio.Event
                           nursery: trio.Nursery) -> None:
     """*b* looks at *ino*, whose write lease *a* holds with unreported writes: *a*'s
     answer, carrying their size and mtime, waits for *go* (its bytes landing)."""
-    original = a.leases.barrier
-
-    async def slow_barrier(i: int) -> None:
-        await go.wait()
-        if original is not None:
-            await original(i)
-
-    a.leases.barrier = slow_barrier
+    _hold_landings(a, go)
     nursery.start_soon(b.getattr, ino)
     with trio.fail_after(5):
         while ino not in a.leases.answering:  # noqa: ASYNC110 - the recall reaching a
