@@ -181,19 +181,25 @@ async def written_by_a_mapped_by_b(a: RemoteMeta, b: RemoteMeta) -> Any:
     return f
 
 
+def _truncating(c: RemoteMeta, ino: int, nursery: trio.Nursery) -> trio.Event:
+    """A truncate of *ino* to 0 through *c*, started in *nursery*: set once it is over."""
+    done = trio.Event()
+
+    async def truncate() -> None:
+        await c.truncate(ino, 0)
+        done.set()
+
+    nursery.start_soon(truncate)
+    return done
+
+
 async def test_truncate_recalls_chunk_maps_and_waits_for_transfers() -> None:
     async with cluster(2) as (server, (a, b), _):
         f = await written_by_a_mapped_by_b(a, b)
         gen = b.generation(f.ino)
-        done = trio.Event()
-
-        async def truncate() -> None:
-            await a.truncate(f.ino, 0)
-            done.set()
-
         async with trio.open_nursery() as nursery:
             with b.io(f.ino):  # a transfer on the old map is under way
-                nursery.start_soon(truncate)
+                done = _truncating(a, f.ino, nursery)
                 await trio.sleep(0.3)
                 assert not done.is_set(), "chunks must not be freed under a running transfer"
                 assert b.generation(f.ino) != gen
@@ -1122,14 +1128,8 @@ async def test_a_truncate_waits_for_the_array_piece_open_on_its_node() -> None:
         h, ino = await _array_file(s, "f", 2 << 20)
         chunks = dict(server.store.inodes[ino].chunks or {})
         t0 = await _map(s, h, 0, 1 << 20)
-        done = trio.Event()
-
-        async def truncate() -> None:
-            await a.truncate(ino, 0)
-            done.set()
-
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(truncate)
+            done = _truncating(a, ino, nursery)
             await trio.sleep(0.2)
             with trio.fail_after(1), pytest.raises(FsError) as info:
                 await _map(s, h, 1 << 20, 1 << 20)
@@ -1161,14 +1161,8 @@ async def test_ending_one_array_piece_does_not_wait_for_a_truncate_that_waits_fo
         h, ino = await _array_file(s, "f", 2 << 20)
         t0 = await _map(s, h, 0, 1 << 20)
         t1 = await _map(s, h, 1 << 20, 1 << 20)
-        done = trio.Event()
-
-        async def truncate() -> None:
-            await a.truncate(ino, 0)
-            done.set()
-
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(truncate)
+            done = _truncating(a, ino, nursery)
             await trio.sleep(0.2)
             with trio.fail_after(1):
                 await s.call("array.done", {"h": h, "t": t0})
