@@ -32,6 +32,7 @@ from memfs.host import sd_notify
 from memfs.meta.journal import Journal, JournalError, fsync_dir
 from memfs.meta.server import MetaServer
 from memfs.meta.store import MetaStore
+from memfs.meta.takeback import PROBE_INTERVAL, TakeBack
 from memfs.scrub import Scrubber
 
 log = logging.getLogger(__name__)
@@ -169,7 +170,8 @@ def claim_refused(exc: ClaimRefused) -> UsageError:
 
 async def _scrub(
     store: MetaStore, pool: list[VolumeAddr], secret: bytes, server: MetaServer,
-    journal_dir: str | None, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    journal_dir: str | None, takeback: TakeBack,
+    *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Zero freed chunks through the memory servers, for as long as we run.
 
@@ -193,18 +195,22 @@ async def _scrub(
         try:
             async with open_tcp_transport(as_tcp(pool), secret, io_timeout=INFO_TIMEOUT,
                                           incarnations=server.incarnations,
-                                          fences=server.fencing.fences, fsid=server.fsid) as t:
-                if first:
-                    first = False
-                    task_status.started()
+                                          fences=server.fencing.fences, fsid=server.fsid,
+                                          on_restart=takeback.restarted) as t, \
+                    takeback.following(t):
                 delay = 1.0
                 # The memory this pool's data lives in: remembered (with the journal)
                 # so that a memory server restarted blank is never taken for it.
+                # Before the fence courier starts: its transport, which probes for
+                # restarts, compares with these.
                 known = {**t.incarnations(), **server.incarnations}
                 if known != server.incarnations:
                     if journal_dir:
                         await trio.to_thread.run_sync(_save_incarnations, journal_dir, known)
                     server.incarnations.update(known)
+                if first:
+                    first = False
+                    task_status.started()
                 await Scrubber(store, t).run()
         except ClaimRefused as exc:
             store.space.reclaimer = None
@@ -222,23 +228,28 @@ async def _scrub(
 
 
 async def _fence_courier(
-    opts: MdsOptions, server: MetaServer,
+    opts: MdsOptions, server: MetaServer, takeback: TakeBack,
     *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Connections of their own, each made when needed, that take the mds's fences to
     every memory server it can reach, whichever others are down (the scrubber's and
     write-back's transports need all of them, and send pending fences before their
-    own requests)."""
+    own requests).  They also look for memory servers that restarted: every
+    ``PROBE_INTERVAL`` seconds, one that has no connection is connected to."""
     from memfs.transport.pool import as_tcp
     from memfs.transport.tcp import open_tcp_transport
 
     assert server.fencing.fences is not None
     async with open_tcp_transport(as_tcp(opts.pool), opts.secret, io_timeout=INFO_TIMEOUT,
                                   incarnations=server.incarnations, fences=server.fencing.fences,
-                                  connections_per_server=1, lazy=True, fsid=server.fsid) as t:
-        with server.fencing.fences.delivering(t):
-            task_status.started()
-            await trio.sleep_forever()
+                                  connections_per_server=1, lazy=True, fsid=server.fsid,
+                                  on_restart=takeback.restarted) as t:
+        async with takeback.following(t):
+            with server.fencing.fences.delivering(t):
+                task_status.started()
+                while True:
+                    await trio.sleep(PROBE_INTERVAL)
+                    await t.probe()
 
 
 INCARNATIONS = "incarnations"
@@ -246,7 +257,7 @@ INCARNATIONS = "incarnations"
 
 async def _write_back(
     store: MetaStore, opts: MdsOptions, server: MetaServer, recovered: BackingJournal | None,
-    *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    takeback: TakeBack, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Burst buffer: enter the backing tree (or, restarted from the journal, go on
     from where it was), then write back and stage in for the pool.
@@ -261,8 +272,11 @@ async def _write_back(
     try:
         async with open_tcp_transport(as_tcp(opts.pool), opts.secret, io_timeout=INFO_TIMEOUT,
                                       incarnations=server.incarnations,
-                                      fences=server.fencing.fences, fsid=server.fsid) as t:
+                                      fences=server.fencing.fences, fsid=server.fsid,
+                                      on_restart=takeback.restarted) as t, \
+                takeback.following(t):
             backed = BackedMeta(store, t, opts.flush, settle=SETTLE, recovered=recovered)
+            takeback.evict_clean = backed.residency.evict_clean
             backed.before_evict = server.recall_inodes
             backed.writeback.landed = server.writes_landed
             backed.writeback.glimpse = server.glimpse_writers_of
@@ -335,22 +349,32 @@ async def _main(opts: MdsOptions, journal: Journal | None) -> int:
         from memfs.transport.tcp import Fences, server_name
 
         server.fencing.fences = Fences([server_name(a.host, a.port) for a in as_tcp(opts.pool)])
+        journal_dir = opts.journal_dir
+
+        async def save(incarnations: dict[str, int]) -> None:
+            if journal_dir:
+                await trio.to_thread.run_sync(_save_incarnations, journal_dir, incarnations)
+
+        takeback = TakeBack(server, opts.pool, save)
         async with trio.open_nursery() as nursery:
             server.incarnations.update(_load_incarnations(opts.journal_dir))
             # The pool claimed for this filesystem (its id known now), before listening.
-            await nursery.start(_scrub, store, opts.pool, opts.secret, server, opts.journal_dir)
-            await nursery.start(_fence_courier, opts, server)
+            await nursery.start(_scrub, store, opts.pool, opts.secret, server, opts.journal_dir,
+                                takeback)
+            await nursery.start(_fence_courier, opts, server, takeback)
             if opts.flush is not None:
                 # Before serving: a call answered by the bare store would not be
                 # written back (no watcher yet), and a client would get write
                 # leases, whose writes never reach the burst buffer at all.
-                await nursery.start(_write_back, store, opts, server, recovered)
+                await nursery.start(_write_back, store, opts, server, recovered, takeback)
             try:
                 port = await nursery.start(server.serve, opts.host, opts.port)
             except OSError as exc:
                 raise UsageError(
                     f"cannot listen on {opts.host}:{opts.port}: {exc.strerror or exc}"
                 ) from None
+            # (Once serving: after a restart of ours, its recovery comes first.)
+            nursery.start_soon(takeback.run)
             host = f"[{opts.host}]" if ":" in opts.host else opts.host
             print(f"mds listening on {host}:{port}", flush=True)
             log.info(

@@ -182,6 +182,13 @@ async def _open_remote(opts: MountOptions, host: str, port: int) -> AsyncIterato
                                            ) as transport:
                 # Memory servers shut out a token the mds fenced (our lease taken).
                 meta.follow_token(transport.set_session)
+
+                def adopt(incarnations: dict[str, int]) -> None:
+                    # A memory server the mds took back: ours and memfs.array's use it again.
+                    transport.adopt(incarnations)
+                    access.incarnations.update(incarnations)
+
+                meta.follow_pool(adopt)
                 log.info("pool of %d volumes from the metadata server at %s", len(volumes), where)
                 yield Backend(meta, transport, access)
     except FsError as exc:

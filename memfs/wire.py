@@ -99,6 +99,7 @@ class Kind(enum.IntEnum):
     RECALL = 31  # server -> client: value [[ino, [names], revoke_write], ...] (req id: recall id)
     RECALLED = 32  # client -> server: value [[ino, size, mtime_ns], ...] (settled write leases)
     UNLOCKED = 33  # server -> client: value [ino]: a lock on it went (its waiters try again)
+    POOL = 34  # server -> client: value {"host:port": incarnation}: memory servers taken back
 
 
 

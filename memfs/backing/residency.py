@@ -242,14 +242,9 @@ class Residency:
         # Files just staged in are kept while anything else can go.  The oldest few
         # thousand are almost always enough; the rest only if not.
         def evictable(ino: int, spare_staged: bool) -> bool:
-            i = inodes.get(ino)
-            if i is None or not i.chunks:
-                self.lru.pop(ino, None)
+            if not self._clean(ino):
                 return False
-            return not (ino == protect or ino in tracker.dirty or ino in tracker.pinned
-                        or ino in self.busy
-                        or i.nlink <= 0 or not stat.S_ISREG(i.mode)
-                        or (spare_staged and ino in self.kept) or tracker.excluded(ino))
+            return not (ino == protect or (spare_staged and ino in self.kept))
 
         for spare_staged, start, stop in ((True, 0, 4096), (True, 4096, None), (False, 0, None)):
             if not spare_staged and not self.kept:
@@ -282,6 +277,28 @@ class Residency:
             self.evictions += 1
             await self.store.reclaim()
         return freed > 0
+
+    def _clean(self, ino: int) -> bool:
+        """Could *ino*'s pool copy go (its data all in DIR, nothing using it)?"""
+        tracker = self.tracker
+        assert tracker is not None
+        i = self.store.inodes.get(ino)
+        if i is None or not i.chunks:
+            self.lru.pop(ino, None)
+            return False
+        return not (ino in tracker.dirty or ino in tracker.pinned or ino in self.busy
+                    or i.nlink <= 0 or not stat.S_ISREG(i.mode) or tracker.excluded(ino))
+
+    def evict_clean(self, ino: int) -> bool:
+        """Evict *ino* now if it is clean, with no recall (memfs.meta.takeback: its
+        memory server restarted blank, and the clients let go of its maps first);
+        True if it was.  Its data is then fetched from DIR again when read."""
+        if self.dirside.lost or not self._clean(ino):
+            return False
+        n = self.store.evict(ino)
+        self.lru.pop(ino, None)
+        self.evicted_bytes += n * self.chunk_size
+        return True
 
     # -- fetch ----------------------------------------------------------------------------
 

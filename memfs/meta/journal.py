@@ -77,7 +77,8 @@ _SNAP_HEAD = struct.Struct("!8sQI")  # magic, payload length, crc32
 _JOURNAL_HEAD = struct.Struct("!8sQ")  # magic, base seq
 _REC = struct.Struct("!II")  # payload length, crc32
 MAX_RECORD = 16 << 20
-SNAPSHOT_FORMAT = 5  # 5: chunks reserved by fetches, the extension's state;
+SNAPSHOT_FORMAT = 6  # 6: files' lost chunks (``lost``; older memfs must not read them
+#: as holes); 5: chunks reserved by fetches, the extension's state;
 #: 4: freed chunks are a min-heap, allocated lowest first;
 #: 3: inodes gain ``backed``; formats 2 to 4 still load (2 and 3 replay under their
 #: last-in-first-out allocation, then switch: see :meth:`Journal.open`)
@@ -92,6 +93,8 @@ NEW_RUN, REGISTERED, GRACE_ENDED, SESSION_GONE = "_run", "_registered", "_grace_
 #: a create with one of them [sid, parent, name, mode, uid, gid, ino] (MetaStore.create_at)
 RESERVE_INOS, CREATE_AT = "_inos", "_create_at"
 SESSION_RECORDS = (LOST_WRITE, NEW_RUN, REGISTERED, GRACE_ENDED, SESSION_GONE, RESERVE_INOS, CREATE_AT)
+#: a memory server restarted blank [volume, ...]: MetaStore.lose_memory
+MEMORY_LOST = "_memory_lost"
 
 #: the Inode fields a snapshot keeps, in order; ``opens`` is deliberately absent
 INODE_FIELDS = (
@@ -191,6 +194,7 @@ def dump_state(
         "inodes": inodes,
         "reserved": sorted([vol, voff] for vol, voff in store.reserved),
         "unsaid": [[ino, sorted(sids)] for ino, sids in sorted(store.unsaid.items())],
+        "lost": [[i.ino, sorted(i.lost)] for i in store.inodes.values() if i.lost],
         "sessions": [sorted(store.eligible), sorted(store.this_run)],
         "delegated": [[sid, sorted(inos)] for sid, inos in sorted(store.delegated.items())],
         "backing": extension,
@@ -200,7 +204,7 @@ def dump_state(
 def load_state(state: Any, pool: PoolConfig) -> MetaStore:
     """A store holding *state* (from :func:`dump_state`); open counts start at zero."""
     try:
-        if state["format"] not in (2, 3, 4, SNAPSHOT_FORMAT):
+        if state["format"] not in (2, 3, 4, 5, SNAPSHOT_FORMAT):
             raise JournalError(f"snapshot format {state['format']}, expected {SNAPSHOT_FORMAT}")
         if type(state["fsid"]) is not bytes:
             raise JournalError("snapshot has no filesystem id")
@@ -237,6 +241,8 @@ def load_state(state: Any, pool: PoolConfig) -> MetaStore:
             i.chunks = chunks
             i.backed = backed
             store.inodes[ino] = i
+        for ino, ks in state.get("lost", ()):
+            store.inodes[ino].lost = {int(k) for k in ks}
         store.placement.reserved = {(vol, voff) for vol, voff in state.get("reserved", ())}
         store.unsaid = {int(ino): {bytes(x) for x in sids} for ino, sids in state.get("unsaid", ())}
         eligible, this_run = state.get("sessions", ((), ()))
@@ -379,7 +385,7 @@ async def apply_record(
     seq, t, method, *raw = rec
     clock.t = t
     try:
-        if method.startswith("_") and method not in (DESTROY, CLEAN, *SESSION_RECORDS):  # the burst buffer's
+        if method.startswith("_") and method not in (DESTROY, CLEAN, MEMORY_LOST, *SESSION_RECORDS):  # the burst buffer's
             if extension is None:
                 raise JournalError(f"record {seq} ({method}) was written by an mds with "
                                    "--backing: start it with the same --backing")
@@ -396,6 +402,9 @@ async def apply_record(
             ino, sid, lost = raw
             store.lost_write(codec.check_int(ino, "inode"), codec.check_bytes(sid, "session"),
                              bool(codec.check_int(lost, "flag")))
+            return
+        if method == MEMORY_LOST:
+            store.lose_memory({codec.check_int(x, "volume") for x in raw})
             return
         if method == NEW_RUN:
             store.new_run()

@@ -133,8 +133,8 @@ class LeasePolicy:
         client's next reads and writes nearby need no call; None: nothing to add."""
         ino, offset, length = args[0], args[1], args[2]
         i = self.store.inodes.get(ino)
-        if i is None or i.chunks is None or i.backed or not length:
-            return None
+        if i is None or i.chunks is None or i.backed or i.lost or not length:
+            return None  # (lost chunks nearby: a map around them would be EIO)
         lo = offset - offset % codec.MAP_WINDOW
         if name == "map_read":
             hi = min(i.size, offset + length - (offset + length) % codec.MAP_WINDOW + codec.MAP_WINDOW)
@@ -164,6 +164,10 @@ class LeasePolicy:
         while self.leases.needs_recall(None, items, first=first):
             await self.leases.recall(None, items)
             first = False
+
+    def cached(self, inos: list[int]) -> bool:
+        """Does any client hold anything of *inos* (what :meth:`recall_inodes` takes)?"""
+        return self.leases.needs_recall(None, [Item(ino) for ino in inos])
 
     def writes_landed(self, ino: int) -> bool:
         """Has every write the file's state shows reached the memory servers?  True when

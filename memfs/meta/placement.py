@@ -30,6 +30,12 @@ RESERVE, INSTALL, UNRESERVE, EVICT = "_reserve", "_install", "_unreserve", "_evi
 BACKING_RECORDS = (RESERVE, INSTALL, UNRESERVE, EVICT)
 
 
+def lost_data(ino: int, offset: int) -> FsError:
+    """EIO for bytes of inode *ino* at *offset* that went with a memory server's memory."""
+    return FsError(errno.EIO, f"inode {ino}: its data at offset {offset} was lost (its memory "
+                              "server restarted blank); truncate or remove the file")
+
+
 class Placement:
     """The chunk maps of the files of one store, and the chunks of its fetches."""
 
@@ -66,10 +72,13 @@ class Placement:
         out: list[Extent] = []
         pos = offset
         k = pos // cs
+        lost = i.lost
         while pos < end:
             base = get(k)
             k += 1
             if base is None:
+                if lost and k - 1 in lost:
+                    raise lost_data(i.ino, pos)
                 vol, voff = (NOT_RESIDENT if pos < i.backed else -1), 0
                 stop = min(k * cs, end)
             else:
@@ -87,8 +96,11 @@ class Placement:
         return out
 
     def allocate(self, i: Inode, missing: list[int]) -> None:
-        """Allocate all of *missing* or nothing (ENOSPC)."""
+        """Allocate all of *missing* or nothing (ENOSPC; EIO for a lost chunk: a fresh
+        one would read as zeros where the file's data was)."""
         assert i.chunks is not None
+        if i.lost and not i.lost.isdisjoint(missing):
+            raise lost_data(i.ino, min(i.lost.intersection(missing)) * self.chunk_size)
         for k, _, voffset in self.take_chunks(i, missing):
             i.chunks[k] = voffset
 
@@ -108,6 +120,51 @@ class Placement:
         doomed = [k for k in inode.chunks if k >= keep_below]
         self.space.release([(inode.layout.volume_of_chunk(k, cs), inode.chunks.pop(k))
                             for k in doomed])
+
+    # -- memory lost with a memory server that restarted blank ---------------------------
+
+    def holding(self, volumes: set[int]) -> list[int]:
+        """Regular files with chunks on *volumes*."""
+        cs = self.chunk_size
+        out = []
+        for i in self.inodes.values():
+            if i.chunks and i.layout is not None \
+                    and not volumes.isdisjoint(i.layout.volumes) \
+                    and any(i.layout.volume_of_chunk(k, cs) in volumes for k in i.chunks):
+                out.append(i.ino)
+        return out
+
+    def lose(self, volumes: set[int]) -> list[int]:
+        """The memory of *volumes* is gone (their server restarted blank; clients were
+        told to let go of every cached map first).  Every file's chunks there leave
+        its map: those below EOF become *lost* (EIO, see :func:`lost_data`), those past
+        it (preallocation) are merely dropped.  Fetches under way into them get
+        nothing installed (:meth:`install`).  The chunks go to the scrubber like any
+        freed chunk, so the invariant (allocated memory reads as zeros) does not rest
+        on the server's memory being blank.  Returns the files that lost data."""
+        cs = self.chunk_size
+        freed: list[tuple[int, int]] = []
+        damaged = []
+        for ino in self.holding(volumes):
+            i = self.inodes[ino]
+            assert i.chunks is not None and i.layout is not None
+            gone = [k for k in i.chunks if i.layout.volume_of_chunk(k, cs) in volumes]
+            for k in gone:
+                freed.append((i.layout.volume_of_chunk(k, cs), i.chunks.pop(k)))
+            below = [k for k in gone if k * cs < i.size]
+            if below:
+                i.lost = (i.lost or set()).union(below)
+                damaged.append(ino)
+        fetching = sorted(c for c in self.reserved if c[0] in volumes)
+        self.reserved.difference_update(fetching)
+        self.space.release(freed + fetching)
+        return damaged
+
+    def cut_lost(self, i: Inode, size: int) -> None:
+        """A truncate to *size*: lost chunks wholly past it are gone for good."""
+        assert i.lost is not None
+        keep = (size + self.chunk_size - 1) // self.chunk_size
+        i.lost = {k for k in i.lost if k < keep} or None
 
     # -- what write leases wrote, and their preallocation -----------------------------
 
@@ -190,7 +247,8 @@ class Placement:
         cs = self.chunk_size
         # Whole chunks: a write past ``backed`` into its last chunk needs the chunk too.
         last = min((offset + length - 1) // cs, (i.backed - 1) // cs)
-        return [k for k in range(offset // cs, last + 1) if k not in i.chunks]
+        lost = i.lost or ()  # (newer than the backing copy: never fetched from it)
+        return [k for k in range(offset // cs, last + 1) if k not in i.chunks and k not in lost]
 
     def reserve(self, ino: int, ks: list[int]) -> list[tuple[int, int, int]]:
         """Allocate chunks for fetching *ks* of *ino*: ``(k, volume, voffset)``, not yet
@@ -207,6 +265,8 @@ class Placement:
         """Make fetched chunk *k* part of *ino*; False (chunk freed) if no longer wanted."""
         if self.on_backing is not None:
             self.on_backing(INSTALL, [ino, k, volume, voffset])
+        if (volume, voffset) not in self.reserved:
+            return False  # its memory was lost meanwhile (:meth:`lose` freed the chunk)
         self.reserved.discard((volume, voffset))
         i = self.inodes.get(ino)
         if i is None or i.chunks is None or k in i.chunks or k * self.chunk_size >= i.backed:
@@ -219,8 +279,9 @@ class Placement:
         """Give back a reserved chunk (it may hold partial data: it is scrubbed first)."""
         if self.on_backing is not None:
             self.on_backing(UNRESERVE, [volume, voffset])
-        self.reserved.discard((volume, voffset))
-        self.space.release([(volume, voffset)])
+        if (volume, voffset) in self.reserved:  # (else :meth:`lose` freed it)
+            self.reserved.discard((volume, voffset))
+            self.space.release([(volume, voffset)])
 
     def release_reserved(self) -> None:
         """Recovery: fetches that were under way died with the server; their chunks

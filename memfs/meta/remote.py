@@ -202,6 +202,12 @@ class RemoteMeta(Meta):
         self._on_token: Callable[[int], None] | None = None
         #: the token _on_token was last told
         self._named_token = 0
+        #: told the memory servers the mds took back (name -> incarnation; see follow_pool)
+        self._on_pool: Callable[[dict[str, int]], None] | None = None
+        #: heard during a registration: told once the registration's token is named
+        self._pool_heard: dict[str, int] = {}
+        #: all that was told (what a later follow_pool hears first)
+        self._pool_told: dict[str, int] = {}
 
     @property
     def address(self) -> str:
@@ -338,8 +344,11 @@ class RemoteMeta(Meta):
                          "or restarted)")
             self._on_token(self.token)
             self._named_token = self.token
+        if self._pool_heard:
+            heard, self._pool_heard = self._pool_heard, {}
+            self._tell_pool(heard)
         return MdsConnection(fs, self.timeout, self.cache, self.leases.on_recall,
-                           self.lock_client.unlocked)
+                             self.lock_client.unlocked, self.pool_heard)
 
     async def _transfers_ended(self) -> None:
         """Until no transfer of this process's transport holds a map (each ends within
@@ -405,6 +414,9 @@ class RemoteMeta(Meta):
                 h = got[0]
                 if h.kind is Kind.UNLOCKED:  # (a lock went while the server registered us)
                     self.lock_client.unlocked(codec.check_int(wire.decode(got[1])[0], "unlocked inode"))
+                    continue
+                if h.kind is Kind.POOL:  # (adopted once our new token is named, in _connect)
+                    self._pool_heard.update(_incarnations(wire.decode(got[1])))
                     continue
                 if h.kind is Kind.RECALL:
                     # We hold nothing: every cache went before we registered, and
@@ -570,6 +582,24 @@ class RemoteMeta(Meta):
         name(self.token)
         self._named_token = self.token
         self._on_token = name
+
+    def follow_pool(self, adopt: Callable[[dict[str, int]], None]) -> None:
+        """Call *adopt* with the memory servers the mds takes back ("host:port" ->
+        incarnation; memfs.meta.takeback): told on our session once it answered the
+        recalls of their files, or when we register (our caches dropped)."""
+        self._on_pool = adopt
+        if self._pool_told:  # heard before anyone followed (at our first registration)
+            adopt(dict(self._pool_told))
+
+    def pool_heard(self, payload: bytes) -> None:
+        """A POOL frame on our connection (MdsConnection.on_pool; WireError if malformed)."""
+        self._tell_pool(_incarnations(wire.decode(payload)))
+
+    def _tell_pool(self, heard: dict[str, int]) -> None:
+        log.info("the metadata server took back memory servers %s", ", ".join(sorted(heard)))
+        self._pool_told.update(heard)
+        if self._on_pool is not None:
+            self._on_pool(heard)
 
     def locks(self) -> LockClient:
         return self.lock_client

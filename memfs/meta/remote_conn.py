@@ -109,12 +109,15 @@ class MdsConnection:
         self, fs: FrameSocket, timeout: float, cache: ClientCache,
         on_recall: Callable[[MdsConnection, int, bytes], None],
         on_unlocked: Callable[[int], None],
+        on_pool: Callable[[bytes], None] = lambda payload: None,
     ) -> None:
         self.fs = fs
         self.timeout = timeout
         self.cache = cache
         self.on_recall = on_recall
         self.on_unlocked = on_unlocked
+        #: a POOL frame's payload: memory servers the mds took back (RemoteMeta.pool_heard)
+        self.on_pool = on_pool
         #: idle pings this often keep the lease (and the connection) alive
         self.keepalive = min(KEEPALIVE, cache.term / 4) if cache.term else KEEPALIVE
         self.pending: dict[int, Pending] = {}
@@ -272,6 +275,9 @@ class MdsConnection:
                         continue
                     if h.kind is Kind.UNLOCKED:
                         self.on_unlocked(codec.check_int(wire.decode(payload)[0], "unlocked inode"))
+                        continue
+                    if h.kind is Kind.POOL:
+                        self.on_pool(payload)
                         continue
                     if h.kind not in REPLY_KINDS:
                         raise WireError(f"unexpected {h.kind.name} frame")

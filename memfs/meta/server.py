@@ -174,6 +174,9 @@ class MetaServer:
         #: memory server "host:port" -> the incarnation holding this pool's data (set by
         #: memfs.mds once known); clients treat any other incarnation as lost memory
         self.incarnations: dict[str, int] = {}
+        #: those of them taken back in this run after a restart (memfs.meta.takeback):
+        #: told to every client, and to each that registers from then on
+        self.adopted: dict[str, int] = {}
         # One timestamp per call, recorded in the journal, so replay stamps the same.
         self._real_now = store.now
         self._t = self._real_now()
@@ -291,6 +294,17 @@ class MetaServer:
     def _journal_session(self, kind: str, *args: Any) -> None:
         if self.journal is not None:
             self.journal.append(self._real_now(), kind, list(args))
+
+    def journal_now(self, kind: str, args: list[Any]) -> None:
+        """Record a change the server makes by itself (not a call), stamped now."""
+        if self.journal is not None:
+            self.journal.append(self._real_now(), kind, args)
+
+    async def durable(self) -> None:
+        """Until every record appended so far is durable (nothing to wait for without
+        a journal)."""
+        if self.journal is not None:
+            await self._wait_durable()
 
     def _cleaned(self, chunks: list[tuple[int, int]]) -> None:
         assert self.journal is not None
@@ -908,6 +922,8 @@ class MetaServer:
         if claimed:
             log.info("%s: session re-registered %d open inodes (%d gone)", conn.peer, len(claimed), len(lost))
         self._check_recovered()
+        if self.adopted:  # (before the answer: the client adopts once registered)
+            s.send_pool(dict(self.adopted))
         if ops is not None:
             return [sorted(lost), failed, s.token, refused_ops]
         return [sorted(lost), failed, s.token]

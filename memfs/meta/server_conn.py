@@ -125,6 +125,15 @@ class Session:
                 and not conn.scope.cancel_called:
             conn.push(wire.frame(Kind.UNLOCKED, 0, wire.encode([ino])), 0)
 
+    def send_pool(self, incarnations: dict[str, int]) -> None:
+        """Tell the client these memory servers were taken back at these incarnations
+        (memfs.meta.takeback); not a session whose leases were taken without its word:
+        it hears them when it registers again, its caches dropped."""
+        conn = self.conn
+        if conn is not None and conn.fs is not None and conn.scope is not None \
+                and not conn.scope.cancel_called and not self.fenced:
+            conn.push(wire.frame(Kind.POOL, 0, wire.encode(incarnations)), 0)
+
     def evict(self, reason: str) -> None:
         conn = self.conn
         if conn is not None and conn.scope is not None:

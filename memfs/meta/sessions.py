@@ -195,6 +195,12 @@ class SessionTable:
         if s is not None:
             s.send_unlocked(ino)
 
+    def tell_pool(self, incarnations: dict[str, int]) -> None:
+        """Tell every connected client which memory servers were taken back (and at
+        which incarnation)."""
+        for s in self._sessions.values():
+            s.send_pool(incarnations)
+
     # -- open counts -------------------------------------------------------------------------
 
     async def set_opens(self, s: Session, ino: int, want: int) -> bool:

@@ -57,7 +57,7 @@ class Inode:
         "ino", "mode", "uid", "gid", "nlink", "size", "rdev",
         "atime_ns", "mtime_ns", "ctime_ns",
         "target", "xattrs", "children", "parent", "name", "links",
-        "spec", "layout", "chunks", "opens", "backed", "cuts",
+        "spec", "layout", "chunks", "opens", "backed", "cuts", "lost",
     )
 
     def __init__(self, ino: int, mode: int, uid: int, gid: int, now: int) -> None:
@@ -86,6 +86,9 @@ class Inode:
         self.spec: LayoutSpec | None = None  # directories: default for new files
         self.layout: Layout | None = None  # regular files
         self.chunks: dict[int, int] | None = None  # regular files: chunk -> volume offset
+        #: chunks whose data went with their memory server's memory (it restarted
+        #: blank): reading or writing them is EIO until a truncate cuts them off
+        self.lost: set[int] | None = None
         self.opens = 0
 
 
@@ -434,6 +437,8 @@ class MetaStore(Meta):
             if tail_off and tail_chunk in i.chunks:
                 vol = i.layout.volume_of_chunk(tail_chunk, cs)
                 zero.append((vol, i.chunks[tail_chunk] + tail_off, cs - tail_off))
+        if i.lost and size < i.size:
+            self.placement.cut_lost(i, size)
         i.size = size
         if size < i.backed:
             i.backed = size
@@ -948,6 +953,21 @@ class MetaStore(Meta):
     def evict(self, ino: int) -> int:
         """:meth:`Placement.evict`."""
         return self.placement.evict(ino)
+
+    def holding(self, volumes: set[int]) -> list[int]:
+        """:meth:`Placement.holding`."""
+        return self.placement.holding(volumes)
+
+    def lose_memory(self, volumes: set[int]) -> list[int]:
+        """:meth:`Placement.lose` (a memory server restarted blank; journaled by
+        memfs.meta.takeback as ``_memory_lost``).  Each file that lost data is a new
+        version to the watcher (write-back: a copy under way is dropped, and the
+        next one fails with EIO rather than write zeros into DIR)."""
+        damaged = self.placement.lose(volumes)
+        if self.watcher is not None:
+            for ino in damaged:
+                self.watcher.rewritten(ino)
+        return damaged
 
     def adopt(
         self, parent: int, name: bytes, mode: int, uid: int, gid: int, *,

@@ -16,7 +16,7 @@ for RDMA that is where memory registration happens, once, instead of per I/O.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 Buffer = bytes | bytearray | memoryview  # collections.abc.Buffer is 3.12+
@@ -110,6 +110,11 @@ class Transport(abc.ABC):
     def set_session(self, token: int) -> None:  # noqa: B027 (memory servers only)
         """Work under the metadata server's lease *token* (a cluster client): memory
         servers refuse a token the mds fenced.  Nothing to do for local memory."""
+
+    def adopt(self, incarnations: Mapping[str, int]) -> None:  # noqa: B027 (memory servers only)
+        """The pool's data lives in these memory-server incarnations now ("host:port"
+        -> number): a server that restarted blank was taken back by the mds, after
+        the files' data there was marked lost.  Nothing to do for local memory."""
 
     def servers_up(self) -> dict[str, bool]:
         """Memory servers by name: reachable now (a connection open, not restarted)?

@@ -706,6 +706,8 @@ class _Server:
         #: sizes taken from the pool's (unreachable at open): checked when it answers
         self.assumed = False
         self.lost: str | None = None
+        #: the incarnation a reconnect found instead (told to ``on_restart`` once)
+        self.found: int | None = None
         #: it offers WRITE_QUIET and SYNC (INFO's features)
         self.quiet_writes = False
         self._turn = 0
@@ -736,6 +738,7 @@ async def open_tcp_transport(
     lazy: bool = False,
     fsid: bytes | None = None,
     volume_size: int | None = None,
+    on_restart: Callable[[str, int], None] | None = None,
 ) -> AsyncIterator[TcpTransport]:
     """Connect to the servers of *volumes* and yield the transport; close it on exit.
 
@@ -748,9 +751,12 @@ async def open_tcp_transport(
     *volume_size*: the pool's volume size, known beforehand (a mount's, from the
     mds): a server that cannot be reached now does not fail the opening; its
     volumes fail with EIO until it answers.
+    *on_restart*: called with a server's name and its new incarnation when a
+    connection finds that it restarted (the mds takes it back, see :meth:`adopt`).
     """
     t = TcpTransport(volumes, secret, connections_per_server=connections_per_server,
                      io_timeout=io_timeout, fences=fences, fsid=fsid, volume_size=volume_size)
+    t.on_restart = on_restart
     for srv in t._servers.values():  # known to the pool: a different one means lost memory
         if incarnations and srv.name in incarnations:
             srv.incarnation = incarnations[srv.name]
@@ -869,6 +875,8 @@ class TcpTransport(Transport):
         self._token = 0
         self._fences = fences
         self._delivering = trio.Lock()
+        #: told of a server found restarted (name, new incarnation): see open_tcp_transport
+        self.on_restart: Callable[[str, int], None] | None = None
         #: where drainers of posted writes run (open_tcp_transport's; None: no posting)
         self._nursery: trio.Nursery | None = None
 
@@ -930,6 +938,38 @@ class TcpTransport(Transport):
         """
         return {s.name: s.incarnation for s in self._servers.values() if s.incarnation is not None}
 
+    def adopt(self, incarnations: Mapping[str, int]) -> None:
+        """The pool's data lives in these incarnations now ("host:port" -> number): the
+        mds took a server that restarted blank back, after every file's data there
+        was marked lost and every client let go of its maps.  Its volumes serve
+        again; connections to any other incarnation are dropped."""
+        for server in self._servers.values():
+            want = incarnations.get(server.name)
+            if want is None or (want == server.incarnation and not server.lost):
+                continue
+            log.info("memory server %s: taken back at incarnation %x", server.name, want)
+            server.close_all(f"memory server {server.name} was taken back at another incarnation")
+            server.incarnation, server.lost, server.found = want, None, None
+
+    async def probe(self) -> None:
+        """Connect to every server that has no usable connection now (none, or the
+        server closed it while idle; the mds, every few seconds): a server that
+        restarted blank is found (``on_restart``) even when nothing is sent to it.
+        Failures are for the requests to report."""
+        async def one(server: _Server) -> None:
+            with trio.move_on_after(self.io_timeout):
+                try:
+                    await self._conn_at(server, 0)
+                except TransportError as exc:
+                    log.debug("probing memory server %s: %s", server.name, exc.args[1])
+
+        now = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            for server in self._servers.values():
+                conn = server.slots[0]
+                if (conn is None or not conn.usable(now)) and not self._closed:
+                    nursery.start_soon(one, server)
+
     async def _connect(self, server: _Server, slot: int) -> _Conn:
         """Connect, authenticate and check the incarnation."""
         try:
@@ -964,6 +1004,10 @@ class TcpTransport(Transport):
                 log.error("%s (incarnation %x, was %x)", server.lost, incarnation,
                           server.incarnation)
                 server.close_all(server.lost)
+            if incarnation != server.found:
+                server.found = incarnation
+                if self.on_restart is not None:
+                    self.on_restart(server.name, incarnation)
             raise TransportError(server.lost)
         if server.assumed:  # unreachable at open: its sizes were taken from the pool's
             # (Larger volumes are the pool's too: the mds takes the smallest.)

@@ -69,7 +69,7 @@ import os
 import secrets
 import socket
 import types
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -1078,6 +1078,17 @@ class VerbsTransport(Transport):
             if start <= addr and addr + view.nbytes <= end:
                 return addr, region.lkey
         return None
+
+    def adopt(self, incarnations: Mapping[str, int]) -> None:
+        # As TcpTransport.adopt (not run on RDMA hardware: see the module doc).
+        for server in self._servers.values():
+            want = incarnations.get(server.name)
+            if want is None or (want == server.incarnation and not server.lost):
+                continue
+            log.info("memory server %s: taken back at incarnation %x", server.name, want)
+            if server.conn is not None:
+                self._fail(server.conn, "taken back at another incarnation")
+            server.incarnation, server.lost = want, None
 
     def servers_up(self) -> dict[str, bool]:
         return {

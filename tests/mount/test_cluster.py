@@ -361,6 +361,83 @@ def test_dead_memory_server_gives_eio_not_a_hang(cluster: Cluster) -> None:
     assert sha((late / "on-mem2" / "kept").read_bytes()) == sha(kept)
 
 
+def eio(path: Path) -> bool:
+    try:
+        path.read_bytes()
+    except OSError as exc:
+        return exc.errno == errno.EIO
+    return False
+
+
+def until(what: Callable[[], bool], timeout: float = 30, step: float = 0.1) -> None:
+    deadline = time.monotonic() + timeout
+    while not what():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(step)
+
+
+def written_and_read(writer: Path, reader: Path, data: bytes) -> bool:
+    """Written on one node and read back on the other (False if either got EIO: a node
+    that has not heard yet that a memory server was taken back)."""
+    try:
+        writer.write_bytes(data)
+        return sha(reader.read_bytes()) == sha(data)
+    except OSError as exc:
+        if exc.errno != errno.EIO:
+            raise
+        return False
+
+
+def test_a_memory_server_restarted_blank_is_taken_back(cluster: Cluster) -> None:
+    """A memd restarted blank on the same address: the mds finds it by itself (nothing
+    is sent there), marks the data the files had there lost and takes the server
+    back.  Those files then give EIO on every node, a late one too, and after an mds
+    restart (never zeros); everything else reads as it was; new files use the
+    server again from both nodes; a lost file rewritten from offset 0 (O_TRUNC) is
+    whole again."""
+    c1, c2 = cluster.mnt["c1"], cluster.mnt["c2"]
+    (c1 / "on-mem2").mkdir()
+    os.setxattr(c1 / "on-mem2", "user.memfs.layout", b"stripe_count=1 stripe_offset=1")
+    kept = os.urandom(2 << 20)
+    (c1 / "on-mem2" / "kept").write_bytes(kept)
+    wide = {name: os.urandom(4 << 20) for name in ("wide", "other")}  # over all four volumes
+    for name, data in wide.items():
+        (c1 / name).write_bytes(data)
+        assert sha((c2 / name).read_bytes()) == sha(data)  # cached on both nodes
+
+    cluster.restart("mem1")
+    until(lambda: "taken back" in cluster.logs["mds"].read_text())
+    for node in (c1, c2):
+        assert eio(node / "wide") and eio(node / "other")
+        assert os.stat(node / "wide").st_size == 4 << 20  # the namespace is whole
+        assert sha((node / "on-mem2" / "kept").read_bytes()) == sha(kept)
+    new = os.urandom(4 << 20)
+    until(lambda: written_and_read(c1 / "new", c2 / "new", new), timeout=10)
+    back = os.urandom(3 << 20)
+    until(lambda: written_and_read(c2 / "wide", c1 / "wide", back), timeout=10)
+    refused = []
+    fd = os.open(c1 / "other", os.O_WRONLY)
+    try:  # writes into data that was lost (two of its four stripes): EIO, not zeros around
+        for stripe in range(4):
+            try:
+                os.pwrite(fd, b"x", stripe << 20)
+            except OSError as exc:
+                assert exc.errno == errno.EIO
+                refused.append(stripe)
+    finally:
+        os.close(fd)
+    assert len(refused) == 2, refused
+
+    cluster.restart("mds")  # the journal keeps what was lost and what was taken back
+    late = cluster.mount("c2", "late")
+    for node in (c1, c2, late):
+        assert eio(node / "other")
+        assert sha((node / "new").read_bytes()) == sha(new)
+        assert sha((node / "wide").read_bytes()) == sha(back)
+        assert sha((node / "on-mem2" / "kept").read_bytes()) == sha(kept)
+    assert cluster.logs["mds"].read_text().count("taken back") == 0  # nothing to take again
+
+
 def test_a_node_mounts_while_a_memory_server_does_not_answer(cluster: Cluster) -> None:
     """One memd stopped (a hung or cut-off node): a node mounting meanwhile mounts
     all the same, after the I/O timeout, and uses the files on the other memd; once

@@ -22,6 +22,7 @@ Hosts and servers as in ``test_cluster.py`` (root, /dev/fuse, network namespaces
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import random
@@ -617,3 +618,41 @@ def test_reads_and_writes_through_a_full_pool_under_churn(tmp_path: Path) -> Non
         assert counts["reads"] > 100 and counts["rewrites"] > 20, counts
         assert status(c1)["evicted_files"] > 0, "nothing was evicted: the pool is too large"
         assert_no_traceback(cluster)
+
+
+def test_a_memory_server_restarted_blank_loses_nothing_written_back(tmp_path: Path) -> None:
+    """Through a backing directory, a memd restarted blank costs only what was not
+    written back yet: clean files are read again from DIR (on both nodes, whole and
+    right), a dirty one gives EIO (never zeros) and DIR keeps its last written-back
+    copy; once rewritten it is written back again."""
+    back = tmp_path / "backing"
+    back.mkdir()
+    with make_cluster(tmp_path, ["--backing", str(back), "--flush-delay", "60",
+                                 "--journal", str(tmp_path / "journal")]) as cluster:
+        c1, c2 = cluster.mnt["c1"], cluster.mnt["c2"]
+        clean = {f"clean{n}": os.urandom((n + 1) * MiB + 1234) for n in range(3)}
+        for name, data in clean.items():
+            (c1 / name).write_bytes(data)
+        (c1 / "dirty").write_bytes(tagged("dirty", 1, 4 * MiB))
+        flush_wait(c1)
+        for name, data in clean.items():
+            assert sha((c2 / name).read_bytes()) == sha(data)  # cached on the other node
+        (c1 / "dirty").write_bytes(tagged("dirty", 2, 4 * MiB))  # not written back (60 s)
+
+        cluster.restart("mem1")
+        deadline = time.monotonic() + 30
+        while "taken back" not in log_tail(cluster):
+            assert time.monotonic() < deadline, log_tail(cluster)
+            time.sleep(0.1)
+        assert "3 clean one(s) will be read again" in log_tail(cluster), log_tail(cluster)
+        for node in (c2, c1):
+            for name, data in clean.items():
+                assert sha((node / name).read_bytes()) == sha(data), (node, name)
+            with pytest.raises(OSError) as info:
+                (node / "dirty").read_bytes()
+            assert info.value.errno == errno.EIO
+        assert sha((back / "dirty").read_bytes()) == sha(tagged("dirty", 1, 4 * MiB))
+        (c2 / "dirty").write_bytes(tagged("dirty", 3, 4 * MiB))
+        flush_wait(c2)
+        assert sha((back / "dirty").read_bytes()) == sha(tagged("dirty", 3, 4 * MiB))
+        assert sha((c1 / "dirty").read_bytes()) == sha(tagged("dirty", 3, 4 * MiB))

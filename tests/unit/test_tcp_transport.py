@@ -865,3 +865,62 @@ async def test_every_task_waiting_for_one_request_is_woken() -> None:
                 await trio.testing.wait_all_tasks_blocked()
                 answer.set()
         assert sorted(finished) == [0, 1, 2]
+
+
+async def serve_at(nursery: trio.Nursery, port: int) -> tuple[int, Callable[[], Awaitable[None]]]:
+    """Start a memory server (a new incarnation each time) on *port* (0: any): its port,
+    and what stops it."""
+    server = MemoryServer(1, SIZE, SECRET)
+    scope = trio.CancelScope()
+    ended = trio.Event()
+
+    async def run(*, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            with scope:
+                await server.serve("127.0.0.1", port, task_status=task_status)
+        finally:
+            ended.set()
+
+    async def stop() -> None:
+        scope.cancel()
+        await server.aclose()  # (stops its data loop's thread)
+        await ended.wait()
+
+    return await nursery.start(run), stop
+
+
+async def test_a_restarted_server_is_found_and_can_be_taken_back(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A server found at another incarnation is told to the owner (on_restart) once per
+    incarnation, also by probe() with nothing sent there; its volumes fail until
+    adopt() names that incarnation, and then serve again; a further restart is found
+    and refused in the same way."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]  # "restarted; its data is lost"
+    found: list[tuple[str, int]] = []
+    async with trio.open_nursery() as nursery:
+        port, stop = await serve_at(nursery, 0)
+        vols = [VolumeAddr("tcp", "127.0.0.1", port, 0)]
+        name = f"127.0.0.1:{port}"
+        async with open_tcp_transport(vols, SECRET, io_timeout=5,
+                                      on_restart=lambda n, i: found.append((n, i))) as t:
+            first = t.incarnations()[name]
+            await t.write(0, 0, b"old data")
+            for round_ in range(2):
+                await stop()
+                _, stop = await serve_at(nursery, port)
+                await t.probe()  # nothing sent: found all the same
+                assert len(found) == round_ + 1 and found[-1][0] == name
+                new = found[-1][1]
+                assert new != first
+                with pytest.raises(TransportError, match="restarted; its data is lost"):
+                    await t.read(0, 0, 8)
+                await t.probe()
+                assert len(found) == round_ + 1  # told once
+                t.adopt({name: new})
+                assert t.incarnations()[name] == new
+                assert bytes(await t.read(0, 0, 8)) == bytes(8)  # blank, served again
+                await t.write(0, 0, b"new data")
+                assert bytes(await t.read(0, 0, 8)) == b"new data"
+                first = new
+        await stop()

@@ -1,0 +1,183 @@
+"""A memory server that restarted blank: its files' chunks become lost (EIO) in the
+store, the journal keeps that, and the mds takes the server back (memfs.meta.takeback):
+clients let go of their maps first and hear the new incarnation after.
+
+The store tests use a bare :class:`MetaStore`; the take-back runs in a real
+:class:`MetaServer` with a journal and a :class:`RemoteMeta` client, with
+memory-server names that no traffic is sent to (the mds only compares them).
+"""
+
+from __future__ import annotations
+
+import errno
+import stat
+from pathlib import Path
+
+import pytest
+import trio
+
+from memfs.config import VolumeAddr
+from memfs.errors import FsError
+from memfs.meta.journal import dump_state, load_state
+from memfs.meta.store import MetaStore
+from memfs.meta.takeback import TakeBack
+from tests.unit.test_journal import POOL, ROOT, SECRET, leave, recovered, served, state
+
+K, M = 1 << 10, 1 << 20
+CS = POOL.chunk_size  # 64 KiB; stripes of 256 KiB over 4 volumes
+#: volumes 0 and 2 on one memory server, 1 and 3 on another (names only)
+ADDRS = [VolumeAddr("tcp", f"10.9.9.{1 + v % 2}", 7100, v // 2) for v in range(4)]
+LOST = "10.9.9.1:7100"
+#: a file's 256 KiB stripes on volumes 0, 1, 2, 3, 0, ...
+WIDE = b"stripe_count=4 stripe_offset=0"
+
+
+def eio(exc: pytest.ExceptionInfo[FsError]) -> bool:
+    return exc.value.errno == errno.EIO and "lost" in str(exc.value)
+
+
+async def test_lost_chunks_read_and_write_eio_until_truncated() -> None:
+    """Chunks below EOF on the lost volumes become lost; preallocation past EOF is only
+    dropped; the rest of the file reads; a truncate cuts lost chunks off (to 0: the
+    file is whole again); every chunk there goes to the scrubber."""
+    store = MetaStore(POOL)
+    a = await store.mknod(ROOT, b"a", stat.S_IFREG | 0o644, 0, 0)
+    await store.setxattr(a.ino, b"user.memfs.layout", WIDE)
+    await store.map_write(a.ino, 0, 1 * M)  # 16 chunks, 4 per volume
+    await store.allocate_ahead(a.ino, 1 * M - 1, 1, 512 * K)  # 8 chunks past EOF
+    other = await store.mknod(ROOT, b"b", stat.S_IFREG | 0o644, 0, 0)
+    await store.setxattr(other.ino, b"user.memfs.layout", b"stripe_count=1 stripe_offset=1")
+    await store.map_write(other.ino, 0, 300 * K)
+    dirty = store.space.dirty_chunks
+    inode = store.inodes[a.ino]
+    held = len(inode.chunks or ())
+
+    assert store.holding({0, 2}) == [a.ino]
+    assert store.lose_memory({0, 2}) == [a.ino]
+    assert inode.lost == {k for k in range(16) if (k // 4) % 4 in (0, 2)}
+    assert len(inode.chunks or ()) == held // 2  # preallocation there dropped, not lost
+    assert store.space.dirty_chunks == dirty + held // 2
+    assert store.holding({0, 2}) == []
+
+    with pytest.raises(FsError) as exc:
+        await store.map_read(a.ino, 0, 4 * K)
+    assert eio(exc)
+    assert [e.volume for e in await store.map_read(a.ino, 256 * K, 256 * K)] == [1]
+    with pytest.raises(FsError) as exc:
+        await store.map_write(a.ino, 512 * K, 10)  # volume 2: lost
+    assert eio(exc)
+    await store.map_write(a.ino, 768 * K, 10)  # volume 3: fine
+    assert (await store.map_read(other.ino, 0, 300 * K))[0].volume == 1
+
+    await store.truncate(a.ino, 600 * K)  # cuts chunk 10 (lost) in two: it stays lost
+    assert inode.lost == {0, 1, 2, 3, 8, 9}
+    await store.truncate(a.ino, 0)
+    assert inode.lost is None
+    await store.map_write(a.ino, 0, 1 * M)  # lost chunks' places take new memory
+    assert len(await store.map_read(a.ino, 0, 1 * M)) >= 1
+
+
+async def test_a_fetch_into_lost_memory_installs_nothing() -> None:
+    """A burst-buffer fetch reserved chunks on the lost volumes: they are freed with the
+    rest; its install and its unreserve then do nothing (no chunk is freed twice),
+    and the chunk is still missing (fetched again).  Lost chunks are never fetched
+    from the backing copy (it is older)."""
+    store = MetaStore(POOL)
+    a = await store.mknod(ROOT, b"a", stat.S_IFREG | 0o644, 0, 0)
+    await store.setxattr(a.ino, b"user.memfs.layout", WIDE)
+    inode = store.inodes[a.ino]
+    inode.size = inode.backed = 1 * M  # all of it in the backing directory
+    placed = store.reserve(a.ino, [0, 1, 4])  # chunk 4 is on volume 1
+    dirty = store.space.dirty_chunks
+    store.lose_memory({0})
+    assert store.space.dirty_chunks == dirty + 2
+    for k, vol, voff in placed:
+        assert store.install(a.ino, k, vol, voff) == (vol != 0)
+    store.unreserve(0, placed[0][2])
+    assert store.space.dirty_chunks == dirty + 2
+    assert store.missing(a.ino, 0, 2 * CS) == [0, 1]
+
+    b = await store.mknod(ROOT, b"b", stat.S_IFREG | 0o644, 0, 0)
+    await store.map_write(b.ino, 0, 300 * K)
+    store.inodes[b.ino].backed = 300 * K  # (an older copy in DIR)
+    store.lose_memory({0})
+    assert store.missing(b.ino, 0, 300 * K) == []
+
+
+async def test_lost_chunks_survive_snapshots_and_replay(tmp_path: Path) -> None:
+    async with served(tmp_path) as (server, meta):
+        f = await meta.create(ROOT, b"f", stat.S_IFREG | 0o644, 0, 0)
+        await meta.setxattr(f.ino, b"user.memfs.layout", WIDE)
+        await meta.map_write(f.ino, 0, 1 * M)
+        await meta.release(f.ino)
+        await server.lease_policy.recall_inodes([f.ino])  # its size is the server's now
+        server.journal_now("_memory_lost", [0, 2])
+        server.store.lose_memory({0, 2})
+        await server.durable()
+        await leave(server, meta)
+        before = state(server.store)
+    assert before["lost"] == [[f.ino, [0, 1, 2, 3, 8, 9, 10, 11]]]
+    assert state(await recovered(tmp_path)) == before
+    assert state(load_state(dump_state(server.store, 0, POOL), POOL)) == before
+
+
+async def test_the_mds_takes_a_restarted_server_back(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Found restarted: the clients' cached maps go first (a cached map would read the
+    blank memory as data), the file's chunks there are lost, the new incarnation is
+    saved, adopted by the mds's transports and told to the clients; a client that
+    registers later hears it too; files elsewhere are untouched."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]  # "restarted", "taken back"
+    saved: list[dict[str, int]] = []
+
+    async def save(incarnations: dict[str, int]) -> None:
+        saved.append(incarnations)
+
+    class Adopter:
+        def __init__(self) -> None:
+            self.told: list[dict[str, int]] = []
+
+        def adopt(self, incarnations: dict[str, int]) -> None:
+            self.told.append(dict(incarnations))
+
+    async with served(tmp_path) as (server, meta):
+        heard: list[dict[str, int]] = []
+        meta.follow_pool(heard.append)  # type: ignore[attr-defined]
+        server.incarnations = {LOST: 1, "10.9.9.2:7100": 2}
+        f = await meta.create(ROOT, b"wide", stat.S_IFREG | 0o644, 0, 0)
+        await meta.setxattr(f.ino, b"user.memfs.layout", WIDE)
+        await meta.map_write(f.ino, 0, 1 * M)
+        await meta.release(f.ino)
+        await meta.open(f.ino)
+        assert len(await meta.map_read(f.ino, 0, 1 * M)) == 4  # cached under its lease
+        takeback = TakeBack(server, ADDRS, save)
+        mine = Adopter()
+        async with trio.open_nursery() as nursery, takeback.following(mine):  # type: ignore[arg-type]
+            nursery.start_soon(takeback.run)
+            takeback.restarted(LOST, 7)
+            takeback.restarted(LOST, 7)  # (another transport finds it too: once)
+            with trio.fail_after(10):
+                while not heard:  # noqa: ASYNC110 - the client says nothing else
+                    await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+        assert takeback.done == 1
+        assert heard == [{LOST: 7}]
+        assert mine.told == [{LOST: 7}]
+        assert saved == [{LOST: 7, "10.9.9.2:7100": 2}]
+        assert server.incarnations[LOST] == 7
+        with pytest.raises(FsError) as exc:
+            await meta.map_read(f.ino, 0, 1 * M)  # not from the map it had cached
+        assert exc.value.errno == errno.EIO
+        assert [e.volume for e in await meta.map_read(f.ino, 256 * K, 256 * K)] == [1]
+        takeback.restarted(LOST, 7)  # what a stale transport says: nothing to do
+        assert not takeback.pending
+        await meta.release(f.ino)
+
+        from memfs.meta.remote import open_remote_meta
+
+        async with open_remote_meta("127.0.0.1", server.port, SECRET) as late:
+            later: list[dict[str, int]] = []
+            late.follow_pool(later.append)  # heard at its registration: told now
+            assert later == [{LOST: 7}]
+        await leave(server, meta)
