@@ -10,7 +10,9 @@ form (:mod:`memfs.meta.codec`) and the one timestamp the store used for it (the
 server gives the store a clock that is frozen per call), plus every destruction
 of an inode (``_destroy``), a write lease that ended without its writer's
 size (``_lost_write``: MetaStore.unsaid), which client sessions belong to which
-run (``_run``, ``_registered``, ``_grace_end``, ``_gone``) and atime moves by
+run (``_run``, ``_registered``, ``_grace_end``, ``_gone``), the volumes whose
+memory server restarted blank (``_memory_lost``: their chunks leave every file,
+those below EOF marked lost; memfs.meta.takeback) and atime moves by
 ``map_read``.  Open counts are not
 recorded: they belong to client sessions, which re-register them after a
 restart.  That is also why destructions are explicit: whether ``unlink`` frees

@@ -56,6 +56,8 @@ log = logging.getLogger(__name__)
 PROBE_INTERVAL = 2.0
 #: how often a take-back waiting for the mds's own restart recovery looks again
 HELD_POLL = 0.25
+#: how long a take-back that could not save waits before it tries again
+RETRY_DELAY = 5.0
 #: files named in the log line of a take-back (the rest are counted)
 SHOWN = 20
 
@@ -105,7 +107,13 @@ class TakeBack:
             self._wake = trio.Event()
             while self.pending:
                 name, incarnation = next(iter(self.pending.items()))
-                await self._take_back(name, incarnation)
+                try:
+                    await self._take_back(name, incarnation)
+                except OSError as exc:  # the incarnations file (a full disk): again later
+                    log.error("cannot take memory server %s back: %s; trying again in %g s",
+                              name, exc, RETRY_DELAY)
+                    await trio.sleep(RETRY_DELAY)
+                    continue
                 if self.pending.get(name) == incarnation:
                     del self.pending[name]
 

@@ -394,7 +394,7 @@ def test_a_memory_server_restarted_blank_is_taken_back(cluster: Cluster) -> None
     back.  Those files then give EIO on every node, a late one too, and after an mds
     restart (never zeros); everything else reads as it was; new files use the
     server again from both nodes; a lost file rewritten from offset 0 (O_TRUNC) is
-    whole again."""
+    whole again; it can be renamed and removed like any other."""
     c1, c2 = cluster.mnt["c1"], cluster.mnt["c2"]
     (c1 / "on-mem2").mkdir()
     os.setxattr(c1 / "on-mem2", "user.memfs.layout", b"stripe_count=1 stripe_offset=1")
@@ -427,15 +427,18 @@ def test_a_memory_server_restarted_blank_is_taken_back(cluster: Cluster) -> None
     finally:
         os.close(fd)
     assert len(refused) == 2, refused
+    os.rename(c1 / "other", c1 / "moved")
 
     cluster.restart("mds")  # the journal keeps what was lost and what was taken back
     late = cluster.mount("c2", "late")
     for node in (c1, c2, late):
-        assert eio(node / "other")
+        assert eio(node / "moved")
         assert sha((node / "new").read_bytes()) == sha(new)
         assert sha((node / "wide").read_bytes()) == sha(back)
         assert sha((node / "on-mem2" / "kept").read_bytes()) == sha(kept)
     assert cluster.logs["mds"].read_text().count("taken back") == 0  # nothing to take again
+    os.unlink(late / "moved")
+    assert not (c1 / "moved").exists()
 
 
 def test_a_node_mounts_while_a_memory_server_does_not_answer(cluster: Cluster) -> None:
