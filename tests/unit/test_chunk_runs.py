@@ -146,7 +146,7 @@ def test_store_runs_are_read_as_chunk_by_chunk(seed: int) -> None:
             base = rng.randrange(1000) * CS
             chunks.update({k + j: base + j * CS for j in range(n)})
         k += n
-    i = SimpleNamespace(chunks=chunks, layout=layout, backed=rng.randrange(600 * CS))
+    i = SimpleNamespace(chunks=chunks, layout=layout, backed=rng.randrange(600 * CS), lost=None)
     placement = SimpleNamespace(chunk_size=CS)
     for _ in range(300):
         a = rng.randrange(600 * CS)
