@@ -883,21 +883,33 @@ class TcpTransport(Transport):
     # -- opening and closing ----------------------------------------------------------
 
     async def _open(self) -> None:
-        missing: list[TransportError] = []
-        for server in self._servers.values():
+        """Connect to every server, all at once (hung ones cost ``io_timeout`` once,
+        not each); their failures are then taken in pool order."""
+        failed: dict[str, Exception] = {}
+
+        async def one(server: _Server) -> None:
             with trio.move_on_after(self.io_timeout) as scope:
                 try:
                     await self._connect(server, 0)
-                except _Unreachable as exc:
-                    missing.append(self._unreachable(server, exc))
-                except TransportError:
-                    if not server.lost:  # refused us (secret, claim, protocol): no pool
-                        raise
-                    # (restarted since the pool knew it: its volumes answer EIO)
+                except (TransportError, UsageError) as exc:
+                    failed[server.name] = exc
             if scope.cancelled_caught:
-                missing.append(self._unreachable(server, TransportError(
-                    f"memory server {server.name} did not answer within {self.io_timeout:g}s"
-                )))
+                failed[server.name] = _Unreachable(
+                    f"memory server {server.name} did not answer within {self.io_timeout:g}s")
+
+        async with trio.open_nursery() as nursery:
+            for server in self._servers.values():
+                nursery.start_soon(one, server)
+        missing: list[TransportError] = []
+        for server in self._servers.values():
+            exc = failed.get(server.name)
+            if exc is None:
+                continue
+            if isinstance(exc, _Unreachable):
+                missing.append(self._unreachable(server, exc))
+            elif not (isinstance(exc, TransportError) and server.lost):
+                raise exc  # refused us (secret, claim, protocol, no such volume): no pool
+            # (restarted since the pool knew it: its volumes answer EIO)
         if len(missing) == len(self._servers):
             raise missing[0]  # none at all: no pool to speak of
         self._info.extend(volume_infos(self._map, self._addrs))

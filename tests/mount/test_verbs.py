@@ -697,7 +697,8 @@ async def test_server_gone_for_good(caplog: pytest.LogCaptureFixture) -> None:
 
 
 async def test_restarted_server_is_lost_data(caplog: pytest.LogCaptureFixture) -> None:
-    """A memd that comes back on the same port is blank: its volumes fail, never read zeros."""
+    """A memd that comes back on the same port is blank: its volumes fail, never read
+    zeros, until the transport adopts its new incarnation (the mds took it back)."""
     expect_warnings(caplog)
     fabric = SimFabric()
     client = SimDevice(fabric, "client")
@@ -726,6 +727,12 @@ async def test_restarted_server_is_lost_data(caplog: pytest.LogCaptureFixture) -
                         await t.read(0, 0, 8)
                     with pytest.raises(TransportError, match="restarted; its data is lost"):
                         await t.write(0, 0, b"again")
+                # Taken back (the mds marked what was there lost): served again.
+                t.adopt({f"127.0.0.1:{port}": second.incarnation})
+                with trio.fail_after(5):
+                    assert bytes(await t.read(0, 0, 8)) == bytes(8)
+                    await t.write(0, 0, b"again")
+                    assert bytes(await t.read(0, 0, 5)) == b"again"
             nursery.cancel_scope.cancel()
     finally:
         await first.aclose()

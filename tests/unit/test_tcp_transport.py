@@ -924,3 +924,30 @@ async def test_a_restarted_server_is_found_and_can_be_taken_back(
                 assert bytes(await t.read(0, 0, 8)) == b"new data"
                 first = new
         await stop()
+
+
+async def test_hung_servers_cost_one_timeout_at_open(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Servers that accept connections and never answer (stopped, hung) are waited for
+    all at once when the transport opens: one io_timeout in all, not one each."""
+    import socket
+
+    caplog.expected_warnings = True  # type: ignore[attr-defined]  # "going on without it"
+
+    hung = []
+    try:
+        for _ in range(3):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            s.listen(4)  # the kernel completes connections; nobody ever answers
+            hung.append(s)
+        vols = [VolumeAddr("tcp", "127.0.0.1", s.getsockname()[1], 0) for s in hung]
+        t0 = trio.current_time()
+        with pytest.raises(TransportError, match="did not answer within 4s"):
+            async with open_tcp_transport(vols, SECRET, io_timeout=4, volume_size=SIZE):
+                pass
+        assert trio.current_time() - t0 < 8
+    finally:
+        for s in hung:
+            s.close()
