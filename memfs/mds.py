@@ -160,6 +160,21 @@ def _save_incarnations(journal_dir: str, incarnations: dict[str, int]) -> None:
     fsync_dir(path.parent)
 
 
+class IncarnationsFile:
+    """``DIR/incarnations`` of the journal directory (none: nothing kept), written by
+    the scrubber (servers met for the first time) and the take-back (a server
+    restarted blank): one write at a time."""
+
+    def __init__(self, journal_dir: str | None) -> None:
+        self.dir = journal_dir
+        self._lock = trio.Lock()
+
+    async def save(self, incarnations: dict[str, int]) -> None:
+        if self.dir:
+            async with self._lock:
+                await trio.to_thread.run_sync(_save_incarnations, self.dir, dict(incarnations))
+
+
 def claim_refused(exc: ClaimRefused) -> UsageError:
     """The user error for a pool whose memory belongs to another filesystem."""
     return UsageError(f"{exc.args[1]}: not serving this filesystem on another one's memory "
@@ -170,7 +185,7 @@ def claim_refused(exc: ClaimRefused) -> UsageError:
 
 async def _scrub(
     store: MetaStore, pool: list[VolumeAddr], secret: bytes, server: MetaServer,
-    journal_dir: str | None, takeback: TakeBack,
+    saved: IncarnationsFile, takeback: TakeBack,
     *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Zero freed chunks through the memory servers, for as long as we run.
@@ -205,8 +220,10 @@ async def _scrub(
                 # restarts, compares with these.
                 known = {**t.incarnations(), **server.incarnations}
                 if known != server.incarnations:
-                    if journal_dir:
-                        await trio.to_thread.run_sync(_save_incarnations, journal_dir, known)
+                    try:
+                        await saved.save(known)
+                    except OSError as exc:  # kept in memory: saved with the next change
+                        log.error("cannot save %s in %s: %s", INCARNATIONS, saved.dir, exc)
                     server.incarnations.update(known)
                 if first:
                     first = False
@@ -349,18 +366,12 @@ async def _main(opts: MdsOptions, journal: Journal | None) -> int:
         from memfs.transport.tcp import Fences, server_name
 
         server.fencing.fences = Fences([server_name(a.host, a.port) for a in as_tcp(opts.pool)])
-        journal_dir = opts.journal_dir
-
-        async def save(incarnations: dict[str, int]) -> None:
-            if journal_dir:
-                await trio.to_thread.run_sync(_save_incarnations, journal_dir, incarnations)
-
-        takeback = TakeBack(server, opts.pool, save)
+        saved = IncarnationsFile(opts.journal_dir)
+        takeback = TakeBack(server, opts.pool, saved.save)
         async with trio.open_nursery() as nursery:
             server.incarnations.update(_load_incarnations(opts.journal_dir))
             # The pool claimed for this filesystem (its id known now), before listening.
-            await nursery.start(_scrub, store, opts.pool, opts.secret, server, opts.journal_dir,
-                                takeback)
+            await nursery.start(_scrub, store, opts.pool, opts.secret, server, saved, takeback)
             await nursery.start(_fence_courier, opts, server, takeback)
             if opts.flush is not None:
                 # Before serving: a call answered by the bare store would not be

@@ -194,7 +194,8 @@ def dump_state(
             [a.next, list(a.freed), sorted([*a.dirty, *a.scrubbing])] for a in store.space.allocators
         ],
         "inodes": inodes,
-        "reserved": sorted([vol, voff] for vol, voff in store.reserved),
+        # (chunks of fetches into lost memory too: a restart frees them all alike)
+        "reserved": sorted([vol, voff] for vol, voff in store.reserved | store.placement.doomed),
         "unsaid": [[ino, sorted(sids)] for ino, sids in sorted(store.unsaid.items())],
         "lost": [[i.ino, sorted(i.lost)] for i in store.inodes.values() if i.lost],
         "sessions": [sorted(store.eligible), sorted(store.this_run)],

@@ -17,6 +17,7 @@ from typing import Any
 import trio
 
 from memfs import wire
+from memfs.errors import FsError
 from memfs.meta import codec
 from memfs.meta.leases import Item, LeaseTable
 from memfs.meta.server_conn import Session
@@ -133,18 +134,22 @@ class LeasePolicy:
         client's next reads and writes nearby need no call; None: nothing to add."""
         ino, offset, length = args[0], args[1], args[2]
         i = self.store.inodes.get(ino)
-        if i is None or i.chunks is None or i.backed or i.lost or not length:
-            return None  # (lost chunks nearby: a map around them would be EIO)
+        if i is None or i.chunks is None or i.backed or not length:
+            return None
         lo = offset - offset % codec.MAP_WINDOW
-        if name == "map_read":
-            hi = min(i.size, offset + length - (offset + length) % codec.MAP_WINDOW + codec.MAP_WINDOW)
-            if hi <= offset + length and lo == offset:
-                return None
-            return wire.encode(codec.extents_to_wire(self.store.extents(ino, lo, hi - lo)))
-        plan, attr = result
-        end = offset + length + args[3]
-        hi = max(end, min(i.size, end - end % codec.MAP_WINDOW + codec.MAP_WINDOW))
-        extents = self.store.placement.extents_of(i, lo, hi)
+        try:
+            if name == "map_read":
+                hi = min(i.size, offset + length - (offset + length) % codec.MAP_WINDOW
+                         + codec.MAP_WINDOW)
+                if hi <= offset + length and lo == offset:
+                    return None
+                return wire.encode(codec.extents_to_wire(self.store.extents(ino, lo, hi - lo)))
+            plan, attr = result
+            end = offset + length + args[3]
+            hi = max(end, min(i.size, end - end % codec.MAP_WINDOW + codec.MAP_WINDOW))
+            extents = self.store.placement.extents_of(i, lo, hi)
+        except FsError:  # lost chunks nearby (memfs.meta.takeback): the range asked only
+            return None
         return wire.encode(codec.ahead_to_wire((type(plan)(extents), attr)))
 
     def tail_sent(self, ino: int) -> None:
@@ -165,9 +170,12 @@ class LeasePolicy:
             await self.leases.recall(None, items)
             first = False
 
-    def cached(self, inos: list[int]) -> bool:
-        """Does any client hold anything of *inos* (what :meth:`recall_inodes` takes)?"""
-        return self.leases.needs_recall(None, [Item(ino) for ino in inos])
+    async def recall_held(self, inos: list[int]) -> None:
+        """Take back what clients hold of *inos* now, once (the server made what they
+        fetch meanwhile harmless: memfs.meta.takeback seals the volumes first)."""
+        items = [Item(ino) for ino in inos]
+        if self.leases.needs_recall(None, items):
+            await self.leases.recall(None, items, once=True)
 
     def writes_landed(self, ino: int) -> bool:
         """Has every write the file's state shows reached the memory servers?  True when

@@ -359,10 +359,12 @@ class LeaseTable:
                     return True
         return False
 
-    async def recall(self, holder: Holder | None, items: list[Item]) -> None:
+    async def recall(self, holder: Holder | None, items: list[Item], *, once: bool = False) -> None:
         """Take back what sessions other than *holder* hold of *items* (see module doc).
 
         *holder* None: a change made by the server itself (eviction, stage-in).
+        *once*: only from those holding them now, not again from those that fetch
+        them meanwhile (the caller made what they fetch harmless first).
         """
         inos = {it.ino for it in items}
         for ino in inos:
@@ -390,7 +392,7 @@ class LeaseTable:
                     for h in ws:
                         if h is not holder and h not in hs:
                             targets.setdefault(h, []).append(it.to_wire(False))
-                if not targets:
+                if not targets or (once and not first):
                     return
                 first = False
                 async with trio.open_nursery() as nursery:

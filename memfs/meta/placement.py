@@ -51,6 +51,12 @@ class Placement:
         #: called with each change the burst buffer makes outside metadata calls
         #: (``_reserve``, ``_install``, ``_unreserve``, ``_evict``: the journal records them)
         self.on_backing: Callable[[str, list[Any]], None] | None = None
+        #: volumes whose memory server restarted blank and is being taken back: their
+        #: chunks are in no map handed out (EIO) and none is allocated there
+        self.sealed: set[int] = set()
+        #: chunks reserved by fetches whose memory was lost (:meth:`lose`): freed when
+        #: the fetch ends (it may still write there), never installed
+        self.doomed: set[tuple[int, int]] = set()
 
     def _get(self, ino: int) -> Inode:
         try:
@@ -73,6 +79,7 @@ class Placement:
         pos = offset
         k = pos // cs
         lost = i.lost
+        sealed = self.sealed
         while pos < end:
             base = get(k)
             k += 1
@@ -85,6 +92,8 @@ class Placement:
                 # with the chunks after it in its stripe unit (one volume) that continue
                 # its memory: one lookup each, not an extent each
                 vol, voff = layout.volume_of_chunk(k - 1, cs), base + pos - (k - 1) * cs
+                if sealed and vol in sealed:
+                    raise lost_data(i.ino, pos)
                 last = min(end, (pos // unit + 1) * unit)
                 nxt = base + cs
                 while k * cs < last and get(k) == nxt:
@@ -101,6 +110,12 @@ class Placement:
         assert i.chunks is not None
         if i.lost and not i.lost.isdisjoint(missing):
             raise lost_data(i.ino, min(i.lost.intersection(missing)) * self.chunk_size)
+        if self.sealed:
+            assert i.layout is not None
+            cs = self.chunk_size
+            if any(i.layout.volume_of_chunk(k, cs) in self.sealed for k in missing):
+                raise FsError(errno.EIO, f"inode {i.ino}: a memory server of its layout restarted "
+                                         "blank and is being taken back: try again")
         for k, _, voffset in self.take_chunks(i, missing):
             i.chunks[k] = voffset
 
@@ -139,7 +154,8 @@ class Placement:
         told to let go of every cached map first).  Every file's chunks there leave
         its map: those below EOF become *lost* (EIO, see :func:`lost_data`), those past
         it (preallocation) are merely dropped.  Fetches under way into them get
-        nothing installed (:meth:`install`).  The chunks go to the scrubber like any
+        nothing installed (:meth:`install`), and their chunks are freed when they
+        end (they may still write there).  The chunks go to the scrubber like any
         freed chunk, so the invariant (allocated memory reads as zeros) does not rest
         on the server's memory being blank.  Returns the files that lost data."""
         cs = self.chunk_size
@@ -155,9 +171,10 @@ class Placement:
             if below:
                 i.lost = (i.lost or set()).union(below)
                 damaged.append(ino)
-        fetching = sorted(c for c in self.reserved if c[0] in volumes)
-        self.reserved.difference_update(fetching)
-        self.space.release(freed + fetching)
+        fetching = {c for c in self.reserved if c[0] in volumes}
+        self.reserved -= fetching
+        self.doomed |= fetching
+        self.space.release(freed)
         return damaged
 
     def cut_lost(self, i: Inode, size: int) -> None:
@@ -265,8 +282,10 @@ class Placement:
         """Make fetched chunk *k* part of *ino*; False (chunk freed) if no longer wanted."""
         if self.on_backing is not None:
             self.on_backing(INSTALL, [ino, k, volume, voffset])
-        if (volume, voffset) not in self.reserved:
-            return False  # its memory was lost meanwhile (:meth:`lose` freed the chunk)
+        if (volume, voffset) in self.doomed:  # its memory was lost meanwhile (:meth:`lose`)
+            self.doomed.discard((volume, voffset))
+            self.space.release([(volume, voffset)])
+            return False
         self.reserved.discard((volume, voffset))
         i = self.inodes.get(ino)
         if i is None or i.chunks is None or k in i.chunks or k * self.chunk_size >= i.backed:
@@ -279,15 +298,16 @@ class Placement:
         """Give back a reserved chunk (it may hold partial data: it is scrubbed first)."""
         if self.on_backing is not None:
             self.on_backing(UNRESERVE, [volume, voffset])
-        if (volume, voffset) in self.reserved:  # (else :meth:`lose` freed it)
-            self.reserved.discard((volume, voffset))
-            self.space.release([(volume, voffset)])
+        self.reserved.discard((volume, voffset))
+        self.doomed.discard((volume, voffset))  # (its memory was lost meanwhile)
+        self.space.release([(volume, voffset)])
 
     def release_reserved(self) -> None:
         """Recovery: fetches that were under way died with the server; their chunks
         (maybe partly written) go to the scrubber."""
-        self.space.release(sorted(self.reserved))
+        self.space.release(sorted(self.reserved | self.doomed))
         self.reserved.clear()
+        self.doomed.clear()
 
     def evict(self, ino: int) -> int:
         """Drop the pool copy of clean file *ino*: its data is in the backing directory.

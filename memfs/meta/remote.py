@@ -206,8 +206,9 @@ class RemoteMeta(Meta):
         self._on_pool: Callable[[dict[str, int]], None] | None = None
         #: heard during a registration: told once the registration's token is named
         self._pool_heard: dict[str, int] = {}
-        #: all that was told (what a later follow_pool hears first)
-        self._pool_told: dict[str, int] = {}
+        #: memory server "host:port" -> the incarnation the pool's data lives in, as last
+        #: heard (describe at each registration, POOL frames)
+        self.incarnations: dict[str, int] = {}
 
     @property
     def address(self) -> str:
@@ -344,9 +345,13 @@ class RemoteMeta(Meta):
                          "or restarted)")
             self._on_token(self.token)
             self._named_token = self.token
-        if self._pool_heard:
-            heard, self._pool_heard = self._pool_heard, {}
-            self._tell_pool(heard)
+        # Memory servers the mds took back (restarted blank): told once our caches
+        # are gone and our transfers ended (a registration), or by a POOL frame.
+        if first:
+            self.incarnations = dict(desc.incarnations)
+        heard = {**(desc.incarnations if not first else {}), **self._pool_heard}
+        self._pool_heard = {}
+        self._tell_pool(heard)
         return MdsConnection(fs, self.timeout, self.cache, self.leases.on_recall,
                              self.lock_client.unlocked, self.pool_heard)
 
@@ -585,21 +590,23 @@ class RemoteMeta(Meta):
 
     def follow_pool(self, adopt: Callable[[dict[str, int]], None]) -> None:
         """Call *adopt* with the memory servers the mds takes back ("host:port" ->
-        incarnation; memfs.meta.takeback): told on our session once it answered the
-        recalls of their files, or when we register (our caches dropped)."""
+        incarnation; memfs.meta.takeback) from now on: told on our session once it
+        answered the recalls of their files, or when we register again (our caches
+        dropped, our transfers ended), also after an mds restart."""
         self._on_pool = adopt
-        if self._pool_told:  # heard before anyone followed (at our first registration)
-            adopt(dict(self._pool_told))
 
     def pool_heard(self, payload: bytes) -> None:
         """A POOL frame on our connection (MdsConnection.on_pool; WireError if malformed)."""
         self._tell_pool(_incarnations(wire.decode(payload)))
 
     def _tell_pool(self, heard: dict[str, int]) -> None:
-        log.info("the metadata server took back memory servers %s", ", ".join(sorted(heard)))
-        self._pool_told.update(heard)
+        changed = {k: v for k, v in heard.items() if self.incarnations.get(k) != v}
+        if not changed:
+            return
+        self.incarnations.update(changed)
+        log.info("the metadata server took back memory server(s) %s", ", ".join(sorted(changed)))
         if self._on_pool is not None:
-            self._on_pool(heard)
+            self._on_pool(changed)
 
     def locks(self) -> LockClient:
         return self.lock_client

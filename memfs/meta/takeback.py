@@ -8,28 +8,37 @@ so the pool was never whole again without a new filesystem.
 
 Now, when one of the mds's own connections finds a server at an incarnation
 other than the pool's (its transports call :meth:`TakeBack.restarted`; the
-fence courier's transport probes every server without a connection every
-``PROBE_INTERVAL`` seconds, so a restart is found with nothing to send there),
-:meth:`TakeBack.run`:
+fence courier's transport probes every server without a usable connection
+every ``PROBE_INTERVAL`` seconds, so a restart is found with nothing to send
+there), :meth:`TakeBack.run`:
 
-1. waits until calls run and evictions may (after the mds's own restart, the
-   writers of the run before must have reported first: ``evictions_held``);
-2. recalls everything clients cache of the files with chunks on that server's
-   volumes (their maps, their write leases: writers report their sizes);
-3. with a backing directory, evicts those files that are clean: their data is
-   in DIR and is fetched again when read (``evict_clean``);
-4. drops the chunks there from every file, those below EOF marked lost (EIO
-   until a truncate cuts them off, see :meth:`MetaStore.lose_memory`), and
-   journals that (``_memory_lost``) and waits for it to be durable;
-5. records the new incarnation as the pool's (``save``: the journal
-   directory's ``incarnations``), adopts it on the mds's own transports and
-   tells every client (a POOL frame; each registration after it hears it too).
+1. waits until evictions may run (after the mds's own restart, the writers of
+   the run before must have reported first: ``evictions_held``);
+2. seals that server's volumes (``Placement.sealed``): no map handed out from
+   then on names a chunk there (EIO), and none is allocated there;
+3. recalls, once, what clients hold of the files with chunks there (their
+   maps, their write leases: writers report their sizes, so what they wrote
+   there is below EOF and counts as lost).  Once is enough: what a client
+   fetches after the seal names nothing there, so a reader of the files'
+   other stripes cannot keep the recall going.  Without leases
+   (``--lease-term 0``) it waits the clients' I/O timeout instead;
+4. with no await from here to the journal record: with a backing directory,
+   evicts those files that are clean (their data is in DIR and is fetched
+   again when read: ``evict_clean``); drops the chunks there from every file,
+   those below EOF marked lost (EIO until a truncate cuts them off, see
+   :meth:`MetaStore.lose_memory`); journals that (``_memory_lost``);
+5. once that is durable, records the new incarnation as the pool's (``save``:
+   the journal directory's ``incarnations``), adopts it on the mds's own
+   transports, unseals, and tells every client (a POOL frame; each
+   registration after it hears it too, and every registration's ``describe``
+   carries the pool's incarnations, also after an mds restart).
 
-Steps 3 and 4 run with no await between them and the end of the recall, so no
-client holds a map of those chunks when they are freed.  Clients adopt the new
-incarnation only from the mds, on a session that answered the recall (a
-fenced one hears it only when it registers again, with every cache dropped),
-so no transfer under an old map reaches the server's new memory.
+Clients adopt the new incarnation only from the mds, on a session that
+answered the recall (a fenced one hears it only when it registers again, with
+every cache dropped and its transfers ended), so no transfer under an old map
+reaches the server's new memory.  A burst-buffer fetch that had reserved
+chunks there may still write into them: they are freed only when it ends
+(``Placement.doomed``).
 """
 
 from __future__ import annotations
@@ -45,7 +54,7 @@ import trio
 from memfs.config import VolumeAddr
 from memfs.meta.journal import MEMORY_LOST
 from memfs.transport import Transport
-from memfs.transport.tcp import server_name
+from memfs.transport.tcp import DEFAULT_IO_TIMEOUT, server_name
 
 if TYPE_CHECKING:  # the server imports this module's users
     from memfs.meta.server import MetaServer
@@ -58,6 +67,9 @@ PROBE_INTERVAL = 2.0
 HELD_POLL = 0.25
 #: how long a take-back that could not save waits before it tries again
 RETRY_DELAY = 5.0
+#: with no leases (``--lease-term 0``), how long a take-back waits before it frees
+#: anything: what clients' transfers under maps taken before it need to end
+NO_LEASE_WAIT = DEFAULT_IO_TIMEOUT
 #: files named in the log line of a take-back (the rest are counted)
 SHOWN = 20
 
@@ -94,7 +106,9 @@ class TakeBack:
 
     @asynccontextmanager
     async def following(self, transport: Transport) -> AsyncIterator[None]:
-        """*transport* (one of the mds's) adopts each server taken back while this is held."""
+        """*transport* (one of the mds's) adopts each server taken back while this is held
+        (and, at once, any taken back while it opened)."""
+        transport.adopt(dict(self.server.incarnations))
         self._transports.append(transport)
         try:
             yield
@@ -123,22 +137,33 @@ class TakeBack:
         volumes = {k for k, v in enumerate(self.pool) if server_name(v.host, v.port) == name}
         while server.evictions_held():  # noqa: ASYNC110 - no event says when it ends
             await trio.sleep(HELD_POLL)
-        # Files given chunks there during a recall are recalled too: until no client
-        # holds a map of any (then nothing awaits up to the journal record).
-        while server.lease_policy.cached(affected := store.holding(volumes)):
-            await server.recall_inodes(affected)
-        evicted = [ino for ino in affected
-                   if self.evict_clean is not None and self.evict_clean(ino)]
-        lost = store.lose_memory(volumes)
-        names = [os.fsdecode(store.path(ino) or b"(unlinked)") for ino in lost[:SHOWN]]
-        server.journal_now(MEMORY_LOST, sorted(volumes))
-        await server.durable()
-        if self.save is not None:
-            await self.save({**server.incarnations, name: incarnation})
-        server.incarnations[name] = incarnation
-        server.adopted[name] = incarnation
-        for t in self._transports:
-            t.adopt({name: incarnation})
+        placement = store.placement
+        placement.sealed |= volumes
+        try:
+            # Sealed: no map handed out from now on names a chunk there (EIO), so a
+            # client that fetches one again during the recall holds nothing to take
+            # back; those that held one before are recalled once (the readers of
+            # the file's other stripes cannot keep the recall going).
+            await server.lease_policy.recall_held(store.holding(volumes))
+            if server.leases.term <= 0:
+                # No leases, no recall: a map taken just before the seal is used at
+                # once; give such transfers the clients' I/O timeout to end.
+                await trio.sleep(NO_LEASE_WAIT)
+            # Nothing awaits from here to the journal record.
+            evicted = [ino for ino in store.holding(volumes)
+                       if self.evict_clean is not None and self.evict_clean(ino)]
+            lost = store.lose_memory(volumes)
+            names = [os.fsdecode(store.path(ino) or b"(unlinked)") for ino in lost[:SHOWN]]
+            server.journal_now(MEMORY_LOST, sorted(volumes))
+            await server.durable()
+            if self.save is not None:
+                await self.save({**server.incarnations, name: incarnation})
+            server.incarnations[name] = incarnation
+            server.adopted[name] = incarnation
+            for t in self._transports:
+                t.adopt({name: incarnation})
+        finally:
+            placement.sealed -= volumes
         server.sessions.tell_pool(dict(server.adopted))
         self.done += 1
         log.warning("memory server %s taken back at incarnation %x: %d file(s) lost data there "

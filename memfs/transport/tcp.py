@@ -957,9 +957,10 @@ class TcpTransport(Transport):
         again; connections to any other incarnation are dropped."""
         for server in self._servers.values():
             want = incarnations.get(server.name)
-            if want is None or (want == server.incarnation and not server.lost):
-                continue
-            log.info("memory server %s: taken back at incarnation %x", server.name, want)
+            if want is None or want == server.incarnation:
+                continue  # (the same one, lost or not: not taken back)
+            if server.incarnation is not None:
+                log.info("memory server %s: taken back at incarnation %x", server.name, want)
             server.close_all(f"memory server {server.name} was taken back at another incarnation")
             server.incarnation, server.lost, server.found = want, None, None
 

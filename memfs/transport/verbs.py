@@ -1083,9 +1083,10 @@ class VerbsTransport(Transport):
         # As TcpTransport.adopt (not run on RDMA hardware: see the module doc).
         for server in self._servers.values():
             want = incarnations.get(server.name)
-            if want is None or (want == server.incarnation and not server.lost):
-                continue
-            log.info("memory server %s: taken back at incarnation %x", server.name, want)
+            if want is None or want == server.incarnation:
+                continue  # (the same one, lost or not: not taken back)
+            if server.incarnation is not None:
+                log.info("memory server %s: taken back at incarnation %x", server.name, want)
             if server.conn is not None:
                 self._fail(server.conn, "taken back at another incarnation")
             server.incarnation, server.lost = want, None
