@@ -318,6 +318,8 @@ class _Pipeline:
         extents: list[list[int]] = r["extents"]
         if r.get("token"):  # cluster: these extents were mapped under this lease token
             self.s.mover.set_token(int(r["token"]))
+        if r.get("inc"):  # cluster: the memory-server incarnations the mount adopted
+            self.s.mover.adopt({str(k): int(v) for k, v in dict(r["inc"]).items()})
         pos = offset
         for e in extents:
             if e[0] != pos or e[1] <= 0:

@@ -93,6 +93,10 @@ class Mover(Protocol):
         """The mount's lease token for the extents given next (cluster): memory-server
         connections that named another one name this one before their next copy."""
 
+    def adopt(self, incarnations: dict[str, int]) -> None:
+        """Memory servers the mds took back after a blank restart, as the mount heard
+        it (cluster): their new incarnations are the pool's from now on."""
+
     def close(self) -> None: ...
 
 
@@ -208,6 +212,9 @@ class LocalMover:
     def set_token(self, token: int) -> None:
         pass  # the daemon's own memory: no memory servers, no leases
 
+    def adopt(self, incarnations: dict[str, int]) -> None:
+        pass  # (nor their incarnations)
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown()
@@ -261,6 +268,9 @@ class TcpMover:
     def set_token(self, token: int) -> None:
         self._bulk.set_token(token)
 
+    def adopt(self, incarnations: dict[str, int]) -> None:
+        self._bulk.adopt(incarnations)
+
     def close(self) -> None:
         self._bulk.close()
 
@@ -284,6 +294,7 @@ class RemoteMover:
         self._secret = bytes.fromhex(pool["secret"])
         self._incarnations = {str(k): int(v) for k, v in dict(pool.get("incarnations", {})).items()}
         self._lease_token = int(pool.get("token", 0))
+        self._adopted = dict(self._incarnations)
         self._fsid = pool_fsid(pool)
         self._token: trio.lowlevel.TrioToken | None = None
         self._stop: trio.Event | None = None
@@ -384,6 +395,14 @@ class RemoteMover:
 
     async def _set_session(self, token: int) -> None:
         self._transport.set_session(token)
+
+    def adopt(self, incarnations: dict[str, int]) -> None:
+        if incarnations != self._adopted:
+            self._adopted = dict(incarnations)
+            self._call(self._adopt, self._adopted)
+
+    async def _adopt(self, incarnations: dict[str, int]) -> None:
+        self._transport.adopt(incarnations)
 
     def close(self) -> None:
         if self._token is not None and self._stop is not None:

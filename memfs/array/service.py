@@ -384,7 +384,9 @@ class ArraySession:
                 self._next_transfer += 1
                 self._transfers[tid] = t
                 self.service.spawn(self._warn_if_long, t, t.watch)
-                return {"t": tid, "extents": out, "token": self.service.access.token()}
+                access = self.service.access
+                return {"t": tid, "extents": out, "token": access.token(),
+                        "inc": access.incarnations}
         raise FsError(errno.EIO, "the file's chunk map keeps changing")
 
     async def _done(self, args: dict[str, Any]) -> dict[str, Any]:

@@ -327,6 +327,14 @@ class BulkTcp:
         with self._lock:
             self.token = token
 
+    def adopt(self, incarnations: Mapping[str, int]) -> None:
+        """The pool's data lives in these incarnations now (the mds took a server that
+        restarted blank back, see ``Transport.adopt``): connections are made to them
+        from now on (one still open to the old one fails at its next use)."""
+        names = {s.name for s in self._servers.values()}
+        with self._lock:
+            self.expected.update((k, v) for k, v in incarnations.items() if k in names)
+
     def close(self) -> None:
         """Stop what is under way, wait for it, close the connections."""
         with self._lock:

@@ -867,9 +867,11 @@ async def test_every_task_waiting_for_one_request_is_woken() -> None:
         assert sorted(finished) == [0, 1, 2]
 
 
-async def serve_at(nursery: trio.Nursery, port: int) -> tuple[int, Callable[[], Awaitable[None]]]:
+async def serve_at(
+    nursery: trio.Nursery, port: int,
+) -> tuple[int, Callable[[], Awaitable[None]], MemoryServer]:
     """Start a memory server (a new incarnation each time) on *port* (0: any): its port,
-    and what stops it."""
+    what stops it, and the server."""
     server = MemoryServer(1, SIZE, SECRET)
     scope = trio.CancelScope()
     ended = trio.Event()
@@ -886,7 +888,7 @@ async def serve_at(nursery: trio.Nursery, port: int) -> tuple[int, Callable[[], 
         await server.aclose()  # (stops its data loop's thread)
         await ended.wait()
 
-    return await nursery.start(run), stop
+    return await nursery.start(run), stop, server
 
 
 async def test_a_restarted_server_is_found_and_can_be_taken_back(
@@ -899,7 +901,7 @@ async def test_a_restarted_server_is_found_and_can_be_taken_back(
     caplog.expected_warnings = True  # type: ignore[attr-defined]  # "restarted; its data is lost"
     found: list[tuple[str, int]] = []
     async with trio.open_nursery() as nursery:
-        port, stop = await serve_at(nursery, 0)
+        port, stop, _ = await serve_at(nursery, 0)
         vols = [VolumeAddr("tcp", "127.0.0.1", port, 0)]
         name = f"127.0.0.1:{port}"
         async with open_tcp_transport(vols, SECRET, io_timeout=5,
@@ -908,7 +910,7 @@ async def test_a_restarted_server_is_found_and_can_be_taken_back(
             await t.write(0, 0, b"old data")
             for round_ in range(2):
                 await stop()
-                _, stop = await serve_at(nursery, port)
+                _, stop, _ = await serve_at(nursery, port)
                 await t.probe()  # nothing sent: found all the same
                 assert len(found) == round_ + 1 and found[-1][0] == name
                 new = found[-1][1]
@@ -951,3 +953,40 @@ async def test_hung_servers_cost_one_timeout_at_open(
     finally:
         for s in hung:
             s.close()
+
+
+async def test_bulk_transfers_adopt_a_server_taken_back(caplog: pytest.LogCaptureFixture) -> None:
+    """memfs.array's bulk connections refuse a restarted server until told it was taken
+    back (the mount passes on what the mds said), then use it."""
+    from memfs.transport.bulk import BulkTcp
+
+    caplog.expected_warnings = True  # type: ignore[attr-defined]
+    async with trio.open_nursery() as nursery:
+        port, stop, _ = await serve_at(nursery, 0)
+        vols = [VolumeAddr("tcp", "127.0.0.1", port, 0)]
+        bulk = await trio.to_thread.run_sync(partial(BulkTcp, vols, SECRET))
+        try:
+            data = memoryview(b"d" * 4096)
+
+            def move(write: bool, view: memoryview) -> None:
+                bulk.begin([(0, 0, view)], write=write).wait()
+
+            await trio.to_thread.run_sync(move, True, data)
+            await stop()
+            _, stop, again = await serve_at(nursery, port)
+            said = []
+            for _ in range(4):  # (the first ones may meet the old connections' end)
+                with pytest.raises(TransportError) as info:
+                    await trio.to_thread.run_sync(move, True, data)
+                said.append(str(info.value))
+                if "restarted; its data is lost" in said[-1]:
+                    break
+            assert "restarted; its data is lost" in said[-1], said
+            bulk.adopt({f"127.0.0.1:{port}": again.incarnation})
+            await trio.to_thread.run_sync(move, True, data)
+            got = memoryview(bytearray(4096))
+            await trio.to_thread.run_sync(move, False, got)
+            assert bytes(got) == bytes(data)
+        finally:
+            bulk.close()
+            await stop()
