@@ -161,18 +161,42 @@ def _save_incarnations(journal_dir: str, incarnations: dict[str, int]) -> None:
 
 
 class IncarnationsFile:
-    """``DIR/incarnations`` of the journal directory (none: nothing kept), written by
-    the scrubber (servers met for the first time) and the take-back (a server
-    restarted blank): one write at a time."""
+    """``DIR/incarnations`` of the journal directory (none: nothing kept) and the
+    server's own copy, written by the scrubber (servers met for the first time) and
+    the take-back (a server restarted blank): one change at a time, each merged
+    into the copy as it is then."""
 
-    def __init__(self, journal_dir: str | None) -> None:
+    def __init__(self, journal_dir: str | None, incarnations: dict[str, int]) -> None:
         self.dir = journal_dir
+        #: the server's (MetaServer.incarnations): what describe hands out
+        self.incarnations = incarnations
         self._lock = trio.Lock()
 
-    async def save(self, incarnations: dict[str, int]) -> None:
+    async def met(self, found: dict[str, int]) -> None:
+        """Servers met for the first time (those known keep theirs).  Kept in memory
+        even if the file cannot be written (OSError): saved with the next change."""
+        async with self._lock:
+            new = {k: v for k, v in found.items() if k not in self.incarnations}
+            if new:
+                self.incarnations.update(new)
+                await self._write()
+
+    async def took_back(self, name: str, incarnation: int) -> None:
+        """Server *name* taken back at *incarnation*: in the file first (OSError: not
+        at all; a restarted mds must never take the old one for the pool's)."""
+        async with self._lock:
+            old = dict(self.incarnations)
+            self.incarnations[name] = incarnation
+            try:
+                await self._write()
+            except BaseException:
+                self.incarnations.clear()
+                self.incarnations.update(old)
+                raise
+
+    async def _write(self) -> None:
         if self.dir:
-            async with self._lock:
-                await trio.to_thread.run_sync(_save_incarnations, self.dir, dict(incarnations))
+            await trio.to_thread.run_sync(_save_incarnations, self.dir, dict(self.incarnations))
 
 
 def claim_refused(exc: ClaimRefused) -> UsageError:
@@ -218,13 +242,10 @@ async def _scrub(
                 # so that a memory server restarted blank is never taken for it.
                 # Before the fence courier starts: its transport, which probes for
                 # restarts, compares with these.
-                known = {**t.incarnations(), **server.incarnations}
-                if known != server.incarnations:
-                    try:
-                        await saved.save(known)
-                    except OSError as exc:  # kept in memory: saved with the next change
-                        log.error("cannot save %s in %s: %s", INCARNATIONS, saved.dir, exc)
-                    server.incarnations.update(known)
+                try:
+                    await saved.met(t.incarnations())
+                except OSError as exc:  # kept in memory: saved with the next change
+                    log.error("cannot save %s in %s: %s", INCARNATIONS, saved.dir, exc)
                 if first:
                     first = False
                     task_status.started()
@@ -366,8 +387,8 @@ async def _main(opts: MdsOptions, journal: Journal | None) -> int:
         from memfs.transport.tcp import Fences, server_name
 
         server.fencing.fences = Fences([server_name(a.host, a.port) for a in as_tcp(opts.pool)])
-        saved = IncarnationsFile(opts.journal_dir)
-        takeback = TakeBack(server, opts.pool, saved.save)
+        saved = IncarnationsFile(opts.journal_dir, server.incarnations)
+        takeback = TakeBack(server, opts.pool, saved.took_back)
         async with trio.open_nursery() as nursery:
             server.incarnations.update(_load_incarnations(opts.journal_dir))
             # The pool claimed for this filesystem (its id known now), before listening.

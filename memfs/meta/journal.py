@@ -194,8 +194,8 @@ def dump_state(
             [a.next, list(a.freed), sorted([*a.dirty, *a.scrubbing])] for a in store.space.allocators
         ],
         "inodes": inodes,
-        # (chunks of fetches into lost memory too: a restart frees them all alike)
-        "reserved": sorted([vol, voff] for vol, voff in store.reserved | store.placement.doomed),
+        "reserved": sorted([vol, voff] for vol, voff in store.reserved),
+        "doomed": sorted([vol, voff] for vol, voff in store.placement.doomed),
         "unsaid": [[ino, sorted(sids)] for ino, sids in sorted(store.unsaid.items())],
         "lost": [[i.ino, sorted(i.lost)] for i in store.inodes.values() if i.lost],
         "sessions": [sorted(store.eligible), sorted(store.this_run)],
@@ -246,6 +246,7 @@ def load_state(state: Any, pool: PoolConfig) -> MetaStore:
             store.inodes[ino] = i
         for ino, ks in state.get("lost", ()):
             store.inodes[ino].lost = {int(k) for k in ks}
+        store.placement.doomed = {(vol, voff) for vol, voff in state.get("doomed", ())}
         store.placement.reserved = {(vol, voff) for vol, voff in state.get("reserved", ())}
         store.unsaid = {int(ino): {bytes(x) for x in sids} for ino, sids in state.get("unsaid", ())}
         eligible, this_run = state.get("sessions", ((), ()))
@@ -589,9 +590,9 @@ class Journal:
                 replayed += 1
         store.defer_destroy = False
         store.now = _now
-        if store.reserved:
+        if store.reserved or store.placement.doomed:
             log.info("journal %s: %d chunks of interrupted fetches go to the scrubber",
-                     self.dir, len(store.reserved))
+                     self.dir, len(store.reserved) + len(store.placement.doomed))
             store.placement.release_reserved()
         log.info(
             "journal %s: loaded snapshot %d and replayed %d records: %d inodes",

@@ -78,6 +78,8 @@ class LeaseKeeper:
         self.tasks: trio.Nursery | None = None
         #: ino -> set once the recall answer that carried its size is known delivered
         self.answering: dict[int, trio.Event] = {}
+        #: recalls being answered: each one's end, and whether it was answered
+        self.recalls_open: dict[trio.Event, list[bool]] = {}
         #: ino -> set once our report that ends its write lease (a close's) is over:
         #: a call that may be granted the lease again waits for it (the server would
         #: take that late report as the end of the new lease, and free its space ahead)
@@ -153,22 +155,38 @@ class LeaseKeeper:
         for entry in settles:  # reports too, until sent (see reports_sent)
             self._reporting[entry[0]] = self._reporting.get(entry[0], 0) + 1
         assert self.tasks is not None
-        self.tasks.start_soon(self._finish_recall, conn, rid, inos, settles, told, done, created_in)
+        ended, answered = trio.Event(), [False]
+        self.recalls_open[ended] = answered
+        self.tasks.start_soon(self._finish_recall, conn, rid, inos, settles, told, done, created_in,
+                              ended)
 
     async def _finish_recall(
         self, conn: RecallChannel, rid: int, inos: list[int], settles: list[list[int]],
         told: list[tuple[int, tuple[int, int]]], done: trio.Event, created_in: list[int],
+        ended: trio.Event,
     ) -> None:
         try:
-            await self._answer_recall(conn, rid, inos, settles, told, done, created_in)
+            answered = await self._answer_recall(conn, rid, inos, settles, told, done, created_in)
+            self.recalls_open[ended][0] = answered
         finally:
             for entry in settles:
                 self._report_over(entry[0])
+            del self.recalls_open[ended]
+            ended.set()
+
+    async def after_recalls(self) -> bool:
+        """Until every recall received so far has been answered (the transfers under
+        the maps it took have ended) or given up on; False if one was not answered
+        (we are being evicted: whatever we still run is fenced)."""
+        pending = list(self.recalls_open.items())
+        for ended, _ in pending:
+            await ended.wait()
+        return all(answered[0] for _, answered in pending)
 
     async def _answer_recall(
         self, conn: RecallChannel, rid: int, inos: list[int], settles: list[list[int]],
         told: list[tuple[int, tuple[int, int]]], done: trio.Event, created_in: list[int],
-    ) -> None:
+    ) -> bool:
         """Let transfers that use the old chunk maps end, drop the kernel's caches, answer.
 
         Answered within ``answer_within`` even if the kernel is slow to let go (a
@@ -210,13 +228,13 @@ class LeaseKeeper:
                 if self.answering.get(ino) is done:
                     del self.answering[ino]
             done.set()
-            return
+            return False
         for entry in settles:
             if entry[0] in self._answers_cut:
                 entry[1], entry[2] = 0, 0  # no size (see truncated; sizes only grow)
         conn.send_recalled(rid, wire.encode(settles))
         if not told:
-            return
+            return True
         try:
             if await conn.delivered():
                 # The server applied our sizes as it read the answer, before the ping
@@ -230,6 +248,7 @@ class LeaseKeeper:
                 if self.answering.get(ino) is done:
                     del self.answering[ino]
             done.set()
+        return True
 
     async def answer_known(self, ino: int) -> None:
         """Until our answer to a recall that carried *ino*'s size is known delivered

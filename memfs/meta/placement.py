@@ -110,14 +110,19 @@ class Placement:
         assert i.chunks is not None
         if i.lost and not i.lost.isdisjoint(missing):
             raise lost_data(i.ino, min(i.lost.intersection(missing)) * self.chunk_size)
+        self.check_sealed(i, missing)
+        for k, _, voffset in self.take_chunks(i, missing):
+            i.chunks[k] = voffset
+
+    def check_sealed(self, i: Inode, ks: Iterable[int]) -> None:
+        """EIO if any of chunks *ks* of *i* lies on a sealed volume (before a call
+        changes anything: a call that fails is not journaled)."""
         if self.sealed:
             assert i.layout is not None
             cs = self.chunk_size
-            if any(i.layout.volume_of_chunk(k, cs) in self.sealed for k in missing):
+            if any(i.layout.volume_of_chunk(k, cs) in self.sealed for k in ks):
                 raise FsError(errno.EIO, f"inode {i.ino}: a memory server of its layout restarted "
                                          "blank and is being taken back: try again")
-        for k, _, voffset in self.take_chunks(i, missing):
-            i.chunks[k] = voffset
 
     def take_chunks(self, i: Inode, ks: list[int]) -> list[tuple[int, int, int]]:
         """Clean chunks for file chunks *ks*, all or none: ``(k, volume, voffset)``."""

@@ -349,8 +349,9 @@ class RemoteMeta(Meta):
         # are gone and our transfers ended (a registration), or by a POOL frame.
         if first:
             self.incarnations = dict(desc.incarnations)
-        heard = {**(desc.incarnations if not first else {}), **self._pool_heard}
-        self._pool_heard = {}
+        else:  # (servers the mds met since are only noted: none of ours changed)
+            self._tell_pool(desc.incarnations, known_only=True)
+        heard, self._pool_heard = self._pool_heard, {}
         self._tell_pool(heard)
         return MdsConnection(fs, self.timeout, self.cache, self.leases.on_recall,
                              self.lock_client.unlocked, self.pool_heard)
@@ -594,16 +595,39 @@ class RemoteMeta(Meta):
         answered the recalls of their files, or when we register again (our caches
         dropped, our transfers ended), also after an mds restart."""
         self._on_pool = adopt
+        if self.incarnations:  # as heard so far (the follower ignores what it has)
+            adopt(dict(self.incarnations))
 
     def pool_heard(self, payload: bytes) -> None:
-        """A POOL frame on our connection (MdsConnection.on_pool; WireError if malformed)."""
-        self._tell_pool(_incarnations(wire.decode(payload)))
+        """A POOL frame on our connection (MdsConnection.on_pool; WireError if malformed).
 
-    def _tell_pool(self, heard: dict[str, int]) -> None:
-        changed = {k: v for k, v in heard.items() if self.incarnations.get(k) != v}
+        Adopted once every recall read before it is answered: the mds sent each
+        client that held a map of the lost memory a recall before this frame, and
+        our answer waits for the transfers under that map to end.  One we do not
+        answer gets us evicted: then not at all (our next registration tells us,
+        our transfers ended by then)."""
+        heard = _incarnations(wire.decode(payload))
+        if not self.leases.recalls_open:
+            self._tell_pool(heard)
+            return
+        assert self.leases.tasks is not None
+        self.leases.tasks.start_soon(self._pool_after_recalls, heard)
+
+    async def _pool_after_recalls(self, heard: dict[str, int]) -> None:
+        if await self.leases.after_recalls():
+            self._tell_pool(heard)
+        else:
+            log.info("a recall was not answered: memory servers taken back (%s) are adopted "
+                     "at the next registration", ", ".join(sorted(heard)))
+
+    def _tell_pool(self, heard: dict[str, int], *, known_only: bool = False) -> None:
+        """Adopt what changed in *heard* (*known_only*: of servers we knew; others are
+        noted, not told: the mds met them after us, nothing was taken back)."""
+        changed = {k: v for k, v in heard.items() if self.incarnations.get(k) != v
+                   and (not known_only or k in self.incarnations)}
+        self.incarnations.update(heard)
         if not changed:
             return
-        self.incarnations.update(changed)
         log.info("the metadata server took back memory server(s) %s", ", ".join(sorted(changed)))
         if self._on_pool is not None:
             self._on_pool(changed)

@@ -433,6 +433,8 @@ class MetaStore(Meta):
             assert i.layout is not None
             cs = self.chunk_size
             tail_chunk, tail_off = divmod(size, cs)
+            if tail_off and tail_chunk in i.chunks:  # (its tail is zeroed by the caller)
+                self.placement.check_sealed(i, (tail_chunk,))
             self.placement.free_chunks(i, keep_below=tail_chunk + (1 if tail_off else 0))
             if tail_off and tail_chunk in i.chunks:
                 vol = i.layout.volume_of_chunk(tail_chunk, cs)
@@ -803,6 +805,7 @@ class MetaStore(Meta):
         end = offset + length
         chunks = i.chunks
         first, last = offset // cs, (end - 1) // cs
+        self.placement.check_sealed(i, range(first, last + 1))
         missing = [k for k in range(first, last + 1) if k not in chunks]
         if missing:
             if i.backed and missing[0] * cs < i.backed:
@@ -827,6 +830,11 @@ class MetaStore(Meta):
             cs = self.chunk_size
             first, last = (end + cs - 1) // cs, (end + ahead - 1) // cs
             missing = [k for k in range(first, last + 1) if k not in i.chunks]
+            if missing and self.placement.sealed:
+                try:  # (the plan below covers chunks there that exist too)
+                    self.placement.check_sealed(i, range(first, last + 1))
+                except FsError:
+                    missing = []  # ahead of need is best effort
             if missing:
                 try:
                     self.placement.allocate(i, missing)

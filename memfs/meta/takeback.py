@@ -27,8 +27,9 @@ there), :meth:`TakeBack.run`:
    again when read: ``evict_clean``); drops the chunks there from every file,
    those below EOF marked lost (EIO until a truncate cuts them off, see
    :meth:`MetaStore.lose_memory`); journals that (``_memory_lost``);
-5. once that is durable, records the new incarnation as the pool's (``save``:
-   the journal directory's ``incarnations``), adopts it on the mds's own
+5. once that is durable, records the new incarnation as the pool's (``record``:
+   the journal directory's ``incarnations``; a full disk: again every
+   ``RETRY_DELAY`` seconds, still sealed), adopts it on the mds's own
    transports, unseals, and tells every client (a POOL frame; each
    registration after it hears it too, and every registration's ``describe``
    carries the pool's incarnations, also after an mds restart).
@@ -65,7 +66,7 @@ log = logging.getLogger(__name__)
 PROBE_INTERVAL = 2.0
 #: how often a take-back waiting for the mds's own restart recovery looks again
 HELD_POLL = 0.25
-#: how long a take-back that could not save waits before it tries again
+#: how long a take-back that could not record the new incarnation waits to try again
 RETRY_DELAY = 5.0
 #: with no leases (``--lease-term 0``), how long a take-back waits before it frees
 #: anything: what clients' transfers under maps taken before it need to end
@@ -79,12 +80,13 @@ class TakeBack:
 
     def __init__(
         self, server: MetaServer, pool: list[VolumeAddr],
-        save: Callable[[dict[str, int]], Awaitable[None]] | None = None,
+        record: Callable[[str, int], Awaitable[None]] | None = None,
     ) -> None:
         self.server = server
         self.pool = pool
-        #: keeps the pool's incarnations across mds restarts (None: no journal)
-        self.save = save
+        #: makes an incarnation the pool's, kept across mds restarts (memfs.mds's
+        #: IncarnationsFile.took_back; OSError: not done); None: in memory only
+        self.record = record
         #: burst buffer: evicts a clean file now (its data is in DIR); False if it is not clean
         self.evict_clean: Callable[[int], bool] | None = None
         #: servers found at another incarnation, waiting to be taken back
@@ -121,13 +123,7 @@ class TakeBack:
             self._wake = trio.Event()
             while self.pending:
                 name, incarnation = next(iter(self.pending.items()))
-                try:
-                    await self._take_back(name, incarnation)
-                except OSError as exc:  # the incarnations file (a full disk): again later
-                    log.error("cannot take memory server %s back: %s; trying again in %g s",
-                              name, exc, RETRY_DELAY)
-                    await trio.sleep(RETRY_DELAY)
-                    continue
+                await self._take_back(name, incarnation)
                 if self.pending.get(name) == incarnation:
                     del self.pending[name]
 
@@ -156,9 +152,17 @@ class TakeBack:
             names = [os.fsdecode(store.path(ino) or b"(unlinked)") for ino in lost[:SHOWN]]
             server.journal_now(MEMORY_LOST, sorted(volumes))
             await server.durable()
-            if self.save is not None:
-                await self.save({**server.incarnations, name: incarnation})
-            server.incarnations[name] = incarnation
+            if self.record is None:
+                server.incarnations[name] = incarnation
+            else:
+                while True:
+                    try:
+                        await self.record(name, incarnation)
+                        break
+                    except OSError as exc:  # (a full disk) still sealed: no writes there
+                        log.error("cannot take memory server %s back: %s; trying again in "
+                                  "%g s", name, exc, RETRY_DELAY)
+                        await trio.sleep(RETRY_DELAY)
             server.adopted[name] = incarnation
             for t in self._transports:
                 t.adopt({name: incarnation})

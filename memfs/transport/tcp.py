@@ -991,6 +991,7 @@ class TcpTransport(Transport):
             raise _Unreachable(
                 f"cannot connect to memory server {server.name}: {exc.strerror or exc}"
             ) from None
+        knew = server.incarnation
         try:
             incarnation, sizes, features = await self._handshake(sock, server)
         except ClaimRefused as exc:
@@ -1005,6 +1006,10 @@ class TcpTransport(Transport):
         if self._closed:
             close_socket(sock)
             raise TransportError("the tcp transport is closed")
+        if knew is not None and server.incarnation != knew:  # adopted another one meanwhile:
+            close_socket(sock)  # claims and checks were made for the one we knew
+            raise TransportError(f"memory server {server.name} was taken back while we "
+                                 "connected: try again")
         if not server.sizes:
             server.sizes = sizes
         server.quiet_writes = "quiet-writes" in features

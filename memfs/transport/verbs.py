@@ -787,6 +787,7 @@ class VerbsTransport(Transport):
                 f"cannot connect to memory server {server.name}: {exc.strerror or exc}"
             ) from None
         qp: QueuePair | None = None
+        knew = server.incarnation
         try:
             token = self._token
             mine = [remote for s, remote in self._map if s is server]
@@ -823,6 +824,10 @@ class VerbsTransport(Transport):
         if self._closed:
             self._discard(sock, qp)
             raise TransportError("the verbs transport is closed")
+        if knew is not None and server.incarnation != knew:  # adopted meanwhile (as tcp's)
+            self._discard(sock, qp)
+            raise TransportError(f"memory server {server.name} was taken back while we "
+                                 "connected: try again")
         if server.incarnation is None:
             server.incarnation, server.sizes = incarnation, sizes
         elif incarnation != server.incarnation or server.lost:

@@ -147,7 +147,7 @@ def test_store_runs_are_read_as_chunk_by_chunk(seed: int) -> None:
             chunks.update({k + j: base + j * CS for j in range(n)})
         k += n
     i = SimpleNamespace(chunks=chunks, layout=layout, backed=rng.randrange(600 * CS), lost=None)
-    placement = SimpleNamespace(chunk_size=CS)
+    placement = SimpleNamespace(chunk_size=CS, sealed=set())
     for _ in range(300):
         a = rng.randrange(600 * CS)
         b = min(600 * CS, a + rng.choice([1, 100, CS, 3 * CS + 5, rng.randrange(200 * CS)]))
