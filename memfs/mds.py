@@ -179,24 +179,18 @@ class IncarnationsFile:
             new = {k: v for k, v in found.items() if k not in self.incarnations}
             if new:
                 self.incarnations.update(new)
-                await self._write()
+                await self._write(dict(self.incarnations))
 
     async def took_back(self, name: str, incarnation: int) -> None:
         """Server *name* taken back at *incarnation*: in the file first (OSError: not
         at all; a restarted mds must never take the old one for the pool's)."""
         async with self._lock:
-            old = dict(self.incarnations)
+            await self._write({**self.incarnations, name: incarnation})
             self.incarnations[name] = incarnation
-            try:
-                await self._write()
-            except BaseException:
-                self.incarnations.clear()
-                self.incarnations.update(old)
-                raise
 
-    async def _write(self) -> None:
+    async def _write(self, incarnations: dict[str, int]) -> None:
         if self.dir:
-            await trio.to_thread.run_sync(_save_incarnations, self.dir, dict(self.incarnations))
+            await trio.to_thread.run_sync(_save_incarnations, self.dir, incarnations)
 
 
 def claim_refused(exc: ClaimRefused) -> UsageError:

@@ -78,8 +78,8 @@ class LeaseKeeper:
         self.tasks: trio.Nursery | None = None
         #: ino -> set once the recall answer that carried its size is known delivered
         self.answering: dict[int, trio.Event] = {}
-        #: recalls being answered: each one's end, and whether it was answered
-        self.recalls_open: dict[trio.Event, list[bool]] = {}
+        #: recalls being answered: each one's end -> [answered?, its connection]
+        self.recalls_open: dict[trio.Event, list[Any]] = {}
         #: ino -> set once our report that ends its write lease (a close's) is over:
         #: a call that may be granted the lease again waits for it (the server would
         #: take that late report as the end of the new lease, and free its space ahead)
@@ -155,8 +155,8 @@ class LeaseKeeper:
         for entry in settles:  # reports too, until sent (see reports_sent)
             self._reporting[entry[0]] = self._reporting.get(entry[0], 0) + 1
         assert self.tasks is not None
-        ended, answered = trio.Event(), [False]
-        self.recalls_open[ended] = answered
+        ended = trio.Event()
+        self.recalls_open[ended] = [False, conn]
         self.tasks.start_soon(self._finish_recall, conn, rid, inos, settles, told, done, created_in,
                               ended)
 
@@ -174,14 +174,20 @@ class LeaseKeeper:
             del self.recalls_open[ended]
             ended.set()
 
-    async def after_recalls(self) -> bool:
-        """Until every recall received so far has been answered (the transfers under
-        the maps it took have ended) or given up on; False if one was not answered
-        (we are being evicted: whatever we still run is fenced)."""
-        pending = list(self.recalls_open.items())
+    def open_recalls(self) -> list[tuple[trio.Event, list[Any]]]:
+        """The recalls received so far and not yet answered (for :meth:`after_recalls`)."""
+        return list(self.recalls_open.items())
+
+    @staticmethod
+    async def after_recalls(pending: list[tuple[trio.Event, list[Any]]]) -> bool:
+        """Until the recalls *pending* (:meth:`open_recalls`) have been answered (the
+        transfers under the maps they took have ended) or given up on; False if one
+        was not answered on a connection still alive (we are being evicted: whatever
+        we still run is fenced).  One whose connection died was answered by our
+        registration since, which waited for those transfers."""
         for ended, _ in pending:
             await ended.wait()
-        return all(answered[0] for _, answered in pending)
+        return all(answered or getattr(conn, "dead", False) for _, (answered, conn) in pending)
 
     async def _answer_recall(
         self, conn: RecallChannel, rid: int, inos: list[int], settles: list[list[int]],

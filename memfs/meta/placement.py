@@ -277,6 +277,7 @@ class Placement:
         part of the file (:meth:`install` makes them so).  ENOSPC/SpaceBusy like a write."""
         i = self._get(ino)
         assert i.chunks is not None
+        self.check_sealed(i, ks)
         placed = self.take_chunks(i, ks)
         self.reserved.update((vol, voff) for _, vol, voff in placed)
         if self.on_backing is not None:

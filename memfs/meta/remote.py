@@ -206,6 +206,9 @@ class RemoteMeta(Meta):
         self._on_pool: Callable[[dict[str, int]], None] | None = None
         #: heard during a registration: told once the registration's token is named
         self._pool_heard: dict[str, int] = {}
+        #: changes told so far (a POOL frame held back for recalls is told only if none
+        #: came after it: every later one says all the mds took back)
+        self._pool_told = 0
         #: memory server "host:port" -> the incarnation the pool's data lives in, as last
         #: heard (describe at each registration, POOL frames)
         self.incarnations: dict[str, int] = {}
@@ -389,6 +392,7 @@ class RemoteMeta(Meta):
         the description.  *fence*: the lease token transfers that may still run were
         made under (other processes'): the server fences it before the registration
         answers the recalls sent to us."""
+        self._pool_heard = {}  # (one heard in an attempt that failed: the describe says it)
         # Sizes written under write leases that the server has not heard yet (again on
         # a second pass: one applied is no longer larger than the known size, one
         # refused is refused again, and a refusal is only heard with an answer).
@@ -607,18 +611,21 @@ class RemoteMeta(Meta):
         answer gets us evicted: then not at all (our next registration tells us,
         our transfers ended by then)."""
         heard = _incarnations(wire.decode(payload))
-        if not self.leases.recalls_open:
+        pending = self.leases.open_recalls()
+        if not pending:
             self._tell_pool(heard)
             return
         assert self.leases.tasks is not None
-        self.leases.tasks.start_soon(self._pool_after_recalls, heard)
+        self.leases.tasks.start_soon(self._pool_after_recalls, heard, pending, self._pool_told)
 
-    async def _pool_after_recalls(self, heard: dict[str, int]) -> None:
-        if await self.leases.after_recalls():
-            self._tell_pool(heard)
-        else:
+    async def _pool_after_recalls(
+        self, heard: dict[str, int], pending: list[tuple[trio.Event, list[Any]]], told: int,
+    ) -> None:
+        if not await self.leases.after_recalls(pending):
             log.info("a recall was not answered: memory servers taken back (%s) are adopted "
                      "at the next registration", ", ".join(sorted(heard)))
+        elif self._pool_told == told:  # (else something newer was told meanwhile: it says all)
+            self._tell_pool(heard)
 
     def _tell_pool(self, heard: dict[str, int], *, known_only: bool = False) -> None:
         """Adopt what changed in *heard* (*known_only*: of servers we knew; others are
@@ -628,6 +635,7 @@ class RemoteMeta(Meta):
         self.incarnations.update(heard)
         if not changed:
             return
+        self._pool_told += 1
         log.info("the metadata server took back memory server(s) %s", ", ".join(sorted(changed)))
         if self._on_pool is not None:
             self._on_pool(changed)

@@ -355,3 +355,34 @@ async def test_the_incarnations_file_keeps_a_take_back(tmp_path: Path) -> None:
     with pytest.raises(OSError):
         await broken.took_back("b", 4)
     assert incs == {"a": 2, "b": 3}
+
+
+async def test_a_pool_frame_held_back_is_told_only_if_still_news(tmp_path: Path) -> None:
+    """A POOL frame held back for recalls: a recall not answered on a live connection
+    (we are being evicted) drops it; one whose connection died does not (our
+    registration since answered it); and it is told only if nothing was told after
+    it (a later frame or registration says all the mds took back, newer)."""
+    from types import SimpleNamespace
+
+    from memfs.meta.lease_client import LeaseKeeper
+
+    def ended_recall(answered: bool, dead: bool) -> list[tuple[trio.Event, list[object]]]:
+        ev = trio.Event()
+        ev.set()
+        return [(ev, [answered, SimpleNamespace(dead=dead)])]
+
+    assert await LeaseKeeper.after_recalls(ended_recall(False, dead=True))
+    assert not await LeaseKeeper.after_recalls(ended_recall(False, dead=False))
+    assert await LeaseKeeper.after_recalls(ended_recall(True, dead=False))
+    async with served(tmp_path) as (server, meta):
+        told: list[dict[str, int]] = []
+        meta.follow_pool(told.append)  # type: ignore[attr-defined]
+        answered = trio.Event()
+        pending = [(answered, [True, SimpleNamespace(dead=False)])]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(meta._pool_after_recalls, {LOST: 2}, pending,  # type: ignore[attr-defined]
+                               meta._pool_told)  # type: ignore[attr-defined]
+            meta._tell_pool({LOST: 3})  # type: ignore[attr-defined]  # (newer, told first)
+            answered.set()
+        assert told == [{LOST: 3}]
+        await leave(server, meta)
