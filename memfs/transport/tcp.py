@@ -60,7 +60,7 @@ import os
 import socket
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 import trio
@@ -688,6 +688,26 @@ def volume_infos(vmap: Sequence[tuple[Any, int]], addrs: Sequence[VolumeAddr]) -
     return infos
 
 
+class KnownServer(Protocol):
+    name: str
+    incarnation: int | None
+
+
+S = TypeVar("S", bound=KnownServer)
+
+
+def taken_back(servers: Iterable[S], incarnations: Mapping[str, int]) -> Iterator[tuple[S, int]]:
+    """The servers of a transport that *incarnations* (an adoption) names at another
+    incarnation than the one it knows, each with that one (logged)."""
+    for server in servers:
+        want = incarnations.get(server.name)
+        if want is None or want == server.incarnation:
+            continue  # (the same one, lost or not: not taken back)
+        if server.incarnation is not None:
+            log.info("memory server %s: taken back at incarnation %x", server.name, want)
+        yield server, want
+
+
 class _Unreachable(TransportError):
     """No connection to a memory server (refused, unroutable, timed out connecting):
     unlike one that answers and refuses us, a pool of known size opens without it."""
@@ -955,12 +975,7 @@ class TcpTransport(Transport):
         mds took a server that restarted blank back, after every file's data there
         was marked lost and every client let go of its maps.  Its volumes serve
         again; connections to any other incarnation are dropped."""
-        for server in self._servers.values():
-            want = incarnations.get(server.name)
-            if want is None or want == server.incarnation:
-                continue  # (the same one, lost or not: not taken back)
-            if server.incarnation is not None:
-                log.info("memory server %s: taken back at incarnation %x", server.name, want)
+        for server, want in taken_back(self._servers.values(), incarnations):
             server.close_all(f"memory server {server.name} was taken back at another incarnation")
             server.incarnation, server.lost, server.found = want, None, None
 

@@ -82,7 +82,7 @@ from memfs.errors import ClaimRefused, TransportError, UsageError
 from memfs.net import set_keepalive
 from memfs.transport import Buffer, Transport, VolumeInfo
 from memfs.transport.sockio import close_socket, connect, recv_frame, send_all
-from memfs.transport.tcp import memd_handshake, volume_infos
+from memfs.transport.tcp import memd_handshake, taken_back, volume_infos
 from memfs.wire import Kind, VerbsEndpoint, VerbsRegion
 
 log = logging.getLogger(__name__)
@@ -1086,12 +1086,7 @@ class VerbsTransport(Transport):
 
     def adopt(self, incarnations: Mapping[str, int]) -> None:
         # As TcpTransport.adopt (not run on RDMA hardware: see the module doc).
-        for server in self._servers.values():
-            want = incarnations.get(server.name)
-            if want is None or want == server.incarnation:
-                continue  # (the same one, lost or not: not taken back)
-            if server.incarnation is not None:
-                log.info("memory server %s: taken back at incarnation %x", server.name, want)
+        for server, want in taken_back(self._servers.values(), incarnations):
             if server.conn is not None:
                 self._fail(server.conn, "taken back at another incarnation")
             server.incarnation, server.lost = want, None

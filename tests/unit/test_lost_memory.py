@@ -19,6 +19,7 @@ import trio
 
 from memfs.config import VolumeAddr
 from memfs.errors import FsError
+from memfs.meta import Attr, Meta
 from memfs.meta.journal import dump_state, load_state
 from memfs.meta.store import MetaStore
 from memfs.meta.takeback import TakeBack
@@ -31,6 +32,18 @@ ADDRS = [VolumeAddr("tcp", f"10.9.9.{1 + v % 2}", 7100, v // 2) for v in range(4
 LOST = "10.9.9.1:7100"
 #: a file's 256 KiB stripes on volumes 0, 1, 2, 3, 0, ...
 WIDE = b"stripe_count=4 stripe_offset=0"
+
+
+async def wide_file(meta: Meta, name: bytes = b"wide", *, keep_open: bool = True) -> Attr:
+    """A 1 MiB file striped over the four volumes, written and closed (then open again:
+    *keep_open*) through *meta*."""
+    f = await meta.create(ROOT, name, stat.S_IFREG | 0o644, 0, 0)
+    await meta.setxattr(f.ino, b"user.memfs.layout", WIDE)
+    await meta.map_write(f.ino, 0, 1 * M)
+    await meta.release(f.ino)
+    if keep_open:
+        await meta.open(f.ino)
+    return f
 
 
 def eio(exc: pytest.ExceptionInfo[FsError]) -> bool:
@@ -109,10 +122,7 @@ async def test_a_fetch_into_lost_memory_installs_nothing() -> None:
 
 async def test_lost_chunks_survive_snapshots_and_replay(tmp_path: Path) -> None:
     async with served(tmp_path) as (server, meta):
-        f = await meta.create(ROOT, b"f", stat.S_IFREG | 0o644, 0, 0)
-        await meta.setxattr(f.ino, b"user.memfs.layout", WIDE)
-        await meta.map_write(f.ino, 0, 1 * M)
-        await meta.release(f.ino)
+        f = await wide_file(meta, b"f", keep_open=False)
         await server.lease_policy.recall_inodes([f.ino])  # its size is the server's now
         server.journal_now("_memory_lost", [0, 2])
         server.store.lose_memory({0, 2})
@@ -149,11 +159,7 @@ async def test_the_mds_takes_a_restarted_server_back(
         heard: list[dict[str, int]] = []
         meta.follow_pool(heard.append)  # type: ignore[attr-defined]
         server.incarnations = {LOST: 1, "10.9.9.2:7100": 2}
-        f = await meta.create(ROOT, b"wide", stat.S_IFREG | 0o644, 0, 0)
-        await meta.setxattr(f.ino, b"user.memfs.layout", WIDE)
-        await meta.map_write(f.ino, 0, 1 * M)
-        await meta.release(f.ino)
-        await meta.open(f.ino)
+        f = await wide_file(meta)
         assert len(await meta.map_read(f.ino, 0, 1 * M)) == 4  # cached under its lease
         takeback = TakeBack(server, ADDRS, record)
         mine = Adopter()
@@ -195,11 +201,7 @@ async def test_a_reader_of_the_other_stripes_does_not_hold_the_take_back(
     caplog.expected_warnings = True  # type: ignore[attr-defined]  # "restarted", "taken back"
     async with served(tmp_path) as (server, meta):
         server.incarnations = {LOST: 1, "10.9.9.2:7100": 2}
-        f = await meta.create(ROOT, b"wide", stat.S_IFREG | 0o644, 0, 0)
-        await meta.setxattr(f.ino, b"user.memfs.layout", WIDE)
-        await meta.map_write(f.ino, 0, 1 * M)
-        await meta.release(f.ino)
-        await meta.open(f.ino)
+        f = await wide_file(meta)
         takeback = TakeBack(server, ADDRS)
         reads = 0
         done = trio.Event()
