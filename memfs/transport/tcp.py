@@ -85,6 +85,8 @@ from memfs.wire import Kind
 log = logging.getLogger(__name__)
 
 DEFAULT_IO_TIMEOUT = 10.0
+#: the longest a server that refused our claim is left alone before we ask again
+CLAIM_BACKOFF_MAX = 30.0
 #: data bytes per request; larger reads and writes are split (wire.MAX_PAYLOAD
 #: leaves room for the WRITE struct)
 MAX_IO = 16 << 20
@@ -728,6 +730,8 @@ class _Server:
         self.lost: str | None = None
         #: the incarnation a reconnect found instead (told to ``on_restart`` once)
         self.found: int | None = None
+        #: it refused our claim: (not asked again before this time, why, back-off)
+        self.refused: tuple[float, str, float] | None = None
         #: it offers WRITE_QUIET and SYNC (INFO's features)
         self.quiet_writes = False
         self._turn = 0
@@ -999,7 +1003,14 @@ class TcpTransport(Transport):
                     nursery.start_soon(one, server)
 
     async def _connect(self, server: _Server, slot: int) -> _Conn:
-        """Connect, authenticate and check the incarnation."""
+        """Connect, authenticate and check the incarnation.
+
+        A server that refused our claim is not asked again before its back-off
+        ends (1 s, doubling to ``CLAIM_BACKOFF_MAX``): each request meanwhile fails
+        with the same refusal, without a handshake (and a warning in its log)."""
+        refused = server.refused
+        if refused is not None and trio.current_time() < refused[0]:
+            raise ClaimRefused(refused[1])
         try:
             sock = await connect(server.host, server.port)
         except OSError as exc:
@@ -1011,7 +1022,10 @@ class TcpTransport(Transport):
             incarnation, sizes, features = await self._handshake(sock, server)
         except ClaimRefused as exc:
             close_socket(sock)
-            raise ClaimRefused(f"memory server {server.name}: {exc.args[1]}") from None
+            why = f"memory server {server.name}: {exc.args[1]}"
+            wait = min(CLAIM_BACKOFF_MAX, 2 * refused[2]) if refused is not None else 1.0
+            server.refused = (trio.current_time() + wait, why, wait)
+            raise ClaimRefused(why) from None
         except (OSError, wire.WireError) as exc:
             close_socket(sock)
             raise TransportError(f"memory server {server.name}: {exc}") from None
@@ -1021,6 +1035,7 @@ class TcpTransport(Transport):
         if self._closed:
             close_socket(sock)
             raise TransportError("the tcp transport is closed")
+        server.refused = None
         if knew is not None and server.incarnation != knew:  # adopted another one meanwhile:
             close_socket(sock)  # claims and checks were made for the one we knew
             raise TransportError(f"memory server {server.name} was taken back while we "

@@ -165,3 +165,36 @@ async def test_a_client_claims_only_where_it_may(caplog: pytest.LogCaptureFixtur
             assert links and all(
                 link.sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) for link in links
             ), links
+
+
+async def test_a_refused_client_backs_off(caplog: pytest.LogCaptureFixture) -> None:
+    """A client refused on a reconnect (another filesystem took the volume meanwhile)
+    does not ask again at every request: until its back-off ends (1 s, doubling)
+    requests fail with the same refusal and no handshake."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]
+    async with serving() as (server, port):
+        vols = [VolumeAddr("tcp", "127.0.0.1", port, 0)]
+        async with open_tcp_transport(vols, SECRET, io_timeout=10, fsid=FS_B) as tb:
+            for s in tb._servers.values():  # B's connections end: the volume is free
+                s.close_all("test: cut off")
+            await wait_released(server, 0)
+            handshakes = 0
+            real = tb._handshake
+
+            async def counted(*args: object) -> object:
+                nonlocal handshakes
+                handshakes += 1
+                return await real(*args)  # type: ignore[arg-type]
+
+            tb._handshake = counted  # type: ignore[method-assign, assignment]
+            async with open_tcp_transport(vols, SECRET, io_timeout=10, fsid=FS_A) as ta:
+                await ta.write(0, 0, b"A's")
+                for _ in range(5):
+                    with pytest.raises(ClaimRefused, match="belongs to another memfs filesystem"):
+                        await tb.read(0, 0, 3)
+                assert handshakes == 1
+                await trio.sleep(1.2)  # the back-off ends
+                for _ in range(3):
+                    with pytest.raises(ClaimRefused):
+                        await tb.read(0, 0, 3)
+                assert handshakes == 2  # (and the next is 2 s away)
