@@ -140,13 +140,14 @@ class TakeBack:
             # client that fetches one again during the recall holds nothing to take
             # back; those that held one before are recalled once (the readers of
             # the file's other stripes cannot keep the recall going).
-            await server.lease_policy.recall_held(store.holding(volumes))
+            affected = store.holding(volumes)  # (sealed: no file gets chunks there now)
+            await server.lease_policy.recall_held(affected)
             if server.leases.term <= 0:
                 # No leases, no recall: a map taken just before the seal is used at
                 # once; give such transfers the clients' I/O timeout to end.
                 await trio.sleep(NO_LEASE_WAIT)
             # Nothing awaits from here to the journal record.
-            evicted = [ino for ino in store.holding(volumes)
+            evicted = [ino for ino in affected
                        if self.evict_clean is not None and self.evict_clean(ino)]
             lost = store.lose_memory(volumes)
             names = [os.fsdecode(store.path(ino) or b"(unlinked)") for ino in lost[:SHOWN]]
