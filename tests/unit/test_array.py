@@ -490,6 +490,9 @@ class FailingMover:
     def set_token(self, token: int) -> None:
         self.inner.set_token(token)
 
+    def adopt(self, incarnations: dict[str, int]) -> None:
+        self.inner.adopt(incarnations)
+
     def close(self) -> None:
         self.inner.close()
 
