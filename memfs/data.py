@@ -309,8 +309,15 @@ class DataEngine:
             await self.wait_posted(ino)  # a zeroing could overtake them
         await self._zero_tail(ino, await self.meta.truncate(ino, size))
 
+    async def punch(self, ino: int, offset: int, length: int) -> None:
+        """``FALLOC_FL_PUNCH_HOLE``: whole chunks freed, the rest of the range zeroed."""
+        if ino in self._posted:
+            await self.wait_posted(ino)  # a zeroing could overtake them
+        await self._zero_tail(ino, await self.meta.punch(ino, offset, length))
+
     async def _zero_tail(self, ino: int, ranges: list[tuple[int, int, int]]) -> None:
-        """Zero what a truncate cut off in chunks that stay (see Meta.zero_tails_with)."""
+        """Zero what a truncate or punch cut off in chunks that stay (see
+        Meta.zero_tails_with)."""
         if not ranges:
             return
         if self.quiesce is not None:

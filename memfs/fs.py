@@ -82,6 +82,7 @@ _APPEND = 1 << 62
 _FLOCK_TYPES = {fcntl.LOCK_SH: fcntl.F_RDLCK, fcntl.LOCK_EX: fcntl.F_WRLCK, fcntl.LOCK_UN: fcntl.F_UNLCK}
 #: fallocate(2)'s mode flag (linux/falloc.h; not in Python's os module)
 FALLOC_FL_KEEP_SIZE = 0x01
+FALLOC_FL_PUNCH_HOLE = 0x02
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -757,14 +758,19 @@ class Operations(pyfuse3.Operations):
     @_errno_boundary
     async def fallocate(self, fh: int, mode: int, off: int, length: int) -> None:
         """Reserve pool memory (``posix_fallocate``, fio's preallocation): mode 0 and
-        ``FALLOC_FL_KEEP_SIZE`` within the file; other modes (punching holes, zeroing
-        or collapsing ranges) are EOPNOTSUPP.  (Forwarded by pyfuse3 patch 0004.)"""
-        if mode & ~FALLOC_FL_KEEP_SIZE:
+        ``FALLOC_FL_KEEP_SIZE`` within the file; punch holes (``FALLOC_FL_PUNCH_HOLE``,
+        which the kernel pairs with ``KEEP_SIZE``), freeing the pool memory under
+        them; other modes (zeroing, collapsing or inserting ranges) are EOPNOTSUPP,
+        as on tmpfs.  (Forwarded by pyfuse3 patch 0004.)"""
+        if mode & ~FALLOC_FL_KEEP_SIZE and mode != FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE:
             raise FsError(errno.EOPNOTSUPP, f"fallocate mode {mode:#x} is not supported")
         ino = fh & _INODE
         if self.drops_privileges:
             await self._drop_privileges(ino, bool(fh & _UNPRIVILEGED))
-        await self.data.allocate(ino, off, length, keep_size=bool(mode & FALLOC_FL_KEEP_SIZE))
+        if mode & FALLOC_FL_PUNCH_HOLE:
+            await self.data.punch(ino, off, length)
+        else:
+            await self.data.allocate(ino, off, length, keep_size=bool(mode & FALLOC_FL_KEEP_SIZE))
 
     async def flush(self, fh: int) -> None:
         """Nothing to push on close: data is in pool memory as soon as write() returns,

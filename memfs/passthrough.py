@@ -277,8 +277,15 @@ class BackingFiles:
         await self.meta.truncate(ino, size)
 
     async def allocate(self, ino: int, offset: int, length: int, *, keep_size: bool) -> None:
+        self._fallocate(ino, 1 if keep_size else 0, offset, length)
+
+    async def punch(self, ino: int, offset: int, length: int) -> None:
+        """tmpfs punches the hole (and sets the times, which are the backing file's)."""
+        self._fallocate(ino, 3, offset, length)  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+
+    def _fallocate(self, ino: int, mode: int, offset: int, length: int) -> None:
         with self._fd(ino) as fd:
-            failed = _libc.fallocate(fd, 1 if keep_size else 0, offset, length) < 0
+            failed = _libc.fallocate(fd, mode, offset, length) < 0
         if failed:
             err = ctypes.get_errno()
             raise FsError(err, f"inode {ino}: fallocate: {os.strerror(err)}")

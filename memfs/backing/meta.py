@@ -242,6 +242,20 @@ class BackedMeta(Meta):
             await self.residency.ensure_resident(ino, size - 1, 1)
         return await self.store.truncate(ino, size)
 
+    async def punch(self, ino: int, offset: int, length: int) -> list[tuple[int, int, int]]:
+        i = self.store.inodes.get(ino)
+        if i is not None and i.backed and 0 <= offset < i.backed and length > 0:
+            # Below what DIR holds a missing chunk reads DIR's copy: the range there is
+            # fetched, then zeroed in the pool (and written back as zeros).
+            n = min(offset + length, i.backed) - offset
+            for _ in range(8):
+                await self.residency.ensure_resident(ino, offset, n)
+                if not self.store.missing(ino, offset, n):
+                    break
+            else:
+                raise FsError(errno.EIO, f"inode {ino}: data keeps being evicted (pool too small?)")
+        return await self.store.punch(ino, offset, length)
+
     # -- Meta: everything else goes straight to the store ---------------------------------
 
     async def lookup(self, parent: int, name: bytes) -> Attr:

@@ -250,6 +250,20 @@ class ChangeTracker:
             if gone:
                 self._signal_cleaned()  # writers waiting on the cap may go on
 
+    def punched(self, ino: int, first: int, last: int) -> None:
+        d = self.mark(ino)
+        i = self.store.inodes.get(ino)
+        if d is not None and i is not None and i.chunks is not None:
+            gone = {k for k in d.chunks if first <= k <= last and k not in i.chunks}
+            d.chunks -= gone
+            self.dirty_chunks -= len(gone)
+            self._add_chunks(d, [k for k in i.chunks if first <= k <= last])
+            if gone:
+                self._signal_cleaned()
+            if self.pressing:
+                self._wake.set()
+        self._touch(ino)
+
     def attrs_changed(self, ino: int) -> None:
         i = self.store.inodes.get(ino)
         if i is None:

@@ -183,6 +183,12 @@ class Meta(abc.ABC):
         """Set the size, free chunks past it, return ranges the caller must zero."""
 
     @abc.abstractmethod
+    async def punch(self, ino: int, offset: int, length: int) -> list[tuple[int, int, int]]:
+        """Punch a hole (``FALLOC_FL_PUNCH_HOLE``, the size kept): free the chunks wholly
+        inside ``[offset, offset+length)`` below EOF and return the parts of the
+        others there that the caller must zero, like :meth:`truncate`'s tail."""
+
+    @abc.abstractmethod
     async def mknod(
         self, parent: int, name: bytes, mode: int, uid: int, gid: int,
         rdev: int = 0, target: bytes | None = None,
@@ -312,7 +318,7 @@ class Meta(abc.ABC):
         self, zero: Callable[[int, list[tuple[int, int, int]]], Awaitable[None]],
     ) -> None:
         """*zero(ino, ranges)*: zeroes what a truncate of *ino* cut off in chunks that
-        stay (:meth:`truncate`'s ranges).  A client that hands out no map of a file
+        stay (:meth:`truncate`'s ranges; :meth:`punch`'s too).  A client that hands out no map of a file
         while it truncates it (RemoteMeta) runs it before it hands one out again, and
         its truncate then returns no ranges: a memfs.array process of the node could
         otherwise write past the new end before those zeros land over its bytes."""

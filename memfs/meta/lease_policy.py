@@ -73,7 +73,8 @@ class LeasePolicy:
             if args[0] in leases.writers:
                 items.append(Item(args[0], write_only=True))
             return items
-        if name in ("setattr", "truncate", "map_write", "allocate_ahead", "setxattr", "removexattr"):
+        if name in ("setattr", "truncate", "punch", "map_write", "allocate_ahead", "setxattr",
+                    "removexattr"):
             return [Item(args[0])]
         if name == "drop_privileges":  # only if there is something to drop
             return [Item(args[0])] if store.has_privileges(args[0], bool(args[1])) else []

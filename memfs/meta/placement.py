@@ -141,6 +141,41 @@ class Placement:
         self.space.release([(inode.layout.volume_of_chunk(k, cs), inode.chunks.pop(k))
                             for k in doomed])
 
+    def punch(self, i: Inode, offset: int, end: int) -> list[tuple[int, int, int]]:
+        """A hole punched in ``[offset, end)`` of *i* (*end* at most its size): chunks
+        wholly inside (or from *offset* to EOF: past EOF a chunk holds zeros) are
+        freed, the parts of the others there are returned to zero ``(volume,
+        voffset, length)``.  Below ``backed`` a missing chunk means "in the backing
+        directory", so chunks there are zeroed whole instead of freed (the caller
+        made them resident first).  Lost chunks wholly inside become holes (past
+        ``backed``: below it they stay lost, never fetched from DIR's older copy)."""
+        assert i.chunks is not None
+        cs = self.chunk_size
+        first, last = offset // cs, (end - 1) // cs
+        to_eof = end >= i.size
+
+        def whole(k: int) -> bool:
+            return offset <= k * cs and ((k + 1) * cs <= end or to_eof) and k * cs >= i.backed
+
+        chunks = i.chunks
+        if last - first + 1 <= len(chunks):
+            ks = [k for k in range(first, last + 1) if k in chunks]
+        else:
+            ks = sorted(k for k in chunks if first <= k <= last)
+        free = [k for k in ks if whole(k)]
+        zero = [k for k in ks if not whole(k)]
+        self.check_sealed(i, zero)  # (before any change: nothing is journaled on failure)
+        out = []
+        if ks:
+            assert i.layout is not None
+            for k in zero:
+                lo, hi = max(offset, k * cs), min(end, (k + 1) * cs)
+                out.append((i.layout.volume_of_chunk(k, cs), chunks[k] + lo - k * cs, hi - lo))
+            self.space.release([(i.layout.volume_of_chunk(k, cs), chunks.pop(k)) for k in free])
+        if i.lost:
+            i.lost = {k for k in i.lost if not (first <= k <= last and whole(k))} or None
+        return out
+
     # -- memory lost with a memory server that restarted blank ---------------------------
 
     def holding(self, volumes: set[int]) -> list[int]:

@@ -843,11 +843,21 @@ class RemoteMeta(Meta):
         truncate, waits for the server: a reconnection, the burst buffer's dirty cap)
         makes the truncate fail with ETXTBSY rather than free chunks it may still
         write."""
+        return await self._cut(ino, "truncate", size)
+
+    async def punch(self, ino: int, offset: int, length: int) -> list[tuple[int, int, int]]:
+        """As a truncate (it frees chunks and zeroes parts of others): the same waits,
+        and no map of the file handed out here until it is applied and zeroed.  The
+        size stays: ours, if unsent, goes first."""
+        return await self._cut(ino, "punch", offset, length)
+
+    async def _cut(self, ino: int, call: str, *args: int) -> list[tuple[int, int, int]]:
+        """A truncate or punch of *ino* (*call*, its arguments after the inode)."""
         truncating = self.leases.truncating
         await self.leases.truncates_over(ino)  # one at a time
         truncating[ino] = gate = trio.Event()
         try:
-            ranges = await self._truncate(ino, size)
+            ranges = await self._truncate(ino, call, args)
             if ranges and self._zero_tails is not None:
                 # Before any map of the file is handed out here again (no await before
                 # its pin: a recall read right behind the reply waits for the zeroing).
@@ -858,7 +868,7 @@ class RemoteMeta(Meta):
             del truncating[ino]
             gate.set()
 
-    async def _truncate(self, ino: int, size: int) -> list[tuple[int, int, int]]:
+    async def _truncate(self, ino: int, call: str, args: tuple[int, ...]) -> list[tuple[int, int, int]]:
         if (w := self.leases.settled_first(ino)) is not None:
             await w
         if self.leases.barrier is not None and self.cache.pinned_here(ino):
@@ -877,18 +887,22 @@ class RemoteMeta(Meta):
                     continue  # our own transport's again: none began meanwhile
                 raise FsError(errno.ETXTBSY, "a memfs.array write of it on this node did not "
                               f"end within {self.leases.answer_within:.1f} s")
-            log.warning("truncating inode %d: transfers of it begun before still run", ino)
+            log.warning("%s of inode %d: transfers of it begun before still run", call, ino)
         # From here no await until the call is sent (when connected): the state
         # dropped now stays dropped.
-        # Our chunk map past the new size is void, and so is any size we did not send.
-        cache.dirty.pop(ino, None)
-        cache.answered.pop(ino, None)
+        # Our chunk map past the new size is void, and so is any size we did not send
+        # (a punch keeps the size: ours was sent first, and the kernel's lock on the
+        # file keeps this node's writes out until it returns).
+        if call == "truncate":
+            cache.dirty.pop(ino, None)
+            cache.answered.pop(ino, None)
         cache.cut(ino)
         try:
             while True:
                 try:
-                    ranges: list[tuple[int, int, int]] = await self._call("truncate", ino, size)
-                    self.leases.truncated(ino)
+                    ranges: list[tuple[int, int, int]] = await self._call(call, ino, *args)
+                    if call == "truncate":
+                        self.leases.truncated(ino)
                     return ranges
                 except FsError as exc:
                     # Another client's change of the file waits on the server's backing

@@ -97,7 +97,7 @@ from memfs.wire import Kind, WireError
 
 #: calls that wait for fences: chunks granted to write, a file's tail cut (its last
 #: chunk kept: a stale write there would show when the file grows again)
-_FENCED_CALLS = frozenset({"map_write", "allocate_ahead", "truncate"})
+_FENCED_CALLS = frozenset({"map_write", "allocate_ahead", "truncate", "punch"})
 
 if TYPE_CHECKING:
     from memfs.metrics import Metrics
@@ -121,18 +121,18 @@ RECOVERY_WAIT = 3.0
 MAX_AHEAD = 64 << 20
 #: methods whose reply carries state a client may cache under its lease (see LeasePolicy.holds)
 _LEASED = frozenset({
-    "lookup", "getattr", "setattr", "truncate", "mknod", "create", "link", "unlink", "rmdir",
+    "lookup", "getattr", "setattr", "truncate", "punch", "mknod", "create", "link", "unlink", "rmdir",
     "rename", "readlink", "readdir", "readdirplus", "open", "map_read", "map_write",
     "allocate_ahead", "getxattr", "create_at", "unlink_at",
 })
 #: methods whose reply names chunks that the client transfers to at once, even when
 #: it may not cache the reply (see LeaseTable.register): chunk maps, and the tail of
 #: the last chunk that a shrinking truncate leaves for the caller to zero
-_MAPS = frozenset({"map_read", "map_write", "allocate_ahead", "truncate"})
+_MAPS = frozenset({"map_read", "map_write", "allocate_ahead", "truncate", "punch"})
 #: with a backing directory: calls that may wait inside their change, run under the
 #: file's gate (memfs.meta.gates)
 _GATED = {"map_read": gates.READ, "map_write": gates.CHANGE, "allocate_ahead": gates.CHANGE,
-          "truncate": gates.CUT}
+          "truncate": gates.CUT, "punch": gates.CUT}
 #: most inode numbers one reserve_inos call hands a session
 MAX_RESERVE = 4096
 
@@ -143,7 +143,7 @@ _LOCK_CALLS = frozenset({"getlk", "setlk", "flock", "unlock", "unwait"})
 
 #: calls that may allocate or free a file's chunks (args[0] is the file; sizes go by
 #: truncate, never setattr)
-_CHUNK_CHANGES = frozenset({"map_write", "allocate_ahead", "truncate", "settle"})
+_CHUNK_CHANGES = frozenset({"map_write", "allocate_ahead", "truncate", "punch", "settle"})
 
 
 class MetaServer:
@@ -666,7 +666,7 @@ class MetaServer:
                 # Its bytes go out after this reply: readers elsewhere (and the
                 # write-back) wait for them.
                 self.leases.wrote(session, args[0], placed=True)
-        if m.name == "truncate" and result:
+        if m.name in ("truncate", "punch") and result:
             self.lease_policy.tail_sent(args[0])
         return kind, body
 

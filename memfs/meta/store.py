@@ -111,6 +111,10 @@ class Watcher(Protocol):
 
     def truncated(self, ino: int) -> None: ...
 
+    def punched(self, ino: int, first: int, last: int) -> None:
+        """A hole was punched over chunks *first*..*last* of *ino*: those still there
+        were zeroed in part (or whole), the others freed."""
+
     def attrs_changed(self, ino: int) -> None:
         """mode, owner, times or xattrs changed (not atime alone)."""
 
@@ -448,6 +452,27 @@ class MetaStore(Meta):
         i.mtime_ns = i.ctime_ns = self.now()
         if self.watcher is not None:
             self.watcher.truncated(ino)
+        return zero
+
+    async def punch(self, ino: int, offset: int, length: int) -> list[tuple[int, int, int]]:
+        i = self._get(ino)
+        if i.children is not None:
+            raise FsError(errno.EISDIR)
+        if not stat.S_ISREG(i.mode):
+            raise FsError(errno.ENODEV)
+        if offset < 0 or length <= 0:
+            raise FsError(errno.EINVAL)
+        end = min(offset + length, i.size)
+        zero: list[tuple[int, int, int]] = []
+        if end > offset and i.chunks is not None:
+            zero = self.placement.punch(i, offset, end)
+        i.mtime_ns = i.ctime_ns = self.now()
+        if self.watcher is not None:
+            if end > offset:
+                cs = self.chunk_size
+                self.watcher.punched(ino, offset // cs, (end - 1) // cs)
+            else:
+                self.watcher.attrs_changed(ino)
         return zero
 
     async def mknod(

@@ -234,7 +234,7 @@ def make_cluster(
         assert "Traceback" not in text, text
 
 
-def sha(data: bytes) -> str:
+def sha(data: bytes | bytearray) -> str:
     return hashlib.sha256(data).hexdigest()
 
 

@@ -43,6 +43,7 @@ from tests.mount.churn import churn, direct_read, tagged
 from tests.mount.test_cluster import MEMFS, Cluster, make_cluster, memfs_cli, sha
 from tests.mount.test_cluster import pytestmark as cluster_marks
 from tests.mount.test_cluster_leases import stopped
+from tests.mount.test_space import PUNCH, fallocate
 from tests.mount.test_writeback import (
     OLD_NS,
     TMP_DIR,
@@ -384,7 +385,8 @@ def test_writes_under_a_write_lease_are_written_back(tmp_path: Path) -> None:
     what it writes so must still reach DIR: an in-place overwrite (size unchanged)
     after a write-back, flushed while the file is open and again after its close,
     and after the file was evicted to make room (read back from DIR by the other
-    node).  Also: the lease is granted (the writer writes without a call)."""
+    node, with a hole punched meanwhile).  Also: the lease is granted (the writer
+    writes without a call)."""
     back = tmp_path / "backing"
     back.mkdir()
     size = 4 * MiB
@@ -423,7 +425,17 @@ def test_writes_under_a_write_lease_are_written_back(tmp_path: Path) -> None:
             (c2 / f"fill{n}").write_bytes(os.urandom(24 * MiB))
             flush_wait(c2)
         assert status(c1)["evicted_files"] > 0, "nothing was evicted: the pool is too large"
+        # A hole punched in f while its data is only in DIR: the mds fetches the range
+        # and zeroes it; the other node reads the hole, and DIR gets it.
+        fd = os.open(c1 / "f", os.O_RDWR)
+        try:
+            fallocate(fd, PUNCH, MiB // 2, MiB)
+        finally:
+            os.close(fd)
+        want = want[: MiB // 2] + bytes(MiB) + want[MiB // 2 + MiB :]
         assert sha(direct_read(c2 / "f", size)) == sha(want)
+        flush_wait(c2)
+        assert sha((back / "f").read_bytes()) == sha(want)
         assert_no_traceback(cluster)
 
 

@@ -42,6 +42,7 @@ from memfs.cli.runtime import alive, pid_file
 from tests.conftest import wait_gone
 from tests.mount.test_cluster import PORT_MDS, Cluster, fill, make_cluster, sha, wait_line
 from tests.mount.test_cluster import pytestmark as cluster_marks
+from tests.mount.test_space import PUNCH, fallocate
 
 # Skipped as test_cluster.py is (root, /dev/fuse, network namespaces).
 pytestmark = [*cluster_marks, pytest.mark.timeout(120)]
@@ -985,6 +986,47 @@ def test_space_ahead_comes_back_at_close_and_enospc_at_write(cluster: Cluster) -
     os.unlink(c2 / "pre")
     os.unlink(c1 / "again")
     assert used(c1) == 0
+
+
+def test_a_punched_hole_is_seen_by_the_other_node_at_once(cluster: Cluster) -> None:
+    """fallocate(PUNCH_HOLE | KEEP_SIZE) on one node, in rounds both ways: once it
+    returns the other node's very next read (through a descriptor it kept open, its
+    pages warm) shows the zeros; the punching node's own size, written and not yet
+    reported, stays; the freed chunks are free on both nodes."""
+    c1, c2 = cluster.mnt["c1"], cluster.mnt["c2"]
+    rng = random.Random(11)
+    size = 3 * STRIPE + 1000
+    for rnd in range(10):
+        a, b = (c1, c2) if rnd % 2 == 0 else (c2, c1)
+        data = bytearray(rng.randbytes(size))
+        (b / "h").write_bytes(data)
+        assert (a / "h").read_bytes() == data  # warm on both nodes
+        seen = os.open(b / "h", os.O_RDONLY)
+        fd = os.open(a / "h", os.O_RDWR)
+        try:
+            assert os.pread(seen, len(data), 0) == data
+            tail = rng.randbytes(100)
+            os.pwrite(fd, tail, size)  # past EOF, under a's write lease: unreported
+            data += tail
+            off, n = rng.randrange(len(data)), rng.randrange(1, 2 * STRIPE)
+            fallocate(fd, PUNCH, off, n)
+            data[off:off + n] = bytes(len(data[off:off + n]))
+            assert os.fstat(fd).st_size == len(data)
+            assert os.pread(seen, len(data) + 1, 0) == data, f"round {rnd}: {off}+{n}"
+        finally:
+            os.close(fd)
+            os.close(seen)
+        assert sha((a / "h").read_bytes()) == sha(data)
+        assert sha((b / "h").read_bytes()) == sha(data)
+    fd = os.open(c1 / "h", os.O_RDWR)
+    try:
+        fallocate(fd, PUNCH, 0, 4 * STRIPE)
+    finally:
+        os.close(fd)
+    assert (c2 / "h").read_bytes() == bytes(size + 100)
+    wait_used(c2, 0, 5)
+    assert used(c1) == 0
+    os.unlink(c2 / "h")
 
 
 def test_posted_writes_return_before_the_memory_server_answers(cluster: Cluster) -> None:

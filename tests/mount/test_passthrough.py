@@ -22,6 +22,7 @@ import pytest
 from tests.conftest import Mounted
 from tests.mount.test_metrics import free_port, http_get, samples
 from tests.mount.test_posix import NOBODY, in_child
+from tests.mount.test_space import PUNCH, fallocate
 
 MEMFS = [sys.executable, "-m", "memfs"]
 pytestmark = pytest.mark.mount
@@ -124,6 +125,27 @@ def test_a_full_pool_is_enospc_at_write(memfs_mount: Callable[..., Mounted]) -> 
     os.unlink(m / "fill")
     os.unlink(m / "keep")
     assert os.statvfs(m.path).f_bfree == start
+
+
+def test_a_punched_hole_frees_space(memfs_mount: Callable[..., Mounted]) -> None:
+    """fallocate(PUNCH_HOLE | KEEP_SIZE) reaches the backing file: zeros, the size
+    kept, its blocks back in df, mtime moved."""
+    m = memfs_mount("--size", "16M", "-o", "passthrough")
+    start = os.statvfs(m.path).f_bfree
+    data = os.urandom(4 << 20)
+    (m / "f").write_bytes(data)
+    fd = os.open(m / "f", os.O_RDWR)
+    try:
+        os.utime(fd, ns=(1, 1))
+        fallocate(fd, PUNCH, 4096 + 1, 2 << 20)
+        st = os.fstat(fd)
+        assert st.st_size == len(data) and st.st_mtime_ns > 1
+    finally:
+        os.close(fd)
+    want = data[:4097] + bytes(2 << 20) + data[4097 + (2 << 20):]
+    assert (m / "f").read_bytes() == want
+    assert os.statvfs(m.path).f_bfree > start - (3 << 20) // os.statvfs(m.path).f_frsize
+    os.unlink(m / "f")
 
 
 @pytest.mark.parametrize("args, says", [

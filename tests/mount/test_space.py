@@ -30,7 +30,8 @@ pytestmark = pytest.mark.mount
 
 CHUNK = 64 << 10
 STRIPE = 1 << 20
-FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, FALLOC_FL_ZERO_RANGE = 0x01, 0x02, 0x10
+PUNCH = FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
 SMALL_POOL = ("--size", "16M", "--volumes", "2")
 
 
@@ -179,8 +180,8 @@ def fallocate(fd: int, mode: int, offset: int, length: int) -> None:
 
 def test_fallocate_reserves_space(memfs_mount: Callable[..., Mounted]) -> None:
     """fallocate(2) reaches memfs (pyfuse3 patch 0004): the range's chunks are taken at
-    once and read as zeros; KEEP_SIZE within the file works, past it and other modes
-    are EOPNOTSUPP; a range larger than the pool is ENOSPC and leaves the file and the
+    once and read as zeros; KEEP_SIZE within the file works, past it and the modes
+    tmpfs lacks too are EOPNOTSUPP; a range larger than the pool is ENOSPC and leaves the file and the
     free space as they were."""
     m: Mounted = memfs_mount(*SMALL_POOL)
     total = free_bytes(m)
@@ -197,7 +198,7 @@ def test_fallocate_reserves_space(memfs_mount: Callable[..., Mounted]) -> None:
         assert free_bytes(m) == total - CHUNK - 3 * STRIPE, "every chunk of the range taken now"
         fallocate(fd, FALLOC_FL_KEEP_SIZE, 0, STRIPE)
         assert os.fstat(fd).st_size == CHUNK + 3 * STRIPE
-        for mode, offset in ((FALLOC_FL_KEEP_SIZE, 3 * STRIPE), (FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0)):
+        for mode, offset in ((FALLOC_FL_KEEP_SIZE, 3 * STRIPE), (FALLOC_FL_ZERO_RANGE, 0)):
             with pytest.raises(OSError) as info:
                 fallocate(fd, mode, offset, STRIPE)
             assert info.value.errno == errno.EOPNOTSUPP
@@ -375,3 +376,46 @@ async def test_statfs_past_the_nominal_inode_count() -> None:
     assert st.f_ffree == st.f_favail == 0
     assert st.f_files >= len(store.inodes)
     await data.transport.aclose()
+
+
+def test_punch_hole_frees_space_and_reads_zeros(memfs_mount: Callable[..., Mounted]) -> None:
+    """fallocate(PUNCH_HOLE | KEEP_SIZE), as on tmpfs: the size stays, the range reads
+    as zeros at once (pages this node cached too), whole chunks inside go back to
+    the pool (``st_blocks``, ``df``), the bytes around it are intact, mtime moves;
+    writing into the hole again takes a clean chunk (never the 0xFF of freed ones)."""
+    m: Mounted = memfs_mount(*SMALL_POOL)
+    total = free_bytes(m)
+    for path in fill(m, "dirt"):
+        path.unlink()
+    assert wait_free(m, total) == total
+    data = random.Random(7).randbytes(6 * CHUNK - 100)
+    path = m / "f"
+    path.write_bytes(data)
+    assert path.read_bytes() == data  # in this node's page cache now
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.utime(fd, ns=(1, 1))
+        blocks = os.fstat(fd).st_blocks
+        fallocate(fd, PUNCH, CHUNK + 10, 2 * CHUNK + 20)  # chunk 2 whole, 1 and 3 in part
+        st = os.fstat(fd)
+        assert st.st_size == len(data) and st.st_mtime_ns > 1
+        assert st.st_blocks == blocks - CHUNK // 512
+        assert wait_free(m, total - 5 * CHUNK) == total - 5 * CHUNK
+        want = data[:CHUNK + 10] + bytes(2 * CHUNK + 20) + data[3 * CHUNK + 30:]
+        assert sha256(path.read_bytes()) == sha256(want), "the page cache shows the hole"
+        assert sha256(read_uncached(path)) == sha256(want)
+
+        fallocate(fd, PUNCH, 4 * CHUNK, 10 * CHUNK)  # to EOF and past: chunks 4, 5 go
+        want = want[:4 * CHUNK] + bytes(len(data) - 4 * CHUNK)
+        assert os.fstat(fd).st_size == len(data)
+        assert wait_free(m, total - 3 * CHUNK) == total - 3 * CHUNK
+        assert sha256(read_uncached(path)) == sha256(want)
+
+        os.pwrite(fd, b"new", 2 * CHUNK + 5)  # into the hole: a clean chunk again
+        want = want[:2 * CHUNK + 5] + b"new" + want[2 * CHUNK + 8:]
+        assert sha256(read_uncached(path)) == sha256(want)
+        assert sha256(path.read_bytes()) == sha256(want)
+    finally:
+        os.close(fd)
+    path.unlink()
+    assert wait_free(m, total) == total

@@ -46,6 +46,7 @@ import pytest
 from memfs.cli.runtime import control_socket
 from memfs.control import ControlClient
 from tests.conftest import MEMFS, Mounted, wait_gone
+from tests.mount.test_space import PUNCH, fallocate
 
 pytestmark = [pytest.mark.mount, pytest.mark.timeout(150)]
 
@@ -66,7 +67,7 @@ def sha256_file(path: str | Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def sha(data: bytes) -> str:
+def sha(data: bytes | bytearray) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
@@ -181,7 +182,7 @@ def tmp_sizes(backing: Path) -> list[int]:
     return out
 
 
-def write_file(path: Path, data: bytes, mode: int | None = None) -> None:
+def write_file(path: Path, data: bytes | bytearray, mode: int | None = None) -> None:
     """Write *data* and fsync: the application's writes must all succeed."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as f:
@@ -971,3 +972,33 @@ def test_shutdown_with_a_hung_backing_directory(memfs_mount: MountFn) -> None:
         assert "exiting without writing back" in daemon_log(m)
     finally:
         os.kill(lus.pid, signal.SIGCONT)
+
+
+def test_punched_holes_are_written_back(memfs_mount: MountFn, tmp_path: Path) -> None:
+    """fallocate(PUNCH_HOLE | KEEP_SIZE) with a backing directory: in a file only in
+    DIR (not fetched yet) the range reads as zeros at once and the rest as DIR's
+    bytes; in a file written here it frees the pool memory; either way DIR's copy
+    shows the hole after write-back (a new version, like any change)."""
+    backing = tmp_path / "backing"
+    backing.mkdir()
+    rng = random.Random(5)
+    old = bytearray(rng.randbytes(3 * MiB + 100))
+    (backing / "old").write_bytes(old)
+    m = mount_backed(memfs_mount, backing, "--flush-delay", "60")
+    new = bytearray(rng.randbytes(4 * MiB))
+    write_file(m.path / "new", new)
+    flush_wait(m)
+    for name, data, off, n in (("old", old, 100_000, MiB), ("new", new, MiB - 1, 2 * MiB + 2)):
+        fd = os.open(m.path / name, os.O_RDWR)
+        try:
+            fallocate(fd, PUNCH, off, n)
+            assert os.fstat(fd).st_size == len(data)
+        finally:
+            os.close(fd)
+        data[off:off + n] = bytes(n)
+        assert sha((m.path / name).read_bytes()) == sha(data), name
+    assert status(m)["dirty_files"] == 2
+    flush_wait(m)
+    assert sha((backing / "old").read_bytes()) == sha(old)
+    assert sha((backing / "new").read_bytes()) == sha(new)
+    assert sha((m.path / "old").read_bytes()) == sha(old)

@@ -157,7 +157,10 @@ async def workload(meta: Meta, seed: int, steps: int) -> list[int]:
             elif op in (3, 4) and files:
                 await meta.map_write(rng.choice(files), rng.randrange(4 * M), rng.randrange(1, 300 * K))
             elif op == 5 and files:
-                await meta.truncate(rng.choice(files), rng.randrange(2 * M))
+                if step % 2:  # (the same draws either way: the seeds' workloads stay)
+                    await meta.truncate(rng.choice(files), rng.randrange(2 * M))
+                else:
+                    await meta.punch(rng.choice(files), rng.randrange(2 * M), step * 7919 % M + 1)
             elif op == 6:
                 await meta.rename(parent, name, rng.choice(dirs), b"n%d" % rng.randrange(40), rng.choice([0, 0, 1, 2]))
             elif op == 7 and files:

@@ -857,6 +857,50 @@ async def test_truncate(meta: Meta) -> None:
     await raises(errno.EINVAL, meta.truncate(s.ino, 0))
 
 
+async def test_punch(meta: Meta) -> None:
+    """A hole punched (the size kept): chunks wholly inside go back to the pool, the
+    parts of the others inside are for the caller to zero, and nothing else;
+    mtime and ctime move; past EOF nothing happens; a hole reads as one."""
+    cs = meta.chunk_size
+    f = await mkfile(meta, b"f")
+    s0 = await meta.statfs()
+    size = 6 * cs - 100  # chunk 5 partly past EOF
+    plan = await meta.map_write(f.ino, 0, size)
+    bases = chunk_bases(meta, plan.extents)
+    await meta.setattr(f.ino, SetAttr(mtime_ns=1, atime_ns=1))
+
+    # From inside chunk 1 to inside chunk 3: chunk 2 freed, parts of 1 and 3 zeroed.
+    zero = merged(await meta.punch(f.ino, cs + 10, 2 * cs + 20))
+    a = await meta.getattr(f.ino)
+    assert a.size == size and a.mtime_ns > 1 and a.ctime_ns >= a.mtime_ns
+    assert await allocated(meta, f.ino) == {0, 1, 3, 4, 5}
+    assert s0.blocks_free - (await meta.statfs()).blocks_free == 5 * cs // s0.block_size
+    v1, b1 = bases[1]
+    v3, b3 = bases[3]
+    assert zero == merged([(v1, b1 + 10, cs - 10), (v3, b3, 30)])
+    assert [e.volume for e in await meta.map_read(f.ino, 2 * cs, cs)] == [-1]
+
+    # Whole chunks: freed, nothing to zero; to EOF frees the last chunk too.
+    assert merged(await meta.punch(f.ino, 4 * cs, 10 * cs)) == []
+    assert await allocated(meta, f.ino) == {0, 1, 3}
+    assert (await meta.getattr(f.ino)).size == size
+    # Past EOF: nothing, but the call still counts as a change (as on tmpfs).
+    await meta.setattr(f.ino, SetAttr(mtime_ns=1))
+    assert await meta.punch(f.ino, size, cs) == []
+    assert (await meta.getattr(f.ino)).mtime_ns > 1
+    assert await allocated(meta, f.ino) == {0, 1, 3}
+    # A hole over holes and data alike.
+    assert merged(await meta.punch(f.ino, 0, size)) == []
+    assert await allocated(meta, f.ino) == set()
+    assert (await meta.statfs()).blocks_free == s0.blocks_free
+    assert (await meta.getattr(f.ino)).size == size
+
+    await raises(errno.EINVAL, meta.punch(f.ino, -1, cs))
+    await raises(errno.EINVAL, meta.punch(f.ino, 0, 0))
+    d = await mkdir(meta, b"d")
+    await raises(errno.EISDIR, meta.punch(d.ino, 0, cs))
+
+
 async def test_enospc_is_all_or_nothing(meta: Meta) -> None:
     cs = meta.chunk_size
     per_volume = POOL.volume_size
