@@ -772,6 +772,19 @@ class Operations(pyfuse3.Operations):
         else:
             await self.data.allocate(ino, off, length, keep_size=bool(mode & FALLOC_FL_KEEP_SIZE))
 
+    @_errno_boundary
+    async def lseek(self, fh: int, off: int, whence: int) -> int:
+        """``SEEK_DATA``/``SEEK_HOLE`` (pyfuse3 patch 0008; the kernel serves the other
+        whences itself): where the chunk map has data or holes.  With the kernel's
+        writeback cache its dirty pages are data the daemon has not seen: ENOSYS,
+        after which the kernel takes every file for data up to its size."""
+        if self.enable_writeback_cache:
+            raise FsError(errno.ENOSYS, "lseek: not with the kernel's writeback cache")
+        ino = fh & _INODE
+        if self.backing is not None:
+            return self.backing.seek(ino, off, whence)
+        return await self.meta.seek(ino, off, whence)
+
     async def flush(self, fh: int) -> None:
         """Nothing to push on close: data is in pool memory as soon as write() returns,
         or (a cluster client's posted writes) on its way there, waited for by this

@@ -283,6 +283,11 @@ class BackingFiles:
         """tmpfs punches the hole (and sets the times, which are the backing file's)."""
         self._fallocate(ino, 3, offset, length)  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
 
+    def seek(self, ino: int, offset: int, whence: int) -> int:
+        """tmpfs finds data and holes in the backing file."""
+        with self._io(ino, "lseek") as fd:
+            return os.lseek(fd, offset, whence)
+
     def _fallocate(self, ino: int, mode: int, offset: int, length: int) -> None:
         with self._fd(ino) as fd:
             failed = _libc.fallocate(fd, mode, offset, length) < 0

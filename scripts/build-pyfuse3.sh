@@ -14,16 +14,17 @@
 # interruptible waits.  0006-reply-threads.patch writes READ replies from
 # threads of their own while the request loop goes on.  0007-passthrough.patch
 # lets open and create hand a file to the kernel's FUSE passthrough (reads and
-# writes go to a backing file, not the daemon).  The patches' headers
+# writes go to a backing file, not the daemon).  0008-lseek.patch forwards
+# lseek(2)'s SEEK_DATA and SEEK_HOLE to Operations.lseek().  The patches' headers
 # say why and what they measured.  The source distribution comes from PyPI,
 # pinned by version and sha256; the build is pip's usual one (Cython,
 # libfuse3-dev).  The installed version is
-# 3.5.0+memfs.14, so a rerun with the patches in place does nothing, and memfs
+# 3.5.0+memfs.15, so a rerun with the patches in place does nothing, and memfs
 # still runs on a plain pyfuse3 (it logs that the kernel keeps its defaults).
 set -eu
 VENV=${1:?usage: $0 VENV}
 VERSION=3.5.0
-LOCAL=memfs.14
+LOCAL=memfs.15
 SHA256=88399a9494b88603230bba300f4ba9ad63fece5ed514ca3633d555a0c6a42b24
 HERE=$(cd "$(dirname "$0")" && pwd)
 

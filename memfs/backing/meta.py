@@ -242,6 +242,10 @@ class BackedMeta(Meta):
             await self.residency.ensure_resident(ino, size - 1, 1)
         return await self.store.truncate(ino, size)
 
+    async def seek(self, ino: int, offset: int, whence: int) -> int:
+        # (What is only in DIR counts as data: nothing is fetched to look.)
+        return await self.store.seek(ino, offset, whence)
+
     async def punch(self, ino: int, offset: int, length: int) -> list[tuple[int, int, int]]:
         i = self.store.inodes.get(ino)
         if i is not None and i.backed and 0 <= offset < i.backed and length > 0:

@@ -189,6 +189,13 @@ class Meta(abc.ABC):
         others there that the caller must zero, like :meth:`truncate`'s tail."""
 
     @abc.abstractmethod
+    async def seek(self, ino: int, offset: int, whence: int) -> int:
+        """``lseek(2)``'s ``SEEK_DATA`` or ``SEEK_HOLE`` (*whence*) from *offset*, with
+        the chunk as the grain (a chunk that holds memory is data even where it
+        holds zeros); ENXIO at or past the end of the file, or for data when
+        only holes follow."""
+
+    @abc.abstractmethod
     async def mknod(
         self, parent: int, name: bytes, mode: int, uid: int, gid: int,
         rdev: int = 0, target: bytes | None = None,

@@ -243,6 +243,7 @@ METHODS: dict[str, Method] = {m.name: m for m in [
     _m("setattr", "int setattr", attr_to_wire, attr_from_wire, "mutates", lambda m: m.setattr),
     _m("truncate", "int int", zero_to_wire, zero_from_wire, "mutates", lambda m: m.truncate),
     _m("punch", "int int int", zero_to_wire, zero_from_wire, "mutates", lambda m: m.punch),
+    _m("seek", "int int int", _same, lambda v: check_int(v, "offset"), "read", lambda m: m.seek),
     _m("mknod", "int bytes int int int int bytes?", attr_to_wire, attr_from_wire, "mutates", lambda m: m.mknod),
     _m("link", "int int bytes", attr_to_wire, attr_from_wire, "mutates", lambda m: m.link),
     # the server answers with the inode(s) the names named and the directories' new

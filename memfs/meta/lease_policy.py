@@ -53,7 +53,7 @@ class LeasePolicy:
             ino = args[0]
             return ([Item(ino, write_only=True)]
                     if ino in leases.writers or leases.others_writing(session, ino) else [])
-        if name in ("getattr", "open", "readlink"):
+        if name in ("getattr", "open", "readlink", "seek"):  # (seek: for the writers' sizes)
             return [Item(args[0], write_only=True)] if args[0] in leases.writers else []
         if name == "lookup":
             if not leases.writers:

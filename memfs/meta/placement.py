@@ -176,6 +176,35 @@ class Placement:
             i.lost = {k for k in i.lost if not (first <= k <= last and whole(k))} or None
         return out
 
+    def seek(self, i: Inode, offset: int, data: bool) -> int:
+        """``lseek(SEEK_DATA)`` (*data*) or ``SEEK_HOLE`` in regular file *i* from
+        *offset*, chunk by chunk: a chunk is data if it holds memory, is lost (its
+        bytes are not known to be zeros), or lies below ``backed`` (in the backing
+        directory); the end of the file is a hole.  ENXIO at or past the end, and
+        for data when only holes follow."""
+        assert i.chunks is not None
+        if offset < 0 or offset >= i.size:
+            raise FsError(errno.ENXIO)
+        cs = self.chunk_size
+        chunks, lost = i.chunks, i.lost or ()
+        first, last = offset // cs, (i.size - 1) // cs
+        backed = -(-i.backed // cs)  # chunks below this one are data
+
+        def is_data(k: int) -> bool:
+            return k < backed or k in chunks or k in lost
+
+        if data:
+            if is_data(first):
+                return offset
+            found = min((k for k in (*chunks, *lost) if first < k <= last), default=None)
+            if found is None:
+                raise FsError(errno.ENXIO)
+            return found * cs
+        k = first
+        while k <= last and is_data(k):  # (at most one step per data chunk)
+            k += 1
+        return min(i.size, max(offset, k * cs))
+
     # -- memory lost with a memory server that restarted blank ---------------------------
 
     def holding(self, volumes: set[int]) -> list[int]:

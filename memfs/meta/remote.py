@@ -845,6 +845,14 @@ class RemoteMeta(Meta):
         write."""
         return await self._cut(ino, "truncate", size)
 
+    async def seek(self, ino: int, offset: int, whence: int) -> int:
+        """The server's chunk map says, once it has our unsent size (and, by recalling
+        them, other writers')."""
+        if (w := self.leases.settled_first(ino)) is not None:
+            await w
+        found: int = await self._call("seek", ino, offset, whence)
+        return found
+
     async def punch(self, ino: int, offset: int, length: int) -> list[tuple[int, int, int]]:
         """As a truncate (it frees chunks and zeroes parts of others): the same waits,
         and no map of the file handed out here until it is applied and zeroed.  The

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import stat
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
@@ -453,6 +454,13 @@ class MetaStore(Meta):
         if self.watcher is not None:
             self.watcher.truncated(ino)
         return zero
+
+    async def seek(self, ino: int, offset: int, whence: int) -> int:
+        i = self._get(ino)
+        if i.children is not None or not stat.S_ISREG(i.mode) or i.chunks is None \
+                or whence not in (os.SEEK_DATA, os.SEEK_HOLE):
+            raise FsError(errno.EINVAL)
+        return self.placement.seek(i, offset, data=whence == os.SEEK_DATA)
 
     async def punch(self, ino: int, offset: int, length: int) -> list[tuple[int, int, int]]:
         i = self._get(ino)

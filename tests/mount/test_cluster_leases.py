@@ -992,7 +992,8 @@ def test_a_punched_hole_is_seen_by_the_other_node_at_once(cluster: Cluster) -> N
     """fallocate(PUNCH_HOLE | KEEP_SIZE) on one node, in rounds both ways: once it
     returns the other node's very next read (through a descriptor it kept open, its
     pages warm) shows the zeros; the punching node's own size, written and not yet
-    reported, stays; the freed chunks are free on both nodes."""
+    reported, stays; the freed chunks are free on both nodes; lseek's SEEK_DATA and
+    SEEK_HOLE on one node see the other's fresh writes."""
     c1, c2 = cluster.mnt["c1"], cluster.mnt["c2"]
     rng = random.Random(11)
     size = 3 * STRIPE + 1000
@@ -1026,6 +1027,18 @@ def test_a_punched_hole_is_seen_by_the_other_node_at_once(cluster: Cluster) -> N
     assert (c2 / "h").read_bytes() == bytes(size + 100)
     wait_used(c2, 0, 5)
     assert used(c1) == 0
+    # SEEK_DATA / SEEK_HOLE on one node find what the other wrote a moment ago, its
+    # size not yet reported (the mds recalls the writer first).
+    fd = os.open(c1 / "h", os.O_RDWR)
+    seen = os.open(c2 / "h", os.O_RDONLY)
+    try:
+        os.pwrite(fd, b"d", 5 * STRIPE)
+        assert os.lseek(seen, 0, os.SEEK_DATA) == 5 * STRIPE
+        assert os.lseek(seen, 5 * STRIPE, os.SEEK_HOLE) == 5 * STRIPE + 1
+        assert os.lseek(seen, 0, os.SEEK_HOLE) == 0
+    finally:
+        os.close(fd)
+        os.close(seen)
     os.unlink(c2 / "h")
 
 

@@ -129,7 +129,7 @@ def test_a_full_pool_is_enospc_at_write(memfs_mount: Callable[..., Mounted]) -> 
 
 def test_a_punched_hole_frees_space(memfs_mount: Callable[..., Mounted]) -> None:
     """fallocate(PUNCH_HOLE | KEEP_SIZE) reaches the backing file: zeros, the size
-    kept, its blocks back in df, mtime moved."""
+    kept, its blocks back in df, mtime moved; lseek finds the hole there."""
     m = memfs_mount("--size", "16M", "-o", "passthrough")
     start = os.statvfs(m.path).f_bfree
     data = os.urandom(4 << 20)
@@ -140,6 +140,8 @@ def test_a_punched_hole_frees_space(memfs_mount: Callable[..., Mounted]) -> None
         fallocate(fd, PUNCH, 4096 + 1, 2 << 20)
         st = os.fstat(fd)
         assert st.st_size == len(data) and st.st_mtime_ns > 1
+        assert os.lseek(fd, 0, os.SEEK_HOLE) == 8192  # tmpfs's pages: SEEK_HOLE goes there
+        assert os.lseek(fd, 8192, os.SEEK_DATA) == (4097 + (2 << 20)) // 4096 * 4096
     finally:
         os.close(fd)
     want = data[:4097] + bytes(2 << 20) + data[4097 + (2 << 20):]

@@ -13,6 +13,7 @@ import errno
 import hashlib
 import os
 import random
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -419,3 +420,46 @@ def test_punch_hole_frees_space_and_reads_zeros(memfs_mount: Callable[..., Mount
         os.close(fd)
     path.unlink()
     assert wait_free(m, total) == total
+
+
+def test_seek_data_and_hole_and_sparse_copies(memfs_mount: Callable[..., Mounted]) -> None:
+    """lseek(SEEK_DATA / SEEK_HOLE) reaches memfs (pyfuse3 patch 0008) and answers from
+    the chunk map: without it the kernel would take the whole file for data (the
+    first hole at the end).  cp, which looks for holes that way, keeps them."""
+    m: Mounted = memfs_mount(*SMALL_POOL)
+    path = m / "sparse"
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        os.pwrite(fd, b"a" * CHUNK, 0)
+        os.pwrite(fd, b"b" * 10, 4 * CHUNK + 7)
+        os.ftruncate(fd, 8 * CHUNK)
+        assert os.lseek(fd, 0, os.SEEK_DATA) == 0
+        assert os.lseek(fd, 0, os.SEEK_HOLE) == CHUNK
+        assert os.lseek(fd, CHUNK, os.SEEK_DATA) == 4 * CHUNK
+        assert os.lseek(fd, 4 * CHUNK, os.SEEK_HOLE) == 5 * CHUNK
+        with pytest.raises(OSError) as info:
+            os.lseek(fd, 5 * CHUNK, os.SEEK_DATA)
+        assert info.value.errno == errno.ENXIO
+        fallocate(fd, PUNCH, 0, CHUNK)
+        assert os.lseek(fd, 0, os.SEEK_DATA) == 4 * CHUNK
+    finally:
+        os.close(fd)
+    subprocess.run(["cp", "--sparse=auto", str(path), str(m / "copy")], check=True)
+    assert (m / "copy").read_bytes() == path.read_bytes()
+    assert os.stat(m / "copy").st_blocks == os.stat(path).st_blocks == CHUNK // 512
+
+
+def test_seek_with_the_writeback_cache_takes_everything_for_data(
+    memfs_mount: Callable[..., Mounted],
+) -> None:
+    """With ``-o writeback_cache`` the kernel holds written pages the daemon has not
+    seen: memfs answers LSEEK with ENOSYS, and the kernel then takes every file for
+    data up to its size (never a hole where unwritten-back data is)."""
+    m: Mounted = memfs_mount(*SMALL_POOL, "-o", "writeback_cache")
+    fd = os.open(m / "f", os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        os.pwrite(fd, b"x", 4 * CHUNK)
+        assert os.lseek(fd, 0, os.SEEK_DATA) == 0
+        assert os.lseek(fd, 0, os.SEEK_HOLE) == 4 * CHUNK + 1
+    finally:
+        os.close(fd)

@@ -901,6 +901,40 @@ async def test_punch(meta: Meta) -> None:
     await raises(errno.EISDIR, meta.punch(d.ino, 0, cs))
 
 
+async def test_seek_data_and_holes(meta: Meta) -> None:
+    """lseek's SEEK_DATA and SEEK_HOLE, chunk by chunk: data where chunks hold
+    memory, holes elsewhere and at the end of the file, ENXIO at or past it and
+    for data when only holes follow."""
+    cs = meta.chunk_size
+    f = await mkfile(meta, b"f")
+    data, hole = os.SEEK_DATA, os.SEEK_HOLE
+    await raises(errno.ENXIO, meta.seek(f.ino, 0, data))  # empty
+    await raises(errno.ENXIO, meta.seek(f.ino, 0, hole))
+    await meta.map_write(f.ino, 10, 2 * cs - 10)  # chunks 0, 1
+    await meta.map_write(f.ino, 4 * cs + 5, 10)  # chunk 4
+    await meta.truncate(f.ino, 6 * cs + 100)  # chunks 5, 6: holes to the end
+    assert await meta.seek(f.ino, 0, data) == 0
+    assert await meta.seek(f.ino, 5, hole) == 2 * cs
+    assert await meta.seek(f.ino, 2 * cs + 7, hole) == 2 * cs + 7
+    assert await meta.seek(f.ino, 2 * cs + 7, data) == 4 * cs
+    assert await meta.seek(f.ino, 4 * cs + 1, data) == 4 * cs + 1
+    assert await meta.seek(f.ino, 4 * cs, hole) == 5 * cs
+    await raises(errno.ENXIO, meta.seek(f.ino, 4 * cs + cs, data))
+    assert await meta.seek(f.ino, 6 * cs + 99, hole) == 6 * cs + 99
+    await raises(errno.ENXIO, meta.seek(f.ino, 6 * cs + 100, hole))
+    await raises(errno.ENXIO, meta.seek(f.ino, 7 * cs, data))
+    await raises(errno.ENXIO, meta.seek(f.ino, -1, data))
+    # Data to the end: the end of the file is the hole.
+    await meta.map_write(f.ino, 5 * cs, cs + 100)
+    assert await meta.seek(f.ino, 4 * cs, hole) == 6 * cs + 100
+    await meta.punch(f.ino, 0, 6 * cs + 100)
+    await raises(errno.ENXIO, meta.seek(f.ino, 0, data))
+    assert await meta.seek(f.ino, 0, hole) == 0
+    d = await mkdir(meta, b"d")
+    await raises(errno.EINVAL, meta.seek(d.ino, 0, data))
+    await raises(errno.EINVAL, meta.seek(f.ino, 0, os.SEEK_SET))
+
+
 async def test_enospc_is_all_or_nothing(meta: Meta) -> None:
     cs = meta.chunk_size
     per_volume = POOL.volume_size
