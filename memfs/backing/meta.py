@@ -248,17 +248,40 @@ class BackedMeta(Meta):
 
     async def punch(self, ino: int, offset: int, length: int) -> list[tuple[int, int, int]]:
         i = self.store.inodes.get(ino)
-        if i is not None and i.backed and 0 <= offset < i.backed and length > 0:
-            # Below what DIR holds a missing chunk reads DIR's copy: the range there is
-            # fetched, then zeroed in the pool (and written back as zeros).
-            n = min(offset + length, i.backed) - offset
-            for _ in range(8):
-                await self.residency.ensure_resident(ino, offset, n)
-                if not self.store.missing(ino, offset, n):
-                    break
-            else:
-                raise FsError(errno.EIO, f"inode {ino}: data keeps being evicted (pool too small?)")
-        return await self.store.punch(ino, offset, length)
+        if i is None or i.chunks is None or length <= 0 or not 0 <= offset < i.backed:
+            return await self.store.punch(ino, offset, length)
+        with self.residency.using(ino):  # not evicted meanwhile: ``backed`` stays
+            await self._hole_ready(ino, offset, min(offset + length, i.size))
+            return await self.store.punch(ino, offset, length)
+
+    async def _hole_ready(self, ino: int, offset: int, end: int) -> None:
+        """Below ``backed`` a missing chunk reads DIR's copy (``Placement.punch``).  The
+        chunks at the hole's edges keep bytes outside it: fetched.  Inside it a
+        missing chunk gets a clean one (zeros, counted dirty until written back),
+        unless the hole reaches ``backed``, which the punch then lowers instead."""
+        cs, store = self.chunk_size, self.store
+        i = store.inodes[ino]
+        chunks = i.chunks
+        assert chunks is not None
+        for _ in range(8):
+            edges = [k for k in {offset // cs, (end - 1) // cs}
+                     if k * cs < offset or ((k + 1) * cs > end and end < i.size)]
+            inside = range(-(-offset // cs), end // cs) if end < i.backed else range(0)
+            if not (any(store.missing(ino, k * cs, 1) for k in edges)
+                    or any(k not in chunks for k in inside)):
+                return
+            for k in edges:
+                await self.residency.ensure_resident(ino, k * cs, 1)
+            ks = [k for k in inside if k not in chunks]
+            if ks:
+                await self.residency.wait_dirty_room(ino, ks[0] * cs, (ks[-1] - ks[0] + 1) * cs)
+
+                async def take(ks: list[int] = ks) -> list[tuple[int, int, int]]:
+                    return store.reserve(ino, [k for k in ks if k not in chunks])
+
+                for k, vol, voff in await self.residency.with_room(take, protect=ino):
+                    store.install(ino, k, vol, voff)
+        raise FsError(errno.EIO, f"inode {ino}: its data keeps changing under a punch")
 
     # -- Meta: everything else goes straight to the store ---------------------------------
 

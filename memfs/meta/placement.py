@@ -146,25 +146,31 @@ class Placement:
         wholly inside (or from *offset* to EOF: past EOF a chunk holds zeros) are
         freed, the parts of the others there are returned to zero ``(volume,
         voffset, length)``.  Below ``backed`` a missing chunk means "in the backing
-        directory", so chunks there are zeroed whole instead of freed (the caller
-        made them resident first).  Lost chunks wholly inside become holes (past
-        ``backed``: below it they stay lost, never fetched from DIR's older copy)."""
+        directory": a hole that reaches ``backed`` lowers it to *offset* (nothing
+        past there is read from DIR again), and chunks wholly inside a hole below
+        it are zeroed, not freed (the caller made them resident first, with clean
+        chunks where only DIR had them: ``BackedMeta.punch``).  Lost chunks wholly
+        inside become holes, or zeros where the caller gave them a chunk."""
         assert i.chunks is not None
         cs = self.chunk_size
         first, last = offset // cs, (end - 1) // cs
         to_eof = end >= i.size
-
-        def whole(k: int) -> bool:
-            return offset <= k * cs and ((k + 1) * cs <= end or to_eof) and k * cs >= i.backed
-
         chunks = i.chunks
         if last - first + 1 <= len(chunks):
             ks = [k for k in range(first, last + 1) if k in chunks]
         else:
             ks = sorted(k for k in chunks if first <= k <= last)
-        free = [k for k in ks if whole(k)]
-        zero = [k for k in ks if not whole(k)]
+
+        def inside(k: int) -> bool:
+            return offset <= k * cs and ((k + 1) * cs <= end or to_eof)
+
+        backed = offset if offset < i.backed <= end else i.backed
+        free = [k for k in ks if inside(k) and k * cs >= backed]
+        zero = [k for k in ks if not (inside(k) and k * cs >= backed)]
         self.check_sealed(i, zero)  # (before any change: nothing is journaled on failure)
+        if backed != i.backed:
+            i.backed = backed
+            i.cuts += 1  # (a fetch under way installs nothing: see Residency._fetch_run)
         out = []
         if ks:
             assert i.layout is not None
@@ -173,7 +179,9 @@ class Placement:
                 out.append((i.layout.volume_of_chunk(k, cs), chunks[k] + lo - k * cs, hi - lo))
             self.space.release([(i.layout.volume_of_chunk(k, cs), chunks.pop(k)) for k in free])
         if i.lost:
-            i.lost = {k for k in i.lost if not (first <= k <= last and whole(k))} or None
+            i.lost = {k for k in i.lost
+                      if not (first <= k <= last and inside(k) and (k in chunks or k * cs >= backed))
+                      } or None
         return out
 
     def seek(self, i: Inode, offset: int, data: bool) -> int:

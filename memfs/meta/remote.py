@@ -846,17 +846,26 @@ class RemoteMeta(Meta):
         return await self._cut(ino, "truncate", size)
 
     async def seek(self, ino: int, offset: int, whence: int) -> int:
-        """The server's chunk map says, once it has our unsent size (and, by recalling
-        them, other writers')."""
-        if (w := self.leases.settled_first(ino)) is not None:
-            await w
+        """The server's chunk map says, once it has our sizes (and, by recalling them,
+        other writers')."""
+        await self._sizes_told(ino)
         found: int = await self._call("seek", ino, offset, whence)
         return found
+
+    async def _sizes_told(self, ino: int) -> None:
+        """Until the server has every size of *ino* we took: unsent (sent now), in a
+        report, or in a recall's answer on its way (the server keeps the size it
+        has until then, and a punch or seek would stop short at it)."""
+        if (w := self.leases.settled_first(ino)) is not None:
+            await w
+        await self.leases.reports_sent(ino)
+        await self.leases.answer_known(ino)
 
     async def punch(self, ino: int, offset: int, length: int) -> list[tuple[int, int, int]]:
         """As a truncate (it frees chunks and zeroes parts of others): the same waits,
         and no map of the file handed out here until it is applied and zeroed.  The
-        size stays: ours, if unsent, goes first."""
+        size stays: every size of ours reaches the server first (it punches up to
+        the end of file it knows)."""
         return await self._cut(ino, "punch", offset, length)
 
     async def _cut(self, ino: int, call: str, *args: int) -> list[tuple[int, int, int]]:
@@ -877,7 +886,9 @@ class RemoteMeta(Meta):
             gate.set()
 
     async def _truncate(self, ino: int, call: str, args: tuple[int, ...]) -> list[tuple[int, int, int]]:
-        if (w := self.leases.settled_first(ino)) is not None:
+        if call == "punch":
+            await self._sizes_told(ino)
+        elif (w := self.leases.settled_first(ino)) is not None:
             await w
         if self.leases.barrier is not None and self.cache.pinned_here(ino):
             await self.leases.barrier(ino)  # posted writes confirmed now, not at the next look

@@ -668,6 +668,10 @@ class MetaServer:
                 self.leases.wrote(session, args[0], placed=True)
         if m.name in ("truncate", "punch") and result:
             self.lease_policy.tail_sent(args[0])
+            if m.name == "punch" and self.leases.term > 0:
+                # Zeros to land below EOF: others' reads recall the caller first, whose
+                # answer waits for them (a truncate's tail is past EOF: read by none).
+                self.leases.wrote(session, args[0], placed=True)
         return kind, body
 
     async def recall_inodes(self, inos: list[int]) -> None:

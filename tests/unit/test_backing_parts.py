@@ -852,3 +852,41 @@ async def test_a_sparse_span_counts_only_chunks_that_exist(tmp_path: Path) -> No
         assert b.tracker.dirty_chunks == 2
         b.store.settle_now(f.ino, (64 << 30) + 4096, 0, False, (0, (64 << 30) + 4096))
         assert b.tracker.dirty_chunks == 2
+
+
+async def test_a_hole_punched_over_data_only_in_dir(tmp_path: Path) -> None:
+    """Below what DIR holds a missing chunk is read from DIR: a hole in the middle
+    fetches its edges and gives the chunks inside clean ones (zeros); a hole that
+    reaches the end of DIR's copy lowers that end instead, fetching nothing inside
+    it, so a hole larger than the pool needs no room (found by a review: it
+    fetched the whole range, for ever when it did not fit)."""
+    backing = tmp_path / "dir"
+    backing.mkdir()
+    cs = POOL.chunk_size
+    (backing / "f").write_bytes(b"1" * 8 * cs)
+    (backing / "g").write_bytes(b"1" * 8 * cs)
+    (backing / "big").write_bytes(b"x" * (POOL.size + 4 * M))
+    async with backed(tmp_path, delay=0.0, workers=1) as (b, data):
+        ino = b.store.resolve(b"f").ino
+        await data.punch(ino, cs + 10, 4 * cs - 10)  # edge: chunk 1; inside: 2, 3, 4
+        i = b.store.inodes[ino]
+        assert sorted(i.chunks or {}) == [1, 2, 3, 4] and i.backed == 8 * cs
+        want = b"1" * (cs + 10) + bytes(4 * cs - 10) + b"1" * 3 * cs
+        assert bytes(await data.read(ino, 0, 8 * cs)) == want
+        await settle(b)
+        assert (backing / "f").read_bytes() == want
+        g = b.store.resolve(b"g").ino
+        await data.punch(g, 6 * cs + 5, 4 * cs)  # to the end: backed lowered, chunk 6 fetched
+        assert b.store.inodes[g].backed == 6 * cs + 5 and sorted(b.store.inodes[g].chunks or {}) == [6]
+        want = b"1" * (6 * cs + 5) + bytes(2 * cs - 5)
+        assert bytes(await data.read(g, 0, 8 * cs)) == want
+        await settle(b)
+        assert (backing / "g").read_bytes() == want
+
+        big = b.store.resolve(b"big").ino
+        with trio.fail_after(10):
+            await data.punch(big, 0, POOL.size + 4 * M)
+        assert b.store.inodes[big].backed == 0 and not b.store.inodes[big].chunks
+        await settle(b)
+        assert os.stat(backing / "big").st_size == POOL.size + 4 * M
+        assert (backing / "big").read_bytes() == bytes(POOL.size + 4 * M)

@@ -3410,3 +3410,62 @@ async def test_a_recall_during_a_report_answers_with_the_reports_span_too() -> N
     settles = chan.answers[0]
     assert [s[-2:] for s in settles] == [[0, 2 << 20]], settles
     assert cache.span(5) == (0, 0) and cache.sending == {}
+
+
+async def test_a_read_elsewhere_waits_for_a_punchs_zeros() -> None:
+    """A punch's reply leaves its caller the edges of the hole to zero, below EOF
+    (unlike a truncate's tail): another node's map of them, asked meanwhile, waits
+    for those zeros (the caller is recalled first), never caching the old bytes
+    (found by a review: the other node read the edge before it was zeroed)."""
+    async with cluster(2) as (server, (a, b), _):
+        f = await a.mknod(ROOT, b"f", F, 0, 0)
+        await a.open(f.ino)
+        await a.map_write(f.ino, 0, 200_000)
+        await a.release(f.ino)
+        await b.open(f.ino)
+        assert await b.map_read(f.ino, 0, 200_000)
+        await a.open(f.ino)
+        zeroing, release = trio.Event(), trio.Event()
+        log: list[str] = []
+
+        async def zero(ino: int, ranges: list[tuple[int, int, int]]) -> None:
+            with a.io(ino):  # as DataEngine._zero_tail: a transfer
+                zeroing.set()
+                log.append("zeroing")
+                await release.wait()
+                log.append("zeroed")
+
+        a.zero_tails_with(zero)
+
+        async def reader() -> None:
+            await zeroing.wait()
+            await b.map_read(f.ino, 10, 100)  # inside chunk 0: an edge of the hole
+            log.append("b mapped")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader)
+            nursery.start_soon(a.punch, f.ino, 10, 100)
+            await zeroing.wait()
+            await trio.sleep(0.5)
+            release.set()
+        assert log == ["zeroing", "zeroed", "b mapped"], log
+
+
+async def test_a_punch_while_our_recall_answer_carries_our_size_punches_it_all() -> None:
+    """A node holding the write lease with writes the server does not know of yet, in
+    an answer to another node's recall still on its way (it waits for the bytes to
+    land), punches to that size: the punch goes after the answer, or the server
+    would stop it at the old end of file and chunks below EOF would keep the
+    node's data (found by a review)."""
+    async with cluster(2) as (server, (a, b), _):
+        f = await a.create(ROOT, b"f", F, 0, 0)
+        await a.map_write(f.ino, 0, 100)
+        await a.map_write(f.ino, 100, 200_000)  # 200_100 unreported
+        go = trio.Event()
+        async with trio.open_nursery() as nursery:
+            await _recall_held_up(a, b, f.ino, go, nursery)
+            nursery.start_soon(a.punch, f.ino, 0, 200_100)
+            await trio.sleep(0.3)
+            go.set()
+        i = server.store.inodes[f.ino]
+        assert i.size == 200_100 and not i.chunks, sorted(i.chunks or {})

@@ -110,6 +110,8 @@ SAMPLE_ARGS: dict[str, tuple[Any, ...]] = {
     "getattr": (7,),
     "setattr": (7, SetAttr(mode=0o600, mtime_ns=5)),
     "truncate": (7, 1 << 40),
+    "punch": (7, 1 << 33, 1 << 40),
+    "seek": (7, 1 << 33, 4),
     "mknod": (1, b"n", 0o100644, 1, 2, 0, None),
     "link": (7, 1, b"l"),
     "unlink": (1, b"n"),
