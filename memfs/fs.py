@@ -277,6 +277,10 @@ class Operations(pyfuse3.Operations):
         self._lock_owners: dict[int, set[int]] = {}
         #: every file handle open (each open has its own)
         self._open_files: set[int] = set()
+        #: handles open for writing, and how many each inode has (a shared writable
+        #: mapping keeps its handle open: its dirty pages are not ours to see)
+        self._writable_files: set[int] = set()
+        self._writable: collections.Counter[int] = collections.Counter()
         self.initialized = trio.Event()
         #: this session's /dev/fuse descriptor, if names can be dropped (see init)
         self._dev_fd: int | None = None
@@ -485,7 +489,7 @@ class Operations(pyfuse3.Operations):
                     self.backing.released(a.ino)
                     raise
             except BaseException:
-                self._open_files.discard(fi.fh)
+                self._closed(fi.fh)
                 await self._release(a.ino)
                 raise
         if backing_id is not None:
@@ -526,6 +530,9 @@ class Operations(pyfuse3.Operations):
         while fh in self._open_files:  # (after 2**22 opens of it) one still open
             fh = ino | (next(self._opened) & _SERIAL) << _INODE_BITS | flag
         self._open_files.add(fh)
+        if flags & os.O_ACCMODE != os.O_RDONLY:
+            self._writable_files.add(fh)
+            self._writable[ino] += 1
         if self.direct_io:
             return pyfuse3.FileInfo(fh=fh, direct_io=True)
         keep = self.meta.keep_cache(ino)
@@ -533,6 +540,15 @@ class Operations(pyfuse3.Operations):
         if append:  # (keep_cache: other readers' pages stay)
             return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=keep_cache)
         return pyfuse3.FileInfo(fh=fh, keep_cache=keep_cache)
+
+    def _closed(self, fh: int) -> None:
+        self._open_files.discard(fh)
+        if fh in self._writable_files:
+            self._writable_files.discard(fh)
+            ino = fh & _INODE
+            self._writable[ino] -= 1
+            if self._writable[ino] <= 0:
+                del self._writable[ino]
 
     def _privileged(self, ctx: pyfuse3.RequestContext) -> bool:
         """Whether the caller keeps set-ID bits when it writes or truncates: the kernel
@@ -768,7 +784,12 @@ class Operations(pyfuse3.Operations):
         if self.drops_privileges:
             await self._drop_privileges(ino, bool(fh & _UNPRIVILEGED))
         if mode & FALLOC_FL_PUNCH_HOLE:
-            await self.data.punch(ino, off, length)
+            try:
+                await self.data.punch(ino, off, length)
+            except FsError as exc:
+                if exc.errno != errno.ENOSYS:  # (an mds without punch: ENOSYS would turn
+                    raise                      # fallocate off for the whole mount)
+                raise FsError(errno.EOPNOTSUPP, str(exc)) from None
         else:
             await self.data.allocate(ino, off, length, keep_size=bool(mode & FALLOC_FL_KEEP_SIZE))
 
@@ -781,8 +802,15 @@ class Operations(pyfuse3.Operations):
         if self.enable_writeback_cache:
             raise FsError(errno.ENOSYS, "lseek: not with the kernel's writeback cache")
         ino = fh & _INODE
-        if self.backing is not None:
+        if self.backing is not None:  # (a mapping's pages are the backing file's)
             return self.backing.seek(ino, off, whence)
+        if self._writable.get(ino):
+            # A shared writable mapping on this node may hold dirty pages the kernel
+            # has not written here yet (it does not before LSEEK): all data, to EOF.
+            size = (await self.meta.getattr(ino)).size
+            if not 0 <= off < size:
+                raise FsError(errno.ENXIO)
+            return off if whence == os.SEEK_DATA else size
         return await self.meta.seek(ino, off, whence)
 
     async def flush(self, fh: int) -> None:
@@ -801,7 +829,7 @@ class Operations(pyfuse3.Operations):
     @_errno_boundary
     async def release(self, fh: int) -> None:
         ino = fh & _INODE
-        self._open_files.discard(fh)
+        self._closed(fh)
         if self.backing is not None:
             self.backing.released(ino)
         owners = self._lock_owners.pop(fh, None)

@@ -250,38 +250,51 @@ class BackedMeta(Meta):
         i = self.store.inodes.get(ino)
         if i is None or i.chunks is None or length <= 0 or not 0 <= offset < i.backed:
             return await self.store.punch(ino, offset, length)
+        end = min(offset + length, i.size)
         with self.residency.using(ino):  # not evicted meanwhile: ``backed`` stays
-            await self._hole_ready(ino, offset, min(offset + length, i.size))
+            placed = await self._hole_ready(ino, offset, end)
+            # No await from here to the punch: it zeroes what it finds resident now.
+            try:
+                self.store.placement.check_sealed(i, self.store.placement.punch_plan(i, offset, end)[1])
+            except BaseException:
+                for _, vol, voff in placed:
+                    self.store.unreserve(vol, voff)
+                raise
+            for k, vol, voff in placed:
+                self.store.install(ino, k, vol, voff)
             return await self.store.punch(ino, offset, length)
 
-    async def _hole_ready(self, ino: int, offset: int, end: int) -> None:
+    async def _hole_ready(self, ino: int, offset: int, end: int) -> list[tuple[int, int, int]]:
         """Below ``backed`` a missing chunk reads DIR's copy (``Placement.punch``).  The
         chunks at the hole's edges keep bytes outside it: fetched.  Inside it a
-        missing chunk gets a clean one (zeros, counted dirty until written back),
-        unless the hole reaches ``backed``, which the punch then lowers instead."""
+        missing chunk needs a clean one (zeros, counted dirty until written back),
+        unless the hole reaches ``backed``, which the punch then lowers instead:
+        returned reserved, for the caller to install with the punch."""
         cs, store = self.chunk_size, self.store
         i = store.inodes[ino]
         chunks = i.chunks
         assert chunks is not None
+        edges = [k for k in {offset // cs, (end - 1) // cs}
+                 if k * cs < offset or ((k + 1) * cs > end and end < i.size)]
         for _ in range(8):
-            edges = [k for k in {offset // cs, (end - 1) // cs}
-                     if k * cs < offset or ((k + 1) * cs > end and end < i.size)]
-            inside = range(-(-offset // cs), end // cs) if end < i.backed else range(0)
-            if not (any(store.missing(ino, k * cs, 1) for k in edges)
-                    or any(k not in chunks for k in inside)):
-                return
             for k in edges:
                 await self.residency.ensure_resident(ino, k * cs, 1)
-            ks = [k for k in inside if k not in chunks]
-            if ks:
-                await self.residency.wait_dirty_room(ino, ks[0] * cs, (ks[-1] - ks[0] + 1) * cs)
+            if not any(store.missing(ino, k * cs, 1) for k in edges):
+                break
+        else:
+            raise FsError(errno.EIO, f"inode {ino}: data keeps being evicted (pool too small?)")
+        if end >= i.backed or not (ks := [k for k in range(-(-offset // cs), end // cs)
+                                          if k not in chunks]):
+            return []
+        tracker = self.tracker
+        if len(ks) * cs <= tracker.dirty_max:  # (a hole larger than the cap goes past it)
+            await self.residency.wait_dirty_room(ino, ks[0] * cs, (ks[-1] - ks[0] + 1) * cs)
 
-                async def take(ks: list[int] = ks) -> list[tuple[int, int, int]]:
-                    return store.reserve(ino, [k for k in ks if k not in chunks])
+        async def take() -> list[tuple[int, int, int]]:
+            # (The edges stay: the file is held; a fetch by a reader may fill some.)
+            return store.reserve(ino, [k for k in ks if k not in chunks])
 
-                for k, vol, voff in await self.residency.with_room(take, protect=ino):
-                    store.install(ino, k, vol, voff)
-        raise FsError(errno.EIO, f"inode {ino}: its data keeps changing under a punch")
+        return await self.residency.with_room(take, protect=ino)
 
     # -- Meta: everything else goes straight to the store ---------------------------------
 

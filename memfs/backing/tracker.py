@@ -254,10 +254,17 @@ class ChangeTracker:
         d = self.mark(ino)
         i = self.store.inodes.get(ino)
         if d is not None and i is not None and i.chunks is not None:
-            gone = {k for k in d.chunks if first <= k <= last and k not in i.chunks}
-            d.chunks -= gone
+            chunks = i.chunks
+            span = range(first, last + 1)
+            # (Over the range or over the chunks, whichever is smaller: a file whose
+            # holes are dug one by one costs no scan of all its chunks each.)
+            had = ([k for k in span if k in d.chunks] if len(span) <= len(d.chunks)
+                   else [k for k in d.chunks if first <= k <= last])
+            gone = [k for k in had if k not in chunks]
+            d.chunks.difference_update(gone)
             self.dirty_chunks -= len(gone)
-            self._add_chunks(d, [k for k in i.chunks if first <= k <= last])
+            self._add_chunks(d, [k for k in span if k in chunks] if len(span) <= len(chunks)
+                             else [k for k in chunks if first <= k <= last])
             if gone:
                 self._signal_cleaned()
             if self.pressing:

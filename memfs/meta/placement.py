@@ -147,10 +147,38 @@ class Placement:
         freed, the parts of the others there are returned to zero ``(volume,
         voffset, length)``.  Below ``backed`` a missing chunk means "in the backing
         directory": a hole that reaches ``backed`` lowers it to *offset* (nothing
-        past there is read from DIR again), and chunks wholly inside a hole below
+        past there is read from DIR again; to 0 when nothing is missing below it,
+        :meth:`punch_plan`), and chunks wholly inside a hole below
         it are zeroed, not freed (the caller made them resident first, with clean
         chunks where only DIR had them: ``BackedMeta.punch``).  Lost chunks wholly
         inside become holes, or zeros where the caller gave them a chunk."""
+        free, zero, backed = self.punch_plan(i, offset, end)
+        self.check_sealed(i, zero)  # (before any change: nothing is journaled on failure)
+        assert i.chunks is not None
+        cs, chunks = self.chunk_size, i.chunks
+        if backed != i.backed:
+            i.backed = backed
+            i.cuts += 1  # (a fetch under way installs nothing: see Residency._fetch_run)
+        out = []
+        if zero or free:
+            assert i.layout is not None
+            for k in zero:
+                lo, hi = max(offset, k * cs), min(end, (k + 1) * cs)
+                out.append((i.layout.volume_of_chunk(k, cs), chunks[k] + lo - k * cs, hi - lo))
+            self.space.release([(i.layout.volume_of_chunk(k, cs), chunks.pop(k)) for k in free])
+        if i.lost:
+            first, last = offset // cs, (end - 1) // cs
+            to_eof = end >= i.size
+            i.lost = {k for k in i.lost
+                      if not (first <= k <= last and offset <= k * cs
+                              and ((k + 1) * cs <= end or to_eof)
+                              and (k in chunks or k * cs >= backed))} or None
+        return out
+
+    def punch_plan(self, i: Inode, offset: int, end: int) -> tuple[list[int], list[int], int]:
+        """What :meth:`punch` would do: the chunks it frees, those it zeroes (in part or
+        whole), and ``backed`` after it.  Without ``backed`` a file wholly in the pool
+        (staged in, say) has nothing left in DIR to read: it drops to 0."""
         assert i.chunks is not None
         cs = self.chunk_size
         first, last = offset // cs, (end - 1) // cs
@@ -160,29 +188,18 @@ class Placement:
             ks = [k for k in range(first, last + 1) if k in chunks]
         else:
             ks = sorted(k for k in chunks if first <= k <= last)
+        backed = i.backed
+        if backed:
+            nb = -(-backed // cs)
+            if len(chunks) >= nb and all(k in chunks for k in range(nb)):
+                backed = 0
+            elif offset < backed <= end:
+                backed = offset
 
         def inside(k: int) -> bool:
-            return offset <= k * cs and ((k + 1) * cs <= end or to_eof)
+            return offset <= k * cs and ((k + 1) * cs <= end or to_eof) and k * cs >= backed
 
-        backed = offset if offset < i.backed <= end else i.backed
-        free = [k for k in ks if inside(k) and k * cs >= backed]
-        zero = [k for k in ks if not (inside(k) and k * cs >= backed)]
-        self.check_sealed(i, zero)  # (before any change: nothing is journaled on failure)
-        if backed != i.backed:
-            i.backed = backed
-            i.cuts += 1  # (a fetch under way installs nothing: see Residency._fetch_run)
-        out = []
-        if ks:
-            assert i.layout is not None
-            for k in zero:
-                lo, hi = max(offset, k * cs), min(end, (k + 1) * cs)
-                out.append((i.layout.volume_of_chunk(k, cs), chunks[k] + lo - k * cs, hi - lo))
-            self.space.release([(i.layout.volume_of_chunk(k, cs), chunks.pop(k)) for k in free])
-        if i.lost:
-            i.lost = {k for k in i.lost
-                      if not (first <= k <= last and inside(k) and (k in chunks or k * cs >= backed))
-                      } or None
-        return out
+        return [k for k in ks if inside(k)], [k for k in ks if not inside(k)], backed
 
     def seek(self, i: Inode, offset: int, data: bool) -> int:
         """``lseek(SEEK_DATA)`` (*data*) or ``SEEK_HOLE`` in regular file *i* from
@@ -204,12 +221,17 @@ class Placement:
         if data:
             if is_data(first):
                 return offset
-            found = min((k for k in (*chunks, *lost) if first < k <= last), default=None)
+            # Step as far as there are data chunks, then scan them: at most the gap to
+            # the next data either way, so a copy seeking through a file stays linear.
+            stop = min(last, first + len(chunks) + len(lost))
+            found = next((k for k in range(first + 1, stop + 1) if is_data(k)), None)
+            if found is None and stop < last:
+                found = min((k for k in (*chunks, *lost) if stop < k <= last), default=None)
             if found is None:
                 raise FsError(errno.ENXIO)
             return found * cs
-        k = first
-        while k <= last and is_data(k):  # (at most one step per data chunk)
+        k = max(first, backed)  # (one step per data chunk from there)
+        while k <= last and (k in chunks or k in lost):
             k += 1
         return min(i.size, max(offset, k * cs))
 

@@ -872,6 +872,14 @@ class RemoteMeta(Meta):
         """A truncate or punch of *ino* (*call*, its arguments after the inode)."""
         truncating = self.leases.truncating
         await self.leases.truncates_over(ino)  # one at a time
+        if call == "punch":
+            # Before it counts as under way: a close's report waits for cuts under way
+            # (LeaseKeeper.reports), and this waits for that report.
+            while True:
+                await self._sizes_told(ino)
+                if ino not in truncating:
+                    break
+                await self.leases.truncates_over(ino)
         truncating[ino] = gate = trio.Event()
         try:
             ranges = await self._truncate(ino, call, args)
@@ -886,9 +894,7 @@ class RemoteMeta(Meta):
             gate.set()
 
     async def _truncate(self, ino: int, call: str, args: tuple[int, ...]) -> list[tuple[int, int, int]]:
-        if call == "punch":
-            await self._sizes_told(ino)
-        elif (w := self.leases.settled_first(ino)) is not None:
+        if (w := self.leases.settled_first(ino)) is not None:
             await w
         if self.leases.barrier is not None and self.cache.pinned_here(ino):
             await self.leases.barrier(ino)  # posted writes confirmed now, not at the next look

@@ -668,9 +668,11 @@ class MetaServer:
                 self.leases.wrote(session, args[0], placed=True)
         if m.name in ("truncate", "punch") and result:
             self.lease_policy.tail_sent(args[0])
-            if m.name == "punch" and self.leases.term > 0:
+            if (m.name == "punch" and self.leases.term > 0
+                    and self.leases.writers.get(args[0]) is not session):
                 # Zeros to land below EOF: others' reads recall the caller first, whose
                 # answer waits for them (a truncate's tail is past EOF: read by none).
+                # (A write lease's holder is recalled by them anyway.)
                 self.leases.wrote(session, args[0], placed=True)
         return kind, body
 

@@ -14,6 +14,7 @@ import hashlib
 import os
 import random
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -428,11 +429,17 @@ def test_seek_data_and_hole_and_sparse_copies(memfs_mount: Callable[..., Mounted
     first hole at the end).  cp, which looks for holes that way, keeps them."""
     m: Mounted = memfs_mount(*SMALL_POOL)
     path = m / "sparse"
-    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY, 0o644)
     try:
         os.pwrite(fd, b"a" * CHUNK, 0)
         os.pwrite(fd, b"b" * 10, 4 * CHUNK + 7)
         os.ftruncate(fd, 8 * CHUNK)
+        # (Open for writing here: all data, see the test below.)
+        assert os.lseek(fd, 0, os.SEEK_HOLE) == 8 * CHUNK
+    finally:
+        os.close(fd)
+    fd = os.open(path, os.O_RDONLY)
+    try:
         assert os.lseek(fd, 0, os.SEEK_DATA) == 0
         assert os.lseek(fd, 0, os.SEEK_HOLE) == CHUNK
         assert os.lseek(fd, CHUNK, os.SEEK_DATA) == 4 * CHUNK
@@ -440,7 +447,11 @@ def test_seek_data_and_hole_and_sparse_copies(memfs_mount: Callable[..., Mounted
         with pytest.raises(OSError) as info:
             os.lseek(fd, 5 * CHUNK, os.SEEK_DATA)
         assert info.value.errno == errno.ENXIO
-        fallocate(fd, PUNCH, 0, CHUNK)
+        w = os.open(path, os.O_WRONLY)
+        try:
+            fallocate(w, PUNCH, 0, CHUNK)
+        finally:
+            os.close(w)
         assert os.lseek(fd, 0, os.SEEK_DATA) == 4 * CHUNK
     finally:
         os.close(fd)
@@ -461,5 +472,50 @@ def test_seek_with_the_writeback_cache_takes_everything_for_data(
         os.pwrite(fd, b"x", 4 * CHUNK)
         assert os.lseek(fd, 0, os.SEEK_DATA) == 0
         assert os.lseek(fd, 0, os.SEEK_HOLE) == 4 * CHUNK + 1
+    finally:
+        os.close(fd)
+
+
+MAPPER = r"""
+import mmap, os, sys
+fd = os.open(sys.argv[1], os.O_CREAT | os.O_RDWR, 0o644)
+os.ftruncate(fd, 8 * 65536)
+mm = mmap.mmap(fd, 8 * 65536)
+mm[4 * 65536:4 * 65536 + 5] = b"hello"  # dirty in the page cache, not written back
+print("written", flush=True)
+sys.stdin.read()
+mm.close()
+os.close(fd)
+"""
+
+
+def test_seek_counts_a_shared_mapping_s_dirty_pages_as_data(
+    memfs_mount: Callable[..., Mounted], tmp_path: Path,
+) -> None:
+    """A process writing through a shared mapping leaves dirty pages the daemon has
+    not seen (the kernel writes none back before LSEEK): while the file is open for
+    writing on this node, every byte to EOF is data, so cp copies them (found by a
+    review: cp copied zeros where a read showed the bytes).  Once it is closed, the
+    holes show again."""
+    m: Mounted = memfs_mount(*SMALL_POOL)
+    path = m / "mapped"
+    w = subprocess.Popen([sys.executable, "-c", MAPPER, str(path)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        assert w.stdout is not None and w.stdout.readline().strip() == "written"
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            assert os.lseek(fd, 0, os.SEEK_DATA) == 0
+            assert os.lseek(fd, 0, os.SEEK_HOLE) == 8 * CHUNK
+        finally:
+            os.close(fd)
+        subprocess.run(["cp", str(path), str(tmp_path / "copy")], check=True)
+        assert (tmp_path / "copy").read_bytes()[4 * CHUNK:4 * CHUNK + 5] == b"hello"
+    finally:
+        w.communicate("", timeout=30)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert os.lseek(fd, 0, os.SEEK_DATA) == 4 * CHUNK  # written back at the close
+        assert os.lseek(fd, 4 * CHUNK, os.SEEK_HOLE) == 5 * CHUNK
     finally:
         os.close(fd)

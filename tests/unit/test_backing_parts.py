@@ -16,6 +16,7 @@ import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -890,3 +891,52 @@ async def test_a_hole_punched_over_data_only_in_dir(tmp_path: Path) -> None:
         await settle(b)
         assert os.stat(backing / "big").st_size == POOL.size + 4 * M
         assert (backing / "big").read_bytes() == bytes(POOL.size + 4 * M)
+
+
+async def test_a_hole_in_a_file_read_whole_from_dir_frees_its_chunks(tmp_path: Path) -> None:
+    """A file staged from DIR and read whole has nothing left to read there: a hole
+    in its middle frees the chunks inside (``backed`` drops to 0) instead of
+    zeroing them (found by a review)."""
+    cs = POOL.chunk_size
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "f").write_bytes(b"1" * 8 * cs)
+    async with backed(tmp_path, delay=0.0, workers=1) as (b, data):
+        ino = b.store.resolve(b"f").ino
+        assert bytes(await data.read(ino, 0, 8 * cs)) == b"1" * 8 * cs
+        await data.punch(ino, cs, 2 * cs)
+        i = b.store.inodes[ino]
+        assert i.backed == 0 and sorted(i.chunks or {}) == [0, 3, 4, 5, 6, 7]
+        assert bytes(await data.read(ino, 0, 8 * cs)) == b"1" * cs + bytes(2 * cs) + b"1" * 5 * cs
+
+
+async def test_a_hole_whose_edge_is_sealed_meanwhile_changes_nothing(tmp_path: Path) -> None:
+    """The clean chunks a hole over DIR-only data needs are installed with the punch,
+    not before: an edge whose memory server is being taken back meanwhile (sealed)
+    fails the punch with EIO and leaves no zeros where DIR has data (found by a
+    review)."""
+    cs = POOL.chunk_size
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "f").write_bytes(b"1" * 8 * cs)
+    async with backed(tmp_path, delay=0.0, workers=1) as (b, data):
+        ino = b.store.resolve(b"f").ino
+        i = b.store.inodes[ino]
+        real = b.residency.with_room
+
+        async def with_room(fn: Any, protect: int = 0) -> Any:
+            got = await real(fn, protect)
+            if "_hole_ready" in fn.__qualname__:  # the inside's chunks: the edges are in
+                assert i.layout is not None
+                b.store.placement.sealed.add(i.layout.volume_of_chunk(1, cs))
+            return got
+
+        b.residency.with_room = with_room  # type: ignore[method-assign]
+        before = b.store.space.totals()
+        with pytest.raises(FsError) as info:
+            await data.punch(ino, cs + 10, 4 * cs)  # edges 1 and 5; inside: 2, 3, 4
+        assert info.value.errno == errno.EIO
+        b.store.placement.sealed.clear()
+        b.residency.with_room = real  # type: ignore[method-assign]
+        # Only the edges were taken (fetched); the inside's clean chunks went back.
+        assert sorted(i.chunks or {}) == [1, 5]
+        assert b.store.space.totals() == (before[0], before[1] - 2)
+        assert bytes(await data.read(ino, 0, 8 * cs)) == b"1" * 8 * cs

@@ -3469,3 +3469,49 @@ async def test_a_punch_while_our_recall_answer_carries_our_size_punches_it_all()
             go.set()
         i = server.store.inodes[f.ino]
         assert i.size == 200_100 and not i.chunks, sorted(i.chunks or {})
+
+
+async def test_a_punch_right_after_a_close_whose_report_waits() -> None:
+    """close (its report waits for the bytes to land), reopen, punch: the punch waits
+    for that report (its size), and the report for no punch (found by a review:
+    the report waited for the punch under way, which waited for the report)."""
+    async with cluster(1) as (server, (a,), _):
+        f = await a.create(ROOT, b"f", F, 0, 0)
+        await a.map_write(f.ino, 0, 100)
+        await a.map_write(f.ino, 100, 200_000)  # unreported
+        go = trio.Event()
+        first = [True]
+        original = a.leases.barrier
+
+        async def slow_barrier(ino: int) -> None:
+            if first[0]:
+                first[0] = False
+                await go.wait()
+            if original is not None:
+                await original(ino)
+
+        a.leases.barrier = slow_barrier
+        done: list[str] = []
+
+        async def close() -> None:
+            await a.release(f.ino)
+            done.append("released")
+
+        async def punch() -> None:
+            await a.punch(f.ino, 0, 100_000)
+            done.append("punched")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(close)
+            await trio.sleep(0.05)
+            with trio.fail_after(3):
+                await a.open(f.ino)
+            nursery.start_soon(punch)
+            await trio.sleep(0.05)
+            go.set()
+            with trio.move_on_after(5) as scope:
+                while len(done) < 2:  # noqa: ASYNC110
+                    await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+        assert not scope.cancelled_caught, f"hung: {done}"
+        assert server.store.inodes[f.ino].size == 200_100
