@@ -277,8 +277,8 @@ class Operations(pyfuse3.Operations):
         self._lock_owners: dict[int, set[int]] = {}
         #: every file handle open (each open has its own)
         self._open_files: set[int] = set()
-        #: handles open for writing, and how many each inode has (a shared writable
-        #: mapping keeps its handle open: its dirty pages are not ours to see)
+        #: handles open for reading and writing, and how many each inode has (a shared
+        #: writable mapping keeps its handle open: its dirty pages are not ours to see)
         self._writable_files: set[int] = set()
         self._writable: collections.Counter[int] = collections.Counter()
         self.initialized = trio.Event()
@@ -530,7 +530,7 @@ class Operations(pyfuse3.Operations):
         while fh in self._open_files:  # (after 2**22 opens of it) one still open
             fh = ino | (next(self._opened) & _SERIAL) << _INODE_BITS | flag
         self._open_files.add(fh)
-        if flags & os.O_ACCMODE != os.O_RDONLY:
+        if flags & os.O_ACCMODE == os.O_RDWR:  # (a shared writable mapping needs it)
             self._writable_files.add(fh)
             self._writable[ino] += 1
         if self.direct_io:
@@ -802,12 +802,14 @@ class Operations(pyfuse3.Operations):
         if self.enable_writeback_cache:
             raise FsError(errno.ENOSYS, "lseek: not with the kernel's writeback cache")
         ino = fh & _INODE
-        if self.backing is not None:  # (a mapping's pages are the backing file's)
-            return self.backing.seek(ino, off, whence)
-        if self._writable.get(ino):
+        writable = self._writable.get(ino)
+        if self.backing is not None and (self.backing.active or not writable):
+            return self.backing.seek(ino, off, whence)  # (a mapping's pages are its file's)
+        if writable:
             # A shared writable mapping on this node may hold dirty pages the kernel
             # has not written here yet (it does not before LSEEK): all data, to EOF.
-            size = (await self.meta.getattr(ino)).size
+            a = await self.meta.getattr(ino)
+            size = (a if self.backing is None else self.backing.overlay(a)).size
             if not 0 <= off < size:
                 raise FsError(errno.ENXIO)
             return off if whence == os.SEEK_DATA else size

@@ -283,12 +283,13 @@ class BackedMeta(Meta):
                 break
         else:
             raise FsError(errno.EIO, f"inode {ino}: data keeps being evicted (pool too small?)")
-        if end >= i.backed or not (ks := [k for k in range(-(-offset // cs), end // cs)
-                                          if k not in chunks]):
+        backed = store.placement.backed_after(i, offset, end)
+        if not (ks := [k for k in range(-(-offset // cs), end // cs)
+                       if k * cs < backed and k not in chunks]):
             return []
-        tracker = self.tracker
-        if len(ks) * cs <= tracker.dirty_max:  # (a hole larger than the cap goes past it)
-            await self.residency.wait_dirty_room(ino, ks[0] * cs, (ks[-1] - ks[0] + 1) * cs)
+        span = (ks[-1] - ks[0] + 1) * cs
+        if span <= self.tracker.dirty_max:  # (a hole larger than the cap goes past it)
+            await self.residency.wait_dirty_room(ino, ks[0] * cs, span)
 
         async def take() -> list[tuple[int, int, int]]:
             # (The edges stay: the file is held; a fetch by a reader may fill some.)

@@ -15,6 +15,7 @@ Nothing here awaits: each call is atomic on the trio loop, like the store's.
 from __future__ import annotations
 
 import errno
+import itertools
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -188,18 +189,29 @@ class Placement:
             ks = [k for k in range(first, last + 1) if k in chunks]
         else:
             ks = sorted(k for k in chunks if first <= k <= last)
-        backed = i.backed
-        if backed:
-            nb = -(-backed // cs)
-            if len(chunks) >= nb and all(k in chunks for k in range(nb)):
-                backed = 0
-            elif offset < backed <= end:
-                backed = offset
+        backed = self.backed_after(i, offset, end)
 
         def inside(k: int) -> bool:
             return offset <= k * cs and ((k + 1) * cs <= end or to_eof) and k * cs >= backed
 
         return [k for k in ks if inside(k)], [k for k in ks if not inside(k)], backed
+
+    def backed_after(self, i: Inode, offset: int, end: int) -> int:
+        """``backed`` once a hole is punched in ``[offset, end)``: 0 if every chunk below
+        it is in the pool or wholly inside the hole (nothing left to read from DIR),
+        *offset* if the hole reaches it, else as it was."""
+        assert i.chunks is not None
+        cs, chunks, backed = self.chunk_size, i.chunks, i.backed
+        if not backed:
+            return 0
+        nb = -(-backed // cs)
+        a = -(-offset // cs)  # the chunks wholly inside: [a, b)
+        b = nb if end >= i.size else min(nb, end // cs)
+        b = max(a, b)
+        if len(chunks) >= nb - max(0, min(b, nb) - a) and all(
+                k in chunks for k in itertools.chain(range(min(a, nb)), range(b, nb))):
+            return 0
+        return offset if offset < backed <= end else backed
 
     def seek(self, i: Inode, offset: int, data: bool) -> int:
         """``lseek(SEEK_DATA)`` (*data*) or ``SEEK_HOLE`` in regular file *i* from

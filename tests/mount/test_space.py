@@ -434,8 +434,12 @@ def test_seek_data_and_hole_and_sparse_copies(memfs_mount: Callable[..., Mounted
         os.pwrite(fd, b"a" * CHUNK, 0)
         os.pwrite(fd, b"b" * 10, 4 * CHUNK + 7)
         os.ftruncate(fd, 8 * CHUNK)
-        # (Open for writing here: all data, see the test below.)
-        assert os.lseek(fd, 0, os.SEEK_HOLE) == 8 * CHUNK
+        assert os.lseek(fd, 0, os.SEEK_HOLE) == CHUNK  # (write only: no shared mapping)
+        rw = os.open(path, os.O_RDWR)
+        try:  # (open to read and write here: all data, see the test below)
+            assert os.lseek(fd, 0, os.SEEK_HOLE) == 8 * CHUNK
+        finally:
+            os.close(rw)
     finally:
         os.close(fd)
     fd = os.open(path, os.O_RDONLY)

@@ -158,3 +158,20 @@ async def test_a_listing_that_fails_counts_nothing(
     assert not await _waited_for(ops, kernel, inos[1]), "the kernel got an error, not b"
     assert await _waited_for(ops, kernel, inos[0]), "a was in the first page"
     await volumes.aclose()
+
+
+async def test_a_punch_an_old_mds_does_not_know_is_eopnotsupp() -> None:
+    """ENOSYS from the metadata service (an mds without punch) reaches the kernel as
+    EOPNOTSUPP: ENOSYS would make it stop forwarding every fallocate, reservations
+    included, until unmounted."""
+    ops, ino, volumes = await _ops_with_file()
+
+    async def no_punch(ino: int, offset: int, length: int) -> None:
+        raise FsError(errno.ENOSYS, "unknown call punch")
+
+    ops.data.punch = no_punch  # type: ignore[method-assign]
+    with pytest.raises(pyfuse3.FUSEError) as info:
+        await ops.fallocate(ino, 0x03, 0, 4096)  # FALLOC_FL_PUNCH_HOLE | KEEP_SIZE
+    assert info.value.errno == errno.EOPNOTSUPP
+    await ops.fallocate(ino, 0, 0, 4096)  # a reservation still reaches the data engine
+    await volumes.aclose()

@@ -3515,3 +3515,32 @@ async def test_a_punch_right_after_a_close_whose_report_waits() -> None:
             nursery.cancel_scope.cancel()
         assert not scope.cancelled_caught, f"hung: {done}"
         assert server.store.inodes[f.ino].size == 200_100
+
+
+async def test_a_punch_marks_its_caller_writing_unless_it_holds_the_write_lease() -> None:
+    """The edges a punch's caller zeroes are below EOF: a caller without the write
+    lease is marked writing (others' reads recall it, the write-back waits for it);
+    the lease's holder is recalled by them anyway and is not marked, so its file
+    does not stay unconfirmed while it keeps it open."""
+    async with cluster(2) as (server, (a, b), _):
+        f = await a.create(ROOT, b"f", F, 0, 0)  # a: the write lease
+        await a.map_write(f.ino, 0, 200_000)
+        assert server.leases.writers.get(f.ino) is not None
+        before = dict(server.leases.placed.get(f.ino, {}))
+        await a.punch(f.ino, 10, 100)
+        assert server.leases.placed.get(f.ino, {}) == before  # no new mark
+        await a.release(f.ino)
+        await _unmarked(server, f.ino)
+        await b.open(f.ino)  # b: no lease to write
+        await b.punch(f.ino, 10, 100)
+        assert server.leases.placed.get(f.ino)
+        await b.release(f.ino)
+        await _unmarked(server, f.ino)
+
+
+async def _unmarked(server: MetaServer, ino: int) -> None:
+    """Until no session is marked writing *ino* (a release reaches the server after
+    the call that sent it returned)."""
+    with trio.fail_after(5):
+        while server.leases.placed.get(ino):  # noqa: ASYNC110
+            await trio.sleep(0.01)

@@ -3,6 +3,7 @@ client's waits (memfs.meta.lock_client), without processes or sockets."""
 
 from __future__ import annotations
 
+import collections
 import errno
 from fcntl import F_RDLCK, F_UNLCK, F_WRLCK
 from typing import Any
@@ -230,6 +231,7 @@ def _operations(locks: _FakeLocks, calls: list[tuple[Any, ...]]) -> Any:
     ops = Operations.__new__(Operations)
     ops.meta, ops.data = Meta(), Data()  # type: ignore[assignment]
     ops._lock_owners, ops._open_files = {}, set()
+    ops._writable_files, ops._writable = set(), collections.Counter()
     return ops
 
 
