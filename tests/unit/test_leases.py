@@ -3418,12 +3418,7 @@ async def test_a_read_elsewhere_waits_for_a_punchs_zeros() -> None:
     for those zeros (the caller is recalled first), never caching the old bytes
     (found by a review: the other node read the edge before it was zeroed)."""
     async with cluster(2) as (server, (a, b), _):
-        f = await a.mknod(ROOT, b"f", F, 0, 0)
-        await a.open(f.ino)
-        await a.map_write(f.ino, 0, 200_000)
-        await a.release(f.ino)
-        await b.open(f.ino)
-        assert await b.map_read(f.ino, 0, 200_000)
+        f = await written_by_a_mapped_by_b(a, b)
         await a.open(f.ino)
         zeroing, release = trio.Event(), trio.Event()
         log: list[str] = []
