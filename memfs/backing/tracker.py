@@ -25,6 +25,7 @@ import trio
 
 from memfs.backing.ops import WRITTEN_BACK, NoRecord, NsKind, NsOp, Recorder
 from memfs.backing.surface import BackingStore
+from memfs.meta import chunks_between
 from memfs.meta.store import ROOT_INO
 
 #: ``setfattr -n user.memfs.flush -v off DIR``: never write this tree back file by file
@@ -255,16 +256,10 @@ class ChangeTracker:
         i = self.store.inodes.get(ino)
         if d is not None and i is not None and i.chunks is not None:
             chunks = i.chunks
-            span = range(first, last + 1)
-            # (Over the range or over the chunks, whichever is smaller: a file whose
-            # holes are dug one by one costs no scan of all its chunks each.)
-            had = ([k for k in span if k in d.chunks] if len(span) <= len(d.chunks)
-                   else [k for k in d.chunks if first <= k <= last])
-            gone = [k for k in had if k not in chunks]
+            gone = [k for k in chunks_between(d.chunks, first, last) if k not in chunks]
             d.chunks.difference_update(gone)
             self.dirty_chunks -= len(gone)
-            self._add_chunks(d, [k for k in span if k in chunks] if len(span) <= len(chunks)
-                             else [k for k in chunks if first <= k <= last])
+            self._add_chunks(d, chunks_between(chunks, first, last))
             if gone:
                 self._signal_cleaned()
             if self.pressing:

@@ -17,7 +17,7 @@ import abc
 import contextlib
 import errno
 import stat
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -80,6 +80,15 @@ def add_run(out: list[Extent], pos: int, n: int, volume: int, voffset: int) -> N
             last.length += n
             return
     out.append(Extent(pos, n, volume, voffset))
+
+
+def chunks_between(chunks: Collection[int], first: int, last: int) -> list[int]:
+    """The chunk numbers of *chunks* from *first* to *last*, in order: by stepping
+    through the range or by scanning *chunks*, whichever is shorter (a file whose
+    holes are punched one by one costs no scan of all its chunks each)."""
+    if last - first + 1 <= len(chunks):
+        return [k for k in range(first, last + 1) if k in chunks]
+    return sorted(k for k in chunks if first <= k <= last)
 
 
 @dataclass(slots=True)

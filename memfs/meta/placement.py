@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from memfs.errors import FsError
-from memfs.meta import NOT_RESIDENT, Extent, add_run
+from memfs.meta import NOT_RESIDENT, Extent, add_run, chunks_between
 from memfs.meta.space import ChunkSpace
 
 if TYPE_CHECKING:  # the store imports this module
@@ -168,12 +168,10 @@ class Placement:
                 out.append((i.layout.volume_of_chunk(k, cs), chunks[k] + lo - k * cs, hi - lo))
             self.space.release([(i.layout.volume_of_chunk(k, cs), chunks.pop(k)) for k in free])
         if i.lost:
-            first, last = offset // cs, (end - 1) // cs
-            to_eof = end >= i.size
+            whole = self._whole(i, offset, end)
             i.lost = {k for k in i.lost
-                      if not (first <= k <= last and offset <= k * cs
-                              and ((k + 1) * cs <= end or to_eof)
-                              and (k in chunks or k * cs >= backed))} or None
+                      if not (k * cs < end and whole(k) and (k in chunks or k * cs >= backed))
+                      } or None
         return out
 
     def punch_plan(self, i: Inode, offset: int, end: int) -> tuple[list[int], list[int], int]:
@@ -182,19 +180,20 @@ class Placement:
         (staged in, say) has nothing left in DIR to read: it drops to 0."""
         assert i.chunks is not None
         cs = self.chunk_size
-        first, last = offset // cs, (end - 1) // cs
-        to_eof = end >= i.size
-        chunks = i.chunks
-        if last - first + 1 <= len(chunks):
-            ks = [k for k in range(first, last + 1) if k in chunks]
-        else:
-            ks = sorted(k for k in chunks if first <= k <= last)
+        ks = chunks_between(i.chunks, offset // cs, (end - 1) // cs)
         backed = self.backed_after(i, offset, end)
+        whole = self._whole(i, offset, end)
 
-        def inside(k: int) -> bool:
-            return offset <= k * cs and ((k + 1) * cs <= end or to_eof) and k * cs >= backed
+        def freed(k: int) -> bool:
+            return whole(k) and k * cs >= backed
 
-        return [k for k in ks if inside(k)], [k for k in ks if not inside(k)], backed
+        return [k for k in ks if freed(k)], [k for k in ks if not freed(k)], backed
+
+    def _whole(self, i: Inode, offset: int, end: int) -> Callable[[int], bool]:
+        """Whether a chunk lies wholly inside a hole punched in ``[offset, end)`` (one
+        that reaches EOF covers the last chunk: past EOF a chunk holds zeros)."""
+        cs, to_eof = self.chunk_size, end >= i.size
+        return lambda k: offset <= k * cs and ((k + 1) * cs <= end or to_eof)
 
     def backed_after(self, i: Inode, offset: int, end: int) -> int:
         """``backed`` once a hole is punched in ``[offset, end)``: 0 if every chunk below
@@ -342,13 +341,8 @@ class Placement:
         """Tell the watcher of chunks *first*..*last* of *i* that exist, in runs (a span
         is the hull of a lease's writes: sparse ones would count chunks that do not)."""
         assert i.chunks is not None
-        chunks = i.chunks
-        if last - first + 1 <= len(chunks):
-            ks: Iterable[int] = (k for k in range(first, last + 1) if k in chunks)
-        else:
-            ks = sorted(k for k in chunks if first <= k <= last)
         start = prev = -2
-        for k in ks:
+        for k in chunks_between(i.chunks, first, last):
             if k != prev + 1:
                 if start >= 0:
                     watcher.wrote(i.ino, start, prev)
