@@ -4,7 +4,9 @@ One TCP connection carries many outstanding calls (request ids); a writer task
 sends, a reader task matches replies to callers, and a keepalive ping keeps an
 idle connection provably alive (:mod:`memfs.meta.remote_conn`).
 :func:`open_remote_meta` owns the nursery these tasks run in.  Chunk maps for
-reads and writes: :mod:`memfs.meta.remote_maps`.
+reads and writes: :mod:`memfs.meta.remote_maps`; truncates and punched holes:
+:mod:`memfs.meta.remote_cut`; the lease token and the memory servers taken back:
+:mod:`memfs.meta.remote_pool`.
 
 Deadlines: every call finishes within ``timeout`` seconds, counting any wait for
 a reconnection; otherwise it fails with ``FsError(EIO)``.  A call that times
@@ -79,7 +81,9 @@ from memfs.meta.remote_conn import (
     OnReply,
     handshake,
 )
+from memfs.meta.remote_cut import Cutter, ZeroTails
 from memfs.meta.remote_maps import MapClient
+from memfs.meta.remote_pool import PoolFollower, incarnations_from_wire
 from memfs.net import connect
 from memfs.wire import Kind, WireError
 
@@ -93,12 +97,6 @@ RECONNECT_MAX = 2.0
 _CONNECT_ERRORS = (
     OSError, WireError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError,
 )
-
-
-def _incarnations(v: Any) -> dict[str, int]:
-    if type(v) is not dict or not all(type(k) is str for k in v):
-        raise WireError("describe: malformed incarnations")
-    return {k: codec.check_int(x, "incarnation") for k, x in v.items()}
 
 
 def _lease_term(v: Any) -> float:
@@ -136,7 +134,7 @@ class PoolDescription:
                 chunk_size=codec.check_int(v["chunk_size"], "chunk_size"),
                 stripe_size=codec.check_int(v["stripe_size"], "stripe_size"),
                 fsid=codec.check_bytes(v["fsid"], "fsid"),
-                incarnations=_incarnations(v.get("incarnations", {})),
+                incarnations=incarnations_from_wire(v.get("incarnations", {})),
                 lease_term=_lease_term(v.get("lease_term", 0.0)),
                 recall_timeout=_lease_term(v.get("recall_timeout", 0.0)),
             )
@@ -187,31 +185,20 @@ class RemoteMeta(Meta):
         #: the lease token of the registration our reserved inode numbers came under
         self._inos_token = 0
         self.leases = LeaseKeeper(self.cache, self._call, self, self.creates)
-        #: zeroes a truncate's cut in chunks that stay (the data engine's: zero_tails_with)
-        self._zero_tails: Callable[[int, list[tuple[int, int, int]]], Awaitable[None]] | None = None
         #: this client's cluster-wide file locks
         self.lock_client = LockClient(self.session, self._call)
         #: the chunk maps reads and writes go by (memfs.meta.remote_maps)
         self.maps = MapClient(self.cache, self.leases, self._call_kind, self.getattr,
                               self.opens, self._check_write_error)
+        #: truncates and punches (memfs.meta.remote_cut)
+        self.cutter = Cutter(self.cache, self.leases, self.maps, self._call, timeout)
         self._last_open: tuple[int, bool] = (0, False)
         #: the lease token our memory-server connections name (from the registration);
         #: a new one means the server took our leases without our word, or restarted
         self.token = 0
-        #: told each registration's token, before any call under it (see follow_token)
-        self._on_token: Callable[[int], None] | None = None
-        #: the token _on_token was last told
-        self._named_token = 0
-        #: told the memory servers the mds took back (name -> incarnation; see follow_pool)
-        self._on_pool: Callable[[dict[str, int]], None] | None = None
-        #: heard during a registration: told once the registration's token is named
-        self._pool_heard: dict[str, int] = {}
-        #: changes told so far (a POOL frame held back for recalls is told only if none
-        #: came after it: every later one says all the mds took back)
-        self._pool_told = 0
-        #: memory server "host:port" -> the incarnation the pool's data lives in, as last
-        #: heard (describe at each registration, POOL frames)
-        self.incarnations: dict[str, int] = {}
+        #: the token our memory-server connections name, and the servers the mds took
+        #: back (memfs.meta.remote_pool)
+        self.pool_follower = PoolFollower(self.leases)
 
     @property
     def address(self) -> str:
@@ -338,26 +325,13 @@ class RemoteMeta(Meta):
             self.creates.inos.clear()
         self.cache.dirty.clear()  # told with the registration
         self.cache.answered.clear()
-        if self._on_token is not None and self.token != self._named_token:
-            if self._named_token:
-                # Our leases were taken without our word (the old token is fenced:
-                # transfers under it fail) or the server restarted (it knows no old
-                # tokens).  Every transfer of our transport begun under the old one
-                # has ended (_connection_loop waited before reconnecting).
-                log.info("new lease token from the metadata server (it took our leases, "
-                         "or restarted)")
-            self._on_token(self.token)
-            self._named_token = self.token
-        # Memory servers the mds took back (restarted blank): told once our caches
-        # are gone and our transfers ended (a registration), or by a POOL frame.
-        if first:
-            self.incarnations = dict(desc.incarnations)
-        else:  # (servers the mds met since are only noted: none of ours changed)
-            self._tell_pool(desc.incarnations, known_only=True)
-        heard, self._pool_heard = self._pool_heard, {}
-        self._tell_pool(heard)
+        # A new token named (every transfer of our transport begun under the old one
+        # has ended: _connection_loop waited before reconnecting), and the memory
+        # servers the mds took back (restarted blank) told, now that our caches are
+        # gone and our transfers ended; later ones come in POOL frames.
+        self.pool_follower.registered(self.token, desc.incarnations, first=first)
         return MdsConnection(fs, self.timeout, self.cache, self.leases.on_recall,
-                             self.lock_client.unlocked, self.pool_heard)
+                             self.lock_client.unlocked, self.pool_follower.heard_frame)
 
     async def _transfers_ended(self) -> None:
         """Until no transfer of this process's transport holds a map (each ends within
@@ -392,7 +366,7 @@ class RemoteMeta(Meta):
         the description.  *fence*: the lease token transfers that may still run were
         made under (other processes'): the server fences it before the registration
         answers the recalls sent to us."""
-        self._pool_heard = {}  # (one heard in an attempt that failed: the describe says it)
+        self.pool_follower.heard = {}  # (one heard in an attempt that failed: the describe says it)
         # Sizes written under write leases that the server has not heard yet (again on
         # a second pass: one applied is no longer larger than the known size, one
         # refused is refused again, and a refusal is only heard with an answer).
@@ -426,7 +400,7 @@ class RemoteMeta(Meta):
                     self.lock_client.unlocked(codec.check_int(wire.decode(got[1])[0], "unlocked inode"))
                     continue
                 if h.kind is Kind.POOL:  # (adopted once our new token is named, in _connect)
-                    self._pool_heard.update(_incarnations(wire.decode(got[1])))
+                    self.pool_follower.heard.update(incarnations_from_wire(wire.decode(got[1])))
                     continue
                 if h.kind is Kind.RECALL:
                     # We hold nothing: every cache went before we registered, and
@@ -589,56 +563,14 @@ class RemoteMeta(Meta):
         """Call *name* with our lease token now and after each registration that brings
         a new one (once the transfers begun under the old one have ended): the mount
         passes it to its transport, which drops connections that named an older one."""
-        name(self.token)
-        self._named_token = self.token
-        self._on_token = name
+        self.pool_follower.follow_token(name, self.token)
 
     def follow_pool(self, adopt: Callable[[dict[str, int]], None]) -> None:
         """Call *adopt* with the memory servers the mds takes back ("host:port" ->
         incarnation; memfs.meta.takeback) from now on: told on our session once it
         answered the recalls of their files, or when we register again (our caches
         dropped, our transfers ended), also after an mds restart."""
-        self._on_pool = adopt
-        if self.incarnations:  # as heard so far (the follower ignores what it has)
-            adopt(dict(self.incarnations))
-
-    def pool_heard(self, payload: bytes) -> None:
-        """A POOL frame on our connection (MdsConnection.on_pool; WireError if malformed).
-
-        Adopted once every recall read before it is answered: the mds sent each
-        client that held a map of the lost memory a recall before this frame, and
-        our answer waits for the transfers under that map to end.  One we do not
-        answer gets us evicted: then not at all (our next registration tells us,
-        our transfers ended by then)."""
-        heard = _incarnations(wire.decode(payload))
-        pending = self.leases.open_recalls()
-        if not pending:
-            self._tell_pool(heard)
-            return
-        assert self.leases.tasks is not None
-        self.leases.tasks.start_soon(self._pool_after_recalls, heard, pending, self._pool_told)
-
-    async def _pool_after_recalls(
-        self, heard: dict[str, int], pending: list[tuple[trio.Event, list[Any]]], told: int,
-    ) -> None:
-        if not await self.leases.after_recalls(pending):
-            log.info("a recall was not answered: memory servers taken back (%s) are adopted "
-                     "at the next registration", ", ".join(sorted(heard)))
-        elif self._pool_told == told:  # (else something newer was told meanwhile: it says all)
-            self._tell_pool(heard)
-
-    def _tell_pool(self, heard: dict[str, int], *, known_only: bool = False) -> None:
-        """Adopt what changed in *heard* (*known_only*: of servers we knew; others are
-        noted, not told: the mds met them after us, nothing was taken back)."""
-        changed = {k: v for k, v in heard.items() if self.incarnations.get(k) != v
-                   and (not known_only or k in self.incarnations)}
-        self.incarnations.update(heard)
-        if not changed:
-            return
-        self._pool_told += 1
-        log.info("the metadata server took back memory server(s) %s", ", ".join(sorted(changed)))
-        if self._on_pool is not None:
-            self._on_pool(changed)
+        self.pool_follower.follow(adopt)
 
     def locks(self) -> LockClient:
         return self.lock_client
@@ -646,10 +578,8 @@ class RemoteMeta(Meta):
     def order_sizes_after(self, barrier: Callable[[int], Awaitable[None]]) -> None:
         self.leases.barrier = barrier
 
-    def zero_tails_with(
-        self, zero: Callable[[int, list[tuple[int, int, int]]], Awaitable[None]],
-    ) -> None:
-        self._zero_tails = zero
+    def zero_tails_with(self, zero: ZeroTails) -> None:
+        self.cutter.zero_tails = zero
 
     def truncating(self, ino: int) -> bool:
         return ino in self.leases.truncating
@@ -829,119 +759,19 @@ class RemoteMeta(Meta):
         return dropped
 
     async def truncate(self, ino: int, size: int) -> list[tuple[int, int, int]]:
-        """The server recalls nothing from the node that asks, and frees the chunks
-        past the new end at once: this node's own transfers of the file under maps
-        from before (posted writes above all, which may still be going out) end
-        first, and no new map of the file is handed out here until the truncate is
-        applied and its cut in the chunk that stays zeroed (``LeaseKeeper.truncating``,
-        ``zero_tails_with``), so that none begins meanwhile and nothing the
-        server answers from the file's state before the truncate is cached after it.
-        memfs.array processes' writes of the file get as long as a recall's answer
-        would give them to land (their maps of the file are refused meanwhile,
-        ``truncating``, so that a pipelined one ends the piece it has open); one still
-        under way then (a stopped process; or one whose next map, asked before the
-        truncate, waits for the server: a reconnection, the burst buffer's dirty cap)
-        makes the truncate fail with ETXTBSY rather than free chunks it may still
-        write."""
-        return await self._cut(ino, "truncate", size)
+        """See :mod:`memfs.meta.remote_cut`."""
+        return await self.cutter.cut(ino, "truncate", size)
 
     async def seek(self, ino: int, offset: int, whence: int) -> int:
         """The server's chunk map says, once it has our sizes (and, by recalling them,
         other writers')."""
-        await self._sizes_told(ino)
+        await self.cutter.sizes_told(ino)
         found: int = await self._call("seek", ino, offset, whence)
         return found
 
-    async def _sizes_told(self, ino: int) -> None:
-        """Until the server has every size of *ino* we took: unsent (sent now), in a
-        report, or in a recall's answer on its way (the server keeps the size it
-        has until then, and a punch or seek would stop short at it)."""
-        if (w := self.leases.settled_first(ino)) is not None:
-            await w
-        await self.leases.reports_sent(ino)
-        await self.leases.answer_known(ino)
-
     async def punch(self, ino: int, offset: int, length: int) -> list[tuple[int, int, int]]:
-        """As a truncate (it frees chunks and zeroes parts of others): the same waits,
-        and no map of the file handed out here until it is applied and zeroed.  The
-        size stays: every size of ours reaches the server first (it punches up to
-        the end of file it knows)."""
-        return await self._cut(ino, "punch", offset, length)
-
-    async def _cut(self, ino: int, call: str, *args: int) -> list[tuple[int, int, int]]:
-        """A truncate or punch of *ino* (*call*, its arguments after the inode)."""
-        truncating = self.leases.truncating
-        await self.leases.truncates_over(ino)  # one at a time
-        if call == "punch":
-            # Before it counts as under way: a close's report waits for cuts under way
-            # (LeaseKeeper.reports), and this waits for that report.
-            while True:
-                await self._sizes_told(ino)
-                if ino not in truncating:
-                    break
-                await self.leases.truncates_over(ino)
-        truncating[ino] = gate = trio.Event()
-        try:
-            ranges = await self._truncate(ino, call, args)
-            if ranges and self._zero_tails is not None:
-                # Before any map of the file is handed out here again (no await before
-                # its pin: a recall read right behind the reply waits for the zeroing).
-                await self._zero_tails(ino, ranges)
-                return []
-            return ranges
-        finally:
-            del truncating[ino]
-            gate.set()
-
-    async def _truncate(self, ino: int, call: str, args: tuple[int, ...]) -> list[tuple[int, int, int]]:
-        if (w := self.leases.settled_first(ino)) is not None:
-            await w
-        if self.leases.barrier is not None and self.cache.pinned_here(ino):
-            await self.leases.barrier(ino)  # posted writes confirmed now, not at the next look
-        cache = self.cache
-        arrays_by: float | None = None
-        while True:
-            with trio.move_on_after(self.timeout):
-                await cache.wait_unpinned([ino], here=True)
-                if not cache.moving(ino):
-                    break
-                if arrays_by is None:
-                    arrays_by = trio.current_time() + self.leases.answer_within
-                with trio.move_on_at(arrays_by):
-                    await cache.wait_landed(ino)
-                    continue  # our own transport's again: none began meanwhile
-                raise FsError(errno.ETXTBSY, "a memfs.array write of it on this node did not "
-                              f"end within {self.leases.answer_within:.1f} s")
-            log.warning("%s of inode %d: transfers of it begun before still run", call, ino)
-        # From here no await until the call is sent (when connected): the state
-        # dropped now stays dropped.
-        # Our chunk map past the new size is void, and so is any size we did not send
-        # (a punch keeps the size: ours was sent first, and the kernel's lock on the
-        # file keeps this node's writes out until it returns).
-        if call == "truncate":
-            cache.dirty.pop(ino, None)
-            cache.answered.pop(ino, None)
-        cache.cut(ino)
-        try:
-            while True:
-                try:
-                    ranges: list[tuple[int, int, int]] = await self._call(call, ino, *args)
-                    if call == "truncate":
-                        self.leases.truncated(ino)
-                    return ranges
-                except FsError as exc:
-                    # Another client's change of the file waits on the server's backing
-                    # directory (memfs.meta.gates): told after a while, ask again.
-                    if exc.errno != errno.EINPROGRESS:
-                        raise
-        finally:
-            # Again: what a call answered meanwhile (before the truncate was applied,
-            # or before it was asked again) brought to the cache is from before it.
-            # (A write lease taken meanwhile goes from the cache, not from the
-            # server: its space ahead goes back at our last close all the same.)
-            if cache.is_writer(ino):
-                self.maps.ahead_unsure.add(ino)
-            cache.cut(ino)
+        """As a truncate (see :mod:`memfs.meta.remote_cut`), the size kept."""
+        return await self.cutter.cut(ino, "punch", offset, length)
 
     async def mknod(
         self, parent: int, name: bytes, mode: int, uid: int, gid: int,

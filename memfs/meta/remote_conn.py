@@ -116,7 +116,7 @@ class MdsConnection:
         self.cache = cache
         self.on_recall = on_recall
         self.on_unlocked = on_unlocked
-        #: a POOL frame's payload: memory servers the mds took back (RemoteMeta.pool_heard)
+        #: a POOL frame's payload: memory servers the mds took back (PoolFollower.heard_frame)
         self.on_pool = on_pool
         #: idle pings this often keep the lease (and the connection) alive
         self.keepalive = min(KEEPALIVE, cache.term / 4) if cache.term else KEEPALIVE

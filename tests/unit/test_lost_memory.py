@@ -187,7 +187,7 @@ async def test_the_mds_takes_a_restarted_server_back(
         from memfs.meta.remote import open_remote_meta
 
         async with open_remote_meta("127.0.0.1", server.port, SECRET) as late:
-            assert late.incarnations[LOST] == 7  # (its transport starts with these)
+            assert late.pool_follower.incarnations[LOST] == 7  # (its transport starts with these)
         await leave(server, meta)
 
 
@@ -261,7 +261,7 @@ async def test_a_client_that_missed_the_take_back_hears_it_when_it_registers(
         await reconnect(1)
         await reconnect(1)  # nothing new: nothing told
         assert told == [{LOST: 7}]
-        assert meta.incarnations == {LOST: 7, "10.9.9.2:7100": 2}  # type: ignore[attr-defined]
+        assert meta.pool_follower.incarnations == {LOST: 7, "10.9.9.2:7100": 2}  # type: ignore[attr-defined]
         await leave(server, meta)
 
 
@@ -382,9 +382,9 @@ async def test_a_pool_frame_held_back_is_told_only_if_still_news(tmp_path: Path)
         answered = trio.Event()
         pending = [(answered, [True, SimpleNamespace(dead=False)])]
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(meta._pool_after_recalls, {LOST: 2}, pending,  # type: ignore[attr-defined]
-                               meta._pool_told)  # type: ignore[attr-defined]
-            meta._tell_pool({LOST: 3})  # type: ignore[attr-defined]  # (newer, told first)
+            pool = meta.pool_follower  # type: ignore[attr-defined]
+            nursery.start_soon(pool._after_recalls, {LOST: 2}, pending, pool.told)
+            pool.tell({LOST: 3})  # (newer, told first)
             answered.set()
         assert told == [{LOST: 3}]
         await leave(server, meta)
