@@ -573,11 +573,9 @@ class Operations(pyfuse3.Operations):
     async def lookup(
         self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext | None = None
     ) -> pyfuse3.EntryAttributes:
-        try:
-            return self._entry(await self.meta.lookup(parent_inode, name), parent_inode, name)
-        except FsError as exc:
-            if exc.errno != errno.ENOENT:
-                raise
+        a = await self.meta.find(parent_inode, name)
+        if a is not None:
+            return self._entry(a, parent_inode, name)
         ttl = self.meta.entry_ttl(parent_inode, name)
         ttl = self.negative_timeout if ttl is None else ttl
         if not ttl:

@@ -82,6 +82,11 @@ class LayoutSpec:
         )
 
 
+#: Layout.resolve's answers by (spec, pool volumes, chunk size, first volume)
+_RESOLVED: dict[tuple[LayoutSpec, int, int, int], Layout] = {}
+_RESOLVED_MAX = 4096
+
+
 @dataclass(frozen=True, slots=True)
 class Layout:
     """The concrete layout of one file."""
@@ -96,8 +101,21 @@ class Layout:
         """Turn *spec* into a concrete layout over a pool of *n_volumes*.
 
         *seed* (the inode number) spreads the first stripe of different files over
-        different volumes when no offset is requested.
+        different volumes when no offset is requested.  Layouts are immutable, so
+        files with the same one share it (one per spec and first volume, looked up:
+        every new file asks).
         """
+        key = (spec, n_volumes, chunk_size, seed % n_volumes if n_volumes > 0 else seed)
+        layout = _RESOLVED.get(key)
+        if layout is None:
+            layout = cls._resolve(spec, n_volumes, chunk_size, seed)
+            if len(_RESOLVED) >= _RESOLVED_MAX:
+                _RESOLVED.clear()
+            _RESOLVED[key] = layout
+        return layout
+
+    @classmethod
+    def _resolve(cls, spec: LayoutSpec, n_volumes: int, chunk_size: int, seed: int) -> Layout:
         size = spec.stripe_size or chunk_size
         if size < 0 or size % chunk_size:
             raise UsageError(f"stripe_size must be a multiple of the chunk size {format_size(chunk_size)}")

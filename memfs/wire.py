@@ -458,6 +458,13 @@ def _dec(v: memoryview, pos: int, depth: int) -> tuple[Any, int]:
             elif tag == 0x4E:  # N
                 append(None)
                 pos += 1
+            elif tag == 0x73:  # s (a call's method name)
+                (m,) = _LEN.unpack_from(v, pos + 1)
+                start = pos + 5
+                if start + m > end:
+                    raise WireError("string runs past the end")
+                append(str(v[start : start + m], "utf-8"))
+                pos = start + m
             else:
                 item, pos = _dec(v, pos, depth + 1)
                 append(item)

@@ -302,6 +302,9 @@ class BackedMeta(Meta):
     async def lookup(self, parent: int, name: bytes) -> Attr:
         return await self.store.lookup(parent, name)
 
+    async def find(self, parent: int, name: bytes) -> Attr | None:
+        return await self.store.find(parent, name)
+
     async def getattr(self, ino: int) -> Attr:
         return await self.store.getattr(ino)
 

@@ -180,6 +180,17 @@ class Meta(abc.ABC):
     @abc.abstractmethod
     async def lookup(self, parent: int, name: bytes) -> Attr: ...
 
+    async def find(self, parent: int, name: bytes) -> Attr | None:
+        """:meth:`lookup`, but None where it says ENOENT (an absent name, or parent):
+        the kernel looks up every name it creates first, and an exception per create
+        showed in profiles.  Other errors raise as from lookup."""
+        try:
+            return await self.lookup(parent, name)
+        except FsError as exc:
+            if exc.errno == errno.ENOENT:
+                return None
+            raise
+
     @abc.abstractmethod
     async def getattr(self, ino: int) -> Attr: ...
 

@@ -18,10 +18,12 @@ connection (only calls that change nothing).
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from memfs import wire
 from memfs.meta import Attr, Extent, Meta, SetAttr, StatFs, WritePlan
 from memfs.wire import WireError
 
@@ -281,7 +283,8 @@ METHODS: dict[str, Method] = {m.name: m for m in [
     # (parent, name, mode, uid, gid, ino, time_ns); both journaled by the server itself
     _m("reserve_inos", "int", _same, lambda v: check_int(v, "first reserved inode"), "session",
        _server_only),
-    _m("create_at", "int bytes int int int int int", attr_to_wire, attr_from_wire, "session",
+    # (answered with nothing: the client made the attributes, and nobody waits for it)
+    _m("create_at", "int bytes int int int int int", _none_to_wire, _none_from_wire, "session",
        _server_only),
     # an unlink of a file made so (parent, name, ino, time_ns): journaled as the unlink it is
     _m("unlink_at", "int bytes int int", _same, _two_ints, "session", _server_only),
@@ -309,12 +312,47 @@ class UnknownMethod(Exception):
     """A well-formed call to a method that is not on the allow-list."""
 
 
+#: method -> the exact type of each argument, for methods whose arguments are all
+#: integers and byte strings (most calls): checked at once, not one call per argument
+_PLAIN: dict[str, tuple[type, ...]] = {
+    m.name: tuple(int if k == "int" else bytes for k in m.args)
+    for m in METHODS.values() if all(k in ("int", "bytes") for k in m.args)
+}
+#: the encoded head of such a call: a list of 1 + n items, the method's name first
+_HEADS = {name: wire.encode([name, *([None] * len(types))])[: -len(types) or None]
+          for name, types in _PLAIN.items()}
+_TAGGED_INT = struct.Struct("!cq")
+_TAGGED_LEN = struct.Struct("!cI")
+
+
 def encode_call(method: str, *args: Any) -> list[Any]:
     """The wire value of a call: ``[method, *args]``."""
     m = METHODS[method]
     if len(args) != len(m.args):
         raise TypeError(f"{method} takes {len(m.args)} arguments, got {len(args)}")
     return [method, *(_ARG_TO[k](a) for k, a in zip(m.args, args, strict=True))]
+
+
+def call_payload(method: str, *args: Any) -> bytes:
+    """``wire.encode(encode_call(method, *args))``, the same bytes: a client's calls
+    are mostly integers and names, encoded here without the general encoder's walk
+    (about a third of its time, measured)."""
+    plain = _PLAIN.get(method)
+    if plain is not None and tuple(map(type, args)) == plain:
+        parts = [_HEADS[method]]
+        add = parts.append
+        try:
+            for a in args:
+                if type(a) is int:
+                    add(_TAGGED_INT.pack(b"i", a))
+                else:
+                    add(_TAGGED_LEN.pack(b"b", len(a)))
+                    add(a)
+        except struct.error:  # an integer past 64 bits: the general path says so
+            pass
+        else:
+            return b"".join(parts)
+    return wire.encode(encode_call(method, *args))
 
 
 def decode_call(value: Any) -> tuple[Method, list[Any]]:
@@ -333,6 +371,9 @@ def decode_call(value: Any) -> tuple[Method, list[Any]]:
 
 
 def decode_args(m: Method, raw: list[Any]) -> list[Any]:
+    plain = _PLAIN.get(m.name)
+    if plain is not None and tuple(map(type, raw)) == plain:
+        return list(raw)  # (bool is not int here either: type, not isinstance)
     if len(raw) != len(m.args):
         raise WireError(f"{m.name}: expected {len(m.args)} arguments, got {len(raw)}")
     return [_ARG_FROM[k](v, f"{m.name} argument {i}") for i, (k, v) in enumerate(zip(m.args, raw, strict=True))]

@@ -118,8 +118,10 @@ class LeasePolicy:
     @staticmethod
     def holds(name: str, args: list[Any], result: Any) -> list[int]:
         """Inodes whose state a reply to call *name* carries (the caller caches them)."""
-        if name in ("lookup", "mknod", "create", "create_at"):
+        if name in ("lookup", "mknod", "create"):
             return [args[0], result.ino]
+        if name == "create_at":  # (answered with nothing: the client made the inode)
+            return [args[0], args[5]]
         if name == "link":
             return [args[1], args[0]]
         if name in ("unlink", "rmdir", "unlink_at"):

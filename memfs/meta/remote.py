@@ -516,7 +516,7 @@ class RemoteMeta(Meta):
     ) -> tuple[Kind, Any]:
         """A call's reply kind (OK, OK_CACHE, OK_WRITE) and result."""
         m = codec.METHODS[method]
-        payload = wire.encode(codec.encode_call(method, *args))
+        payload = codec.call_payload(method, *args)
         sent = self.cache.seq
         kind, body = await self._roundtrip(method, payload, retry=m.retry, on_ok=on_ok, on_send=on_send)
         if kind is Kind.ERROR or kind is Kind.ERROR_CACHE:
@@ -692,6 +692,11 @@ class RemoteMeta(Meta):
         else:
             cache.newest(a)
         return a
+
+    async def find(self, parent: int, name: bytes) -> Attr | None:
+        if self.cache.term and self.cache.entry(parent, name) == 0:
+            return None  # known absent under our lease: no exception (a create's lookup)
+        return await super().find(parent, name)
 
     async def getattr(self, ino: int) -> Attr:
         cache = self.cache
@@ -870,7 +875,7 @@ class RemoteMeta(Meta):
             if creates.answered(op) is not None:
                 refused(*wire.decode_error(payload))
 
-        conn.hold(wire.encode(codec.encode_call(*call)), ok, failed)
+        conn.hold(codec.call_payload(*call), ok, failed)
 
     def _unlink_failed(self, parent: int, name: bytes, err: int, msg: str) -> None:
         """The server refused an unlink we made under a create lease (we lost the lease
@@ -995,7 +1000,7 @@ class RemoteMeta(Meta):
             # Sent without a reply (with our next call): it says nothing we need, and
             # calls after it on this connection run after it.  If the connection drops
             # first, the next re-registration states our counts without it.
-            conn.cast(wire.encode(codec.encode_call("release", ino)))
+            conn.cast(codec.call_payload("release", ino))
         uncount()
 
     async def getxattr(self, ino: int, name: bytes) -> bytes:

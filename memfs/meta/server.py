@@ -579,7 +579,8 @@ class MetaServer:
             elif m.name == "reserve_inos":
                 result = self._reserve_inos(session, args[0])
             elif m.name == "create_at":
-                result = self._create_at(session, args)
+                self._create_at(session, args)
+                result = None
             elif m.name == "unlink_at":
                 result = await self._unlink_at(session, args)
             elif m.name == "settle":
@@ -946,18 +947,17 @@ class MetaServer:
             self.journal.append(self._t, RESERVE_INOS, [session.sid, first, count])
         return first
 
-    def _create_at(self, session: Session, args: list[Any]) -> Any:
+    def _create_at(self, session: Session, args: list[Any]) -> None:
         """A create a client made under its create lease (see memfs.meta.leases): at
         its time, with an inode number reserved for it, and the file open there."""
         parent, name, mode, uid, gid, ino, t = args
         self._t = t
-        a, new = self.store.create_at(session.sid, parent, name, mode, uid, gid, ino)
+        _, new = self.store.create_at(session.sid, parent, name, mode, uid, gid, ino)
         if new:
             self.store.inodes[ino].opens += 1
             session.opens[ino] = session.opens.get(ino, 0) + 1
             if self.journal is not None:
                 self.journal.append(t, CREATE_AT, [session.sid, parent, name, mode, uid, gid, ino])
-        return a
 
     async def _unlink_at(self, session: Session, args: list[Any]) -> list[int]:
         """An unlink a client made under its create lease, at its time, of a file it

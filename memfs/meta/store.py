@@ -373,6 +373,13 @@ class MetaStore(Meta):
             return self._attr(self._get(d.parent))
         return self._attr(self._child(d, name))
 
+    async def find(self, parent: int, name: bytes) -> Attr | None:
+        d = self.inodes.get(parent)
+        if d is None or d.children is None or name in (b".", b"..") or len(name) > NAME_MAX:
+            return await super().find(parent, name)  # (lookup's answers and errors)
+        i = self.inodes.get(d.children.get(name, 0))
+        return None if i is None else self._attr(i)
+
     async def getattr(self, ino: int) -> Attr:
         return self._attr(self._get(ino))
 

@@ -113,6 +113,18 @@ def test_resolve_seed_spreads_first_volume() -> None:
     assert Layout.resolve(LayoutSpec(2, M, None), 4, CS, seed=10**12 + 3).volumes == (3, 0)
 
 
+def test_resolve_shares_equal_layouts_and_never_an_error() -> None:
+    """Every new file asks: equal answers are one object (layouts are immutable), and
+    a spec refused once is refused again."""
+    a = Layout.resolve(LayoutSpec(2, M, None), 4, CS, seed=1)
+    assert Layout.resolve(LayoutSpec(2, M, None), 4, CS, seed=5) is a
+    assert Layout.resolve(LayoutSpec(2, M, None), 4, CS, seed=2).volumes == (2, 3)
+    assert Layout.resolve(LayoutSpec(2, M, None), 5, CS, seed=5).volumes == (0, 1)
+    for _ in range(2):
+        with pytest.raises(UsageError, match="exceeds"):
+            Layout.resolve(LayoutSpec(5, M, 0), 4, CS, seed=0)
+
+
 @pytest.mark.parametrize(
     ("spec", "message"),
     [

@@ -292,6 +292,24 @@ async def test_enoent(meta: Meta) -> None:
     await raises(errno.ENOENT, meta.getxattr(10**9, b"user.a"))
 
 
+async def test_find_is_lookup_with_none_for_absent_names(meta: Meta) -> None:
+    """What the FUSE layer's LOOKUP asks: the same answers as lookup, None where it
+    says ENOENT (twice: a client caches the absence), every other error raised."""
+    f = await mkfile(meta, b"f")
+    d = await mkdir(meta, b"d")
+    assert await meta.find(ROOT, b"f") == await meta.lookup(ROOT, b"f")
+    for _ in range(2):
+        assert await meta.find(ROOT, b"missing") is None
+        assert await meta.find(d.ino, b"missing") is None
+    assert (await meta.find(d.ino, b"..")).ino == ROOT  # type: ignore[union-attr]
+    assert (await meta.find(d.ino, b".")).ino == d.ino  # type: ignore[union-attr]
+    await raises(errno.ENOTDIR, meta.find(f.ino, b"x"))
+    assert await meta.find(10**9, b"x") is None  # (lookup: ENOENT)
+    await raises(errno.ENAMETOOLONG, meta.find(ROOT, b"n" * (NAME_MAX + 1)))
+    await meta.unlink(ROOT, b"f")
+    assert await meta.find(ROOT, b"f") is None
+
+
 async def test_enotdir(meta: Meta) -> None:
     f = await mkfile(meta, b"f")
     await raises(errno.ENOTDIR, meta.lookup(f.ino, b"x"))
