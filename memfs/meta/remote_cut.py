@@ -1,6 +1,7 @@
 """Truncates and punched holes from a cluster client (``Meta.truncate`` and
-``Meta.punch`` of :class:`~memfs.meta.remote.RemoteMeta`): what this node waits
-for before the mds frees chunks, and what it keeps out until the cut is zeroed.
+``Meta.punch`` of :class:`~memfs.meta.remote.RemoteMeta`; a punch, too, frees
+chunks and zeroes parts of others): what this node waits for before the mds
+frees chunks, and what it keeps out until the cut is zeroed.
 
 The server recalls nothing from the node that asks, and frees the chunks at
 once: this node's own transfers of the file under maps from before (posted
