@@ -174,8 +174,12 @@ class Dispatcher(Protocol):
         """Could executing this call wait?  Then it runs in the connection's queue."""
         ...
 
-    async def execute(self, conn: Connection, value: Any, parsed: Parsed) -> tuple[Kind, bytes]:
-        """Run one call: the reply's kind and body; WireError for a malformed one."""
+    async def execute(
+        self, conn: Connection, value: Any, parsed: Parsed, *, checked: bool = False,
+    ) -> tuple[Kind, bytes]:
+        """Run one call: the reply's kind and body; WireError for a malformed one.
+        *checked*: :meth:`may_wait` said False for it in this same step (nothing
+        awaited since), so what it looked at need not be looked at again."""
         ...
 
     def recalled(self, session: Session, rid: int, payload: Any) -> None:
@@ -223,14 +227,15 @@ class Connection:
     #: a registration (``session`` call) runs in the executor: nothing passes it
     registering: bool = False
 
-    async def _execute(self, value: Any, parsed: Parsed) -> tuple[Kind, bytes]:
-        """Execute one call of this connection's, unless it was superseded."""
+    async def _execute(self, value: Any, parsed: Parsed, *, checked: bool = False) -> tuple[Kind, bytes]:
+        """Execute one call of this connection's, unless it was superseded (*checked*:
+        see :meth:`Dispatcher.execute`)."""
         if self.superseded:
             return Kind.ERROR, wire.encode_error(
                 errno.ESTALE, "this connection's session registered on a newer one")
         self.running += 1
         try:
-            return await self.server.execute(self, value, parsed)
+            return await self.server.execute(self, value, parsed, checked=checked)
         finally:
             self.running -= 1
             if not self.running and self._quiet is not None:
@@ -360,7 +365,8 @@ class Connection:
                             self.calls_wake.set()
                             self.push_deferred()  # earlier replies must not wait for it
                             continue
-                        kind, body = await self._execute(value, parsed)
+                        # (may_wait just said no: nothing to recall, and no await since)
+                        kind, body = await self._execute(value, parsed, checked=True)
                         if not h.req_id:  # no reply wanted
                             self.unanswered(kind, body)
                             if not fs.buffered():

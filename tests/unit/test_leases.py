@@ -94,6 +94,42 @@ async def test_attribute_change_is_seen_by_the_next_call_of_another_client() -> 
         assert (await b.lookup(ROOT, b"f")).mode & 0o777 == 0o600
 
 
+async def test_a_call_with_nothing_to_recall_computes_its_conflicts_once() -> None:
+    """The reader asks may_wait, which computes what the call conflicts with; a call
+    that runs there at once (nothing to recall) does not compute it again."""
+    async with cluster(2) as (server, (a, b), _):
+        f = await a.mknod(ROOT, b"f", F, 0, 0)
+        seen: list[str] = []
+        conflicts = server.lease_policy.conflicts
+
+        def counted(session: Any, name: str, args: list[Any]) -> Any:
+            seen.append(name)
+            return conflicts(session, name, args)
+
+        server.lease_policy.conflicts = counted  # type: ignore[method-assign]
+        assert (await b.getattr(f.ino)).ino == f.ino
+        assert seen == ["getattr"]
+        await b.setattr(f.ino, SetAttr(mode=0o600))  # recalls a: computed again after it
+        assert seen.count("setattr") >= 2
+        assert (await a.getattr(f.ino)).mode & 0o777 == 0o600
+
+
+async def test_a_read_waits_off_the_reader_for_a_writer_that_holds_nothing() -> None:
+    """What needs_recall looks at includes sessions marked writing without a lease:
+    a read of such a file is not run in the connection's reading task (where a
+    recall could not be answered), even when no session holds a lease."""
+    async with cluster(0) as (server, (), _):
+        f = await server.store.mknod(ROOT, b"f", F, 0, 0)
+        reader, writer = object(), object()
+        value = ["map_read", f.ino, 0, 4096]
+        parsed = parse_call(value)
+        assert not server.leases.holders
+        assert not server.may_wait(reader, value, parsed)  # type: ignore[arg-type]
+        server.leases.wrote(writer, f.ino, placed=True)  # type: ignore[arg-type]
+        assert not server.leases.holders
+        assert server.may_wait(reader, value, parsed)  # type: ignore[arg-type]
+
+
 async def test_cached_calls_do_not_reach_the_server() -> None:
     async with cluster(1) as (server, (a,), _):
         f = await a.mknod(ROOT, b"f", F, 0, 0)
@@ -1808,10 +1844,11 @@ async def test_every_registration_waiting_for_a_connection_given_up_goes_on() ->
         gate = trio.Event()
         run_call = server._run_call
 
-        async def stuck(conn: Any, value: Any, m: Any, args: Any, until: float = math.inf) -> Any:
+        async def stuck(conn: Any, value: Any, m: Any, args: Any, until: float = math.inf,
+                        **kw: Any) -> Any:
             if m.name == "getattr" and conn is old:
                 await gate.wait()
-            return await run_call(conn, value, m, args, until)
+            return await run_call(conn, value, m, args, until, **kw)
 
         server._run_call = stuck  # type: ignore[method-assign]
         nursery.start_soon(run, old, "getattr", ROOT)
@@ -1926,11 +1963,12 @@ async def test_a_recall_while_the_session_moves_goes_to_the_connection_given_up(
         ran_on: list[Any] = []
         run_call = server._run_call
 
-        async def stuck(conn: Any, value: Any, m: Any, args: Any, until: float = math.inf) -> Any:
+        async def stuck(conn: Any, value: Any, m: Any, args: Any, until: float = math.inf,
+                        **kw: Any) -> Any:
             if m.name == "getxattr" and conn is given_up:
                 await gate.wait()
                 ran_on.append(conn)
-            return await run_call(conn, value, m, args, until)
+            return await run_call(conn, value, m, args, until, **kw)
 
         server._run_call = stuck  # type: ignore[method-assign]
         assert a._conn is not None

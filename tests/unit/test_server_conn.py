@@ -58,7 +58,9 @@ class FakeServer:
     def may_wait(self, session: Session, value: Any, parsed: Parsed) -> bool:
         return isinstance(parsed, tuple) and parsed[1][0] in self.gates
 
-    async def execute(self, conn: Connection, value: Any, parsed: Parsed) -> tuple[Kind, bytes]:
+    async def execute(
+        self, conn: Connection, value: Any, parsed: Parsed, *, checked: bool = False,
+    ) -> tuple[Kind, bytes]:
         assert isinstance(parsed, tuple)
         self.conn = conn
         ino = parsed[1][0]
