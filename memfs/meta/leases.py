@@ -345,6 +345,9 @@ class LeaseTable:
 
         *first* False: after a recall of these items, only holders that fetched state
         since (or a writer) still need one; directories' other holders have heard.
+        Reads :attr:`writers`, :attr:`holders` and :attr:`writing` only: the server's
+        ``may_wait`` takes all three empty for "nothing to recall" (state read here
+        must be added there).
         """
         for it in items:
             w = self.writers.get(it.ino)
