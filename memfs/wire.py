@@ -319,6 +319,9 @@ def decode_verbs_accept(
 _I64 = struct.Struct("!q")
 _F64 = struct.Struct("!d")
 _LEN = struct.Struct("!I")
+#: a tag and an integer, a tag and a length: one struct call per scalar in a list
+_TAGGED_I64 = struct.Struct("!cq")
+_TAGGED_LEN = struct.Struct("!cI")
 MAX_DEPTH = 32
 #: lists of up to this many integers are encoded and decoded by one struct each
 _FAST_MAX = 64
@@ -339,6 +342,32 @@ def encode(value: Any) -> bytes:
     out = bytearray()
     _enc(value, out, 0)
     return bytes(out)
+
+
+def call_head(name: str, n_args: int) -> bytes:
+    """The start of ``encode([name, *args])`` for *n_args* arguments (for
+    :func:`encode_call`)."""
+    b = name.encode("utf-8")
+    return b"l" + _LEN.pack(n_args + 1) + _TAGGED_LEN.pack(b"s", len(b)) + b
+
+
+def encode_call(head: bytes, args: tuple[int | bytes, ...]) -> bytes:
+    """``encode([name, *args])``, *head* being :func:`call_head`'s for them, for
+    *args* that are all ``int`` (64-bit) and ``bytes``, checked by the caller (the
+    codec's calls of integers and names, a client's hot path): the same bytes
+    without the walk through :func:`_enc`.  ValueError for an integer past 64 bits."""
+    parts = [head]
+    add = parts.append
+    try:
+        for a in args:
+            if isinstance(a, bytes):
+                add(_TAGGED_LEN.pack(b"b", len(a)))
+                add(a)
+            else:
+                add(_TAGGED_I64.pack(b"i", a))
+    except struct.error:
+        raise ValueError("integer does not fit in 64 bits") from None
+    return b"".join(parts)
 
 
 def _enc(v: Any, out: bytearray, depth: int) -> None:
@@ -365,7 +394,7 @@ def _enc(v: Any, out: bytearray, depth: int) -> None:
     elif isinstance(v, (list, tuple)):
         n = len(v)
         out += b"l" + _LEN.pack(n)
-        if 0 < n <= _FAST_MAX and all(type(x) is int for x in v):
+        if 0 < n <= _FAST_MAX and type(v[0]) is int and all(type(x) is int for x in v):
             # Lists of integers (attributes, extents) are most of the metadata traffic:
             # one struct call instead of a Python call per item.  Same bytes.
             args: list[Any] = [b"i"] * (2 * n)
@@ -379,12 +408,14 @@ def _enc(v: Any, out: bytearray, depth: int) -> None:
             # Scalars inline (a call's arguments, a journal record): no call per item.
             t = type(item)
             if t is int and -(1 << 63) <= item < (1 << 63):
-                out += b"i" + _I64.pack(item)
+                out += _TAGGED_I64.pack(b"i", item)
             elif t is bytes:
-                out += b"b" + _LEN.pack(len(item)) + item
+                out += _TAGGED_LEN.pack(b"b", len(item))
+                out += item
             elif t is str:
                 b = item.encode("utf-8")
-                out += b"s" + _LEN.pack(len(b)) + b
+                out += _TAGGED_LEN.pack(b"s", len(b))
+                out += b
             elif item is None:
                 out += b"N"
             else:

@@ -18,7 +18,6 @@ connection (only calls that change nothing).
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -318,11 +317,7 @@ _PLAIN: dict[str, tuple[type, ...]] = {
     m.name: tuple(int if k == "int" else bytes for k in m.args)
     for m in METHODS.values() if all(k in ("int", "bytes") for k in m.args)
 }
-#: the encoded head of such a call: a list of 1 + n items, the method's name first
-_HEADS = {name: wire.encode([name, *([None] * len(types))])[: -len(types) or None]
-          for name, types in _PLAIN.items()}
-_TAGGED_INT = struct.Struct("!cq")
-_TAGGED_LEN = struct.Struct("!cI")
+_HEADS = {name: wire.call_head(name, len(types)) for name, types in _PLAIN.items()}
 
 
 def encode_call(method: str, *args: Any) -> list[Any]:
@@ -339,19 +334,7 @@ def call_payload(method: str, *args: Any) -> bytes:
     (about a third of its time, measured)."""
     plain = _PLAIN.get(method)
     if plain is not None and tuple(map(type, args)) == plain:
-        parts = [_HEADS[method]]
-        add = parts.append
-        try:
-            for a in args:
-                if type(a) is int:
-                    add(_TAGGED_INT.pack(b"i", a))
-                else:
-                    add(_TAGGED_LEN.pack(b"b", len(a)))
-                    add(a)
-        except struct.error:  # an integer past 64 bits: the general path says so
-            pass
-        else:
-            return b"".join(parts)
+        return wire.encode_call(_HEADS[method], args)
     return wire.encode(encode_call(method, *args))
 
 

@@ -86,6 +86,15 @@ def test_codec_refuses_what_it_cannot_carry() -> None:
         wire.encode(deep)
 
 
+def test_encode_call_is_encode_of_the_list() -> None:
+    """The codec's shortcut for calls of integers and names writes encode's bytes."""
+    for name, args in (("statfs", ()), ("release", (5,)), ("lookup", (1, b"")),
+                       ("create_at", (1, b"n" * 300, 0o100644, -1, 0, (1 << 63) - 1, -(1 << 63)))):
+        assert wire.encode_call(wire.call_head(name, len(args)), args) == wire.encode([name, *args])
+    with pytest.raises(ValueError, match="64 bits"):
+        wire.encode_call(wire.call_head("getattr", 1), (1 << 63,))
+
+
 def test_whatever_encodes_decodes_at_the_deepest_level() -> None:
     """Scalars in the innermost list the encoder allows decode too (a string there
     once went through the general path, one level deeper, and was refused)."""
