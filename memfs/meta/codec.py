@@ -69,6 +69,17 @@ def _ints(v: Any, what: str, n: int) -> list[int]:
     return [check_int(x, what) for x in check_list(v, what, n)]
 
 
+#: most inode numbers one ``releases`` call names
+MAX_RELEASES = 4096
+
+
+def _inode_list(v: Any, what: str) -> list[int]:
+    items = check_list(v, what)
+    if not 0 < len(items) <= MAX_RELEASES:
+        raise WireError(f"{what}: expected 1 to {MAX_RELEASES} inode numbers, got {len(items)}")
+    return [check_int(x, what) for x in items]
+
+
 # -- dataclasses ---------------------------------------------------------------------
 
 
@@ -198,9 +209,10 @@ _ARG_FROM: dict[str, Callable[[Any, str], Any]] = {
     "bytes": check_bytes,
     "bytes?": _opt_bytes,
     "setattr": lambda v, what: setattr_from_wire(v),
+    "inos": _inode_list,
 }
 _ARG_TO: dict[str, Callable[[Any], Any]] = {
-    "int": _same, "bytes": _same, "bytes?": _same, "setattr": setattr_to_wire,
+    "int": _same, "bytes": _same, "bytes?": _same, "setattr": setattr_to_wire, "inos": list,
 }
 
 
@@ -259,6 +271,9 @@ METHODS: dict[str, Method] = {m.name: m for m in [
     # mknod + open: journaled as the mknod it is (open counts are the session's)
     _m("create", "int bytes int int int", attr_to_wire, attr_from_wire, "session", lambda m: m.create),
     _m("release", "int", _none_to_wire, _none_from_wire, "session", lambda m: m.release),
+    # one release of each inode listed, in order: a client's releases since its last
+    # call, sent without reply in one frame (the server's cost is mostly per frame)
+    _m("releases", "inos", _none_to_wire, _none_from_wire, "session", _server_only),
     _m("getxattr", "int bytes", _same, lambda v: check_bytes(v, "xattr value"), "read", lambda m: m.getxattr),
     _m("setxattr", "int bytes bytes", _none_to_wire, _none_from_wire, "mutates", lambda m: m.setxattr),
     _m("listxattr", "int", _same, names_from_wire, "read", lambda m: m.listxattr),

@@ -105,6 +105,13 @@ class LeasePolicy:
             i = store.inodes.get(args[0])
             if i is not None and i.nlink <= 0 and i.opens <= 1:
                 return [Item(args[0])]  # the last handle: its chunks are freed
+        elif name == "releases":  # as a release each: those that may end an unlinked file
+            left: dict[int, int] = {}  # handles this call leaves, per such inode
+            for ino in args[0]:
+                i = store.inodes.get(ino)
+                if i is not None and i.nlink <= 0:
+                    left[ino] = left.get(ino, i.opens) - 1
+            return [Item(ino) for ino, n in left.items() if n <= 0]
         return []
 
     async def recall_for(self, session: Session, name: str, args: list[Any]) -> None:

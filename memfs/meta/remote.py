@@ -1000,7 +1000,7 @@ class RemoteMeta(Meta):
             # Sent without a reply (with our next call): it says nothing we need, and
             # calls after it on this connection run after it.  If the connection drops
             # first, the next re-registration states our counts without it.
-            conn.cast(codec.call_payload("release", ino))
+            conn.release(ino)
         uncount()
 
     async def getxattr(self, ino: int, name: bytes) -> bytes:

@@ -137,6 +137,9 @@ class MdsConnection:
         self._last_send = trio.current_time()
         #: calls without reply not sent yet: they go with the next call (or ping)
         self._held = bytearray()
+        #: inodes released since: one ``releases`` call, placed before the next call
+        #: that is not an asynchronous create's (see :meth:`release`)
+        self._releases: list[int] = []
         #: set when an asynchronous create is held: it leaves within CREATE_HOLD
         self._flush_soon = trio.Event()
 
@@ -148,6 +151,8 @@ class MdsConnection:
         p = Pending(on_ok, now)
         self.pending[rid] = p
         frame = wire.frame(Kind.CALL, rid, payload)
+        if self._releases:
+            self._hold_releases()
         if self._held:
             self._held += frame
             frame = bytes(self._held)
@@ -178,6 +183,8 @@ class MdsConnection:
 
     def flush_held(self) -> None:
         """Send the held calls now."""
+        if self._releases:
+            self._hold_releases()
         if self._held and not self.dead:
             frame = bytes(self._held)
             self._held.clear()
@@ -194,7 +201,27 @@ class MdsConnection:
         """A call that wants no reply (request id 0): the server runs it in order with
         the others and answers nothing.  It leaves with our next call, in the same
         send, or with a ping at most ``HOLD_MAX`` later."""
+        if self._releases:
+            self._hold_releases()
         self._held += wire.frame(Kind.CALL, 0, payload)
+
+    def release(self, ino: int) -> None:
+        """Tell the server that one of our handles of *ino* is closed, without reply:
+        with the other releases since, in one ``releases`` call (the server's cost is
+        mostly per frame), which leaves like a :meth:`cast`.
+
+        It goes before the next call, or the next cast, so whatever we ask after it
+        runs after it; asynchronous creates held meanwhile (:meth:`hold`) may go
+        first.  Those make or unlink other files (or this one, whose handle the
+        server then holds a moment longer): none depends on the release.
+        """
+        self._releases.append(ino)
+        if len(self._releases) >= codec.MAX_RELEASES:
+            self._hold_releases()
+
+    def _hold_releases(self) -> None:
+        self._held += wire.frame(Kind.CALL, 0, codec.call_payload("releases", self._releases))
+        self._releases = []
 
     def send_recalled(self, rid: int, payload: bytes) -> None:
         """Acknowledge recall *rid* (no await: the reader must not wait on the socket)."""
@@ -317,5 +344,5 @@ class MdsConnection:
         """Ping when idle (keeps the lease), or when calls were held for a while."""
         while True:
             await trio.sleep_until(min(self._last_send + self.keepalive, trio.current_time() + HOLD_MAX))
-            if self._held or trio.current_time() >= self._last_send + self.keepalive:
+            if self._held or self._releases or trio.current_time() >= self._last_send + self.keepalive:
                 self.request(PING)

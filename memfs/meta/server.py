@@ -582,6 +582,10 @@ class MetaServer:
             elif m.name == "release":
                 await self.sessions.release(session, args[0])
                 result = None
+            elif m.name == "releases":
+                for ino in args[0]:
+                    await self.sessions.release(session, ino)
+                result = None
             elif m.name in _LOCK_CALLS:
                 if args[0] not in self.store.inodes:
                     raise FsError(errno.ENOENT, f"no inode {args[0]}")

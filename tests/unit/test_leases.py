@@ -852,6 +852,87 @@ async def test_a_release_sent_without_reply_is_not_lost_at_close() -> None:
                 await trio.sleep(0.01)
 
 
+def _calls_seen(server: MetaServer) -> list[Any]:
+    """Every call the server runs from now on, as it came off the wire."""
+    seen: list[Any] = []
+    execute = server.execute
+
+    async def recorded(conn: Connection, value: Any, parsed: Any, *, checked: bool = False) -> Any:
+        seen.append(value)
+        return await execute(conn, value, parsed, checked=checked)
+
+    server.execute = recorded  # type: ignore[method-assign]
+    return seen
+
+
+async def test_releases_since_the_last_call_go_in_one_call_before_the_next() -> None:
+    """A client's releases wait for its next call and go before it, as one call: the
+    server's cost is mostly per call, and a burst of closes is common (cp -r, tar)."""
+    async with cluster(1) as (server, (a,), _):
+        files = [await a.mknod(ROOT, b"f%d" % k, F, 0, 0) for k in range(3)]
+        for f in files:
+            await a.open(f.ino)
+            await a.open(f.ino)
+        seen = _calls_seen(server)
+        for f in files:
+            await a.release(f.ino)
+        await a.release(files[0].ino)
+        assert seen == [], "nothing sent before the next call"
+        await a.unlink(ROOT, b"f0")
+        inos = [f.ino for f in files]
+        assert seen == [["releases", [*inos, inos[0]]], ["unlink", ROOT, b"f0"]]
+        # f0's last handle was released before the unlink ran: gone at once
+        assert inos[0] not in server.store.inodes
+        assert server.sessions[a.session].opens == {inos[1]: 1, inos[2]: 1}
+
+
+async def test_files_made_here_and_closed_are_released_after_their_creates() -> None:
+    """Under a create lease the creates are held for a moment; the releases of the files
+    closed meanwhile leave after them (each after its file's create_at), in releases
+    calls only."""
+    async with cluster(1) as (server, (a,), _):
+        d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
+        first = await a.create(d.ino, b"f0", F, 0, 0)  # asks, and gets the create lease
+        assert d.ino in a.cache.creators
+        seen = _calls_seen(server)
+        await a.release(first.ino)
+        made = await _made_here(a, d.ino, [b"f%d" % k for k in range(1, 6)])
+        assert a.creates.made == 5
+        for f in made:
+            await a.release(f.ino)
+        assert a._conn is not None and await a._conn.delivered()
+        assert not [v for v in seen if v[0] == "release"]
+        order = {}
+        for k, v in enumerate(seen):
+            if v[0] == "create_at":
+                order[v[6]] = k
+        released = [(ino, k) for k, v in enumerate(seen) if v[0] == "releases" for ino in v[1]]
+        assert sorted(ino for ino, _ in released) == sorted([first.ino, *(f.ino for f in made)])
+        assert all(order[ino] < k for ino, k in released if ino != first.ino)
+        assert not server.sessions[a.session].opens
+        assert all(server.store.inodes[f.ino].opens == 0 for f in [first, *made])
+
+
+async def test_releases_that_end_an_unlinked_file_recall_it_first() -> None:
+    """A releases call that closes an unlinked file's last handle frees its chunks: as a
+    release does, it recalls what others hold of the file first."""
+    async with cluster(2) as (server, (a, b), (_, kb)):
+        f = await a.create(ROOT, b"f", F, 0, 0)
+        await a.open(f.ino)
+        await a.unlink(ROOT, b"f")
+        await b.getattr(f.ino)  # an unlinked file, still open: b holds its attributes
+        session = server.sessions[a.session]
+        policy = server.lease_policy
+        assert policy.conflicts(session, "releases", [[f.ino]]) == []
+        assert policy.conflicts(session, "releases", [[f.ino, f.ino]]) == [Item(f.ino)]
+        await a.release(f.ino)
+        await a.release(f.ino)
+        kb.inodes.clear()
+        await a.statfs()
+        assert f.ino not in server.store.inodes
+        assert f.ino in kb.inodes, "b was told before the file went"
+
+
 async def test_unresponsive_client_is_evicted_within_the_bound(caplog: pytest.LogCaptureFixture) -> None:
     caplog.expected_warnings = True  # type: ignore[attr-defined]  # the eviction is logged
     term, recall_timeout = 1.0, 0.5

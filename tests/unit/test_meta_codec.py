@@ -121,6 +121,7 @@ SAMPLE_ARGS: dict[str, tuple[Any, ...]] = {
     "readdir": (1,),
     "open": (7,),
     "release": (7,),
+    "releases": ([7, 8, 7],),
     "getxattr": (7, b"user.a"),
     "setxattr": (7, b"user.a", b"\0v"),
     "listxattr": (7,),
@@ -170,6 +171,12 @@ def test_call_payload_falls_back_for_what_it_does_not_encode_itself() -> None:
         codec.call_payload("getattr", 1 << 63)
     with pytest.raises(TypeError):
         codec.call_payload("getattr", 1, 2)
+
+
+@pytest.mark.parametrize("inos", [[], [1] * (codec.MAX_RELEASES + 1), [1, True], [1, b"2"], 7])
+def test_releases_takes_a_bounded_list_of_inode_numbers(inos: Any) -> None:
+    with pytest.raises(WireError, match="releases"):
+        codec.decode_call(through_wire(["releases", inos]))
 
 
 def test_symlink_target_arg() -> None:
