@@ -997,9 +997,11 @@ class RemoteMeta(Meta):
             self.cache.drop(ino)  # our last handle of an unlinked file: it is gone now
         conn = self._conn
         if conn is not None and not conn.dead:
-            # Sent without a reply (with our next call): it says nothing we need, and
-            # calls after it on this connection run after it.  If the connection drops
-            # first, the next re-registration states our counts without it.
+            # Sent without a reply (before our next call): it says nothing we need,
+            # and calls after it on this connection run after it (held asynchronous
+            # creates and unlinks may go first: MdsConnection.release).  If the
+            # connection drops first, the next re-registration states our counts
+            # without it.
             conn.release(ino)
         uncount()
 

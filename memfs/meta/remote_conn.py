@@ -135,7 +135,8 @@ class MdsConnection:
         self._wake = trio.Event()
         self._scope = trio.CancelScope()
         self._last_send = trio.current_time()
-        #: calls without reply not sent yet: they go with the next call (or ping)
+        #: calls not sent yet (asynchronous creates and unlinks, releases): they go
+        #: with the next call, the create hold's flush, or a ping
         self._held = bytearray()
         #: inodes released since: one ``releases`` call, placed before the next call
         #: that is not an asynchronous create's (see :meth:`release`)
@@ -197,23 +198,17 @@ class MdsConnection:
             self._flush_soon = trio.Event()
             self.flush_held()
 
-    def cast(self, payload: bytes) -> None:
-        """A call that wants no reply (request id 0): the server runs it in order with
-        the others and answers nothing.  It leaves with our next call, in the same
-        send, or with a ping at most ``HOLD_MAX`` later."""
-        if self._releases:
-            self._hold_releases()
-        self._held += wire.frame(Kind.CALL, 0, payload)
-
     def release(self, ino: int) -> None:
-        """Tell the server that one of our handles of *ino* is closed, without reply:
-        with the other releases since, in one ``releases`` call (the server's cost is
-        mostly per frame), which leaves like a :meth:`cast`.
+        """Tell the server that one of our handles of *ino* is closed, without reply
+        (request id 0: the server runs it in order and answers nothing).  With the
+        other releases since, in one ``releases`` call (the server's cost is mostly
+        per call), which leaves before our next call, in the same send, or with a
+        ping at most ``HOLD_MAX`` later: whatever we ask after it runs after it.
 
-        It goes before the next call, or the next cast, so whatever we ask after it
-        runs after it; asynchronous creates held meanwhile (:meth:`hold`) may go
-        first.  Those make or unlink other files (or this one, whose handle the
-        server then holds a moment longer): none depends on the release.
+        Asynchronous creates and unlinks held meanwhile (:meth:`hold`) may go first.
+        They make or unlink other files, or unlink this one (the server then holds
+        the nameless file open until the release, a moment later): none depends on
+        the release.
         """
         self._releases.append(ino)
         if len(self._releases) >= codec.MAX_RELEASES:

@@ -913,6 +913,41 @@ async def test_files_made_here_and_closed_are_released_after_their_creates() -> 
         assert all(server.store.inodes[f.ino].opens == 0 for f in [first, *made])
 
 
+async def test_a_file_made_here_closed_and_unlinked_goes_once_its_release_arrives() -> None:
+    """Its unlink, held like its create, may reach the server before its release: the
+    server keeps the nameless file open until the release, in the same send."""
+    async with cluster(1) as (server, (a,), _):
+        d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
+        await a.release((await a.create(d.ino, b"f0", F, 0, 0)).ino)  # the create lease
+        assert a._conn is not None and await a._conn.delivered()
+        seen = _calls_seen(server)
+        (f,) = await _made_here(a, d.ino, [b"f1"])
+        await a.release(f.ino)
+        await a.unlink(d.ino, b"f1")
+        assert a.creates.removed == 1, "unlinked here, under the create lease"
+        assert await a._conn.delivered()
+        assert [v[0] for v in seen if v[0] != "reserve_inos"] == [
+            "create_at", "unlink_at", "releases", "ping"]
+        assert seen[-2] == ["releases", [f.ino]]
+        assert f.ino not in server.store.inodes
+        assert not server.sessions[a.session].opens
+
+
+async def test_releases_beyond_one_calls_worth_go_in_several(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(codec, "MAX_RELEASES", 3)
+    async with cluster(1) as (server, (a,), _):
+        f = await a.mknod(ROOT, b"f", F, 0, 0)
+        for _ in range(7):
+            await a.open(f.ino)
+        seen = _calls_seen(server)
+        for _ in range(7):
+            await a.release(f.ino)
+        await a.getattr(ROOT)
+        assert [v for v in seen if v[0] == "releases"] == [
+            ["releases", [f.ino] * 3], ["releases", [f.ino] * 3], ["releases", [f.ino]]]
+        assert not server.sessions[a.session].opens
+
+
 async def test_releases_that_end_an_unlinked_file_recall_it_first() -> None:
     """A releases call that closes an unlinked file's last handle frees its chunks: as a
     release does, it recalls what others hold of the file first."""
