@@ -139,7 +139,7 @@ class MdsConnection:
         #: with the next call, the create hold's flush, or a ping
         self._held = bytearray()
         #: inodes released since: one ``releases`` call, placed before the next call
-        #: that is not an asynchronous create's (see :meth:`release`)
+        #: (held asynchronous creates and unlinks may go first: :meth:`release`)
         self._releases: list[int] = []
         #: set when an asynchronous create is held: it leaves within CREATE_HOLD
         self._flush_soon = trio.Event()

@@ -300,7 +300,7 @@ class Connection:
             self.wake.set()
 
     def unanswered(self, kind: Kind, body: bytes) -> None:
-        """A call with request id 0 wants no reply (a client's release); its error is
+        """A call with request id 0 wants no reply (a client's releases); its error is
         only logged (the client states its open counts again at its next registration)."""
         if kind is Kind.ERROR:
             log.debug("%s: a call without reply failed: %s", self.peer, wire.decode_error(body))

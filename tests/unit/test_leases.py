@@ -942,7 +942,7 @@ async def test_releases_beyond_one_calls_worth_go_in_several(monkeypatch: pytest
         seen = _calls_seen(server)
         for _ in range(7):
             await a.release(f.ino)
-        await a.getattr(ROOT)
+        assert a._conn is not None and await a._conn.delivered()
         assert [v for v in seen if v[0] == "releases"] == [
             ["releases", [f.ino] * 3], ["releases", [f.ino] * 3], ["releases", [f.ino]]]
         assert not server.sessions[a.session].opens
