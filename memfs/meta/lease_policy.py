@@ -101,13 +101,10 @@ class LeasePolicy:
                     items.append(Item(child, (b"..",) if c.children is not None else (),
                                       directory=c.children is not None))
             return items
-        if name == "release":
-            i = store.inodes.get(args[0])
-            if i is not None and i.nlink <= 0 and i.opens <= 1:
-                return [Item(args[0])]  # the last handle: its chunks are freed
-        elif name == "releases":  # as a release each: those that may end an unlinked file
-            left: dict[int, int] = {}  # handles this call leaves, per such inode
-            for ino in args[0]:
+        if name in ("release", "releases"):
+            # An unlinked file's last handle: its chunks are freed.
+            left: dict[int, int] = {}  # handles the call leaves, per unlinked inode
+            for ino in args[0] if name == "releases" else args[:1]:
                 i = store.inodes.get(ino)
                 if i is not None and i.nlink <= 0:
                     left[ino] = left.get(ino, i.opens) - 1

@@ -579,11 +579,8 @@ class MetaServer:
                 session.opens[result.ino] = session.opens.get(result.ino, 0) + 1
                 if self.journal is not None:
                     self.journal.append(self._t, "mknod", [*value[1:6], 0, None])
-            elif m.name == "release":
-                await self.sessions.release(session, args[0])
-                result = None
-            elif m.name == "releases":
-                for ino in args[0]:
+            elif m.name in ("release", "releases"):
+                for ino in args[0] if m.name == "releases" else args[:1]:
                     await self.sessions.release(session, ino)
                 result = None
             elif m.name in _LOCK_CALLS:
