@@ -351,6 +351,12 @@ def call_head(name: str, n_args: int) -> bytes:
     return b"l" + _LEN.pack(n_args + 1) + _TAGGED_LEN.pack(b"s", len(b)) + b
 
 
+def encode_list(encoded: list[bytes]) -> bytes:
+    """``encode(values)``, given each value's own encoding (calls encoded as they
+    were made, sent later as one list)."""
+    return b"l" + _LEN.pack(len(encoded)) + b"".join(encoded)
+
+
 def encode_call(head: bytes, args: tuple[int | bytes, ...]) -> bytes:
     """``encode([name, *args])``, *head* being :func:`call_head`'s for them, for
     *args* that are all ``int`` (64-bit) and ``bytes``, checked by the caller (the

@@ -80,6 +80,39 @@ def _inode_list(v: Any, what: str) -> list[int]:
     return [check_int(x, what) for x in items]
 
 
+#: most creates and unlinks one ``made`` call carries
+MAX_MADE = 1024
+#: the calls a ``made`` call carries: those a client makes itself under a create lease
+MADE_CALLS = ("create_at", "unlink_at")
+
+
+def _made_list(v: Any, what: str) -> list[list[Any]]:
+    """Calls of :data:`MADE_CALLS`, checked (as sent: their arguments need no decoding)."""
+    items = check_list(v, what)
+    if not 0 < len(items) <= MAX_MADE:
+        raise WireError(f"{what}: expected 1 to {MAX_MADE} calls, got {len(items)}")
+    for x in items:
+        try:
+            m, _ = decode_call(x)
+        except UnknownMethod as exc:
+            raise WireError(f"{what}: {exc.args[0]!r} is not made by a client") from None
+        except WireError as exc:
+            raise WireError(f"{what}: {exc}") from None
+        if m.name not in MADE_CALLS:
+            raise WireError(f"{what}: {m.name} is not made by a client")
+    return items
+
+
+def _refusals_from_wire(v: Any) -> list[tuple[int, int, str]]:
+    out = []
+    for x in check_list(v, "refused calls"):
+        k, err, msg = check_list(x, "refused call", 3)
+        if type(msg) is not str:
+            raise WireError("refused call: expected a message")
+        out.append((check_int(k, "refused call"), check_int(err, "errno"), msg))
+    return out
+
+
 # -- dataclasses ---------------------------------------------------------------------
 
 
@@ -210,9 +243,11 @@ _ARG_FROM: dict[str, Callable[[Any, str], Any]] = {
     "bytes?": _opt_bytes,
     "setattr": lambda v, what: setattr_from_wire(v),
     "inos": _inode_list,
+    "made": _made_list,
 }
 _ARG_TO: dict[str, Callable[[Any], Any]] = {
     "int": _same, "bytes": _same, "bytes?": _same, "setattr": setattr_to_wire, "inos": list,
+    "made": list,
 }
 
 
@@ -302,6 +337,9 @@ METHODS: dict[str, Method] = {m.name: m for m in [
        _server_only),
     # an unlink of a file made so (parent, name, ino, time_ns): journaled as the unlink it is
     _m("unlink_at", "int bytes int int", _same, _two_ints, "session", _server_only),
+    # several of those two in one call, run in order (the server's cost is mostly per
+    # call): answered with [position, errno, message] of each refused
+    _m("made", "made", _same, _refusals_from_wire, "session", _server_only),
     # cluster-wide locks (memfs.meta.locks), kept by the server per session, never
     # journaled: a POSIX lock test (ino, owner, type, start, length, pid -> the lock in
     # the way as [type, start, length, pid], type F_UNLCK if none), a POSIX lock set
@@ -351,6 +389,15 @@ def call_payload(method: str, *args: Any) -> bytes:
     if plain is not None and tuple(map(type, args)) == plain:
         return wire.encode_call(_HEADS[method], args)
     return wire.encode(encode_call(method, *args))
+
+
+_MADE_HEAD = wire.call_head("made", 1)
+
+
+def made_payload(calls: list[bytes]) -> bytes:
+    """The payload of a ``made`` call of *calls*, each a :data:`MADE_CALLS` payload
+    (:func:`call_payload`): the same bytes as ``call_payload("made", [...])``."""
+    return _MADE_HEAD + wire.encode_list(calls)
 
 
 def decode_call(value: Any) -> tuple[Method, list[Any]]:

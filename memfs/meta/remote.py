@@ -121,6 +121,8 @@ class PoolDescription:
     lease_term: float = 0.0
     #: how long the server waits for a recall's answer before it evicts the client
     recall_timeout: float = 0.0
+    #: most creates and unlinks one ``made`` call may carry (0: the server takes none)
+    made_max: int = 0
 
     @classmethod
     def from_wire(cls, v: Any) -> PoolDescription:
@@ -137,6 +139,7 @@ class PoolDescription:
                 incarnations=incarnations_from_wire(v.get("incarnations", {})),
                 lease_term=_lease_term(v.get("lease_term", 0.0)),
                 recall_timeout=_lease_term(v.get("recall_timeout", 0.0)),
+                made_max=max(0, codec.check_int(v.get("made_max", 0), "made_max")),
             )
         except KeyError as exc:
             raise WireError(f"describe: missing {exc}") from None
@@ -331,7 +334,8 @@ class RemoteMeta(Meta):
         # gone and our transfers ended; later ones come in POOL frames.
         self.pool_follower.registered(self.token, desc.incarnations, first=first)
         return MdsConnection(fs, self.timeout, self.cache, self.leases.on_recall,
-                             self.lock_client.unlocked, self.pool_follower.heard_frame)
+                             self.lock_client.unlocked, self.pool_follower.heard_frame,
+                             made_max=desc.made_max)
 
     async def _transfers_ended(self) -> None:
         """Until no transfer of this process's transport holds a map (each ends within

@@ -30,6 +30,7 @@ KEEPALIVE = 5.0
 #: calls without reply (releases) wait at most this long for a call to go with
 HOLD_MAX = 0.25
 PING = wire.encode(["ping"])
+_MADE = codec.METHODS["made"]
 
 
 class AuthRefused(FsError):
@@ -109,7 +110,7 @@ class MdsConnection:
         self, fs: FrameSocket, timeout: float, cache: ClientCache,
         on_recall: Callable[[MdsConnection, int, bytes], None],
         on_unlocked: Callable[[int], None],
-        on_pool: Callable[[bytes], None] = lambda payload: None,
+        on_pool: Callable[[bytes], None] = lambda payload: None, *, made_max: int = 0,
     ) -> None:
         self.fs = fs
         self.timeout = timeout
@@ -135,12 +136,17 @@ class MdsConnection:
         self._wake = trio.Event()
         self._scope = trio.CancelScope()
         self._last_send = trio.current_time()
-        #: calls not sent yet (asynchronous creates and unlinks, releases): they go
-        #: with the next call, the create hold's flush, or a ping
+        #: frames not sent yet (of the calls below): they go with the next call, the
+        #: create hold's flush, or a ping
         self._held = bytearray()
+        #: asynchronous creates and unlinks held (payload, on_ok, on_fail): one ``made``
+        #: call of at most :attr:`made_max`, placed before the next call (each on its
+        #: own if the server takes none: an older one)
+        self._made: list[tuple[bytes, OnReply, OnReply]] = []
         #: inodes released since: one ``releases`` call, placed before the next call
-        #: (held asynchronous creates and unlinks may go first: :meth:`release`)
+        #: after the creates and unlinks held (:meth:`release`)
         self._releases: list[int] = []
+        self.made_max = min(made_max, codec.MAX_MADE)
         #: set when an asynchronous create is held: it leaves within CREATE_HOLD
         self._flush_soon = trio.Event()
 
@@ -152,6 +158,8 @@ class MdsConnection:
         p = Pending(on_ok, now)
         self.pending[rid] = p
         frame = wire.frame(Kind.CALL, rid, payload)
+        if self._made:
+            self._hold_made()
         if self._releases:
             self._hold_releases()
         if self._held:
@@ -172,18 +180,46 @@ class MdsConnection:
         self._last_send = now
 
     def hold(self, payload: bytes, on_ok: OnReply, on_fail: OnReply) -> None:
-        """A call whose answer nobody waits for (an asynchronous create): it leaves with
-        the next call, or at most ``CREATE_HOLD`` later with the others held meanwhile;
-        the reader hands its answer to *on_ok* or *on_fail* (a lost connection: neither)."""
-        rid = self._next_id
-        self._next_id = rid % 0xFFFFFFFF + 1
-        self.pending[rid] = Pending(on_ok, trio.current_time(), on_fail)
-        self._held += wire.frame(Kind.CALL, rid, payload)
+        """A call whose answer nobody waits for (an asynchronous create or unlink): it
+        leaves with the next call, or at most ``CREATE_HOLD`` later, in one ``made``
+        call with the others held meanwhile; the reader hands its answer to *on_ok* or
+        *on_fail* (a lost connection: neither)."""
+        self._made.append((payload, on_ok, on_fail))
+        if len(self._made) >= self.made_max:
+            self._hold_made()
         if not self._flush_soon.is_set():
             self._flush_soon.set()
 
+    def _hold_made(self) -> None:
+        """The creates and unlinks held, as one call in :attr:`_held`."""
+        made, self._made = self._made, []
+        rid = self._next_id
+        self._next_id = rid % 0xFFFFFFFF + 1
+        if len(made) == 1:
+            payload, on_ok, on_fail = made[0]
+            self.pending[rid] = Pending(on_ok, trio.current_time(), on_fail)
+            self._held += wire.frame(Kind.CALL, rid, payload)
+            return
+
+        def answered(kind: Kind, payload: bytes) -> None:
+            refused = {k: (err, msg) for k, err, msg in _MADE.result_from_wire(wire.decode(payload))}
+            for k, (_, on_ok, on_fail) in enumerate(made):
+                if k in refused:
+                    on_fail(Kind.ERROR, wire.encode_error(*refused[k]))
+                else:
+                    on_ok(Kind.OK, b"")
+
+        def failed(kind: Kind, payload: bytes) -> None:  # (all of them, as one)
+            for _, _, on_fail in made:
+                on_fail(kind, payload)
+
+        self.pending[rid] = Pending(answered, trio.current_time(), failed)
+        self._held += wire.frame(Kind.CALL, rid, codec.made_payload([p for p, _, _ in made]))
+
     def flush_held(self) -> None:
         """Send the held calls now."""
+        if self._made:
+            self._hold_made()
         if self._releases:
             self._hold_releases()
         if self._held and not self.dead:
@@ -212,6 +248,8 @@ class MdsConnection:
         """
         self._releases.append(ino)
         if len(self._releases) >= codec.MAX_RELEASES:
+            if self._made:  # (one may create this file)
+                self._hold_made()
             self._hold_releases()
 
     def _hold_releases(self) -> None:
@@ -339,5 +377,5 @@ class MdsConnection:
         """Ping when idle (keeps the lease), or when calls were held for a while."""
         while True:
             await trio.sleep_until(min(self._last_send + self.keepalive, trio.current_time() + HOLD_MAX))
-            if self._held or self._releases or trio.current_time() >= self._last_send + self.keepalive:
+            if self._held or self._made or self._releases or trio.current_time() >= self._last_send + self.keepalive:
                 self.request(PING)

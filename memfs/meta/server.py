@@ -459,7 +459,13 @@ class MetaServer:
         leases = self.leases
         if not (leases.holders or leases.writers or leases.writing):
             return False  # (what needs_recall looks at: nothing to recall)
-        items = self.lease_policy.conflicts(session, m.name, args)
+        if m.name == "made":
+            return any(self._recalls(session, call[0], call[1:]) for call in args[0])
+        return self._recalls(session, m.name, args)
+
+    def _recalls(self, session: Session, name: str, args: list[Any]) -> bool:
+        """Must call *name* recall other clients' leases first?"""
+        items = self.lease_policy.conflicts(session, name, args)
         return bool(items) and self.leases.needs_recall(session, items)
 
     # -- calls ---------------------------------------------------------------------------
@@ -504,6 +510,8 @@ class MetaServer:
         if not self._recovered.is_set():
             await self._recovered.wait()  # bounded: see _recovery_window
         session = conn.session
+        if m.name == "made":
+            return await self._run_made(conn, args[0], checked)
         if self.meta is self.store or m.name not in _GATED:
             return await self._run_call(conn, value, m, args, checked=checked)
         # Through a backing directory the call may wait between its recall and its
@@ -780,6 +788,8 @@ class MetaServer:
                 # how soon it must answer a recall
                 "lease_term": float(self.leases.term),
                 "recall_timeout": float(self.leases.recall_timeout),
+                # most creates and unlinks a client's ``made`` call may carry
+                "made_max": codec.MAX_MADE,
             }
         if name == "control" and len(raw) == 2:
             op, args = raw
@@ -957,6 +967,22 @@ class MetaServer:
         if self.journal is not None:
             self.journal.append(self._t, RESERVE_INOS, [session.sid, first, count])
         return first
+
+    async def _run_made(self, conn: Connection, calls: list[list[Any]], checked: bool) -> tuple[Kind, bytes]:
+        """A ``made`` call: each of its creates and unlinks as if it came on its own, in
+        order; answered with the position, errno and message of each refused.
+
+        *checked* (:meth:`may_wait` found nothing to recall for any of them) holds
+        across ``create_at`` calls: one neither awaits nor changes what another
+        session holds.  After anything else the conflicts are asked again."""
+        refused = []
+        for k, call in enumerate(calls):
+            name = call[0]
+            kind, body = await self._run_call(conn, call, codec.METHODS[name], call[1:], checked=checked)
+            checked = checked and name == "create_at"
+            if kind is Kind.ERROR or kind is Kind.ERROR_CACHE:
+                refused.append([k, *wire.decode_error(body)])
+        return Kind.OK, wire.encode(refused)
 
     def _create_at(self, session: Session, args: list[Any]) -> None:
         """A create a client made under its create lease (see memfs.meta.leases): at

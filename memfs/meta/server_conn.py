@@ -418,7 +418,7 @@ class Connection:
         rest: list[tuple[int, Any, Parsed]] = []
         for n, item in enumerate(calls):
             _, value, parsed = item
-            made = isinstance(parsed, tuple) and parsed[0].name in ("create_at", "unlink_at")
+            made = isinstance(parsed, tuple) and parsed[0].name in ("create_at", "unlink_at", "made")
             if (parsed is None and value[0] not in ("ping", "describe")) or (
                     made and server.may_wait(self.session, value, parsed)):
                 # A session change, or one of them that must wait: they keep their

@@ -33,6 +33,7 @@ from memfs.meta.cache import MAX_RANGES, READ_AT, ClientCache, add_range
 from memfs.meta.journal import Journal
 from memfs.meta.leases import Item, LeaseTable
 from memfs.meta.remote import RemoteMeta, open_remote_meta
+from memfs.meta.remote_conn import MdsConnection
 from memfs.meta.server import MetaServer
 from memfs.meta.server_conn import Connection, parse_call
 from memfs.meta.store import ROOT_INO as ROOT
@@ -902,10 +903,8 @@ async def test_files_made_here_and_closed_are_released_after_their_creates() -> 
             await a.release(f.ino)
         assert a._conn is not None and await a._conn.delivered()
         assert not [v for v in seen if v[0] == "release"]
-        order = {}
-        for k, v in enumerate(seen):
-            if v[0] == "create_at":
-                order[v[6]] = k
+        order = {c[6]: k for k, v in enumerate(seen) if v[0] == "made" for c in v[1]}
+        assert not [v for v in seen if v[0] == "create_at"], "they went together"
         released = [(ino, k) for k, v in enumerate(seen) if v[0] == "releases" for ino in v[1]]
         assert sorted(ino for ino, _ in released) == sorted([first.ino, *(f.ino for f in made)])
         assert all(order[ino] < k for ino, k in released if ino != first.ino)
@@ -926,11 +925,109 @@ async def test_a_file_made_here_closed_and_unlinked_goes_once_its_release_arrive
         await a.unlink(d.ino, b"f1")
         assert a.creates.removed == 1, "unlinked here, under the create lease"
         assert await a._conn.delivered()
-        assert [v[0] for v in seen if v[0] != "reserve_inos"] == [
-            "create_at", "unlink_at", "releases", "ping"]
+        assert [v[0] for v in seen if v[0] != "reserve_inos"] == ["made", "releases", "ping"]
+        assert [c[0] for c in seen[-3][1]] == ["create_at", "unlink_at"]
         assert seen[-2] == ["releases", [f.ino]]
         assert f.ino not in server.store.inodes
         assert not server.sessions[a.session].opens
+
+
+async def test_creates_and_unlinks_made_here_go_as_one_call_in_order() -> None:
+    """What a client makes under its create lease meanwhile leaves as one ``made``
+    call (the server's cost is mostly per call), applied in order; each item answered."""
+    async with cluster(1) as (server, (a,), _):
+        d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
+        await a.release((await a.create(d.ino, b"f0", F, 0, 0)).ino)  # the create lease
+        assert a._conn is not None and await a._conn.delivered()
+        seen = _calls_seen(server)
+        made = await _made_here(a, d.ino, [b"f%d" % k for k in range(1, 6)])
+        await a.unlink(d.ino, b"f3")
+        await a.rename(d.ino, b"f4", d.ino, b"g")  # asks the server: after them
+        assert [v[0] for v in seen if v[0] != "reserve_inos"] == ["made", "rename"]
+        calls = seen[-2][1]
+        assert [c[0] for c in calls] == ["create_at"] * 5 + ["unlink_at"]
+        assert [c[6] for c in calls[:5]] == [f.ino for f in made]
+        assert not a.creates.pending, "every one answered"
+        assert set(_children(server, d.ino)) == {b"f0", b"f1", b"f2", b"g", b"f5"}
+        for f in made:
+            await a.release(f.ino)
+        assert await a._conn.delivered()
+        assert made[2].ino not in server.store.inodes
+        assert server.store.inodes[made[0].ino].opens == 0
+
+
+async def test_a_refused_call_among_those_made_fails_alone() -> None:
+    """The server answers a ``made`` call with the calls it refused: each of those
+    hears its refusal, the others that they were applied."""
+    async with cluster(1) as (server, (a,), _):
+        d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
+        await a.release((await a.create(d.ino, b"f0", F, 0, 0)).ino)  # the create lease
+        first = await a._call("reserve_inos", 2)
+        conn = a._conn
+        assert conn is not None and conn.made_max > 1
+        heard: list[tuple[str, int, Kind]] = []
+
+        def answer(k: int) -> tuple[Any, Any]:
+            return (lambda kind, payload: heard.append(("ok", k, kind)),
+                    lambda kind, payload: heard.append(("refused", wire.decode_error(payload)[0], kind)))
+
+        calls = [
+            ("create_at", d.ino, b"x", F, 0, 0, first, 5),
+            ("create_at", d.ino, b"f0", F, 0, 0, first + 1, 6),  # the name is taken
+            ("create_at", d.ino, b"y", F, 0, 0, first + 1, 7),
+        ]
+        for k, c in enumerate(calls):
+            conn.hold(codec.call_payload(*c), *answer(k))
+        assert await conn.delivered()
+        assert heard == [("ok", 0, Kind.OK), ("refused", errno.EEXIST, Kind.ERROR), ("ok", 2, Kind.OK)]
+        names = _children(server, d.ino)
+        assert (names[b"x"], names[b"y"]) == (first, first + 1)
+        for ino in (first, first + 1):
+            await a.release(ino)
+
+
+async def test_made_calls_split_at_their_limit_and_go_alone_to_an_older_server() -> None:
+    async with cluster(1) as (server, (a,), _):
+        d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
+        await a.release((await a.create(d.ino, b"f0", F, 0, 0)).ino)  # the create lease
+        conn = a._conn
+        assert conn is not None and await conn.delivered()
+        seen = _calls_seen(server)
+        conn.made_max = 2
+        made = await _made_here(a, d.ino, [b"a%d" % k for k in range(5)])
+        assert await conn.delivered()
+        assert [(v[0], len(v[1])) if v[0] == "made" else (v[0],) for v in seen
+                if v[0] not in ("reserve_inos", "ping")] == [("made", 2), ("made", 2), ("create_at",)]
+        seen.clear()
+        conn.made_max = 0  # a server that names no limit (older) takes each on its own
+        made += await _made_here(a, d.ino, [b"b%d" % k for k in range(3)])
+        assert await conn.delivered()
+        assert [v[0] for v in seen if v[0] not in ("reserve_inos", "ping")] == ["create_at"] * 3
+        assert not a.creates.pending and len(_children(server, d.ino)) == 9
+        for f in made:
+            await a.release(f.ino)
+
+
+async def test_releases_beyond_one_calls_worth_go_after_the_creates_made_meanwhile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A full ``releases`` call leaves at once, behind the creates held with it (one
+    of them may make a file it releases)."""
+    monkeypatch.setattr(codec, "MAX_RELEASES", 2)
+    async with cluster(1) as (server, (a,), _):
+        d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
+        await a.release((await a.create(d.ino, b"f0", F, 0, 0)).ino)  # the create lease
+        assert a._conn is not None and await a._conn.delivered()
+        seen = _calls_seen(server)
+        made = await _made_here(a, d.ino, [b"f1", b"f2", b"f3"])
+        for f in made:
+            await a.release(f.ino)
+        assert await a._conn.delivered()
+        calls = [v for v in seen if v[0] not in ("reserve_inos", "ping")]
+        assert [v[0] for v in calls] == ["made", "releases", "releases"]
+        assert [c[6] for c in calls[0][1]] == [f.ino for f in made]
+        assert not server.sessions[a.session].opens
+        assert all(server.store.inodes[f.ino].opens == 0 for f in made)
 
 
 async def test_releases_beyond_one_calls_worth_go_in_several(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -2811,6 +2908,17 @@ def _children(server: MetaServer, ino: int) -> dict[bytes, int]:
     return c
 
 
+def _drop_unsent(conn: MdsConnection | None) -> bytes:
+    """What *conn* holds to send with its next call (the creates and unlinks made
+    here), dropped as if never sent: its frames."""
+    assert conn is not None
+    if conn._made:
+        conn._hold_made()
+    held = bytes(conn._held)
+    conn._held.clear()
+    return held
+
+
 async def _made_here(c: RemoteMeta, parent: int, names: list[bytes]) -> list[Any]:
     """Create *names* in *parent* (after a lookup each, as the kernel does)."""
     out = []
@@ -2909,7 +3017,7 @@ async def test_fsync_waits_for_the_create_and_a_lost_connection_sends_it_again(c
         a.creates._add(["create_at", d.ino, b"h", F, 0, 0, h.ino, h.ctime_ns])  # as if unanswered
         conn = a._conn
         assert conn is not None
-        conn._held.clear()  # k never left
+        _drop_unsent(conn)  # k never left
         conn.kill("test")
         await a.getattr(ROOT)  # waits for the reconnection
         children = _children(server, d.ino)
@@ -2931,8 +3039,7 @@ async def _stopped_with_a_create_unsent(a: RemoteMeta) -> tuple[Any, Any, bytes]
     (f,) = await _made_here(a, d.ino, [b"f"])
     conn = a._conn
     assert conn is not None
-    held = bytes(conn._held)
-    conn._held.clear()  # as if a were stopped before sending it
+    held = _drop_unsent(conn)  # as if a were stopped before sending it
     conn.on_recall = lambda *args: None  # and could not answer a recall
     return d, f, held
 
@@ -3029,9 +3136,8 @@ async def test_an_unlink_made_under_the_lease_is_sent_again_after_a_lost_connect
         assert a.creates.removed == 2
         conn = a._conn
         assert conn is not None
-        held = bytes(conn._held)
+        held = _drop_unsent(conn)
         assert held  # not sent yet: the creates and unlinks go with the registration
-        conn._held.clear()
         conn.kill("test")
         await a.getattr(ROOT)
         assert sorted(_children(server, d.ino)) == [b"first"]
@@ -3125,8 +3231,7 @@ async def test_an_unlink_replayed_after_an_mds_restart_keeps_the_open_file(
             await a.sync(d.ino)  # the create is in
             await a.unlink(d.ino, b"f")  # held, f still open
             conn = a._conn
-            assert conn is not None and conn._held
-            conn._held.clear()  # the mds dies before it arrives
+            assert _drop_unsent(conn)  # the mds dies before it arrives
             kill()
             await trio.sleep(0.05)
             journal.close()

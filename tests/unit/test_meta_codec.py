@@ -122,6 +122,7 @@ SAMPLE_ARGS: dict[str, tuple[Any, ...]] = {
     "open": (7,),
     "release": (7,),
     "releases": ([7, 8, 7],),
+    "made": ([["create_at", 1, b"n", 0o100644, 1, 2, 9, 5], ["unlink_at", 1, b"n", 9, 6]],),
     "getxattr": (7, b"user.a"),
     "setxattr": (7, b"user.a", b"\0v"),
     "listxattr": (7,),
@@ -177,6 +178,22 @@ def test_call_payload_falls_back_for_what_it_does_not_encode_itself() -> None:
 def test_releases_takes_a_bounded_list_of_inode_numbers(inos: Any) -> None:
     with pytest.raises(WireError, match="releases"):
         codec.decode_call(through_wire(["releases", inos]))
+
+
+@pytest.mark.parametrize("calls", [
+    [], [["unlink_at", 1, b"n", 9, 6]] * (codec.MAX_MADE + 1), [["create", 1, b"n", 0o100644, 1, 2]],
+    [["no_such_call", 1]], [["unlink_at", 1, b"n", 9]], [["unlink_at", 1, b"n", 9, True]], 7,
+])
+def test_made_takes_a_bounded_list_of_creates_and_unlinks(calls: Any) -> None:
+    with pytest.raises(WireError, match="made"):
+        codec.decode_call(through_wire(["made", calls]))
+
+
+def test_made_payload_is_the_general_encoding() -> None:
+    calls = [["create_at", 1, b"n", 0o100644, 1, 2, 9, 5], ["unlink_at", 1, b"n", 9, 6]]
+    payload = codec.made_payload([codec.call_payload(*c) for c in calls])
+    assert payload == wire.encode(["made", calls])
+    assert codec.decode_call(wire.decode(payload))[1] == [calls]
 
 
 def test_symlink_target_arg() -> None:
