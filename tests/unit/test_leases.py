@@ -3231,7 +3231,7 @@ async def test_an_unlink_replayed_after_an_mds_restart_keeps_the_open_file(
             await a.sync(d.ino)  # the create is in
             await a.unlink(d.ino, b"f")  # held, f still open
             conn = a._conn
-            assert _drop_unsent(conn)  # the mds dies before it arrives
+            assert conn is not None and _drop_unsent(conn)  # the mds dies before it arrives
             kill()
             await trio.sleep(0.05)
             journal.close()

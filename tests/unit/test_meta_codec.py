@@ -190,8 +190,8 @@ def test_made_takes_a_bounded_list_of_creates_and_unlinks(calls: Any) -> None:
 
 
 def test_made_payload_is_the_general_encoding() -> None:
-    calls = [["create_at", 1, b"n", 0o100644, 1, 2, 9, 5], ["unlink_at", 1, b"n", 9, 6]]
-    payload = codec.made_payload([codec.call_payload(*c) for c in calls])
+    calls: list[list[Any]] = [["create_at", 1, b"n", 0o100644, 1, 2, 9, 5], ["unlink_at", 1, b"n", 9, 6]]
+    payload = codec.made_payload([codec.call_payload(c[0], *c[1:]) for c in calls])
     assert payload == wire.encode(["made", calls])
     assert codec.decode_call(wire.decode(payload))[1] == [calls]
 
