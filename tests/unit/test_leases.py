@@ -986,6 +986,35 @@ async def test_a_refused_call_among_those_made_fails_alone() -> None:
             await a.release(ino)
 
 
+async def test_a_made_call_recalls_what_its_calls_change_from_others_first() -> None:
+    """Calls in a ``made`` call that change what another client caches wait for its
+    recall, as they would on their own; the calls before them are applied."""
+    async with cluster(2) as (server, (a, b), (_, kb)):
+        d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
+        await a.release((await a.create(d.ino, b"f0", F, 0, 0)).ino)  # the create lease
+        (f,) = await _made_here(a, d.ino, [b"f1"])
+        await a.release(f.ino)
+        assert (await b.lookup(d.ino, b"f1")).ino == f.ino  # recalls a's lease: b caches it
+        assert d.ino not in a.cache.creators
+        first = await a._call("reserve_inos", 1)
+        conn = a._conn
+        assert conn is not None
+        heard: list[str] = []
+        recalls = calls(server)
+        conn.hold(codec.call_payload("create_at", d.ino, b"x", F, 0, 0, first, 5),
+                  lambda kind, payload: heard.append("x"), lambda kind, payload: heard.append("x refused"))
+        conn.hold(codec.call_payload("unlink_at", d.ino, b"f1", f.ino, 6),
+                  lambda kind, payload: heard.append("f1"), lambda kind, payload: heard.append("f1 refused"))
+        assert await conn.delivered()
+        assert heard == ["x", "f1"]
+        assert calls(server) > recalls and f.ino in kb.inodes, "b was told first"
+        with pytest.raises(FsError) as info:
+            await b.lookup(d.ino, b"f1")
+        assert info.value.errno == errno.ENOENT
+        assert set(_children(server, d.ino)) == {b"f0", b"x"}
+        await a.release(first)
+
+
 async def test_made_calls_split_at_their_limit_and_go_alone_to_an_older_server() -> None:
     async with cluster(1) as (server, (a,), _):
         d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
