@@ -477,7 +477,7 @@ class MetaServer:
         Counted and timed per method when :attr:`metrics` is set.  *checked*: see
         :meth:`Dispatcher.execute`."""
         obs = self.metrics
-        if obs is None:
+        if obs is None or (type(parsed) is tuple and parsed[0].name == "made"):  # (each call counted)
             return await self._execute_call(conn, value, parsed, checked)
         started = time.perf_counter()
         kind, payload = await self._execute_call(conn, value, parsed, checked)
@@ -970,18 +970,27 @@ class MetaServer:
 
     async def _run_made(self, conn: Connection, calls: list[list[Any]], checked: bool) -> tuple[Kind, bytes]:
         """A ``made`` call: each of its creates and unlinks as if it came on its own, in
-        order; answered with the position, errno and message of each refused.
+        order (its recalls, its journal record, its metrics); answered with the
+        position, errno and message of each refused, all at once: one that waits for
+        a recall (only once the client lost its create lease) holds up the answers
+        of those before it.
 
         *checked* (:meth:`may_wait` found nothing to recall for any of them) holds
         across ``create_at`` calls: one neither awaits nor changes what another
         session holds.  After anything else the conflicts are asked again."""
         refused = []
+        obs = self.metrics
         for k, call in enumerate(calls):
             name = call[0]
+            started = time.perf_counter() if obs is not None else 0.0
             kind, body = await self._run_call(conn, call, codec.METHODS[name], call[1:], checked=checked)
             checked = checked and name == "create_at"
+            err = None
             if kind is Kind.ERROR or kind is Kind.ERROR_CACHE:
-                refused.append([k, *wire.decode_error(body)])
+                err, msg = wire.decode_error(body)
+                refused.append([k, err, msg])
+            if obs is not None:
+                obs.observe(name, started, err)
         return Kind.OK, wire.encode(refused)
 
     def _create_at(self, session: Session, args: list[Any]) -> None:

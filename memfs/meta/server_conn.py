@@ -332,8 +332,8 @@ class Connection:
                 step = min(1.0, server.idle_timeout / 8)
                 with trio.CancelScope(deadline=trio.current_time() + server.idle_timeout) as idle:
                     while True:
-                        n += 1
-                        if n % 32 == 0:
+                        if n >= 32:  # calls read since the last look (each of a made call's too)
+                            n = 0
                             await trio.lowlevel.checkpoint()  # a pipelining client must not starve others
                         if not fs.buffered():  # about to wait: from now on, at most this long
                             # (moved in steps: setting a deadline is not free)
@@ -358,6 +358,7 @@ class Connection:
                             raise WireError(f"unexpected {h.kind.name} frame")
                         value = wire.decode(payload)
                         parsed = parse_call(value)
+                        n += len(parsed[1][0]) if type(parsed) is tuple and parsed[0].name == "made" else 1
                         if self.busy or self.calls or server.may_wait(self.session, value, parsed):
                             if len(self.calls) >= MAX_QUEUED:
                                 raise WireError(f"more than {MAX_QUEUED} calls queued")

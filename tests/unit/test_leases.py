@@ -37,6 +37,7 @@ from memfs.meta.remote_conn import MdsConnection
 from memfs.meta.server import MetaServer
 from memfs.meta.server_conn import Connection, parse_call
 from memfs.meta.store import ROOT_INO as ROOT
+from memfs.metrics import Metrics
 from memfs.transport.tcp import Fences
 from memfs.wire import Kind, WireError
 from tests.unit.test_meta_conformance import metadata_only
@@ -1012,6 +1013,27 @@ async def test_a_made_call_recalls_what_its_calls_change_from_others_first() -> 
             await b.lookup(d.ino, b"f1")
         assert info.value.errno == errno.ENOENT
         assert set(_children(server, d.ino)) == {b"f0", b"x"}
+        await a.release(first)
+
+
+async def test_each_call_of_a_made_call_is_counted_under_its_own_name() -> None:
+    """``--metrics``: the creates and unlinks of a ``made`` call count as requests of
+    their own (a refused one as an error: a create lost after an eviction)."""
+    async with cluster(1) as (server, (a,), _):
+        server.metrics = Metrics("mds")
+        d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
+        await a.release((await a.create(d.ino, b"f0", F, 0, 0)).ino)  # the create lease
+        first = await a._call("reserve_inos", 2)
+        conn = a._conn
+        assert conn is not None and conn.made_max > 1
+        for name, ino in ((b"x", first), (b"f0", first + 1)):  # the second: EEXIST
+            conn.hold(codec.call_payload("create_at", d.ino, name, F, 0, 0, ino, 5),
+                      lambda kind, payload: None, lambda kind, payload: None)
+        assert await conn.delivered()
+        sample = server.metrics.registry.get_sample_value
+        assert sample("memfs_requests_total", {"op": "create_at"}) == 2
+        assert sample("memfs_request_errors_total", {"op": "create_at", "errno": "EEXIST"}) == 1
+        assert sample("memfs_requests_total", {"op": "made"}) is None
         await a.release(first)
 
 
