@@ -392,7 +392,18 @@ def call_payload(method: str, *args: Any) -> bytes:
     return wire.encode(encode_call(method, *args))
 
 
+# A made call's calls are run as sent (_made_list checks them, and their decoded
+# arguments are the values on the wire): integers and names only.
+assert all(name in _PLAIN for name in MADE_CALLS)
 _MADE_HEAD = wire.call_head("made", 1)
+
+
+def calls_in(parsed: Any) -> int:
+    """How many calls a parsed call (``decode_call``'s, or None for a control call)
+    runs: a ``made`` call's count, else 1."""
+    if type(parsed) is tuple and parsed[0].name == "made":
+        return len(parsed[1][0])
+    return 1
 
 
 def made_payload(calls: list[bytes]) -> bytes:

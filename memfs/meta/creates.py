@@ -7,7 +7,8 @@ file there itself: it names the inode, stamps its times, answers the kernel,
 and sends ``create_at`` without waiting for the answer.  Such calls leave in
 batches (held for :data:`CREATE_HOLD`, or until the next call that waits for its
 answer, which must come after them anyway), as one ``made`` call (a lone one
-as itself), and their answers are taken as they are read: no task waits for
+as itself; at most 128 a call; each alone to an mds that takes no ``made``
+call), and their answers are taken as they are read: no task waits for
 them.  So a create costs this client no round trip to the server, and the
 server one call per batch.
 

@@ -30,7 +30,7 @@ Kinds of holding (CephFS capabilities and Lustre LDLM locks in miniature):
   no other session holds the directory at all): it may create regular files in
   it without waiting for the server (CephFS's asynchronous creates).  It names
   the new inode itself, from numbers reserved for it (``reserve_inos``), and
-  sends ``create_at`` calls that it does not wait for; any other session's call
+  sends ``create_at`` calls (in ``made`` calls) that it does not wait for; any other session's call
   that reads or changes the directory (a lookup or listing in it, its
   attributes, a change of its entries) first revokes the lease, and the holder
   answers only once every create it made has been answered, so that call sees

@@ -1003,7 +1003,7 @@ class RemoteMeta(Meta):
         if conn is not None and not conn.dead:
             # Sent without a reply (before our next call): it says nothing we need,
             # and calls after it on this connection run after it (held asynchronous
-            # creates and unlinks may go first: MdsConnection.release).  If the
+            # creates and unlinks go first: MdsConnection.release).  If the
             # connection drops first, the next re-registration states our counts
             # without it.
             conn.release(ino)

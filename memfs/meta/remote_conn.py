@@ -159,7 +159,7 @@ class MdsConnection:
         self.pending[rid] = p
         frame = wire.frame(Kind.CALL, rid, payload)
         if self._made:
-            self._hold_made()
+            self._frame_made()
         if self._releases:
             self._hold_releases()
         if self._held:
@@ -182,15 +182,16 @@ class MdsConnection:
     def hold(self, payload: bytes, on_ok: OnReply, on_fail: OnReply) -> None:
         """A call whose answer nobody waits for (an asynchronous create or unlink): it
         leaves with the next call, or at most ``CREATE_HOLD`` later, in one ``made``
-        call with the others held meanwhile; the reader hands its answer to *on_ok* or
+        call with the others held meanwhile (at most :attr:`made_max` a call; each
+        alone to an older server); the reader hands its answer to *on_ok* or
         *on_fail* (a lost connection: neither)."""
         self._made.append((payload, on_ok, on_fail))
         if len(self._made) >= self.made_max:
-            self._hold_made()
+            self._frame_made()
         if not self._flush_soon.is_set():
             self._flush_soon.set()
 
-    def _hold_made(self) -> None:
+    def _frame_made(self) -> None:
         """The creates and unlinks held, as one call in :attr:`_held`."""
         made, self._made = self._made, []
         rid = self._next_id
@@ -219,7 +220,7 @@ class MdsConnection:
     def flush_held(self) -> None:
         """Send the held calls now."""
         if self._made:
-            self._hold_made()
+            self._frame_made()
         if self._releases:
             self._hold_releases()
         if self._held and not self.dead:
@@ -241,15 +242,15 @@ class MdsConnection:
         per call), which leaves before our next call, in the same send, or with a
         ping at most ``HOLD_MAX`` later: whatever we ask after it runs after it.
 
-        Asynchronous creates and unlinks held meanwhile (:meth:`hold`) may go first.
-        They make or unlink other files, or unlink this one (the server then holds
-        the nameless file open until the release, a moment later): none depends on
-        the release.
+        Asynchronous creates and unlinks held meanwhile (:meth:`hold`) go first: one
+        may create this file.  The others make or unlink other files, or unlink this
+        one (the server then holds the nameless file open until the release, a
+        moment later): none depends on the release.
         """
         self._releases.append(ino)
         if len(self._releases) >= codec.MAX_RELEASES:
             if self._made:  # (one may create this file)
-                self._hold_made()
+                self._frame_made()
             self._hold_releases()
 
     def _hold_releases(self) -> None:

@@ -986,7 +986,7 @@ class MetaServer:
             kind, body = await self._run_call(conn, call, codec.METHODS[name], call[1:], checked=checked)
             checked = checked and name == "create_at"
             err = None
-            if kind is Kind.ERROR or kind is Kind.ERROR_CACHE:
+            if kind is Kind.ERROR:
                 err, msg = wire.decode_error(body)
                 refused.append([k, err, msg])
             if obs is not None:

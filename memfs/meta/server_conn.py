@@ -348,6 +348,7 @@ class Connection:
                         h, payload = got
                         self.session.last_heard = trio.current_time()
                         if h.kind is Kind.RECALLED:
+                            n += 1
                             if self.calls:
                                 await self._run_made_now()
                             server.recalled(self.session, h.req_id, wire.decode(payload))
@@ -358,7 +359,7 @@ class Connection:
                             raise WireError(f"unexpected {h.kind.name} frame")
                         value = wire.decode(payload)
                         parsed = parse_call(value)
-                        n += len(parsed[1][0]) if type(parsed) is tuple and parsed[0].name == "made" else 1
+                        n += codec.calls_in(parsed)
                         if self.busy or self.calls or server.may_wait(self.session, value, parsed):
                             if len(self.calls) >= MAX_QUEUED:
                                 raise WireError(f"more than {MAX_QUEUED} calls queued")
@@ -419,7 +420,7 @@ class Connection:
         rest: list[tuple[int, Any, Parsed]] = []
         for n, item in enumerate(calls):
             _, value, parsed = item
-            made = isinstance(parsed, tuple) and parsed[0].name in ("create_at", "unlink_at", "made")
+            made = isinstance(parsed, tuple) and parsed[0].name in (*codec.MADE_CALLS, "made")
             if (parsed is None and value[0] not in ("ping", "describe")) or (
                     made and server.may_wait(self.session, value, parsed)):
                 # A session change, or one of them that must wait: they keep their
@@ -440,7 +441,9 @@ class Connection:
 
 
     async def _run_calls(self) -> None:
-        """Execute the calls that queued (see :meth:`serve`), in order."""
+        """Execute the calls that queued (see :meth:`serve`), in order, letting other
+        clients' calls run after every 32 (each of a made call's counted)."""
+        n = 0
         while True:
             while not self.calls:
                 if self.closing:
@@ -450,7 +453,12 @@ class Connection:
             self.busy = True
             try:
                 while self.calls:
+                    if n >= 32:
+                        n = 0
+                        await trio.lowlevel.checkpoint()
+                        continue  # (a RECALLED may have run some meanwhile)
                     rid, value, parsed = self.calls.popleft()
+                    n += codec.calls_in(parsed)
                     self.registering = parsed is None and value[0] == "session"
                     try:
                         kind, body = await self._execute(value, parsed)

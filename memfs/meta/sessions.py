@@ -81,7 +81,7 @@ class Registration:
                 m, args = codec.decode_call(item)
             except codec.UnknownMethod as exc:
                 raise WireError(f"registration: {exc.args[0]!r} is not replayed") from None
-            if m.name not in ("create_at", "unlink_at"):
+            if m.name not in codec.MADE_CALLS:
                 raise WireError(f"registration: {m.name} is not replayed")
             ops.append((m.name, args))
         if len(raw) < 5:

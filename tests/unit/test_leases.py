@@ -14,6 +14,7 @@ import math
 import os
 import socket
 import stat
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
@@ -966,6 +967,7 @@ async def test_a_refused_call_among_those_made_fails_alone() -> None:
         first = await a._call("reserve_inos", 2)
         conn = a._conn
         assert conn is not None and conn.made_max > 1
+        seen = _calls_seen(server)
         heard: list[tuple[str, int, Kind]] = []
 
         def answer(k: int) -> tuple[Any, Any]:
@@ -980,6 +982,7 @@ async def test_a_refused_call_among_those_made_fails_alone() -> None:
         for k, c in enumerate(calls):
             conn.hold(codec.call_payload(*c), *answer(k))
         assert await conn.delivered()
+        assert [v[0] for v in seen] == ["made", "ping"]
         assert heard == [("ok", 0, Kind.OK), ("refused", errno.EEXIST, Kind.ERROR), ("ok", 2, Kind.OK)]
         names = _children(server, d.ino)
         assert (names[b"x"], names[b"y"]) == (first, first + 1)
@@ -1026,15 +1029,50 @@ async def test_each_call_of_a_made_call_is_counted_under_its_own_name() -> None:
         first = await a._call("reserve_inos", 2)
         conn = a._conn
         assert conn is not None and conn.made_max > 1
+        seen = _calls_seen(server)
         for name, ino in ((b"x", first), (b"f0", first + 1)):  # the second: EEXIST
             conn.hold(codec.call_payload("create_at", d.ino, name, F, 0, 0, ino, 5),
                       lambda kind, payload: None, lambda kind, payload: None)
         assert await conn.delivered()
+        assert [v[0] for v in seen] == ["made", "ping"]
         sample = server.metrics.registry.get_sample_value
         assert sample("memfs_requests_total", {"op": "create_at"}) == 2
         assert sample("memfs_request_errors_total", {"op": "create_at", "errno": "EEXIST"}) == 1
         assert sample("memfs_requests_total", {"op": "made"}) is None
         await a.release(first)
+
+
+async def test_the_reader_counts_each_call_of_a_made_call_before_letting_others_in(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The connection's reader lets other clients' calls run after every 32 calls it
+    read: a made call of 32 or more is that many (a frame of them is up to 128)."""
+    async with cluster(1) as (server, (a,), _):
+        d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
+        await a.release((await a.create(d.ino, b"f0", F, 0, 0)).ino)  # the create lease
+        first = await a._call("reserve_inos", codec.MAX_MADE)
+        conn = a._conn
+        assert conn is not None and conn.made_max == codec.MAX_MADE
+        conn.made_max = codec.MAX_MADE // 2
+        turns = 0
+        checkpoint = trio.lowlevel.checkpoint
+
+        async def counted() -> None:
+            nonlocal turns
+            if sys._getframe(1).f_code.co_name == "serve":  # the connection's reader
+                turns += 1
+            await checkpoint()
+
+        monkeypatch.setattr(trio.lowlevel, "checkpoint", counted)
+        for k in range(codec.MAX_MADE):  # two made calls, in one send
+            conn.hold(codec.call_payload("create_at", d.ino, b"n%d" % k, F, 0, 0, first + k, 5),
+                      lambda kind, payload: None, lambda kind, payload: None)
+        assert await conn.delivered()
+        assert turns >= 2, "after each"
+        assert len(_children(server, d.ino)) == codec.MAX_MADE + 1
+        monkeypatch.undo()
+        for k in range(codec.MAX_MADE):
+            await a.release(first + k)
 
 
 async def test_made_calls_split_at_their_limit_and_go_alone_to_an_older_server() -> None:
@@ -2964,7 +3002,7 @@ def _drop_unsent(conn: MdsConnection | None) -> bytes:
     here), dropped as if never sent: its frames."""
     assert conn is not None
     if conn._made:
-        conn._hold_made()
+        conn._frame_made()
     held = bytes(conn._held)
     conn._held.clear()
     return held
