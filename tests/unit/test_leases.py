@@ -1075,6 +1075,46 @@ async def test_the_reader_counts_each_call_of_a_made_call_before_letting_others_
             await a.release(first + k)
 
 
+async def test_calls_queued_behind_a_waiting_call_let_others_in_every_32(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The calls that queued behind one that waited (for a recall) run in turn
+    afterwards, and other clients' calls get their turn after every 32 of them, each
+    of a made call counted."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]  # c is evicted
+    async with cluster(3, recall_timeout=0.3, term=0.6) as (server, (a, b, c), _):
+        g = await a.mknod(ROOT, b"g", F, 0, 0)
+        await c.lookup(ROOT, b"g")
+        d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
+        await a.release((await a.create(d.ino, b"f0", F, 0, 0)).ino)  # the create lease
+        first = await a._call("reserve_inos", 64)
+        conn, cc = a._conn, c._conn
+        assert conn is not None and cc is not None
+        cc.on_recall = lambda *args: None  # c is stopped: it answers no recall
+        turns = 0
+        checkpoint = trio.lowlevel.checkpoint
+
+        async def counted() -> None:
+            nonlocal turns
+            if sys._getframe(1).f_code.co_name == "_run_calls":
+                turns += 1
+            await checkpoint()
+
+        monkeypatch.setattr(trio.lowlevel, "checkpoint", counted)
+        async with trio.open_nursery() as n:
+            n.start_soon(a.setattr, g.ino, SetAttr(mode=0o600))  # waits for c's eviction
+            await trio.sleep(0.1)
+            for k in range(64):  # one made call, queued behind the setattr
+                conn.hold(codec.call_payload("create_at", d.ino, b"n%d" % k, F, 0, 0, first + k, 5),
+                          lambda kind, payload: None, lambda kind, payload: None)
+            assert await conn.delivered()  # a ping, queued behind it
+        monkeypatch.undo()
+        assert turns >= 1, "between the made call's 64 calls and the ping"
+        assert len(_children(server, d.ino)) == 65
+        for k in range(64):
+            await a.release(first + k)
+
+
 async def test_made_calls_split_at_their_limit_and_go_alone_to_an_older_server() -> None:
     async with cluster(1) as (server, (a,), _):
         d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
