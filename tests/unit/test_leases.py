@@ -868,6 +868,18 @@ def _calls_seen(server: MetaServer) -> list[Any]:
     return seen
 
 
+async def _leased_directory(a: RemoteMeta, reserve: int = 0) -> tuple[Attr, int, MdsConnection]:
+    """Directory ``d`` made by *a*, with its create lease (the create that got it,
+    closed); the first of *reserve* inode numbers reserved for calls made by hand;
+    *a*'s connection."""
+    d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
+    await a.release((await a.create(d.ino, b"f0", F, 0, 0)).ino)
+    first = await a._call("reserve_inos", reserve) if reserve else 0
+    conn = a._conn
+    assert conn is not None and d.ino in a.cache.creators
+    return d, first, conn
+
+
 async def test_releases_since_the_last_call_go_in_one_call_before_the_next() -> None:
     """A client's releases wait for its next call and go before it, as one call: the
     server's cost is mostly per call, and a burst of closes is common (cp -r, tar)."""
@@ -918,8 +930,7 @@ async def test_a_file_made_here_closed_and_unlinked_goes_once_its_release_arrive
     """Its unlink, held like its create, may reach the server before its release: the
     server keeps the nameless file open until the release, in the same send."""
     async with cluster(1) as (server, (a,), _):
-        d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
-        await a.release((await a.create(d.ino, b"f0", F, 0, 0)).ino)  # the create lease
+        d, _, _ = await _leased_directory(a)
         assert a._conn is not None and await a._conn.delivered()
         seen = _calls_seen(server)
         (f,) = await _made_here(a, d.ino, [b"f1"])
@@ -938,8 +949,7 @@ async def test_creates_and_unlinks_made_here_go_as_one_call_in_order() -> None:
     """What a client makes under its create lease meanwhile leaves as one ``made``
     call (the server's cost is mostly per call), applied in order; each item answered."""
     async with cluster(1) as (server, (a,), _):
-        d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
-        await a.release((await a.create(d.ino, b"f0", F, 0, 0)).ino)  # the create lease
+        d, _, _ = await _leased_directory(a)
         assert a._conn is not None and await a._conn.delivered()
         seen = _calls_seen(server)
         made = await _made_here(a, d.ino, [b"f%d" % k for k in range(1, 6)])
@@ -962,11 +972,8 @@ async def test_a_refused_call_among_those_made_fails_alone() -> None:
     """The server answers a ``made`` call with the calls it refused: each of those
     hears its refusal, the others that they were applied."""
     async with cluster(1) as (server, (a,), _):
-        d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
-        await a.release((await a.create(d.ino, b"f0", F, 0, 0)).ino)  # the create lease
-        first = await a._call("reserve_inos", 2)
-        conn = a._conn
-        assert conn is not None and conn.made_max > 1
+        d, first, conn = await _leased_directory(a, 2)
+        assert conn.made_max > 1
         seen = _calls_seen(server)
         heard: list[tuple[str, int, Kind]] = []
 
@@ -994,8 +1001,7 @@ async def test_a_made_call_recalls_what_its_calls_change_from_others_first() -> 
     """Calls in a ``made`` call that change what another client caches wait for its
     recall, as they would on their own; the calls before them are applied."""
     async with cluster(2) as (server, (a, b), (_, kb)):
-        d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
-        await a.release((await a.create(d.ino, b"f0", F, 0, 0)).ino)  # the create lease
+        d, _, _ = await _leased_directory(a)
         (f,) = await _made_here(a, d.ino, [b"f1"])
         await a.release(f.ino)
         assert (await b.lookup(d.ino, b"f1")).ino == f.ino  # recalls a's lease: b caches it
@@ -1024,11 +1030,8 @@ async def test_each_call_of_a_made_call_is_counted_under_its_own_name() -> None:
     their own (a refused one as an error: a create lost after an eviction)."""
     async with cluster(1) as (server, (a,), _):
         server.metrics = Metrics("mds")
-        d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
-        await a.release((await a.create(d.ino, b"f0", F, 0, 0)).ino)  # the create lease
-        first = await a._call("reserve_inos", 2)
-        conn = a._conn
-        assert conn is not None and conn.made_max > 1
+        d, first, conn = await _leased_directory(a, 2)
+        assert conn.made_max > 1
         seen = _calls_seen(server)
         for name, ino in ((b"x", first), (b"f0", first + 1)):  # the second: EEXIST
             conn.hold(codec.call_payload("create_at", d.ino, name, F, 0, 0, ino, 5),
@@ -1048,11 +1051,8 @@ async def test_the_reader_counts_each_call_of_a_made_call_before_letting_others_
     """The connection's reader lets other clients' calls run after every 32 calls it
     read: a made call of 32 or more is that many (a frame of them is up to 128)."""
     async with cluster(1) as (server, (a,), _):
-        d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
-        await a.release((await a.create(d.ino, b"f0", F, 0, 0)).ino)  # the create lease
-        first = await a._call("reserve_inos", codec.MAX_MADE)
-        conn = a._conn
-        assert conn is not None and conn.made_max == codec.MAX_MADE
+        d, first, conn = await _leased_directory(a, codec.MAX_MADE)
+        assert conn.made_max == codec.MAX_MADE
         conn.made_max = codec.MAX_MADE // 2
         turns = 0
         checkpoint = trio.lowlevel.checkpoint
@@ -1085,11 +1085,9 @@ async def test_calls_queued_behind_a_waiting_call_let_others_in_every_32(
     async with cluster(3, recall_timeout=0.3, term=0.6) as (server, (a, b, c), _):
         g = await a.mknod(ROOT, b"g", F, 0, 0)
         await c.lookup(ROOT, b"g")
-        d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
-        await a.release((await a.create(d.ino, b"f0", F, 0, 0)).ino)  # the create lease
-        first = await a._call("reserve_inos", 64)
-        conn, cc = a._conn, c._conn
-        assert conn is not None and cc is not None
+        d, first, conn = await _leased_directory(a, 64)
+        cc = c._conn
+        assert cc is not None
         cc.on_recall = lambda *args: None  # c is stopped: it answers no recall
         turns = 0
         checkpoint = trio.lowlevel.checkpoint
@@ -1117,10 +1115,8 @@ async def test_calls_queued_behind_a_waiting_call_let_others_in_every_32(
 
 async def test_made_calls_split_at_their_limit_and_go_alone_to_an_older_server() -> None:
     async with cluster(1) as (server, (a,), _):
-        d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
-        await a.release((await a.create(d.ino, b"f0", F, 0, 0)).ino)  # the create lease
-        conn = a._conn
-        assert conn is not None and await conn.delivered()
+        d, _, conn = await _leased_directory(a)
+        assert await conn.delivered()
         seen = _calls_seen(server)
         conn.made_max = 2
         made = await _made_here(a, d.ino, [b"a%d" % k for k in range(5)])
@@ -1144,8 +1140,7 @@ async def test_releases_beyond_one_calls_worth_go_after_the_creates_made_meanwhi
     of them may make a file it releases)."""
     monkeypatch.setattr(codec, "MAX_RELEASES", 2)
     async with cluster(1) as (server, (a,), _):
-        d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
-        await a.release((await a.create(d.ino, b"f0", F, 0, 0)).ino)  # the create lease
+        d, _, _ = await _leased_directory(a)
         assert a._conn is not None and await a._conn.delivered()
         seen = _calls_seen(server)
         made = await _made_here(a, d.ino, [b"f1", b"f2", b"f3"])
