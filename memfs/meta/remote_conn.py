@@ -158,10 +158,7 @@ class MdsConnection:
         p = Pending(on_ok, now)
         self.pending[rid] = p
         frame = wire.frame(Kind.CALL, rid, payload)
-        if self._made:
-            self._frame_made()
-        if self._releases:
-            self._hold_releases()
+        self._hold_queued()
         if self._held:
             self._held += frame
             frame = bytes(self._held)
@@ -219,10 +216,7 @@ class MdsConnection:
 
     def flush_held(self) -> None:
         """Send the held calls now."""
-        if self._made:
-            self._frame_made()
-        if self._releases:
-            self._hold_releases()
+        self._hold_queued()
         if self._held and not self.dead:
             frame = bytes(self._held)
             self._held.clear()
@@ -249,13 +243,16 @@ class MdsConnection:
         """
         self._releases.append(ino)
         if len(self._releases) >= codec.MAX_RELEASES:
-            if self._made:  # (one may create this file)
-                self._frame_made()
-            self._hold_releases()
+            self._hold_queued()
 
-    def _hold_releases(self) -> None:
-        self._held += wire.frame(Kind.CALL, 0, codec.call_payload("releases", self._releases))
-        self._releases = []
+    def _hold_queued(self) -> None:
+        """The creates and unlinks held, then the releases, as frames in :attr:`_held`
+        (in that order: a create held may make a file released)."""
+        if self._made:
+            self._frame_made()
+        if self._releases:
+            self._held += wire.frame(Kind.CALL, 0, codec.call_payload("releases", self._releases))
+            self._releases = []
 
     def send_recalled(self, rid: int, payload: bytes) -> None:
         """Acknowledge recall *rid* (no await: the reader must not wait on the socket)."""
