@@ -182,8 +182,14 @@ class DataEngine:
         start = e.offset - base
         await self.transport.readinto(e.volume, e.voffset, view[start : start + e.length])
 
-    async def write(self, ino: int, offset: int, data: Buffer) -> int:
+    async def write(self, ino: int, offset: int, data: Buffer, *, append: bool = False) -> int:
+        """*append*: an ``O_APPEND`` write where sizes change elsewhere, placed by
+        ``Meta.map_append`` (*offset* unused).  Once placed the file's size counts
+        it: a retry (the map recalled meanwhile) writes there, and a failure after
+        that leaves zeros there (as a crash of the writer would)."""
         src = memoryview(data).cast("B")
+        if append and not len(src):
+            return 0
         meta = self.meta
         out = self._posted.get(ino)
         if out is not None and out.error is not None:
@@ -192,7 +198,8 @@ class DataEngine:
             if (pause := map_retry_delay(tries)) > 0:
                 await trio.sleep(pause)
             gen = meta.generation(ino)
-            plan = await self._plan(ino, offset, len(src))
+            offset, plan = await self._plan(ino, offset, len(src), append=append)
+            append = False
             with meta.io(ino):
                 if meta.generation(ino) != gen:
                     continue  # recalled while we asked: the plan may name freed chunks
@@ -252,14 +259,22 @@ class DataEngine:
             if hold is not None:
                 hold.__exit__(None, None, None)
 
-    async def _plan(self, ino: int, offset: int, length: int) -> WritePlan:
+    async def _plan(
+        self, ino: int, offset: int, length: int, *, append: bool = False,
+    ) -> tuple[int, WritePlan]:
+        """The write's offset (*append*: where ``Meta.map_append`` placed it) and plan."""
+        async def plan() -> tuple[int, WritePlan]:
+            if append:
+                return await self.meta.map_append(ino, length)
+            return offset, await self.meta.map_write(ino, offset, length)
+
         try:
-            return await self.meta.map_write(ino, offset, length)
+            return await plan()
         except SpaceBusy:
             # Only freed-but-unzeroed space is left: wait for the scrubber, once.
             await self.meta.reclaim()
             try:
-                return await self.meta.map_write(ino, offset, length)
+                return await plan()
             except SpaceBusy:
                 raise FsError(errno.ENOSPC) from None
 

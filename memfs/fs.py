@@ -760,13 +760,11 @@ class Operations(pyfuse3.Operations):
         ino = fh & _INODE
         if self.drops_privileges:
             await self._drop_privileges(ino, bool(fh & _UNPRIVILEGED))
-        if fh & _APPEND:
-            # The end of the file as the metadata service knows it now (another node's
-            # appends included: its lease is recalled, its size asked for), not the
-            # kernel's offset.  Appends from several nodes at once without a lock may
-            # still meet (the size is read, then written at), as on NFS; under
-            # flock/fcntl locks, or one after the other, they never overwrite.
-            off = await self.meta.end_of_file(ino)
+        # O_APPEND on a cluster client: at the end of the file as the metadata service
+        # places it (another node's appends included, also at the same instant), not
+        # the kernel's offset, which is the size it last saw.
+        if fh & _APPEND and isinstance(self.data, DataEngine):  # (never passthrough)
+            return await self.data.write(ino, off, buf, append=True)
         return await self.data.write(ino, off, buf)
 
     @_errno_boundary

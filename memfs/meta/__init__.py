@@ -301,10 +301,17 @@ class Meta(abc.ABC):
         return None
 
     async def end_of_file(self, ino: int) -> int:
-        """Where an ``O_APPEND`` write of *ino* goes when sizes change elsewhere (see
-        :meth:`sizes_change_elsewhere`): the size as known now, this node's own
-        writes included."""
+        """The size of *ino* as known now, this node's own writes included (the default
+        :meth:`map_append` appends there)."""
         return (await self.getattr(ino)).size
+
+    async def map_append(self, ino: int, length: int) -> tuple[int, WritePlan]:
+        """Where an ``O_APPEND`` write of *length* bytes of *ino* goes when sizes change
+        elsewhere (see :meth:`sizes_change_elsewhere`), and its :meth:`map_write`
+        plan.  Here: at :meth:`end_of_file`, then mapped, so two nodes appending at
+        once may meet (as on NFS); a cluster client's server places it itself."""
+        offset = await self.end_of_file(ino)
+        return offset, await self.map_write(ino, offset, length)
 
     def sizes_change_elsewhere(self) -> bool:
         """Other nodes change files' sizes (a cluster client): the kernel's cached size

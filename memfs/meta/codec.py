@@ -87,6 +87,20 @@ MAX_MADE = 128
 MADE_CALLS = ("create_at", "unlink_at")
 
 
+def append_offset(floor: int) -> int:
+    """The offset of an ``allocate_ahead`` call that appends (``O_APPEND`` on a cluster
+    client): the mds places the write at the end of file as it grants it, at least
+    at *floor* (the caller's own size, when it holds the write lease: the mds may
+    not have heard of its last writes yet).  Negative: no write asks for it else."""
+    return -1 - floor
+
+
+def append_floor(offset: int) -> int | None:
+    """The floor of an appending ``allocate_ahead`` (see :func:`append_offset`), None
+    for one at an offset of its own."""
+    return -1 - offset if offset < 0 else None
+
+
 def _made_list(v: Any, what: str) -> list[list[Any]]:
     """Calls of :data:`MADE_CALLS`, checked (as sent: their arguments need no decoding)."""
     items = check_list(v, what)

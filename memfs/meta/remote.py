@@ -123,6 +123,8 @@ class PoolDescription:
     recall_timeout: float = 0.0
     #: most creates and unlinks one ``made`` call may carry (0: the server takes none)
     made_max: int = 0
+    #: the server places ``O_APPEND`` writes itself (``codec.append_offset``)
+    appends: bool = False
 
     @classmethod
     def from_wire(cls, v: Any) -> PoolDescription:
@@ -140,6 +142,7 @@ class PoolDescription:
                 lease_term=_lease_term(v.get("lease_term", 0.0)),
                 recall_timeout=_lease_term(v.get("recall_timeout", 0.0)),
                 made_max=max(0, codec.check_int(v.get("made_max", 0), "made_max")),
+                appends=v.get("appends") is True,
             )
         except KeyError as exc:
             raise WireError(f"describe: missing {exc}") from None
@@ -293,6 +296,8 @@ class RemoteMeta(Meta):
             except BaseException:
                 fs.close()
                 raise
+        # (Also after a restart: the server may have been upgraded or downgraded.)
+        self.maps.appends = desc.appends
         if first:
             self.pool = desc
             self.chunk_size, self.n_volumes = desc.chunk_size, desc.n_volumes
@@ -1053,6 +1058,11 @@ class RemoteMeta(Meta):
 
     async def map_write(self, ino: int, offset: int, length: int) -> WritePlan:
         return await self.maps.write(ino, offset, length)
+
+    async def map_append(self, ino: int, length: int) -> tuple[int, WritePlan]:
+        if self.maps.appends:
+            return await self.maps.append(ino, length)
+        return await super().map_append(ino, length)  # an older server: end_of_file
 
     async def control(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
         if op == "flush":

@@ -55,6 +55,8 @@ class MapClient:
         self._maps_asked: dict[tuple[int, int], trio.Event] = {}
         #: inodes whose last map_read answer was not cacheable (reads do not wait)
         self._maps_plain: set[int] = set()
+        #: the server places appends itself (``codec.append_offset``; set at registration)
+        self.appends = False
         #: files whose space ahead of need the server may hold for us although the reply
         #: that gave it was not cacheable here (a recall or a change of ours came
         #: meanwhile): their last close gives it back all the same
@@ -72,9 +74,42 @@ class MapClient:
         """Where to write ``[offset, offset+length)`` of *ino* (``Meta.map_write``)."""
         if self.leases.truncating:
             await self.leases.truncates_over(ino)
-        plan = await self._map_write(ino, offset, length)
+        _, plan = await self._map_write(ino, offset, length)
         self._pages_here(ino)
         return plan
+
+    async def append(self, ino: int, length: int) -> tuple[int, WritePlan]:
+        """Where an ``O_APPEND`` write of *length* bytes of *ino* goes, and the plan
+        (``Meta.map_append``).  Under our write lease the end of file is ours: taken
+        and written (``ClientCache.wrote``) with no await between, so a recall's
+        answer says it.  Otherwise the server places it, at the end as it grants the
+        write: reading the end first and writing there later, two nodes appending at
+        once could both read the same end."""
+        if self.leases.truncating:
+            await self.leases.truncates_over(ino)
+        self.check_write_error(ino)
+        cache = self.cache
+        floor = 0
+        if cache.term and self.opens.get(ino) and cache.is_writer(ino):
+            a = cache.attr(ino)
+            d = cache.dirty.get(ino)
+            floor = max(a.size if a is not None else 0, d[0] if d is not None else 0)
+            if a is not None and cache.valid() and length:
+                extents = cache.extents(ino, a.size, a.size + length, allocated=True)
+                if extents is not None:
+                    offset = a.size
+                    cache.wrote(ino, offset, offset + length, _now_ns())
+                    self.leases.dirty_wake.set()
+                    self._pages_here(ino)
+                    return offset, WritePlan(extents, posted=True)
+        else:
+            # What we told the server of our writes reaches it first (a report on its
+            # way, a recall's answer waiting for transfers): it places us after them.
+            await self.leases.reports_sent(ino)
+            await self.leases.answer_known(ino)
+        offset, plan = await self._map_write(ino, codec.append_offset(floor), length)
+        self._pages_here(ino)
+        return offset, plan
 
     def _pages_here(self, ino: int) -> None:
         """The kernel may keep the pages of what is read or written here (also of a
@@ -158,17 +193,27 @@ class MapClient:
             # lease went with a recall before we ran (_roundtrip answers OK then).
             return _clip(extents, offset, offset + length)
 
-    async def _map_write(self, ino: int, offset: int, length: int) -> WritePlan:
+    async def _map_write(self, ino: int, offset: int, length: int) -> tuple[int, WritePlan]:
+        """The write's offset (negative *offset*: an append the server places, see
+        :meth:`append`) and its plan."""
         self.check_write_error(ino)
         cache = self.cache
+        appends = offset < 0
         end = offset + length
-        if cache.term and self.opens.get(ino):  # write leases end at close: only with a handle
+        if appends:
+            # Space ahead only for a writer of ours going on (a log appended from one
+            # node): appends from several nodes in turn would give and take it each time.
+            f = cache.files.get(ino)
+            ahead = (min(MAX_AHEAD, max(self.stripe_size, length, 2 * f.ahead))
+                     if cache.term and self.opens.get(ino) and f is not None and f.writer else 0)
+            method, args = "allocate_ahead", [ino, offset, length, ahead]
+        elif cache.term and self.opens.get(ino):  # write leases end at close: only with a handle
             if cache.is_writer(ino) and cache.valid() and length:
                 extents = cache.extents(ino, offset, end, allocated=True)
                 if extents is not None:
                     cache.wrote(ino, offset, end, _now_ns())
                     self.leases.dirty_wake.set()
-                    return WritePlan(extents, posted=True)
+                    return offset, WritePlan(extents, posted=True)
             f = cache.files.get(ino)
             sequential = offset == 0 or (f is not None and f.last_end == offset)
             ahead = 0
@@ -198,6 +243,10 @@ class MapClient:
                 kind = Kind.OK
             else:
                 plan, a = result
+            if appends:
+                # Placed at the end of file, which the write made the new end.
+                offset = a.size - length
+                end = a.size
             if granted and granted[-1] is Kind.OK_WRITE and length:
                 # The server counted these chunks written as it answered, and holds
                 # us as their writer (also when the reply came back not cacheable,
@@ -222,7 +271,7 @@ class MapClient:
                 cache.files.pop(ino, None)
                 if granted and granted[-1] is Kind.OK_WRITE:
                     self.ahead_unsure.add(ino)  # the server holds the lease and space for us
-            return WritePlan(_clip(plan.extents, offset, end), posted=kind is Kind.OK_WRITE)
+            return offset, WritePlan(_clip(plan.extents, offset, end), posted=kind is Kind.OK_WRITE)
 
 
 def _clip(extents: list[Extent], start: int, end: int) -> list[Extent]:

@@ -503,7 +503,8 @@ class MetaServer:
             return Kind.ERROR, wire.encode_error(errno.ENOSYS, f"no method {parsed.args[0]!r}")
         m, args = parsed
         if m.name in ("map_read", "map_write", "allocate_ahead") and not (
-            args[1] >= 0 and 0 <= args[2] <= MAX_RANGE and (m.name != "allocate_ahead" or args[3] >= 0)
+            (args[1] >= 0 or m.name == "allocate_ahead")  # (negative: it appends)
+            and 0 <= args[2] <= MAX_RANGE and (m.name != "allocate_ahead" or args[3] >= 0)
         ):
             # FUSE never asks this; the store would walk (or list) every chunk of the range.
             return Kind.ERROR, wire.encode_error(errno.EINVAL, "offset or length out of range")
@@ -564,6 +565,8 @@ class MetaServer:
             if not (self.fencing.busy and m.name in _FENCED_CALLS
                     and await self.fencing.wait_begun(fenced_before)):
                 break
+        if m.name == "allocate_ahead" and (floor := codec.append_floor(args[1])) is not None:
+            self._place_append(session, args, floor)
         if (m.name in ("map_write", "allocate_ahead") and args[2] and self.leases.term > 0
                 and self.meta is not self.store):
             # Through a backing directory the call may wait before it is applied, and
@@ -657,7 +660,8 @@ class MetaServer:
             return Kind.ERROR, wire.encode_error(errno.EIO, "internal error in the metadata server")
         if self.journal is not None:
             if journaled:
-                self.journal.append(self._t, m.name, [*value[1:4], args[3]] if m.name == "allocate_ahead" else value[1:])
+                # (allocate_ahead: as applied, its offset placed and its space ahead given)
+                self.journal.append(self._t, m.name, args[:4] if m.name == "allocate_ahead" else value[1:])
             elif atime is not None and self._atime(args[0]) != atime:
                 self.journal.append(self._t, "map_read", [args[0], 0, 0])
         self._journal_destroys()
@@ -695,6 +699,19 @@ class MetaServer:
                 # (A write lease's holder is recalled by them anyway.)
                 self.leases.wrote(session, args[0], placed=True)
         return kind, body
+
+    def _place_append(self, session: Session, args: list[Any], floor: int) -> None:
+        """An ``O_APPEND`` write (``codec.append_offset``): at the end of file as of now,
+        after the recalls (another writer's answer said its size) and with no await
+        before the write is applied, so two clients appending at once get places of
+        their own.  The caller's *floor* counts only while it still holds the write
+        lease: then no one else changed the size, and its own last writes may not
+        have been reported; once its lease was taken, the answer said them."""
+        i = self.store.inodes.get(args[0])
+        size = i.size if i is not None else 0  # (the store refuses what is not a file)
+        if self.leases.is_writer(session, args[0]):
+            size = max(size, floor)
+        args[1] = size
 
     async def recall_inodes(self, inos: list[int]) -> None:
         """Take everything clients cache of *inos* back, before the burst buffer's
@@ -790,6 +807,8 @@ class MetaServer:
                 "recall_timeout": float(self.leases.recall_timeout),
                 # most creates and unlinks a client's ``made`` call may carry
                 "made_max": codec.MAX_MADE,
+                # allocate_ahead places appends itself (codec.append_offset)
+                "appends": True,
             }
         if name == "control" and len(raw) == 2:
             op, args = raw

@@ -765,6 +765,93 @@ async def test_an_append_while_the_writer_answers_a_recall_goes_after_its_writes
         assert got == [200]
 
 
+async def test_an_append_placed_while_the_writer_answers_a_recall_goes_after_its_writes() -> None:
+    """The same with the server placing appends: the call waits for the answer that
+    carries the writer's size, and is placed after it."""
+    async with cluster(2) as (server, (a, b), _):
+        f = await a.create(ROOT, b"f", F, 0, 0)
+        await a.map_write(f.ino, 0, 100)
+        await a.map_write(f.ino, 100, 100)  # 200, unreported
+        go = trio.Event()
+        got: list[int] = []
+        async with trio.open_nursery() as nursery:
+            await _recall_held_up(a, b, f.ino, go, nursery)
+
+            async def append() -> None:
+                got.append((await a.map_append(f.ino, 10))[0])
+
+            nursery.start_soon(append)
+            await trio.sleep(0.05)
+            go.set()
+        assert got == [200]
+        assert server.store.inodes[f.ino].size == 210
+
+
+async def _appended_at_once(server: MetaServer, clients: list[RemoteMeta], ino: int) -> list[int]:
+    """Where one append of 10 bytes by each of *clients*, all at once, was placed."""
+    got: list[int] = []
+
+    async def append(c: RemoteMeta) -> None:
+        got.append((await c.map_append(ino, 10))[0])
+
+    async with trio.open_nursery() as nursery:
+        for c in clients:
+            nursery.start_soon(append, c)
+    return sorted(got)
+
+
+@pytest.mark.parametrize("term", [4.0, 0.0])
+async def test_appends_from_two_clients_at_once_get_places_of_their_own(term: float) -> None:
+    """Two clients appending to one file at the same instant: the server places each
+    at the end of file as it grants it.  Each client used to ask for the end of file,
+    then map its write there: both were told the same end, 100 (as clients of a
+    server that does not place appends still may be).  With leases and without."""
+    async with cluster(3, term=term) as (server, (a, b, c), _):
+        f = await c.create(ROOT, b"f", F, 0, 0)
+        await c.map_write(f.ino, 0, 100)
+        await c.release(f.ino)
+        for m in (a, b):
+            await m.open(f.ino)
+        seen = _calls_seen(server)
+        assert await _appended_at_once(server, [a, b], f.ino) == [100, 110]
+        assert server.store.inodes[f.ino].size == 120
+        assert sorted(v[2] for v in seen if v[0] == "allocate_ahead") == [codec.append_offset(0)] * 2
+        # A server that does not say it places appends is not asked to (an older one
+        # refuses the offset): the end of file, then a write there.
+        seen.clear()
+        m = b if a.cache.is_writer(f.ino) else a  # (the other asks the server)
+        m.maps.appends = False
+        assert (await m.map_append(f.ino, 10))[0] == 120
+        assert [v[2] for v in seen if v[0] in ("allocate_ahead", "map_write")] == [120]
+        for m in (a, b):
+            await m.release(f.ino)
+
+
+async def test_a_writer_appends_after_its_unreported_writes() -> None:
+    """A client holding the write lease appends at the end it knows: within the space
+    it took ahead without a call; past it the server places the append at least
+    there (the client's floor), since it has not heard of the client's last writes;
+    a floor from a client that is not the writer counts for nothing."""
+    async with cluster(2) as (server, (a, b), _):
+        f = await a.create(ROOT, b"f", F, 0, 0)
+        await a.map_write(f.ino, 0, 100)  # the write lease; the server counts 100
+        await a.map_write(f.ino, 100, 100)  # 200, ours to tell
+        seen = _calls_seen(server)
+        off, plan = await a.map_append(f.ino, 50)
+        assert (off, seen, a.cache.dirty[f.ino][0]) == (200, [], 250)
+        assert plan.posted and sum(e.length for e in plan.extents) == 50
+        big = POOL.size // 4  # past the space ahead: a call
+        off, plan = await a.map_append(f.ino, big)
+        assert off == 250 and [v[0] for v in seen] == ["allocate_ahead"]
+        assert server.store.inodes[f.ino].size == 250 + big
+        assert sum(e.length for e in plan.extents) == big and plan.extents[0].offset == 250
+        await b.open(f.ino)
+        kind, (_, attr) = await b._call_kind("allocate_ahead", f.ino, codec.append_offset(10 << 20), 10, 0)
+        assert attr.size == 250 + big + 10  # (a's lease recalled: b is not the writer)
+        for m in (a, b):
+            await m.release(f.ino)
+
+
 async def test_a_close_report_while_a_recall_answer_carries_the_size_keeps_it() -> None:
     """A writer closes while its answer to a recall, which took its unreported size,
     waits for the bytes to land: the close's report, with no size left to say, ended
@@ -3213,6 +3300,26 @@ async def test_reserved_inode_numbers_and_creates_survive_a_journal_replay(tmp_p
     # numbers reserved and not used are never handed out again
     assert store._next_ino > max(left)
     assert store.delegated.get(sid, set()) in (left, set())
+
+
+async def test_appends_the_server_placed_survive_a_journal_replay(tmp_path: Any) -> None:
+    """The journal records an append where the server placed it (the call's own
+    offset only says "at the end")."""
+    from tests.unit.test_journal import recovered, served
+
+    async with served(tmp_path) as (server, a):
+        assert isinstance(a, RemoteMeta)
+        f = await a.create(ROOT, b"f", F, 0, 0)
+        await a.map_write(f.ino, 0, 100)
+        await a.release(f.ino)
+        await a.open(f.ino)
+        assert (await a.map_append(f.ino, 300 << 10))[0] == 100  # (past any space ahead)
+        await a.release(f.ino)
+        live = server.store.inodes[f.ino]
+        want = (live.size, dict(live.chunks or {}))
+    store = await recovered(tmp_path)
+    i = store.inodes[f.ino]
+    assert (i.size, dict(i.chunks or {})) == want and want[0] == 100 + (300 << 10)
 
 
 async def test_files_made_under_the_lease_are_unlinked_without_waiting() -> None:
