@@ -89,11 +89,8 @@ class MapClient:
             await self.leases.truncates_over(ino)
         self.check_write_error(ino)
         cache = self.cache
-        floor = 0
+        a = cache.attr(ino)
         if cache.term and self.opens.get(ino) and cache.is_writer(ino):
-            a = cache.attr(ino)
-            d = cache.dirty.get(ino)
-            floor = max(a.size if a is not None else 0, d[0] if d is not None else 0)
             if a is not None and cache.valid() and length:
                 extents = cache.extents(ino, a.size, a.size + length, allocated=True)
                 if extents is not None:
@@ -107,6 +104,12 @@ class MapClient:
             # way, a recall's answer waiting for transfers): it places us after them.
             await self.leases.reports_sent(ino)
             await self.leases.answer_known(ino)
+            a = cache.attr(ino) if cache.is_writer(ino) else None
+        # Our writes the server may not have heard of: a size under our write lease, or
+        # one not reported yet although our cache no longer says we write (the lease
+        # lapsed here; the server, still counting us the writer, takes the floor).
+        d = cache.dirty.get(ino)
+        floor = max(a.size if a is not None else 0, d[0] if d is not None else 0)
         offset, plan = await self._map_write(ino, codec.append_offset(floor), length)
         self._pages_here(ino)
         return offset, plan

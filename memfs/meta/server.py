@@ -110,6 +110,9 @@ IDLE_TIMEOUT = 120.0
 SESSION_GRACE = 60.0
 #: largest map_read/map_write range per call (FUSE sends at most a few MiB)
 MAX_RANGE = 16 << 30
+#: appends' floors (codec.append_offset) below this: a write of MAX_RANGE there ends
+#: within a signed 64-bit size, as the kernel's
+MAX_FLOOR = (1 << 63) - MAX_RANGE
 REPLY_QUEUE = 64
 #: longest a map_read/map_write waits on the backing directory (a fetch, the dirty cap)
 #: before the client is told to ask again
@@ -503,7 +506,8 @@ class MetaServer:
             return Kind.ERROR, wire.encode_error(errno.ENOSYS, f"no method {parsed.args[0]!r}")
         m, args = parsed
         if m.name in ("map_read", "map_write", "allocate_ahead") and not (
-            (args[1] >= 0 or m.name == "allocate_ahead")  # (negative: it appends)
+            # (negative: it appends, at least at a floor that a signed 64-bit size holds)
+            (args[1] >= 0 or m.name == "allocate_ahead" and -args[1] - 1 < MAX_FLOOR)
             and 0 <= args[2] <= MAX_RANGE and (m.name != "allocate_ahead" or args[3] >= 0)
         ):
             # FUSE never asks this; the store would walk (or list) every chunk of the range.
@@ -702,11 +706,15 @@ class MetaServer:
 
     def _place_append(self, session: Session, args: list[Any], floor: int) -> None:
         """An ``O_APPEND`` write (``codec.append_offset``): at the end of file as of now,
-        after the recalls (another writer's answer said its size) and with no await
-        before the write is applied, so two clients appending at once get places of
-        their own.  The caller's *floor* counts only while it still holds the write
-        lease: then no one else changed the size, and its own last writes may not
-        have been reported; once its lease was taken, the answer said them."""
+        after the recalls (another writer's answer said its size), so two clients
+        appending at once get places of their own.  Nothing changes the size from
+        here to the write: the store applies it without an await, and through a
+        backing directory (which may wait for a fetch or the dirty cap first) the
+        file's change gate shuts other sessions' changes out until the reply, and
+        the recalls took every other writer's lease.  The caller's *floor* counts
+        only while it still holds the write lease: then no one else changed the
+        size, and its own last writes may not have been reported; once its lease
+        was taken, the answer said them."""
         i = self.store.inodes.get(args[0])
         size = i.size if i is not None else 0  # (the store refuses what is not a file)
         if self.leases.is_writer(session, args[0]):

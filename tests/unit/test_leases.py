@@ -3302,6 +3302,32 @@ async def test_reserved_inode_numbers_and_creates_survive_a_journal_replay(tmp_p
     assert store.delegated.get(sid, set()) in (left, set())
 
 
+async def test_an_append_after_the_lease_lapsed_here_goes_after_the_unreported_writes() -> None:
+    """The lease ran out here (the watchdog dropped every cache) while a size of
+    ours was not yet reported: the server still counts us the writer and has not
+    heard of it, so the append names it as its floor (found by a review: placed
+    at the server's size, it went over our own last writes)."""
+    async with cluster(1) as (server, (a,), _):
+        f = await a.create(ROOT, b"f", F, 0, 0)
+        await a.map_write(f.ino, 0, 100)  # the write lease; the server counts 100
+        await a.map_write(f.ino, 100, 100)  # 200, unreported
+        a.leases.lost("lease expired")  # what LeaseKeeper.watch does at a lapse
+        assert not a.cache.is_writer(f.ino) and a.cache.dirty[f.ino][0] == 200
+        assert server.store.inodes[f.ino].size == 100
+        assert (await a.map_append(f.ino, 10))[0] == 200
+        await a.release(f.ino)
+        assert server.store.inodes[f.ino].size == 210
+
+
+async def test_a_floor_past_any_file_size_is_refused() -> None:
+    async with cluster(1) as (server, (a,), _):
+        f = await a.create(ROOT, b"f", F, 0, 0)
+        with pytest.raises(FsError) as got:
+            await a._call("allocate_ahead", f.ino, codec.append_offset((1 << 63) - 1), 10, 0)
+        assert got.value.errno == errno.EINVAL
+        await a.release(f.ino)
+
+
 async def test_appends_the_server_placed_survive_a_journal_replay(tmp_path: Any) -> None:
     """The journal records an append where the server placed it (the call's own
     offset only says "at the end")."""
