@@ -40,7 +40,7 @@ from memfs.cli.mounts import is_mounted
 from memfs.cli.runtime import control_socket, pid_file
 from memfs.control import ControlClient
 from tests.mount.churn import churn, direct_read, tagged
-from tests.mount.test_cluster import MEMFS, Cluster, make_cluster, memfs_cli, sha
+from tests.mount.test_cluster import MEMFS, Cluster, append_at_once, make_cluster, memfs_cli, sha
 from tests.mount.test_cluster import pytestmark as cluster_marks
 from tests.mount.test_cluster_leases import stopped
 from tests.mount.test_space import PUNCH, fallocate
@@ -436,6 +436,30 @@ def test_writes_under_a_write_lease_are_written_back(tmp_path: Path) -> None:
         assert sha(direct_read(c2 / "f", size)) == sha(want)
         flush_wait(c2)
         assert sha((back / "f").read_bytes()) == sha(want)
+        assert_no_traceback(cluster)
+
+
+def test_appends_from_two_nodes_at_once_to_a_file_only_in_the_backing_directory(
+    tmp_path: Path,
+) -> None:
+    """A log that is only in DIR at first: the mds fetches its last chunk before the
+    first append can land there, and appends placed meanwhile wait in the file's
+    gate.  Records from two nodes at once, without a lock, all land whole after
+    the log's old content, and DIR gets them."""
+    back = tmp_path / "backing"
+    back.mkdir()
+    head = tagged("log", 1, 150_000)
+    (back / "shared.log").write_bytes(head)
+    with make_cluster(tmp_path, ["--backing", str(back), "--flush-delay", "0.5"]) as cluster:
+        c1, c2 = cluster.mnt["c1"], cluster.mnt["c2"]
+        size = 100
+        want = append_at_once([c1, c2, c1, c2], "shared.log", 200, size)
+        data = (c2 / "shared.log").read_bytes()
+        assert len(data) == len(head) + len(want) * size and data[: len(head)] == head
+        got = sorted(data[k : k + size] for k in range(len(head), len(data), size))
+        assert got == sorted(want), "records lost or torn"
+        flush_wait(c1)
+        assert sha((back / "shared.log").read_bytes()) == sha(data)
         assert_no_traceback(cluster)
 
 
