@@ -745,11 +745,15 @@ class RemoteMeta(Meta):
         """One call that drops and says whether it did (never a read-modify-write a
         chmod elsewhere could slip into), and none when the attributes and the
         capability xattr, as this client caches them under its lease, show nothing to
-        drop: after the first, the case of almost every write."""
+        drop: after the first, the case of almost every write.
+
+        Without the attributes cached (a recall took them: another node wrote the
+        file, say) the call itself, not a ``getattr`` first: that would revoke the
+        other node's write lease, and nodes writing one file in turn (IOR's shared
+        file) would revoke each other's at every write.  The write's own map call
+        brings the attributes back."""
         cache = self.cache
-        if cache.term:
-            if cache.attr(ino) is None:
-                await self.getattr(ino)
+        if cache.term and cache.attr(ino) is not None:
             if not cache.xattr(ino, CAPABILITY_XATTR)[0]:  # no exception per write
                 try:
                     await self.getxattr(ino, CAPABILITY_XATTR)

@@ -338,6 +338,30 @@ async def test_privileges_are_dropped_after_a_chmod_that_came_while_looking() ->
         assert server.store.inodes[f.ino].mode & 0o7777 == 0o755
 
 
+async def test_a_privilege_check_without_attributes_leaves_the_other_writer_its_lease() -> None:
+    """Two nodes writing one file in turn: each write's recall took the other's
+    attributes, and its privilege check then asked for them (a getattr), which
+    revoked the other node's write lease, that node's next write revoked this
+    one's, and so on at every write.  Without the attributes the check is the
+    server's, which recalls nothing when there is nothing to drop; a file with
+    set-ID bits still loses them."""
+    async with cluster(2) as (server, (a, b), _):
+        f = await a.create(ROOT, b"f", F, 0, 0)
+        await a.map_write(f.ino, 0, 100)
+        await b.open(f.ino)
+        await a.map_write(f.ino, 100, 100)  # recalls b's holding: a's write lease
+        writer = server.sessions[a.session]
+        assert server.leases.is_writer(writer, f.ino) and b.cache.attr(f.ino) is None
+        sent = calls(server)
+        assert not await b.drop_privileges(f.ino, True)
+        assert calls(server) == sent and server.leases.is_writer(writer, f.ino)
+        await a.setattr(f.ino, SetAttr(mode=0o4755))  # recalls b (it looked)
+        assert await b.drop_privileges(f.ino, True)
+        assert server.store.inodes[f.ino].mode & 0o7777 == 0o755
+        for c in (a, b):
+            await c.release(f.ino)
+
+
 async def test_reads_of_one_map_window_at_once_ask_the_server_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
