@@ -10,7 +10,7 @@ MOUNT_ARGS ?=
 TEST_WORKERS ?= 2
 MEMFS   = $(VENV)/bin/memfs
 
-.PHONY: install mount umount test lint bench bench-fs bench-tcp bench-bb bench-cluster bench-mds bench-memd bench-journal bench-array clean
+.PHONY: install mount umount test lint bench bench-fs bench-tcp bench-bb bench-cluster bench-shared bench-mds bench-memd bench-journal bench-array clean
 
 install: $(VENV)/.installed
 
@@ -59,7 +59,7 @@ lint: install
 # burst buffer: writing into memfs --backing DIR vs into DIR (a disk directory) directly,
 # then cluster mode (memd + mds + client on loopback) vs embedded, then the mds under load,
 # then memfs.array (direct numpy save/load) vs numpy and h5py.
-bench: bench-fs bench-tcp bench-bb bench-cluster bench-mds bench-journal bench-array
+bench: bench-fs bench-tcp bench-bb bench-cluster bench-shared bench-mds bench-journal bench-array
 
 # memfs vs tmpfs vs bindfs (Debian's, a compiled FUSE filesystem); draws docs/bench-fs.png
 bench-fs: install
@@ -78,6 +78,11 @@ bench-bb: install
 # CLUSTER_BENCH_ARGS="--code ../other-checkout": run another checkout's memfs (a baseline).
 bench-cluster: install
 	$(VENV)/bin/python bench/clusterbench.py $(CLUSTER_BENCH_ARGS)
+
+# one shared file vs a file per process, written from 2 client mounts (IOR's two layouts);
+# SHARED_BENCH_ARGS="--xfer 1M --rounds 5" varies it.
+bench-shared: install
+	$(VENV)/bin/python bench/sharedbench.py $(SHARED_BENCH_ARGS)
 
 # one memd under P processes x C connections of 16 KiB READs: reads/s, memd CPU per read;
 # MEMD_BENCH_ARGS="--code ../other-checkout" measures another checkout's memd.

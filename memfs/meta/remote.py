@@ -747,12 +747,15 @@ class RemoteMeta(Meta):
         capability xattr, as this client caches them under its lease, show nothing to
         drop: after the first, the case of almost every write.
 
-        Without the attributes cached (a recall took them: another node wrote the
-        file, say) the call itself, not a ``getattr`` first: that would revoke the
-        other node's write lease, and nodes writing one file in turn (IOR's shared
-        file) would revoke each other's at every write.  The write's own map call
-        brings the attributes back."""
+        Without the attributes cached the call itself, unless we hold the file's
+        write lease (then a ``getattr`` recalls no one, and spares the calls of
+        later writes): from another node's write lease a ``getattr`` would revoke
+        it, and nodes writing one file in turn (IOR's shared file) revoked each
+        other's lease at every write so.  (A map call of a write brings the
+        attributes back.)"""
         cache = self.cache
+        if cache.term and cache.attr(ino) is None and cache.is_writer(ino):
+            await self.getattr(ino)
         if cache.term and cache.attr(ino) is not None:
             if not cache.xattr(ino, CAPABILITY_XATTR)[0]:  # no exception per write
                 try:

@@ -662,6 +662,8 @@ class MetaServer:
         except Exception:
             log.exception("%s: %s failed", conn.peer, m.name)
             return Kind.ERROR, wire.encode_error(errno.EIO, "internal error in the metadata server")
+        if m.name == "drop_privileges" and not result:
+            journaled = False  # nothing dropped: nothing to replay
         if self.journal is not None:
             if journaled:
                 # (allocate_ahead: as applied, its offset placed and its space ahead given)

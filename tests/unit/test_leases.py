@@ -352,14 +352,31 @@ async def test_a_privilege_check_without_attributes_leaves_the_other_writer_its_
         await a.map_write(f.ino, 100, 100)  # recalls b's holding: a's write lease
         writer = server.sessions[a.session]
         assert server.leases.is_writer(writer, f.ino) and b.cache.attr(f.ino) is None
-        sent = calls(server)
+        recalls = calls(server)
         assert not await b.drop_privileges(f.ino, True)
-        assert calls(server) == sent and server.leases.is_writer(writer, f.ino)
-        await a.setattr(f.ino, SetAttr(mode=0o4755))  # recalls b (it looked)
+        assert calls(server) == recalls and server.leases.is_writer(writer, f.ino)
+        await a.setattr(f.ino, SetAttr(mode=0o4755))
+        assert not await b.drop_privileges(f.ino, False)  # (a privileged writer keeps them)
         assert await b.drop_privileges(f.ino, True)
         assert server.store.inodes[f.ino].mode & 0o7777 == 0o755
         for c in (a, b):
             await c.release(f.ino)
+
+
+async def test_the_writer_without_attributes_asks_for_them_once_not_at_every_write() -> None:
+    """A write lease's holder whose attributes went (its own rename, say) gets them
+    back with one getattr, which recalls no one; otherwise each write under the
+    lease, needing no map call, would make a drop_privileges call."""
+    async with cluster(1) as (server, (a,), _):
+        f = await a.create(ROOT, b"f", F, 0, 0)
+        await a.map_write(f.ino, 0, 100)  # the write lease
+        a.cache.attrs.pop(f.ino)
+        seen = _calls_seen(server)
+        for _ in range(3):
+            assert not await a.drop_privileges(f.ino, True)
+            await a.map_write(f.ino, 100, 100)  # within the space ahead: no call
+        assert [v[0] for v in seen] == ["getattr"]
+        await a.release(f.ino)
 
 
 async def test_reads_of_one_map_window_at_once_ask_the_server_once(
