@@ -442,6 +442,21 @@ class ClientCache:
         self.landed.pop(ino, None)
         self._gens[ino] = self._gens.get(ino, 0) + 1
 
+    def drop_names(self, ino: int, names: list[bytes]) -> None:
+        """A recall of *names* in directory *ino* (another client changed them): those
+        names, the directory's attributes and its completeness go.  Its other names
+        stay: a directory's holders are recalled at every change of a name in it,
+        even those that fetched nothing since (``LeaseTable.recall``), so what is
+        left is still right.  (Dropping them all made two nodes creating in one
+        directory ask the server for every name they had cached.)"""
+        self.attrs.pop(ino, None)
+        d = self.dirs.get(ino)
+        if d is not None:
+            for name in names:
+                d.names.pop(name, None)
+            d.complete = False
+        self._gens[ino] = self._gens.get(ino, 0) + 1
+
     def cut(self, ino: int) -> None:
         """Our truncate of *ino*: its cache goes, and nothing answered before is cached."""
         self.drop(ino)

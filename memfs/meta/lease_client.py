@@ -148,7 +148,10 @@ class LeaseKeeper:
                 elif a is not None:
                     settles.append([ino, a.size, 0 if ino in self._setting_mtime else a.mtime_ns,
                                     *span])
-            cache.drop(ino)  # names of a directory: its whole entry cache goes
+            if names:
+                cache.drop_names(ino, names)  # (a directory: the names changed go)
+            else:
+                cache.drop(ino)
             inos.append(ino)
         if names_changed:
             self.forget_kernel_names()
