@@ -444,12 +444,17 @@ class ClientCache:
 
     def drop_names(self, ino: int, names: list[bytes]) -> None:
         """A recall of *names* in directory *ino* (another client changed them): those
-        names, the directory's attributes and its completeness go.  Its other names
-        stay: a directory's holders are recalled at every change of a name in it,
-        even those that fetched nothing since (``LeaseTable.recall``), so what is
-        left is still right.  (Dropping them all made two nodes creating in one
-        directory ask the server for every name they had cached.)"""
+        names, the directory's attributes, xattrs and completeness go.  Its other
+        names stay: a directory's holders are recalled at every change of a name in
+        it, even those that fetched nothing since (``LeaseTable.recall``), replies
+        sent meanwhile are not cacheable, and replies read before the recall are
+        not cached after it (``MdsConnection.recalls``), so what is left is still
+        right.  Nothing else stays: the recall leaves us untouched, and other
+        changes of the directory (its xattrs, its mode) recall only touched
+        holders.  (Dropping all names made two nodes creating in one directory
+        ask the server for every name they had cached.)"""
         self.attrs.pop(ino, None)
+        self.xattrs.pop(ino, None)
         d = self.dirs.get(ino)
         if d is not None:
             for name in names:

@@ -148,7 +148,7 @@ class LeaseKeeper:
                 elif a is not None:
                     settles.append([ino, a.size, 0 if ino in self._setting_mtime else a.mtime_ns,
                                     *span])
-            if names:
+            if names and ino in cache.dirs:
                 cache.drop_names(ino, names)  # (a directory: the names changed go)
             else:
                 cache.drop(ino)

@@ -18,7 +18,9 @@ Kinds of holding (CephFS capabilities and Lustre LDLM locks in miniature):
   hears of later changes too (a directory's kernel dentries outlive any one
   lookup).  ``touched`` says whether a holder has fetched state since its last
   recall; untouched holders of a regular file have nothing cached and are not
-  asked again.
+  asked again; untouched holders of a directory keep only the names the recall
+  did not name (``ClientCache.drop_names``), and hear of every later change of
+  a name there.
 * **write** (at most one session per file, and only while no other session has
   fetched the file's state): it may write the chunks it holds without asking,
   and keeps the file's size and mtime itself, sending them now and then

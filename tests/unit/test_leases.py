@@ -209,6 +209,31 @@ async def test_a_recall_of_names_keeps_the_other_names_of_the_directory() -> Non
         assert gone.value.errno == errno.ENOENT
         assert [v[0] for v in seen] == ["lookup", "lookup"]
         assert (await b.getattr(d.ino)).mtime_ns == server.store.inodes[d.ino].mtime_ns
+        # A rename elsewhere: both names are asked for again, the others still not.
+        await a.rename(d.ino, b"f0", d.ino, b"g0", 0)
+        seen.clear()
+        assert (await b.lookup(d.ino, b"f1")).ino == made[1].ino and seen == []
+        assert (await b.lookup(d.ino, b"g0")).ino == made[0].ino
+        with pytest.raises(FsError):
+            await b.lookup(d.ino, b"f0")
+        assert [v[0] for v in seen] == ["lookup", "lookup"]
+
+
+async def test_a_recall_of_names_drops_the_directory_xattrs() -> None:
+    """What a names recall keeps is the directory's other names only: an xattr of
+    the directory set afterwards recalls only holders that fetched since, so one
+    kept from before would stay stale (found by a review)."""
+    async with cluster(2) as (server, (a, b), _):
+        d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
+        with pytest.raises(FsError):
+            await b.lookup(d.ino, b"other")  # b caches names of d: one absent
+        with pytest.raises(FsError):
+            await b.getxattr(d.ino, b"user.x")  # and the xattr: absent
+        assert d.ino in b.cache.dirs
+        f = await a.create(d.ino, b"f", F, 0, 0)  # recalls b: b"f"
+        await a.release(f.ino)
+        await a.setxattr(d.ino, b"user.x", b"v2")
+        assert await b.getxattr(d.ino, b"user.x") == b"v2"
 
 
 async def test_new_directory_is_complete_without_asking() -> None:
