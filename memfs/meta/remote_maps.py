@@ -19,7 +19,7 @@ import trio
 
 from memfs.errors import FsError
 from memfs.meta import Attr, Extent, WritePlan, clock, codec
-from memfs.meta.cache import ClientCache
+from memfs.meta.cache import ClientCache, FileState
 from memfs.meta.lease_client import LeaseKeeper
 from memfs.wire import Kind
 
@@ -92,13 +92,11 @@ class MapClient:
         a = cache.attr(ino)
         if cache.term and self.opens.get(ino) and cache.is_writer(ino):
             if a is not None and cache.valid() and length:
-                extents = cache.extents(ino, a.size, a.size + length, allocated=True)
-                if extents is not None:
-                    offset = a.size
-                    cache.wrote(ino, offset, offset + length, _now_ns())
-                    self.leases.dirty_wake.set()
+                offset = a.size  # (before the write grows it)
+                plan = self._into_held_space(ino, offset, offset + length)
+                if plan is not None:
                     self._pages_here(ino)
-                    return offset, WritePlan(extents, posted=True)
+                    return offset, plan
         else:
             # What we told the server of our writes reaches it first (a report on its
             # way, a recall's answer waiting for transfers): it places us after them.
@@ -113,6 +111,20 @@ class MapClient:
         offset, plan = await self._map_write(ino, codec.append_offset(floor), length)
         self._pages_here(ino)
         return offset, plan
+
+    def _into_held_space(self, ino: int, offset: int, end: int) -> WritePlan | None:
+        """A write of ours under our write lease into chunks it holds: no call, the size
+        and mtime ours to keep (None: a chunk there is not ours yet)."""
+        extents = self.cache.extents(ino, offset, end, allocated=True)
+        if extents is None:
+            return None
+        self.cache.wrote(ino, offset, end, _now_ns())
+        self.leases.dirty_wake.set()
+        return WritePlan(extents, posted=True)
+
+    def _ahead(self, f: FileState | None, length: int) -> int:
+        """Space ahead of a write that goes on a stream: like readahead, more each time."""
+        return min(MAX_AHEAD, max(self.stripe_size, length, 2 * f.ahead if f is not None else 0))
 
     def _pages_here(self, ino: int) -> None:
         """The kernel may keep the pages of what is read or written here (also of a
@@ -207,22 +219,17 @@ class MapClient:
             # Space ahead only for a writer of ours going on (a log appended from one
             # node): appends from several nodes in turn would give and take it each time.
             f = cache.files.get(ino)
-            ahead = (min(MAX_AHEAD, max(self.stripe_size, length, 2 * f.ahead))
+            ahead = (self._ahead(f, length)
                      if cache.term and self.opens.get(ino) and f is not None and f.writer else 0)
             method, args = "allocate_ahead", [ino, offset, length, ahead]
         elif cache.term and self.opens.get(ino):  # write leases end at close: only with a handle
             if cache.is_writer(ino) and cache.valid() and length:
-                extents = cache.extents(ino, offset, end, allocated=True)
-                if extents is not None:
-                    cache.wrote(ino, offset, end, _now_ns())
-                    self.leases.dirty_wake.set()
-                    return offset, WritePlan(extents, posted=True)
+                held = self._into_held_space(ino, offset, end)
+                if held is not None:
+                    return offset, held
             f = cache.files.get(ino)
             sequential = offset == 0 or (f is not None and f.last_end == offset)
-            ahead = 0
-            if sequential and length:
-                # Like readahead: a stream that keeps going gets more each time.
-                ahead = min(MAX_AHEAD, max(self.stripe_size, length, 2 * f.ahead if f is not None else 0))
+            ahead = self._ahead(f, length) if sequential and length else 0
             method, args = "allocate_ahead", [ino, offset, length, ahead]
         else:
             method, args = "map_write", [ino, offset, length]
