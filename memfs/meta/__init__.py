@@ -128,6 +128,17 @@ NAME_MAX = 255
 CAPABILITY_XATTR = b"security.capability"
 
 
+def check_xattr_name(name: bytes) -> None:
+    """EOPNOTSUPP for an xattr memfs does not keep: ``system.*`` (no ACLs, so that tools
+    know they are not kept: ``cp -a`` then goes on) and unknown namespaces.  Checked
+    by the store, and by a cluster client before it asks (cp -a tries an ACL on
+    every file it copies)."""
+    if name.startswith(b"system."):
+        raise FsError(errno.EOPNOTSUPP)
+    if not name.startswith((b"user.", b"trusted.", b"security.")):
+        raise FsError(errno.EOPNOTSUPP)
+
+
 def set_ids_to_drop(mode: int) -> int:
     """The set-ID bits of *mode* that a write, truncate or chown takes away (Linux's
     rule as FUSE_HANDLE_KILLPRIV_V2 hands it to filesystems): set-user-ID, and

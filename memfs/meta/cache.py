@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import trio
 
+from memfs.layout import LAYOUT_XATTR
 from memfs.meta import CAPABILITY_XATTR, Attr, Extent, add_run
 
 #: chunk map value of a hole (reads as zeros)
@@ -91,6 +92,12 @@ def hull(ranges: list[tuple[int, int]]) -> tuple[int, int]:
     if not ranges:
         return (0, 0)
     return (min(lo for lo, _ in ranges), max(hi for _, hi in ranges))
+
+
+#: the key under which an inode's xattr cache keeps the names of all its xattrs, each
+#: followed by a NUL (``listxattr``): no xattr is named by the empty string (the
+#: kernel refuses it), and no name holds a NUL
+_ALL_NAMES = b""
 
 
 class ClientCache:
@@ -210,14 +217,35 @@ class ClientCache:
     # -- filling ---------------------------------------------------------------------------
 
     def xattr(self, ino: int, name: bytes) -> tuple[bool, bytes | None]:
-        """(known, value); value None: known absent."""
+        """(known, value); value None: known absent (also when the names of all the
+        inode's xattrs are known and *name* is not one; but the layout, which
+        ``listxattr`` does not list: memfs.meta.store)."""
         x = self.xattrs.get(ino)
-        if x is None or name not in x or not self.valid():
+        if x is None or not self.valid():
             return False, None
-        return True, x[name]
+        if name in x and name != _ALL_NAMES:
+            return True, x[name]
+        names = x.get(_ALL_NAMES)
+        if (names is not None and name != LAYOUT_XATTR
+                and b"\0" + name + b"\0" not in b"\0" + names):
+            return True, None
+        return False, None
 
     def put_xattr(self, ino: int, name: bytes, value: bytes | None) -> None:
         self.xattrs.setdefault(ino, {})[name] = value
+
+    def xattr_names(self, ino: int) -> list[bytes] | None:
+        """The names of all the inode's xattrs, None if not known (``listxattr``)."""
+        x = self.xattrs.get(ino)
+        if x is None or not self.valid():
+            return None
+        names = x.get(_ALL_NAMES)
+        return None if names is None else names.split(b"\0")[:-1]
+
+    def put_xattr_names(self, ino: int, names: list[bytes]) -> None:
+        """Kept with the values, and dropped with them (a change of any xattr drops
+        them all)."""
+        self.xattrs.setdefault(ino, {})[_ALL_NAMES] = b"".join(n + b"\0" for n in names)
 
     def put_attr(self, a: Attr) -> None:
         if self.is_writer(a.ino) or a.ino in self.dirty or a.ino in self.landed:

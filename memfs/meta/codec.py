@@ -83,8 +83,12 @@ def _inode_list(v: Any, what: str) -> list[int]:
 #: most creates and unlinks one ``made`` call carries (the mds runs them without
 #: serving other clients meanwhile: about 4 ms of its time at most)
 MAX_MADE = 128
-#: the calls a ``made`` call carries: those a client makes itself under a create lease
+#: the creates and unlinks a client makes itself under a create lease (a ``made`` call
+#: carries them; a registration replays those not answered)
 MADE_CALLS = ("create_at", "unlink_at")
+#: the calls a ``made`` call carries: those above, and opens a client made under its
+#: lease of the file (answered by no one: only counted; see RemoteMeta.open)
+HELD_CALLS = (*MADE_CALLS, "open")
 
 
 def append_offset(floor: int) -> int:
@@ -102,7 +106,7 @@ def append_floor(offset: int) -> int | None:
 
 
 def _made_list(v: Any, what: str) -> list[list[Any]]:
-    """Calls of :data:`MADE_CALLS`, checked (as sent: their arguments need no decoding)."""
+    """Calls of :data:`HELD_CALLS`, checked (as sent: their arguments need no decoding)."""
     items = check_list(v, what)
     if not 0 < len(items) <= MAX_MADE:
         raise WireError(f"{what}: expected 1 to {MAX_MADE} calls, got {len(items)}")
@@ -113,7 +117,7 @@ def _made_list(v: Any, what: str) -> list[list[Any]]:
             raise WireError(f"{what}: {exc.args[0]!r} is not made by a client") from None
         except WireError as exc:
             raise WireError(f"{what}: {exc}") from None
-        if m.name not in MADE_CALLS:
+        if m.name not in HELD_CALLS:
             raise WireError(f"{what}: {m.name} is not made by a client")
     return items
 
@@ -408,7 +412,7 @@ def call_payload(method: str, *args: Any) -> bytes:
 
 # A made call's calls are run as sent (_made_list checks them, and their decoded
 # arguments are the values on the wire): integers and names only.
-assert all(name in _PLAIN for name in MADE_CALLS)
+assert all(name in _PLAIN for name in HELD_CALLS)
 _MADE_HEAD = wire.call_head("made", 1)
 
 
@@ -421,7 +425,7 @@ def calls_in(parsed: Any) -> int:
 
 
 def made_payload(calls: list[bytes]) -> bytes:
-    """The payload of a ``made`` call of *calls*, each a :data:`MADE_CALLS` payload
+    """The payload of a ``made`` call of *calls*, each a :data:`HELD_CALLS` payload
     (:func:`call_payload`): the same bytes as ``call_payload("made", [...])``."""
     return _MADE_HEAD + wire.encode_list(calls)
 

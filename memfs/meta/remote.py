@@ -64,6 +64,7 @@ from memfs.meta import (
     SetAttr,
     StatFs,
     WritePlan,
+    check_xattr_name,
     clock,
     codec,
     set_ids_to_drop,
@@ -99,6 +100,10 @@ _CONNECT_ERRORS = (
 )
 
 
+def _ignore_reply(kind: Kind, payload: bytes) -> None:
+    """A held open's answer: nothing to do (the open was counted)."""
+
+
 def _lease_term(v: Any) -> float:
     if type(v) not in (int, float) or not 0 <= v <= 3600:
         raise WireError("describe: malformed lease term")
@@ -125,6 +130,8 @@ class PoolDescription:
     made_max: int = 0
     #: the server places ``O_APPEND`` writes itself (``codec.append_offset``)
     appends: bool = False
+    #: a ``made`` call may carry opens (``codec.HELD_CALLS``): see RemoteMeta.open
+    held_opens: bool = False
 
     @classmethod
     def from_wire(cls, v: Any) -> PoolDescription:
@@ -143,6 +150,7 @@ class PoolDescription:
                 recall_timeout=_lease_term(v.get("recall_timeout", 0.0)),
                 made_max=max(0, codec.check_int(v.get("made_max", 0), "made_max")),
                 appends=v.get("appends") is True,
+                held_opens=v.get("held_opens") is True,
             )
         except KeyError as exc:
             raise WireError(f"describe: missing {exc}") from None
@@ -178,6 +186,8 @@ class RemoteMeta(Meta):
         self.write_errors: set[int] = set()
         self._opens_version = 0
         self._conn: MdsConnection | None = None
+        #: the server takes opens in made calls (PoolDescription.held_opens)
+        self.held_opens = False
         self._ready = trio.Event()
         self._closed = False
         self._scope = trio.CancelScope()
@@ -298,6 +308,7 @@ class RemoteMeta(Meta):
                 raise
         # (Also after a restart: the server may have been upgraded or downgraded.)
         self.maps.appends = desc.appends
+        self.held_opens = desc.held_opens
         if first:
             self.pool = desc
             self.chunk_size, self.n_volumes = desc.chunk_size, desc.n_volumes
@@ -980,6 +991,21 @@ class RemoteMeta(Meta):
 
         if (w := self.leases.settled_first(ino)) is not None:
             await w
+        conn = self._conn
+        if (self.held_opens and conn is not None and not conn.dead and not self.cache.invalidating
+                and (a := self.cache.attr(ino)) is not None and a.nlink > 0):
+            # Under our lease of the file: the server hears of this handle with our next
+            # call (held, as creates are), and no one waits for its answer.  It counts
+            # it before it reads our answer to any recall sent after it
+            # (MdsConnection.send_recalled sends held calls first; the server runs them
+            # before it applies the answer, server_conn.Connection._run_made_now), so
+            # an unlink elsewhere, which recalls us, finds the file open here.  A
+            # connection lost first: the next registration claims our handles.
+            conn.hold(codec.call_payload("open", ino), _ignore_reply, self._held_open_refused)
+            self.opens[ino] = self.opens.get(ino, 0) + 1
+            self._opens_version += 1
+            self._last_open = (ino, True)
+            return a
         sent = self.cache.seq
         kind, a = await self._call_kind("open", ino, on_ok=counted)
         cacheable = kind is Kind.OK_CACHE and not self.cache.stale(ino, sent)
@@ -987,6 +1013,15 @@ class RemoteMeta(Meta):
             self.cache.put_attr(a)
         self._last_open = (ino, cacheable)
         return a
+
+    @staticmethod
+    def _held_open_refused(kind: Kind, payload: bytes) -> None:
+        """A held open the server refused: the file is gone there, which it cannot be
+        while our lease of it lasts (we lost it without knowing: an eviction).  The
+        handle's next calls fail; its release is ignored there."""
+        err, msg = wire.decode_error(payload)
+        log.warning("the metadata server refused an open made under our lease: %s (%s)",
+                    msg, errno.errorcode.get(err, err))
 
     async def release(self, ino: int) -> None:
         if self.opens.get(ino, 0) <= 0:
@@ -1041,6 +1076,7 @@ class RemoteMeta(Meta):
         return value
 
     async def setxattr(self, ino: int, name: bytes, value: bytes) -> None:
+        check_xattr_name(name)  # (refused here: no call)
         self.cache.xattrs.pop(ino, None)
         await self._call("setxattr", ino, name, value)
         self.cache.mark(ino)
@@ -1048,7 +1084,14 @@ class RemoteMeta(Meta):
         self.cache.xattrs.pop(ino, None)
 
     async def listxattr(self, ino: int) -> list[bytes]:
-        return await self._call("listxattr", ino)
+        cache = self.cache
+        if cache.term and (names := cache.xattr_names(ino)) is not None:
+            return names
+        sent = cache.seq
+        kind, names = await self._call_kind("listxattr", ino)
+        if kind is Kind.OK_CACHE and not cache.stale(ino, sent):
+            cache.put_xattr_names(ino, names)  # (a getxattr of any other name: ENODATA)
+        return names
 
     async def removexattr(self, ino: int, name: bytes) -> None:
         self.cache.xattrs.pop(ino, None)

@@ -255,11 +255,19 @@ class MdsConnection:
             self._releases = []
 
     def send_recalled(self, rid: int, payload: bytes) -> None:
-        """Acknowledge recall *rid* (no await: the reader must not wait on the socket)."""
+        """Acknowledge recall *rid* (no await: the reader must not wait on the socket),
+        after the calls held so far: an open held under our lease of a recalled file
+        must be counted before the change that recalled us is applied."""
         if self.dead:
             return
+        self._hold_queued()
+        frame = wire.frame(Kind.RECALLED, rid, payload)
+        if self._held:
+            self._held += frame
+            frame = bytes(self._held)
+            self._held.clear()
         try:
-            self.fs.send_now(wire.frame(Kind.RECALLED, rid, payload))
+            self.fs.send_now(frame)
         except trio.BrokenResourceError as exc:
             self.kill(f"send failed: {exc}")
         else:

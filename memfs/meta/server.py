@@ -126,7 +126,7 @@ MAX_AHEAD = 64 << 20
 _LEASED = frozenset({
     "lookup", "getattr", "setattr", "truncate", "punch", "mknod", "create", "link", "unlink", "rmdir",
     "rename", "readlink", "readdir", "readdirplus", "open", "map_read", "map_write",
-    "allocate_ahead", "getxattr", "create_at", "unlink_at",
+    "allocate_ahead", "getxattr", "listxattr", "create_at", "unlink_at",
 })
 #: methods whose reply names chunks that the client transfers to at once, even when
 #: it may not cache the reply (see LeaseTable.register): chunk maps, and the tail of
@@ -819,6 +819,9 @@ class MetaServer:
                 "made_max": codec.MAX_MADE,
                 # allocate_ahead places appends itself (codec.append_offset)
                 "appends": True,
+                # a made call may carry opens, run before a recall's answer read
+                # after them (RemoteMeta.open)
+                "held_opens": True,
             }
         if name == "control" and len(raw) == 2:
             op, args = raw

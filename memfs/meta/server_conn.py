@@ -402,16 +402,20 @@ class Connection:
 
 
     async def _run_made_now(self) -> None:
-        """Creates and unlinks made under a create lease that wait in this connection's
-        queue (behind a call that waits, for a recall from another client say) run
-        now, before the recall answer that came after them is applied: the client
-        answers a recall once they are answered, or after ``answer_within`` anyway,
-        and the call that recalled must see them.  They never wait (their directory
-        is this session's alone; one that would waits in turn, and the ones after it
-        too) and do not depend on the calls they pass: a call naming one of their
-        files comes after its create, and one before its unlink (a release, a
-        write's allocation, a setattr) works as well on the unlinked file, an orphan
-        until its last release."""
+        """Creates and unlinks made under a create lease, and opens made under a
+        file's lease (``codec.HELD_CALLS``), that wait in this connection's queue
+        (behind a call that waits, for a recall from another client say) run now,
+        before the recall answer that came after them is applied: the client answers
+        a recall once its creates are answered (or after ``answer_within`` anyway),
+        and sends its held opens before the answer, and the call that recalled must
+        see them (an unlink must find the file open there).  They never wait (a
+        create's directory is this session's alone, and an open's file has no other
+        writer while this session holds it; one that would waits in turn, and the
+        ones after it too) and do not depend on the calls they pass: a call naming
+        one of their files comes after its create, and one before its unlink (a
+        release, a write's allocation, a setattr) works as well on the unlinked
+        file, an orphan until its last release; an open passing a release only
+        counts a handle sooner."""
         if self.registering:  # (they came after it, and its session is not settled yet)
             return
         server = self.server
@@ -420,7 +424,7 @@ class Connection:
         rest: list[tuple[int, Any, Parsed]] = []
         for n, item in enumerate(calls):
             _, value, parsed = item
-            made = isinstance(parsed, tuple) and parsed[0].name in (*codec.MADE_CALLS, "made")
+            made = isinstance(parsed, tuple) and parsed[0].name in (*codec.HELD_CALLS, "made")
             if (parsed is None and value[0] not in ("ping", "describe")) or (
                     made and server.may_wait(self.session, value, parsed)):
                 # A session change, or one of them that must wait: they keep their

@@ -38,6 +38,7 @@ from memfs.meta import (
     SetAttr,
     StatFs,
     WritePlan,
+    check_xattr_name,
     clock,
     set_ids_to_drop,
 )
@@ -760,7 +761,7 @@ class MetaStore(Meta):
         if name == LAYOUT_XATTR:
             self._set_layout(i, value)
         else:
-            self._check_xattr_name(name)
+            check_xattr_name(name)
             if len(value) > XATTR_SIZE_MAX:
                 raise FsError(errno.E2BIG)
             if i.xattrs is None:
@@ -788,14 +789,6 @@ class MetaStore(Meta):
             )
         except UsageError as exc:
             raise FsError(errno.EINVAL, str(exc)) from None
-
-    @staticmethod
-    def _check_xattr_name(name: bytes) -> None:
-        # No ACL support: refuse system.* so tools know ACLs are not kept.
-        if name.startswith(b"system."):
-            raise FsError(errno.EOPNOTSUPP)
-        if not name.startswith((b"user.", b"trusted.", b"security.")):
-            raise FsError(errno.EOPNOTSUPP)
 
     async def listxattr(self, ino: int) -> list[bytes]:
         i = self._get(ino)

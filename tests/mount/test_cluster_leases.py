@@ -40,7 +40,7 @@ import pytest
 
 from memfs.cli.runtime import alive, pid_file
 from tests.conftest import wait_gone
-from tests.mount.test_cluster import PORT_MDS, Cluster, fill, make_cluster, sha, wait_line
+from tests.mount.test_cluster import PORT_MDS, Cluster, fill, make_cluster, sha, until, wait_line
 from tests.mount.test_cluster import pytestmark as cluster_marks
 from tests.mount.test_space import PUNCH, fallocate
 
@@ -509,6 +509,26 @@ def test_own_writes_keep_the_page_cache_until_another_node_writes(cluster: Clust
         data[off : off + len(patch)] = patch
         assert (mine / "pc").read_bytes() == data
         assert os.stat(mine / "pc").st_mtime_ns == os.stat(other / "pc").st_mtime_ns
+    assert log_lines(cluster, "mds.log", " WARNING ", " ERROR ") == []
+
+
+def test_a_file_open_on_one_node_outlives_an_unlink_on_the_other(cluster: Cluster) -> None:
+    """A node opens a file it holds without asking the mds (the open goes with its
+    next call); another node's unlink recalls it first, whose answer carries that
+    open, so the file stays readable through the handle, over many rounds; its
+    space comes back when the handles close."""
+    c1, c2 = cluster.mnt["c1"], cluster.mnt["c2"]
+    free = os.statvfs(c1).f_bfree
+    rng = random.Random(23)
+    for r in range(16):
+        data = rng.randbytes(rng.randint(1, 300_000))
+        (c1 / f"u{r}").write_bytes(data)
+        assert (c1 / f"u{r}").read_bytes() == data  # (c1 holds it now)
+        with open(c1 / f"u{r}", "rb") as f:
+            os.unlink(c2 / f"u{r}")
+            assert not (c1 / f"u{r}").exists()
+            assert f.read() == data
+    until(lambda: os.statvfs(c1).f_bfree == free, timeout=20)
     assert log_lines(cluster, "mds.log", " WARNING ", " ERROR ") == []
 
 

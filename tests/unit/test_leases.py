@@ -29,7 +29,8 @@ from memfs.array.service import ArrayService, ArraySession, PoolAccess
 from memfs.config import PoolConfig
 from memfs.errors import FsError, SpaceBusy
 from memfs.host import Peer
-from memfs.meta import Attr, SetAttr, codec, fencing, lease_client
+from memfs.layout import LAYOUT_XATTR
+from memfs.meta import Attr, SetAttr, codec, fencing, lease_client, remote_conn
 from memfs.meta.cache import MAX_RANGES, READ_AT, ClientCache, add_range
 from memfs.meta.journal import Journal
 from memfs.meta.leases import Item, LeaseTable
@@ -1072,6 +1073,9 @@ async def test_releases_since_the_last_call_go_in_one_call_before_the_next() -> 
         for f in files:
             await a.open(f.ino)
             await a.open(f.ino)
+        conn = a._conn
+        assert conn is not None
+        assert await conn.delivered()  # (opens under the lease are held too: sent now)
         seen = _calls_seen(server)
         for f in files:
             await a.release(f.ino)
@@ -1083,6 +1087,110 @@ async def test_releases_since_the_last_call_go_in_one_call_before_the_next() -> 
         # f0's last handle was released before the unlink ran: gone at once
         assert inos[0] not in server.store.inodes
         assert server.sessions[a.session].opens == {inos[1]: 1, inos[2]: 1}
+
+
+def _hold_long(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Calls held (creates, opens, releases) leave only with the next call."""
+    monkeypatch.setattr(remote_conn, "CREATE_HOLD", 60.0)
+    monkeypatch.setattr(remote_conn, "HOLD_MAX", 60.0)
+
+
+async def test_an_open_under_the_lease_asks_nothing_and_is_counted_before_an_unlink_elsewhere(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An open of a file this client holds makes no round trip: the server hears of
+    it with the next call (held, as creates are).  Another node's unlink recalls this
+    one first, whose answer sends the held open ahead of itself: the file stays, an
+    orphan open here, until its release."""
+    _hold_long(monkeypatch)
+    async with cluster(2) as (server, (a, b), _):
+        f = await a.mknod(ROOT, b"f", F, 0, 0)
+        seen = _calls_seen(server)
+        assert (await a.open(f.ino)).ino == f.ino
+        assert a.keep_cache(f.ino)  # (under the lease: the kernel keeps the file's pages)
+        assert seen == [] and f.ino not in server.sessions[a.session].opens
+        await b.unlink(ROOT, b"f")
+        assert ["open", f.ino] in seen
+        assert server.sessions[a.session].opens == {f.ino: 1}
+        assert server.store.inodes[f.ino].nlink == 0  # an orphan, open on a
+        assert await a.map_read(f.ino, 0, 0) is not None
+        await a.release(f.ino)
+        await a.statfs()  # (the release goes with the next call)
+        assert f.ino not in server.store.inodes
+
+
+async def test_an_open_held_when_the_connection_went_is_claimed_at_the_registration(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.expected_warnings = True  # type: ignore[attr-defined]  # the connection drops
+    _hold_long(monkeypatch)
+    async with cluster(2) as (server, (a, b), _):
+        f = await a.mknod(ROOT, b"f", F, 0, 0)
+        await a.open(f.ino)
+        conn = a._conn
+        assert _drop_unsent(conn)  # never sent
+        assert conn is not None
+        conn.kill("test")
+        await a.getattr(ROOT)  # registers again, claiming the handle
+        assert server.sessions[a.session].opens == {f.ino: 1}
+        await b.unlink(ROOT, b"f")
+        assert f.ino in server.store.inodes  # open on a
+        await a.release(f.ino)
+        await a.statfs()
+        assert f.ino not in server.store.inodes
+
+
+async def test_an_open_without_the_lease_or_to_an_older_server_asks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _hold_long(monkeypatch)
+    async with cluster(2) as (server, (a, b), _):
+        f = await a.mknod(ROOT, b"f", F, 0, 0)
+        await b.setattr(f.ino, SetAttr(mode=0o600))  # recalls a's attributes
+        seen = _calls_seen(server)
+        await a.open(f.ino)
+        assert seen == [["open", f.ino]]
+        a.held_opens = False  # a server that takes no opens in made calls
+        seen.clear()
+        assert a.cache.attr(f.ino) is not None  # (now held)
+        await a.open(f.ino)
+        assert seen == [["open", f.ino]]
+        assert server.sessions[a.session].opens == {f.ino: 2}
+
+
+async def test_the_names_of_a_files_xattrs_are_cached_under_the_lease() -> None:
+    """cp -a lists a file's xattrs twice, asks for its ACL and sets one: one call for
+    the four; another node's change of an xattr reaches this one before it returns;
+    the layout, which no list names, is still asked for."""
+    async with cluster(2) as (server, (a, b), _):
+        f = await a.mknod(ROOT, b"f", F, 0, 0)
+        await a.setxattr(f.ino, b"user.x", b"1")
+        seen = _calls_seen(server)
+        assert await a.listxattr(f.ino) == [b"user.x"]
+        assert await a.listxattr(f.ino) == [b"user.x"]
+        with pytest.raises(FsError) as info:
+            await a.getxattr(f.ino, b"system.posix_acl_access")
+        assert info.value.errno == errno.ENODATA
+        with pytest.raises(FsError) as info:  # (then cp -a sets the mode's ACL: not kept)
+            await a.setxattr(f.ino, b"system.posix_acl_access", b"x")
+        assert info.value.errno == errno.EOPNOTSUPP
+        assert seen == [["listxattr", f.ino]]
+        assert await a.getxattr(f.ino, LAYOUT_XATTR)  # (asked: not in the list)
+        assert await a.getxattr(f.ino, b"user.x") == b"1"
+        await b.setxattr(f.ino, b"user.y", b"2")  # recalls a's holding
+        assert sorted(await a.listxattr(f.ino)) == [b"user.x", b"user.y"]
+        assert await a.getxattr(f.ino, b"user.y") == b"2"
+        await b.removexattr(f.ino, b"user.x")
+        assert await a.listxattr(f.ino) == [b"user.y"]
+        with pytest.raises(FsError):
+            await a.getxattr(f.ino, b"user.x")
+        await a.setxattr(f.ino, b"user.z", b"3")  # our own change
+        assert sorted(await a.listxattr(f.ino)) == [b"user.y", b"user.z"]
+        assert sorted(await b.listxattr(f.ino)) == [b"user.y", b"user.z"]
+        d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
+        assert await a.listxattr(d.ino) == []
+        await b.setxattr(d.ino, b"user.d", b"4")
+        assert await a.listxattr(d.ino) == [b"user.d"]
 
 
 async def test_files_made_here_and_closed_are_released_after_their_creates() -> None:
