@@ -5,8 +5,8 @@ over those 4 volumes and one client ``memfs mount --mds``, every socket on
 127.0.0.1.  Embedded: ``memfs mount --size`` of the same total (4 volumes).
 Both run what bench/fsbench.py runs: fio (psync, 2 jobs, a file per job) for
 sequential 1 MiB write (fsync at end) and read, random 16 KiB write and read;
-then create, stat and remove of 2 x --files empty files by 2 processes in 2
-directories.  Rounds alternate the order and the table shows medians (this
+then create, stat, open (and close) and remove of 2 x --files empty files by 2
+processes in 2 directories.  Rounds alternate the order and the table shows medians (this
 kind of machine is noisy).  Every round starts its servers and mounts afresh.
 
 ``--code DIR`` puts DIR first on PYTHONPATH of every memfs process (``--code
@@ -44,14 +44,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
-from fsbench import FIO_CASES, fio, metadata  # bench/ is the script's directory
+from fsbench import FIO_CASES, META_PHASES, fio, metadata  # bench/ is the script's directory
 
 LOOPBACK = "127.0.0.1"  # every server listens here and only here
 READY_TIMEOUT = 30.0  # seconds for a server's "listening" line
 MOUNT_TIMEOUT = 60.0  # `memfs mount` returns once the mount answers
 UMOUNT_TIMEOUT = 60.0
 STOP_TIMEOUT = 10.0  # SIGTERM to SIGKILL
-META_TIMEOUT = 600.0  # one create/stat/remove phase set
+META_TIMEOUT = 600.0  # one set of metadata phases
 SIDES = ("embedded", "cluster")
 #: minimum cluster/embedded ratio per result key
 GOALS = {
@@ -307,7 +307,7 @@ def workloads(root: Path, args: argparse.Namespace, problems: list[str], side: s
             out.update(metadata(root, 2 * args.files, 2))
     except Exception as exc:  # a worker that died leaves EOFError, a full dir OSError
         problems.append(f"{side}: metadata failed: {exc!r}")
-        out.update({k: math.nan for k in ("create", "stat", "remove")})
+        out.update({k: math.nan for k in META_PHASES})
     return out
 
 
@@ -344,7 +344,7 @@ def table(med: dict[str, dict[str, float]]) -> list[str]:
     rows = ["| case | embedded | cluster | cluster/embedded | goal |", "|---|---:|---:|---:|---|"]
     for key, emb in med["embedded"].items():
         clu = med["cluster"][key]
-        unit = "files/s" if key in ("create", "stat", "remove") else "MiB/s"
+        unit = "files/s" if key in META_PHASES else "MiB/s"
         ratio = clu / emb if emb else math.nan
         goal = GOALS.get(key)
         verdict = "" if goal is None else f">= {goal} {'ok' if ratio >= goal else 'MISSED'}"

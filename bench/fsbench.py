@@ -2,8 +2,8 @@
 
 Data: fio (POSIX psync engine, 2 jobs, one file per job) for sequential 1 MiB
 write (fsync at end) and read, and random 16 KiB write and read.  Metadata:
-create, stat and remove 20,000 empty files in one directory (one process) and
-split over 2 directories (two processes in parallel).
+create, stat, open (and close) and remove 20,000 empty files in one directory
+(one process) and split over 2 directories (two processes in parallel).
 
 Runs alternate the filesystems and the table shows medians, because this kind
 of machine is noisy.  The data cases also run memfs with ``-o direct_io`` (file
@@ -104,13 +104,18 @@ def fio(directory: Path, rw: str, bs: str, size: str, runtime: int) -> float:
     return float(part["bw_bytes"]) / (1 << 20)
 
 
+#: the metadata phases, in order; "open": open read-only and close (mdtest's read phase
+#: of empty files; what make, grep and Python's imports do to files there)
+META_PHASES = ("create", "stat", "open", "remove")
+
+
 def _meta_worker(directory: str, n: int, conn: object, barrier: Any) -> None:
     """Create, stat, remove *n* files; every process starts a phase together (as
     mdtest's ranks do): a phase's time is from the first start to the last end, and
     without the barrier a process that finished creating first would start its stats
     while another still creates, and the stat phase would count that wait."""
     times = []
-    for phase in ("create", "stat", "remove"):
+    for phase in META_PHASES:
         barrier.wait()
         t0 = time.perf_counter()
         for i in range(n):
@@ -119,6 +124,8 @@ def _meta_worker(directory: str, n: int, conn: object, barrier: Any) -> None:
                 os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
             elif phase == "stat":
                 os.stat(path)
+            elif phase == "open":
+                os.close(os.open(path, os.O_RDONLY))
             else:
                 os.unlink(path)
         times.append((t0, time.perf_counter()))
@@ -126,7 +133,7 @@ def _meta_worker(directory: str, n: int, conn: object, barrier: Any) -> None:
 
 
 def metadata(root: Path, files: int, dirs: int) -> dict[str, float]:
-    """files/s for create, stat and remove, aggregated over *dirs* parallel processes."""
+    """files/s for each of :data:`META_PHASES`, aggregated over *dirs* parallel processes."""
     ctx = multiprocessing.get_context("fork")
     procs, pipes = [], []
     barrier = ctx.Barrier(dirs)
@@ -144,7 +151,7 @@ def metadata(root: Path, files: int, dirs: int) -> dict[str, float]:
     for d in range(dirs):
         (root / f"meta{d}").rmdir()
     out = {}
-    for i, phase in enumerate(("create", "stat", "remove")):
+    for i, phase in enumerate(META_PHASES):
         start = min(t[i][0] for t in times)
         end = max(t[i][1] for t in times)
         out[phase] = files / (end - start)
