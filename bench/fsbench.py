@@ -110,7 +110,7 @@ META_PHASES = ("create", "stat", "open", "remove")
 
 
 def _meta_worker(directory: str, n: int, conn: object, barrier: Any) -> None:
-    """Create, stat, remove *n* files; every process starts a phase together (as
+    """Create, stat, open and remove *n* files; every process starts a phase together (as
     mdtest's ranks do): a phase's time is from the first start to the last end, and
     without the barrier a process that finished creating first would start its stats
     while another still creates, and the stat phase would count that wait."""

@@ -100,10 +100,6 @@ _CONNECT_ERRORS = (
 )
 
 
-def _ignore_reply(kind: Kind, payload: bytes) -> None:
-    """A held open's answer: nothing to do (the open was counted)."""
-
-
 def _lease_term(v: Any) -> float:
     if type(v) not in (int, float) or not 0 <= v <= 3600:
         raise WireError("describe: malformed lease term")
@@ -995,13 +991,11 @@ class RemoteMeta(Meta):
         if (self.held_opens and conn is not None and not conn.dead and not self.cache.invalidating
                 and (a := self.cache.attr(ino)) is not None and a.nlink > 0):
             # Under our lease of the file: the server hears of this handle with our next
-            # call (held, as creates are), and no one waits for its answer.  It counts
-            # it before it reads our answer to any recall sent after it
-            # (MdsConnection.send_recalled sends held calls first; the server runs them
-            # before it applies the answer, server_conn.Connection._run_made_now), so
-            # an unlink elsewhere, which recalls us, finds the file open here.  A
+            # call (held, as creates are), and nothing waits for its answer but our
+            # answer to a recall of the file (MdsConnection.opens_counted), so an
+            # unlink elsewhere, which recalls us, finds the file open here.  A
             # connection lost first: the next registration claims our handles.
-            conn.hold(codec.call_payload("open", ino), _ignore_reply, self._held_open_refused)
+            conn.hold_open(ino, self._held_open_refused)
             self.opens[ino] = self.opens.get(ino, 0) + 1
             self._opens_version += 1
             self._last_open = (ino, True)

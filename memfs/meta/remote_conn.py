@@ -143,12 +143,19 @@ class MdsConnection:
         #: call of at most :attr:`made_max`, placed before the next call (each on its
         #: own if the server takes none: an older one)
         self._made: list[tuple[bytes, OnReply, OnReply]] = []
+        #: what :attr:`_made` holds: opens, or creates and unlinks (never both)
+        self._made_opens = False
         #: inodes released since: one ``releases`` call, placed before the next call
         #: after the creates and unlinks held (:meth:`release`)
         self._releases: list[int] = []
         self.made_max = min(made_max, codec.MAX_MADE)
         #: set when an asynchronous create is held: it leaves within CREATE_HOLD
         self._flush_soon = trio.Event()
+        #: inode -> opens held under our lease (:meth:`hold_open`) not answered yet
+        self.opening: dict[int, int] = {}
+        #: set (and replaced) when one of them is answered, and when the connection ends
+        self._opened = trio.Event()
+        self._killing = False
 
     def request(self, payload: bytes, on_ok: OnReply | None = None) -> tuple[int, Pending]:
         """Send a call (no await: callers do their bookkeeping atomically with it)."""
@@ -177,19 +184,56 @@ class MdsConnection:
         self._last_send = now
 
     def hold(self, payload: bytes, on_ok: OnReply, on_fail: OnReply) -> None:
-        """A call whose answer nobody waits for (an asynchronous create or unlink): it
-        leaves with the next call, or at most ``CREATE_HOLD`` later, in one ``made``
-        call with the others held meanwhile (at most :attr:`made_max` a call; each
-        alone to an older server); the reader hands its answer to *on_ok* or
-        *on_fail* (a lost connection: neither)."""
+        """A call whose answer nobody waits for (an asynchronous create or unlink; opens:
+        :meth:`hold_open`): it leaves with the next call, or at most ``CREATE_HOLD``
+        later, in one ``made`` call with the others held meanwhile (at most
+        :attr:`made_max` a call; each alone to an older server); the reader hands
+        its answer to *on_ok* or *on_fail* (a lost connection: neither)."""
+        self._hold(payload, on_ok, on_fail, opens=False)
+
+    def _hold(self, payload: bytes, on_ok: OnReply, on_fail: OnReply, *, opens: bool) -> None:
+        # Opens go in made calls of their own: the server may run one before calls
+        # queued ahead of it (a recall's answer must find the handle counted), not
+        # one that carries a create (Connection._run_made_now).
+        if self._made and self._made_opens != opens:
+            self._frame_made()
+        self._made_opens = opens
         self._made.append((payload, on_ok, on_fail))
         if len(self._made) >= self.made_max:
             self._frame_made()
         if not self._flush_soon.is_set():
             self._flush_soon.set()
 
+    def hold_open(self, ino: int, on_fail: OnReply) -> None:
+        """An open made under our lease of *ino* (``RemoteMeta.open``), held as a made
+        call; a recall of *ino* is answered only once the server has counted it
+        (:meth:`opens_counted`)."""
+        def answered(kind: Kind, payload: bytes) -> None:
+            n = self.opening[ino] - 1
+            if n:
+                self.opening[ino] = n
+            else:
+                del self.opening[ino]
+            self._opened.set()
+            self._opened = trio.Event()
+
+        def failed(kind: Kind, payload: bytes) -> None:
+            answered(kind, payload)
+            on_fail(kind, payload)
+
+        self.opening[ino] = self.opening.get(ino, 0) + 1
+        self._hold(codec.call_payload("open", ino), answered, failed, opens=True)
+
+    async def opens_counted(self, inos: list[int]) -> None:
+        """Until the server has run the opens held of *inos* (or this connection is
+        gone: the next registration claims our handles, before it lets a change
+        that waited for us go).  Sent at once."""
+        while not self.dead and any(ino in self.opening for ino in inos):
+            self.flush_held()
+            await self._opened.wait()
+
     def _frame_made(self) -> None:
-        """The creates and unlinks held, as one call in :attr:`_held`."""
+        """The calls held (creates, unlinks, opens), as one call in :attr:`_held`."""
         made, self._made = self._made, []
         rid = self._next_id
         self._next_id = rid % 0xFFFFFFFF + 1
@@ -246,8 +290,9 @@ class MdsConnection:
             self._hold_queued()
 
     def _hold_queued(self) -> None:
-        """The creates and unlinks held, then the releases, as frames in :attr:`_held`
-        (in that order: a create held may make a file released)."""
+        """The calls held (creates, unlinks, opens), then the releases, as frames in
+        :attr:`_held` (in that order: a create held may make a file released, and a
+        handle's open must be counted before an earlier handle's release)."""
         if self._made:
             self._frame_made()
         if self._releases:
@@ -285,6 +330,14 @@ class MdsConnection:
     def kill(self, reason: str) -> None:
         if not self.dead and not self._scope.cancel_called:
             self.reason = reason
+            if not self._killing:
+                # Given up (a call unanswered too long, say): what is held goes into
+                # the socket first, for a server that is only slow reads it before
+                # our close, which ends our session there at once, and with it the
+                # recalls waiting for our answer: a handle opened here under our
+                # lease must be counted before another node's unlink goes ahead.
+                self._killing = True
+                self.flush_held()
         self._scope.cancel()
 
     async def run(self) -> None:
@@ -304,6 +357,7 @@ class MdsConnection:
                 p.lost = True
                 p.event.set()
             self.pending.clear()
+            self._opened.set()  # (held opens now go with the next registration's claims)
 
     async def _writer(self) -> None:
         """Send what the socket did not take at once."""

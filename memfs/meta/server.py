@@ -466,6 +466,23 @@ class MetaServer:
             return any(self._recalls(session, call[0], call[1:]) for call in args[0])
         return self._recalls(session, m.name, args)
 
+    def early_open(self, session: Session, parsed: Parsed) -> bool:
+        """Opens only (an ``open``, or a ``made`` call of opens: memfs.meta.remote_conn
+        frames held opens apart from creates), of files that exist, that need no
+        recall (held opens never do: no other session holds the write lease of a
+        file this one holds)."""
+        if not isinstance(parsed, tuple) or not self._recovered.is_set():
+            return False  # (after a restart every call waits for the recovery window)
+        m, args = parsed
+        if m.name == "open":
+            inos = [args[0]]
+        elif m.name == "made" and all(call[0] == "open" for call in args[0]):
+            inos = [call[1] for call in args[0]]
+        else:
+            return False
+        return all(ino in self.store.inodes and not self._recalls(session, "open", [ino])
+                   for ino in inos)
+
     def _recalls(self, session: Session, name: str, args: list[Any]) -> bool:
         """Must call *name* recall other clients' leases first?"""
         items = self.lease_policy.conflicts(session, name, args)
@@ -940,6 +957,15 @@ class MetaServer:
             self._lost_write_of(ino, sid)
         for ino in lost_here.difference(failed):
             self._lost_write_of(ino, sid, False)
+        # Handles it claims beyond those counted here (opens it made under its lease
+        # and had not sent when its connection went: RemoteMeta.open) are counted
+        # before the forget lets the recalls waiting for it go, and before any await:
+        # a change let through (an unlink elsewhere) must find those files open.
+        # (Lower counts wait for the end: a release must not free a file the
+        # replayed creates or unlinks below still name.)
+        for ino, n in claimed.items():
+            if n > s.opens.get(ino, 0) and ino in self.store.inodes:
+                await self.sessions.set_opens(s, ino, n)  # (the store does not await)
         for o in olds:
             self.leases.forget(o, said=True)
         self.leases.forget(s, said=True)  # it has just said every size it had

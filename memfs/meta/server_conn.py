@@ -186,6 +186,11 @@ class Dispatcher(Protocol):
         """The client answered recall *rid* (*payload*: what it reports with it)."""
         ...
 
+    def early_open(self, session: Session, parsed: Parsed) -> bool:
+        """Is this queued call opens only, of files that exist, that need no recall?
+        (It may run before calls queued ahead of it: see Connection._run_made_now.)"""
+        ...
+
 
 _serials = itertools.count(1)
 
@@ -406,31 +411,43 @@ class Connection:
         file's lease (``codec.HELD_CALLS``), that wait in this connection's queue
         (behind a call that waits, for a recall from another client say) run now,
         before the recall answer that came after them is applied: the client answers
-        a recall once its creates are answered (or after ``answer_within`` anyway),
-        and sends its held opens before the answer, and the call that recalled must
-        see them (an unlink must find the file open there).  They never wait (a
-        create's directory is this session's alone, and an open's file has no other
-        writer while this session holds it; one that would waits in turn, and the
-        ones after it too) and do not depend on the calls they pass: a call naming
-        one of their files comes after its create, and one before its unlink (a
-        release, a write's allocation, a setattr) works as well on the unlinked
-        file, an orphan until its last release; an open passing a release only
-        counts a handle sooner."""
+        a recall once its creates and held opens are answered (or after
+        ``answer_within`` anyway), and the call that recalled must see them (an
+        unlink must find the file open there).  They never wait (a create's
+        directory is this session's alone, and an open's file has no other writer
+        while this session holds it; a create that would waits in turn, and the
+        creates after it too) and do not depend on the calls they pass: a call
+        naming one of their files comes after its create, and one before its unlink
+        (a release, a write's allocation, a setattr) works as well on the unlinked
+        file, an orphan until its last release.  Opens only count handles: those
+        behind a call that stops the others still run (``early_open``), unless
+        their file is not made yet.  Nothing passes a registration."""
         if self.registering:  # (they came after it, and its session is not settled yet)
             return
         server = self.server
         calls = list(self.calls)
         picked: list[tuple[int, Any, Parsed]] = []
         rest: list[tuple[int, Any, Parsed]] = []
+        stopped = False
         for n, item in enumerate(calls):
             _, value, parsed = item
+            if parsed is None and value[0] == "session":
+                rest += calls[n:]  # (nothing passes a registration)
+                break
+            if stopped:
+                # Opens only count handles: one counted sooner than the calls it passes
+                # changes nothing they do, unless it is of a file not made yet (by a
+                # create that waits, before it): those stay in turn.
+                (picked if server.early_open(self.session, parsed) else rest).append(item)
+                continue
             made = isinstance(parsed, tuple) and parsed[0].name in (*codec.HELD_CALLS, "made")
             if (parsed is None and value[0] not in ("ping", "describe")) or (
                     made and server.may_wait(self.session, value, parsed)):
-                # A session change, or one of them that must wait: they keep their
-                # order among themselves, so what follows keeps its turn.
-                rest += calls[n:]
-                break
+                # A control call, or one of them that must wait: creates and unlinks
+                # keep their order among themselves, so what follows keeps its turn.
+                stopped = True
+                rest.append(item)
+                continue
             (picked if made else rest).append(item)
         if not picked:
             return

@@ -340,6 +340,9 @@ async def test_a_recall_right_behind_a_truncate_reply_waits_for_its_zeroing() ->
         def flush_held(self) -> None:
             pass
 
+        async def opens_counted(self, inos: list[int]) -> None:
+            pass
+
         async def delivered(self) -> bool:
             return True
 
@@ -1138,6 +1141,99 @@ async def test_an_open_held_when_the_connection_went_is_claimed_at_the_registrat
         await a.release(f.ino)
         await a.statfs()
         assert f.ino not in server.store.inodes
+
+
+async def test_a_held_open_behind_calls_that_wait_is_counted_before_a_recall_answer(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """a's opens of two files a stopped node c writes wait at the mds (the second
+    queued behind the first); a then opens f under its lease, held behind them, and
+    b's unlink of f recalls a.  The mds counts that open before it applies a's
+    answer, past the calls that wait ahead of it: f stays, open on a."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]  # c is evicted
+    async with cluster(3) as (server, (a, b, c), _):
+        f = await a.mknod(ROOT, b"f", F, 0, 0)
+        gs = [await c.create(ROOT, b"g%d" % k, F, 0, 0) for k in range(2)]
+        for g in gs:
+            await c.map_write(g.ino, 0, 100)  # c's write leases
+            assert server.leases.is_writer(server.sessions[c.session], g.ino)
+        assert c._conn is not None
+        c._conn.on_recall = lambda *args: None  # c is stopped
+        async with trio.open_nursery() as n:
+            for g in gs:
+                n.start_soon(a.open, g.ino)  # each waits for c
+            await trio.sleep(0.1)
+            await a.open(f.ino)  # under a's lease: held, and queued behind them
+            await trio.sleep(0.05)
+            await b.unlink(ROOT, b"f")
+            assert server.sessions[a.session].opens.get(f.ino) == 1
+            assert server.store.inodes[f.ino].nlink == 0  # an orphan, open on a
+            n.cancel_scope.cancel()
+
+
+async def test_a_connection_given_up_delivers_the_opens_it_held_first(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """a opened f under its lease (held) while b's unlink of f waited for a's answer,
+    and a gave its connection up before answering: its close ends its session there
+    at once (and b's wait), but the open went first, so the unlink finds f open."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]  # the connection drops
+    _hold_long(monkeypatch)
+    async with cluster(2) as (server, (a, b), _):
+        f = await a.mknod(ROOT, b"f", F, 0, 0)
+        await a.open(f.ino)
+        conn = a._conn
+        assert conn is not None
+        conn.on_recall = lambda *args: None  # not answered
+        async with trio.open_nursery() as n:
+            n.start_soon(b.unlink, ROOT, b"f")
+            await trio.sleep(0.1)  # b waits for a's answer
+            assert f.ino not in server.sessions[a.session].opens
+            conn.kill("test: given up")
+        assert server.store.inodes[f.ino].nlink == 0  # an orphan, open on a
+        await a.getattr(ROOT)  # registers again, claiming f
+        assert server.sessions[a.session].opens == {f.ino: 1}
+
+
+async def test_handles_a_registration_claims_count_before_the_recalls_waiting_for_it_go(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """a opened f under its lease, and was cut off with that open unsent while b's
+    unlink of f waited for a's answer.  a's registration ends that wait (a holds
+    nothing after it) and replays a create first, which may wait: the handle a
+    claims is counted before either, so the unlink finds f open."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]  # the connection drops
+    _hold_long(monkeypatch)
+    async with cluster(2) as (server, (a, b), _):
+        f = await a.mknod(ROOT, b"f", F, 0, 0)
+        d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
+        await a.release((await a.create(d.ino, b"first", F, 0, 0)).ino)  # the create lease
+        await _made_here(a, d.ino, [b"x"])  # replayed at the registration
+        await a.open(f.ino)  # (after the lookup, a call, that sent what was held)
+        conn = a._conn
+        assert conn is not None and _drop_unsent(conn)  # lost in the cut
+        conn.on_recall = lambda *args: None  # not answered
+        detach = server.sessions.detach
+
+        def cut(c: Connection, nursery: trio.Nursery | None) -> None:
+            c.clean_close = False  # as the mds sees a cut: the session waits for a
+            detach(c, nursery)
+
+        monkeypatch.setattr(server.sessions, "detach", cut)
+        real = server.lease_policy.recall_for
+
+        async def slow(*args: Any) -> None:
+            await trio.sleep(0.05)  # (b's unlink runs now if it may)
+            await real(*args)
+
+        monkeypatch.setattr(server.lease_policy, "recall_for", slow)
+        async with trio.open_nursery() as n:
+            n.start_soon(b.unlink, ROOT, b"f")
+            await trio.sleep(0.1)  # b waits for a's answer
+            conn.kill("test: cut")
+            await a.getattr(ROOT)  # registers again: claims f, replays x's create
+        assert server.sessions[a.session].opens.get(f.ino) == 1
+        assert server.store.inodes[f.ino].nlink == 0  # an orphan, open on a
 
 
 async def test_an_open_without_the_lease_or_to_an_older_server_asks(
@@ -3977,6 +4073,9 @@ class _Answers:
         self.answered.set()
 
     def flush_held(self) -> None:
+        pass
+
+    async def opens_counted(self, inos: list[int]) -> None:
         pass
 
     async def delivered(self) -> bool:

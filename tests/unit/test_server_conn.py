@@ -76,6 +76,9 @@ class FakeServer:
         self.recalls.append((rid, payload))
         self.recall_came.set()
 
+    def early_open(self, session: Session, parsed: Parsed) -> bool:
+        return False
+
 
 @asynccontextmanager
 async def connection(server: FakeServer) -> AsyncIterator[tuple[FrameSocket, trio.Event]]:
