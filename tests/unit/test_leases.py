@@ -1098,6 +1098,20 @@ def _hold_long(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(remote_conn, "HOLD_MAX", 60.0)
 
 
+@asynccontextmanager
+async def _opened_here(
+    monkeypatch: pytest.MonkeyPatch,
+) -> AsyncIterator[tuple[MetaServer, RemoteMeta, RemoteMeta, Attr, MdsConnection]]:
+    """Clients a and b; a made f and opened it under its lease, the open held (not
+    sent); a's connection."""
+    _hold_long(monkeypatch)
+    async with cluster(2) as (server, (a, b), _):
+        f = await a.mknod(ROOT, b"f", F, 0, 0)
+        await a.open(f.ino)
+        assert a._conn is not None
+        yield server, a, b, f, a._conn
+
+
 async def test_an_open_under_the_lease_asks_nothing_and_is_counted_before_an_unlink_elsewhere(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -1126,13 +1140,8 @@ async def test_an_open_held_when_the_connection_went_is_claimed_at_the_registrat
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.expected_warnings = True  # type: ignore[attr-defined]  # the connection drops
-    _hold_long(monkeypatch)
-    async with cluster(2) as (server, (a, b), _):
-        f = await a.mknod(ROOT, b"f", F, 0, 0)
-        await a.open(f.ino)
-        conn = a._conn
+    async with _opened_here(monkeypatch) as (server, a, b, f, conn):
         assert _drop_unsent(conn)  # never sent
-        assert conn is not None
         conn.kill("test")
         await a.getattr(ROOT)  # registers again, claiming the handle
         assert server.sessions[a.session].opens == {f.ino: 1}
@@ -1178,12 +1187,7 @@ async def test_a_connection_given_up_delivers_the_opens_it_held_first(
     and a gave its connection up before answering: its close ends its session there
     at once (and b's wait), but the open went first, so the unlink finds f open."""
     caplog.expected_warnings = True  # type: ignore[attr-defined]  # the connection drops
-    _hold_long(monkeypatch)
-    async with cluster(2) as (server, (a, b), _):
-        f = await a.mknod(ROOT, b"f", F, 0, 0)
-        await a.open(f.ino)
-        conn = a._conn
-        assert conn is not None
+    async with _opened_here(monkeypatch) as (server, a, b, f, conn):
         conn.on_recall = lambda *args: None  # not answered
         async with trio.open_nursery() as n:
             n.start_soon(b.unlink, ROOT, b"f")
