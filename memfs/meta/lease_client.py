@@ -53,8 +53,6 @@ class RecallChannel(Protocol):
     def flush_held(self) -> None:
         """Send the calls held for a batch now."""
 
-    async def opens_counted(self, inos: list[int]) -> None:
-        """Until the server has counted the opens held of *inos* (or the connection is gone)."""
 
     async def delivered(self) -> bool:
         """True once the server has read everything sent before (a reply came after)."""
@@ -216,10 +214,6 @@ class LeaseKeeper:
             if created_in and self.creates is not None:
                 conn.flush_held()
                 await self.creates.wait(created_in)
-            # Handles opened here under the lease (RemoteMeta.open): counted by the
-            # server before the change that recalled us (an unlink must find the
-            # file open here).
-            await conn.opens_counted(inos)
             if self.barrier is not None:
                 # Posted writes confirmed now (a SYNC if need be), not when the
                 # transport's drainer next looks: their pins end sooner.

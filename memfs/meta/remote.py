@@ -991,10 +991,11 @@ class RemoteMeta(Meta):
         if (self.held_opens and conn is not None and not conn.dead and not self.cache.invalidating
                 and (a := self.cache.attr(ino)) is not None and a.nlink > 0):
             # Under our lease of the file: the server hears of this handle with our next
-            # call (held, as creates are), and nothing waits for its answer but our
-            # answer to a recall of the file (MdsConnection.opens_counted), so an
-            # unlink elsewhere, which recalls us, finds the file open here.  A
-            # connection lost first: the next registration claims our handles.
+            # call (held, as creates are), and no one waits for its answer.  It counts
+            # it before it reads our answer to any recall sent after it
+            # (MdsConnection.hold_open), so an unlink elsewhere, which recalls us,
+            # finds the file open here.  A connection lost first: the next
+            # registration claims our handles.
             conn.hold_open(ino, self._held_open_refused)
             self.opens[ino] = self.opens.get(ino, 0) + 1
             self._opens_version += 1

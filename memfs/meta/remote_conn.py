@@ -103,6 +103,10 @@ REPLY_KINDS = OK_KINDS | {Kind.ERROR, Kind.ERROR_CACHE}
 NOT_CACHEABLE = {Kind.OK_CACHE: Kind.OK, Kind.OK_WRITE: Kind.OK, Kind.ERROR_CACHE: Kind.ERROR}
 
 
+def _counted(kind: Kind, payload: bytes) -> None:
+    """A held open's answer: nothing to do."""
+
+
 class MdsConnection:
     """One authenticated connection and the calls outstanding on it."""
 
@@ -151,10 +155,6 @@ class MdsConnection:
         self.made_max = min(made_max, codec.MAX_MADE)
         #: set when an asynchronous create is held: it leaves within CREATE_HOLD
         self._flush_soon = trio.Event()
-        #: inode -> opens held under our lease (:meth:`hold_open`) not answered yet
-        self.opening: dict[int, int] = {}
-        #: set (and replaced) when one of them is answered, and when the connection ends
-        self._opened = trio.Event()
         self._killing = False
 
     def request(self, payload: bytes, on_ok: OnReply | None = None) -> tuple[int, Pending]:
@@ -206,31 +206,10 @@ class MdsConnection:
 
     def hold_open(self, ino: int, on_fail: OnReply) -> None:
         """An open made under our lease of *ino* (``RemoteMeta.open``), held as a made
-        call; a recall of *ino* is answered only once the server has counted it
-        (:meth:`opens_counted`)."""
-        def answered(kind: Kind, payload: bytes) -> None:
-            n = self.opening[ino] - 1
-            if n:
-                self.opening[ino] = n
-            else:
-                del self.opening[ino]
-            self._opened.set()
-            self._opened = trio.Event()
-
-        def failed(kind: Kind, payload: bytes) -> None:
-            answered(kind, payload)
-            on_fail(kind, payload)
-
-        self.opening[ino] = self.opening.get(ino, 0) + 1
-        self._hold(codec.call_payload("open", ino), answered, failed, opens=True)
-
-    async def opens_counted(self, inos: list[int]) -> None:
-        """Until the server has run the opens held of *inos* (or this connection is
-        gone: the next registration claims our handles, before it lets a change
-        that waited for us go).  Sent at once."""
-        while not self.dead and any(ino in self.opening for ino in inos):
-            self.flush_held()
-            await self._opened.wait()
+        call of opens only: the server runs such a call as it reads it, even behind
+        calls of ours that wait (``Connection.serve``), so it is counted before
+        our answer to any recall sent after it (:meth:`send_recalled`)."""
+        self._hold(codec.call_payload("open", ino), _counted, on_fail, opens=True)
 
     def _frame_made(self) -> None:
         """The calls held (creates, unlinks, opens), as one call in :attr:`_held`."""
@@ -328,16 +307,15 @@ class MdsConnection:
         return not p.lost
 
     def kill(self, reason: str) -> None:
-        if not self.dead and not self._scope.cancel_called:
+        if not self.dead and not self._scope.cancel_called and not self._killing:
             self.reason = reason
-            if not self._killing:
-                # Given up (a call unanswered too long, say): what is held goes into
-                # the socket first, for a server that is only slow reads it before
-                # our close, which ends our session there at once, and with it the
-                # recalls waiting for our answer: a handle opened here under our
-                # lease must be counted before another node's unlink goes ahead.
-                self._killing = True
-                self.flush_held()
+            # Given up (a call unanswered too long, say): what is held goes into the
+            # socket first if it takes it, for a server that is only slow then reads
+            # it before our close, which ends our session there at once, and with it
+            # the recalls waiting for our answer: a handle opened here under our
+            # lease is counted before another node's unlink goes ahead.
+            self._killing = True
+            self.flush_held()
         self._scope.cancel()
 
     async def run(self) -> None:
@@ -357,7 +335,6 @@ class MdsConnection:
                 p.lost = True
                 p.event.set()
             self.pending.clear()
-            self._opened.set()  # (held opens now go with the next registration's claims)
 
     async def _writer(self) -> None:
         """Send what the socket did not take at once."""

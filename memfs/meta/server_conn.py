@@ -187,8 +187,8 @@ class Dispatcher(Protocol):
         ...
 
     def early_open(self, session: Session, parsed: Parsed) -> bool:
-        """Is this queued call opens only, of files that exist, that need no recall?
-        (It may run before calls queued ahead of it: see Connection._run_made_now.)"""
+        """Is this call opens only, of files that exist, that need no recall?  (Then it
+        runs as it is read, before calls queued ahead of it: see Connection.serve.)"""
         ...
 
 
@@ -365,14 +365,25 @@ class Connection:
                         value = wire.decode(payload)
                         parsed = parse_call(value)
                         n += codec.calls_in(parsed)
-                        if self.busy or self.calls or server.may_wait(self.session, value, parsed):
+                        # Opens only count handles (a client's held opens, and others):
+                        # counted as they are read, not behind calls of this session
+                        # that wait (for a recall of a stopped node, say), so a recall's
+                        # answer read after one finds its handle counted.  Sooner than
+                        # the calls they pass changes nothing those do; an open of a
+                        # file not made yet (its create waits ahead) stays in turn, and
+                        # a client sends nothing behind its registration before that
+                        # is answered.
+                        early = ((self.busy or bool(self.calls)) and not self.registering
+                                 and server.early_open(self.session, parsed))
+                        if not early and (self.busy or self.calls
+                                          or server.may_wait(self.session, value, parsed)):
                             if len(self.calls) >= MAX_QUEUED:
                                 raise WireError(f"more than {MAX_QUEUED} calls queued")
                             self.calls.append((h.req_id, value, parsed))
                             self.calls_wake.set()
                             self.push_deferred()  # earlier replies must not wait for it
                             continue
-                        # (may_wait just said no: nothing to recall, and no await since)
+                        # (may_wait or early_open just said no recall: none since, no await)
                         kind, body = await self._execute(value, parsed, checked=True)
                         if not h.req_id:  # no reply wanted
                             self.unanswered(kind, body)
@@ -419,35 +430,23 @@ class Connection:
         creates after it too) and do not depend on the calls they pass: a call
         naming one of their files comes after its create, and one before its unlink
         (a release, a write's allocation, a setattr) works as well on the unlinked
-        file, an orphan until its last release.  Opens only count handles: those
-        behind a call that stops the others still run (``early_open``), unless
-        their file is not made yet.  Nothing passes a registration."""
+        file, an orphan until its last release.  (Opens held under a file's lease
+        seldom wait here: :meth:`serve` runs them as it reads them.)"""
         if self.registering:  # (they came after it, and its session is not settled yet)
             return
         server = self.server
         calls = list(self.calls)
         picked: list[tuple[int, Any, Parsed]] = []
         rest: list[tuple[int, Any, Parsed]] = []
-        stopped = False
         for n, item in enumerate(calls):
             _, value, parsed = item
-            if parsed is None and value[0] == "session":
-                rest += calls[n:]  # (nothing passes a registration)
-                break
-            if stopped:
-                # Opens only count handles: one counted sooner than the calls it passes
-                # changes nothing they do, unless it is of a file not made yet (by a
-                # create that waits, before it): those stay in turn.
-                (picked if server.early_open(self.session, parsed) else rest).append(item)
-                continue
             made = isinstance(parsed, tuple) and parsed[0].name in (*codec.HELD_CALLS, "made")
             if (parsed is None and value[0] not in ("ping", "describe")) or (
                     made and server.may_wait(self.session, value, parsed)):
-                # A control call, or one of them that must wait: creates and unlinks
-                # keep their order among themselves, so what follows keeps its turn.
-                stopped = True
-                rest.append(item)
-                continue
+                # A session change, or one of them that must wait: they keep their
+                # order among themselves, so what follows keeps its turn.
+                rest += calls[n:]
+                break
             (picked if made else rest).append(item)
         if not picked:
             return

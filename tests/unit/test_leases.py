@@ -340,9 +340,6 @@ async def test_a_recall_right_behind_a_truncate_reply_waits_for_its_zeroing() ->
         def flush_held(self) -> None:
             pass
 
-        async def opens_counted(self, inos: list[int]) -> None:
-            pass
-
         async def delivered(self) -> bool:
             return True
 
@@ -1156,12 +1153,15 @@ async def test_a_held_open_behind_calls_that_wait_is_counted_before_a_recall_ans
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """a's opens of two files a stopped node c writes wait at the mds (the second
-    queued behind the first); a then opens f under its lease, held behind them, and
-    b's unlink of f recalls a.  The mds counts that open before it applies a's
-    answer, past the calls that wait ahead of it: f stays, open on a."""
+    queued behind the first); a then opens f under its lease, held, sent behind
+    them, and b's unlink of f recalls a.  The mds counts that open as it reads it,
+    past the calls that wait ahead of it, so a's answer (which waits for nothing
+    of that) finds it counted: f stays, open on a, and the unlink did not wait
+    for c."""
     caplog.expected_warnings = True  # type: ignore[attr-defined]  # c is evicted
     async with cluster(3) as (server, (a, b, c), _):
-        f = await a.mknod(ROOT, b"f", F, 0, 0)
+        d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)  # (c never looks in it)
+        f = await a.mknod(d.ino, b"f", F, 0, 0)
         gs = [await c.create(ROOT, b"g%d" % k, F, 0, 0) for k in range(2)]
         for g in gs:
             await c.map_write(g.ino, 0, 100)  # c's write leases
@@ -1172,9 +1172,10 @@ async def test_a_held_open_behind_calls_that_wait_is_counted_before_a_recall_ans
             for g in gs:
                 n.start_soon(a.open, g.ino)  # each waits for c
             await trio.sleep(0.1)
-            await a.open(f.ino)  # under a's lease: held, and queued behind them
+            await a.open(f.ino)  # under a's lease: held, and sent behind them
             await trio.sleep(0.05)
-            await b.unlink(ROOT, b"f")
+            with trio.fail_after(0.8):  # (c is evicted after 2 s; a answers within 1.2)
+                await b.unlink(d.ino, b"f")
             assert server.sessions[a.session].opens.get(f.ino) == 1
             assert server.store.inodes[f.ino].nlink == 0  # an orphan, open on a
             n.cancel_scope.cancel()
@@ -4077,9 +4078,6 @@ class _Answers:
         self.answered.set()
 
     def flush_held(self) -> None:
-        pass
-
-    async def opens_counted(self, inos: list[int]) -> None:
         pass
 
     async def delivered(self) -> bool:
