@@ -53,7 +53,6 @@ class RecallChannel(Protocol):
     def flush_held(self) -> None:
         """Send the calls held for a batch now."""
 
-
     async def delivered(self) -> bool:
         """True once the server has read everything sent before (a reply came after)."""
         ...

@@ -192,9 +192,10 @@ class MdsConnection:
         self._hold(payload, on_ok, on_fail, opens=False)
 
     def _hold(self, payload: bytes, on_ok: OnReply, on_fail: OnReply, *, opens: bool) -> None:
-        # Opens go in made calls of their own: the server may run one before calls
-        # queued ahead of it (a recall's answer must find the handle counted), not
-        # one that carries a create (Connection._run_made_now).
+        # Opens go in made calls of their own: the server runs a call of opens only
+        # as it reads it, before calls of ours queued ahead of it (a recall's answer
+        # must find the handle counted), not one that carries a create
+        # (Connection.serve, MetaServer.early_open).
         if self._made and self._made_opens != opens:
             self._frame_made()
         self._made_opens = opens
