@@ -422,9 +422,9 @@ class Connection:
         file's lease (``codec.HELD_CALLS``), that wait in this connection's queue
         (behind a call that waits, for a recall from another client say) run now,
         before the recall answer that came after them is applied: the client answers
-        a recall once its creates and held opens are answered (or after
-        ``answer_within`` anyway), and the call that recalled must see them (an
-        unlink must find the file open there).  They never wait (a create's
+        a recall once its creates are answered (or after ``answer_within`` anyway),
+        and sends its held opens before the answer, and the call that recalled must
+        see them (an unlink must find the file open there).  They never wait (a create's
         directory is this session's alone, and an open's file has no other writer
         while this session holds it; a create that would waits in turn, and the
         creates after it too) and do not depend on the calls they pass: a call
