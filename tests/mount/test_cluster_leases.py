@@ -532,6 +532,45 @@ def test_a_file_open_on_one_node_outlives_an_unlink_on_the_other(cluster: Cluste
     assert log_lines(cluster, "mds.log", " WARNING ", " ERROR ") == []
 
 
+#: the access ACL equivalent to mode 0644 (user::rw-, group::r--, other::r--), as
+#: ``cp -a`` sets it on every file it copies
+ACL_OF_MODE_644 = bytes.fromhex("02000000" "01000600ffffffff" "04000400ffffffff" "20000400ffffffff")
+
+
+def test_xattr_names_cached_on_one_node_follow_changes_on_the_other(cluster: Cluster) -> None:
+    """A node lists a file's xattrs (cached under its lease, and a name not in the
+    list is known absent); each change on the other node is seen at its next look,
+    both ways, over many rounds; ACLs are refused on both (memfs keeps none)."""
+    c1, c2 = cluster.mnt["c1"], cluster.mnt["c2"]
+    (c1 / "x").write_bytes(b"x")
+    want: dict[str, bytes] = {}
+    rng = random.Random(31)
+    def check(mnt: Path, r: int) -> None:
+        assert sorted(os.listxattr(mnt / "x")) == sorted(want)
+        for name, value in want.items():
+            assert os.getxattr(mnt / "x", name) == value
+        with pytest.raises(OSError) as info:
+            os.getxattr(mnt / "x", f"user.absent{r}")
+        assert info.value.errno == errno.ENODATA
+
+    for r in range(30):
+        mine, other = (c1, c2) if r % 4 < 2 else (c2, c1)  # (each changes twice in a row)
+        check(mine, r)  # cached here now
+        name = f"user.k{rng.randrange(4)}"
+        if name in want and rng.random() < 0.4:
+            os.removexattr(other / "x", name)
+            del want[name]
+        else:
+            want[name] = rng.randbytes(rng.randint(0, 64))
+            os.setxattr(other / "x", name, want[name])
+        check(mine, r)  # the change seen at once
+        check(other, r)
+    with pytest.raises(OSError) as info:
+        os.setxattr(c2 / "x", "system.posix_acl_access", ACL_OF_MODE_644)  # (as cp -a)
+    assert info.value.errno == errno.EOPNOTSUPP
+    assert log_lines(cluster, "mds.log", " WARNING ", " ERROR ") == []
+
+
 def test_concurrent_creates_in_one_directory(cluster: Cluster) -> None:
     """Both nodes create files in one directory at the same time (N ranks writing their
     output side by side): every create succeeds promptly, nobody is evicted, and both
