@@ -83,9 +83,12 @@ def _inode_list(v: Any, what: str) -> list[int]:
 #: most creates and unlinks one ``made`` call carries (the mds runs them without
 #: serving other clients meanwhile: about 4 ms of its time at most)
 MAX_MADE = 128
-#: the creates and unlinks a client makes itself under a create lease (a ``made`` call
-#: carries them; a registration replays those not answered)
-MADE_CALLS = ("create_at", "unlink_at")
+#: the creates and unlinks a client makes itself under a create lease, and the setattrs
+#: it makes under a file's write lease (a ``made`` call carries them; a registration
+#: replays those not answered)
+MADE_CALLS = ("create_at", "unlink_at", "setattr_at")
+#: a ``setattr_at`` call's field bits: which of mode, uid, gid, atime, mtime it sets
+SET_MODE, SET_UID, SET_GID, SET_ATIME, SET_MTIME = 1, 2, 4, 8, 16
 #: the calls a ``made`` call carries: those above, and opens a client made under its
 #: lease of the file (answered by no one: only counted; see RemoteMeta.open)
 HELD_CALLS = (*MADE_CALLS, "open")
@@ -195,6 +198,22 @@ def setattr_to_wire(s: SetAttr) -> list[int | None]:
 
 def setattr_from_wire(v: Any) -> SetAttr:
     return SetAttr(*[_opt_int(x, "setattr") for x in check_list(v, "setattr", 5)])
+
+
+_SET_BITS = (SET_MODE, SET_UID, SET_GID, SET_ATIME, SET_MTIME)
+
+
+def setattr_at_args(s: SetAttr) -> list[int]:
+    """A ``setattr_at`` call's ``fields, mode, uid, gid, atime_ns, mtime_ns`` for *s*
+    (a bit per field set: times before 1970 are negative)."""
+    values = setattr_to_wire(s)
+    fields = sum(bit for bit, v in zip(_SET_BITS, values, strict=True) if v is not None)
+    return [fields, *(0 if v is None else v for v in values)]
+
+
+def setattr_at_changes(fields: int, *values: int) -> SetAttr:
+    """The :class:`SetAttr` of a ``setattr_at`` call's fields and values."""
+    return SetAttr(*(v if fields & bit else None for bit, v in zip(_SET_BITS, values, strict=True)))
 
 
 def entries_to_wire(entries: list[tuple[bytes, int]]) -> list[list[Any]]:
@@ -356,7 +375,12 @@ METHODS: dict[str, Method] = {m.name: m for m in [
        _server_only),
     # an unlink of a file made so (parent, name, ino, time_ns): journaled as the unlink it is
     _m("unlink_at", "int bytes int int", _same, _two_ints, "session", _server_only),
-    # several of those two in one call, run in order (the server's cost is mostly per
+    # a setattr made under the file's write lease (memfs.meta.leases), at the client's
+    # time: (ino, fields, mode, uid, gid, atime_ns, mtime_ns, time_ns), *fields* the
+    # SET_* bits of those it sets; journaled as the setattr it is
+    _m("setattr_at", "int int int int int int int int", _none_to_wire, _none_from_wire, "session",
+       _server_only),
+    # several of those in one call, run in order (the server's cost is mostly per
     # call): answered with [position, errno, message] of each refused
     _m("made", "made", _same, _refusals_from_wire, "session", _server_only),
     # cluster-wide locks (memfs.meta.locks), kept by the server per session, never
@@ -414,6 +438,14 @@ def call_payload(method: str, *args: Any) -> bytes:
 # arguments are the values on the wire): integers and names only.
 assert all(name in _PLAIN for name in HELD_CALLS)
 _MADE_HEAD = wire.call_head("made", 1)
+
+
+def opens_only(parsed: Any) -> bool:
+    """Is a parsed call (``decode_call``'s) an ``open``, or a ``made`` call of opens only?"""
+    if not isinstance(parsed, tuple):
+        return False
+    m, args = parsed
+    return m.name == "open" or (m.name == "made" and all(call[0] == "open" for call in args[0]))
 
 
 def calls_in(parsed: Any) -> int:

@@ -139,16 +139,31 @@ class AsyncCreates:
         """The pending operations (id, call), in order (for a registration)."""
         return list(self.pending.items())
 
+    def setattr_made(self, call: list[Any]) -> int:
+        """A ``setattr_at`` made under a file's write lease (RemoteMeta.setattr): its
+        operation id.  Pending as the others (fsync waits for it, a registration
+        sends it again), but a recall's answer does not wait for it
+        (:meth:`pending_under`): the server runs it before it applies the answer."""
+        return self._add(call)
+
     @staticmethod
     def _touches(call: list[Any], want: set[int]) -> bool:
-        """Does *call* make or unlink one of *want*, or change directory one of *want*?"""
+        """Does *call* make, unlink or set one of *want*, or change directory one of *want*?"""
+        if call[0] == "setattr_at":
+            return call[1] in want
         ino = call[6] if call[0] == "create_at" else call[3]
         return ino in want or call[1] in want
+
+    def pending_about(self, ino: int) -> bool:
+        """Is an operation of *ino* (its setattrs too), or in directory *ino*, pending?"""
+        want = {ino}
+        return any(self._touches(call, want) for call in self.pending.values())
 
     def pending_under(self, ino: int) -> bool:
         """Is a create or unlink of *ino*, or in directory *ino*, pending?"""
         want = {ino}
-        return any(self._touches(call, want) for call in self.pending.values())
+        return any(call[0] != "setattr_at" and self._touches(call, want)
+                   for call in self.pending.values())
 
     async def wait(self, inos: list[int] | None = None) -> None:
         """Until the operations pending now (of these files or in these directories, if

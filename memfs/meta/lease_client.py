@@ -496,6 +496,13 @@ class LeaseKeeper:
                 over = self._reports_over[ino] = trio.Event()
             await over.wait()
 
+    def quiet(self, ino: int) -> bool:
+        """Nothing of ours about *ino* on its way that carries its state as taken
+        before now (a report, a recall's answer, a truncate, a setattr of its mtime):
+        a call held now reaches the server after all it would otherwise pass."""
+        return not (self._reporting.get(ino) or ino in self._setting_mtime or ino in self.answering
+                    or ino in self.ending or ino in self.truncating)
+
     def settled_first(self, ino: int) -> Awaitable[None] | None:
         """A call about *ino* that the server answers from its own state needs our unsent size."""
         if ino in self.cache.dirty:

@@ -128,6 +128,8 @@ class PoolDescription:
     appends: bool = False
     #: a ``made`` call may carry opens (``codec.HELD_CALLS``): see RemoteMeta.open
     held_opens: bool = False
+    #: and setattrs made under a write lease (``setattr_at``): see RemoteMeta.setattr
+    held_setattrs: bool = False
 
     @classmethod
     def from_wire(cls, v: Any) -> PoolDescription:
@@ -147,6 +149,7 @@ class PoolDescription:
                 made_max=max(0, codec.check_int(v.get("made_max", 0), "made_max")),
                 appends=v.get("appends") is True,
                 held_opens=v.get("held_opens") is True,
+                held_setattrs=v.get("held_setattrs") is True,
             )
         except KeyError as exc:
             raise WireError(f"describe: missing {exc}") from None
@@ -184,6 +187,8 @@ class RemoteMeta(Meta):
         self._conn: MdsConnection | None = None
         #: the server takes opens in made calls (PoolDescription.held_opens)
         self.held_opens = False
+        #: and setattrs (PoolDescription.held_setattrs)
+        self.held_setattrs = False
         self._ready = trio.Event()
         self._closed = False
         self._scope = trio.CancelScope()
@@ -305,6 +310,7 @@ class RemoteMeta(Meta):
         # (Also after a restart: the server may have been upgraded or downgraded.)
         self.maps.appends = desc.appends
         self.held_opens = desc.held_opens
+        self.held_setattrs = desc.held_setattrs
         if first:
             self.pool = desc
             self.chunk_size, self.n_volumes = desc.chunk_size, desc.n_volumes
@@ -449,6 +455,8 @@ class RemoteMeta(Meta):
                         continue
                     if c[0] == "create_at":
                         self._create_failed(c[6], c[1], c[2], refused_ops[k], "")
+                    elif c[0] == "setattr_at":
+                        self._setattr_failed(c[1], refused_ops[k], "")
                     else:
                         self._unlink_failed(c[1], c[2], refused_ops[k], "")
                 ops = []
@@ -665,9 +673,9 @@ class RemoteMeta(Meta):
 
     async def sync(self, ino: int) -> None:
         self._check_write_error(ino)
-        if self.creates.pending_under(ino):
-            # A create made under a create lease (of this file, or in this directory)
-            # is durable once the server has answered it.
+        if self.creates.pending_about(ino):
+            # A create made under a create lease (of this file, or in this directory),
+            # or a setattr under a write lease, is durable once the server answered it.
             conn = self._conn
             if conn is not None:
                 conn.flush_held()
@@ -675,7 +683,7 @@ class RemoteMeta(Meta):
                 await self.creates.wait([ino])
             if scope.cancelled_caught:
                 raise FsError(errno.EIO, f"the metadata server has not confirmed the create of "
-                                         f"inode {ino} (or of files in it)")
+                                         f"inode {ino} (or of files in it), or a change to it")
         cache = self.cache
         if ino in cache.dirty or ino in cache.spans or ino in cache.sending:
             await self.leases.settle(ino, trim=False, again=True)
@@ -731,6 +739,8 @@ class RemoteMeta(Meta):
         return a
 
     async def setattr(self, ino: int, changes: SetAttr) -> Attr:
+        if (a := self._setattr_here(ino, changes)) is not None:
+            return a
         if (w := self.leases.settled_first(ino)) is not None:
             await w
         if changes.mtime_ns is None:
@@ -747,6 +757,58 @@ class RemoteMeta(Meta):
                 clock.saw(t)  # (the stamps of our writes under a lease come after it)
         self.cache.changed(a, kind is Kind.OK_CACHE)
         return a
+
+    def _setattr_here(self, ino: int, changes: SetAttr) -> Attr | None:
+        """A setattr under our write lease of regular file *ino*: applied here, the
+        server told without waiting (``tar x`` sets times, owner and mode of every
+        file it writes).  No other node has the file's state then, and any call
+        about it recalls us first; the ``setattr_at`` held goes before our answer,
+        and the server runs it before the answer is applied (as creates: see
+        memfs.meta.creates).  None: this one asks the server (no such lease, set-ID
+        bits, or a report, recall answer, truncate or setattr of the file on its
+        way, which the server must see in the order taken)."""
+        conn = self._conn
+        cache = self.cache
+        if (not self.held_setattrs or conn is None or conn.dead or not cache.is_writer(ino)
+                or (a := cache.attr(ino)) is None or not stat.S_ISREG(a.mode)
+                or not self.leases.quiet(ino)):
+            return None
+        t = _now_ns()
+        new = Attr(ino, a.mode, a.nlink, a.uid, a.gid, a.rdev, a.size, a.blocks, a.atime_ns,
+                   a.mtime_ns, t)
+        if changes.mode is not None:
+            new.mode = stat.S_IFMT(a.mode) | (changes.mode & 0o7777)
+        if new.mode & (stat.S_ISUID | stat.S_ISGID):
+            # Another node's write must drop them, asking the server only if it sees
+            # some (MetaServer: drop_privileges recalls no writer otherwise).
+            return None
+        if changes.uid is not None:
+            new.uid = changes.uid
+        if changes.gid is not None:
+            new.gid = changes.gid
+        if changes.atime_ns is not None:
+            new.atime_ns = changes.atime_ns
+        if changes.mtime_ns is not None:
+            new.mtime_ns = changes.mtime_ns
+            cache.mtime_set(ino, changes.mtime_ns)  # (reports from now on carry it)
+        call = ["setattr_at", ino, *codec.setattr_at_args(changes), t]
+        op = self.creates.setattr_made(call)
+        self._hold_made(conn, op, call, lambda err, msg: self._setattr_failed(ino, err, msg))
+        for x in (changes.atime_ns, changes.mtime_ns, t):
+            if x is not None:
+                clock.saw(x)
+        cache.changed(new, True)
+        return new
+
+    def _setattr_failed(self, ino: int, err: int, msg: str) -> None:
+        """The server refused a setattr we made under a write lease: the lease ended
+        without our word (evicted), and another node may have changed the file."""
+        log.error("setattr of inode %d, made under a write lease, was refused by the metadata "
+                  "server: %s; its writers get EIO", ino, msg or os.strerror(err))
+        if self.opens.get(ino):
+            self.write_errors.add(ino)
+        self.cache.drop(ino)
+        self.leases.drop_kernel([ino])
 
     async def drop_privileges(self, ino: int, set_ids: bool) -> bool:
         """One call that drops and says whether it did (never a read-modify-write a

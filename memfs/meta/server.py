@@ -474,12 +474,9 @@ class MetaServer:
         if not isinstance(parsed, tuple) or not self._recovered.is_set():
             return False  # (after a restart every call waits for the recovery window)
         m, args = parsed
-        if m.name == "open":
-            inos = [args[0]]
-        elif m.name == "made" and all(call[0] == "open" for call in args[0]):
-            inos = [call[1] for call in args[0]]
-        else:
+        if not codec.opens_only(parsed):
             return False
+        inos = [args[0]] if m.name == "open" else [call[1] for call in args[0]]
         return all(ino in self.store.inodes and not self._recalls(session, "open", [ino])
                    for ino in inos)
 
@@ -626,6 +623,9 @@ class MetaServer:
                 result = None
             elif m.name == "unlink_at":
                 result = await self._unlink_at(session, args)
+            elif m.name == "setattr_at":
+                await self._setattr_at(session, args, self.leases.is_writer(session, args[0]))
+                result = None
             elif m.name == "settle":
                 # Only the writer's reports count: one sent before its lease was
                 # revoked arrives after the revocation's (newer) answer.
@@ -839,6 +839,8 @@ class MetaServer:
                 # a made call may carry opens, run before a recall's answer read
                 # after them (RemoteMeta.open)
                 "held_opens": True,
+                # and setattrs made under a write lease (RemoteMeta.setattr)
+                "held_setattrs": True,
             }
         if name == "control" and len(raw) == 2:
             op, args = raw
@@ -929,10 +931,19 @@ class MetaServer:
         olds = {w for w in self.leases.writers.values()
                 if w is not s and isinstance(w, Session) and w.sid == sid}
         failed = []
+
+        def counts(ino: int) -> bool:
+            w = self.leases.writers.get(ino)
+            return w is s or w in olds or (previous_run and w is None and ino not in lost_here
+                                           and ANY_EARLIER not in marks.get(ino, ()))
+
+        # Setattrs it made under write leases count as its sizes do (decided before
+        # those end the leases); replayed below, then its mtimes again: one set
+        # before writes it made after would take theirs away.
+        set_at = {args[0] for name, args in ops or () if name == "setattr_at" and counts(args[0])}
         for ino, size, mtime, span in settles or ():
             w = self.leases.writers.get(ino)
-            if w is s or w in olds or (previous_run and w is None and ino not in lost_here
-                                       and ANY_EARLIER not in marks.get(ino, ())):
+            if counts(ino):
                 if w is not None:
                     # Its lease ends here with its word: what it took ahead goes now.
                     self.leases.release_write(w, ino)
@@ -983,6 +994,8 @@ class MetaServer:
                             and args[5] not in self.store.delegated.get(sid, ()):
                         continue  # made and unlinked before (answers lost), and gone since
                     self._create_at(s, args)
+                elif name == "setattr_at":
+                    await self._setattr_at(s, args, args[0] in set_at)
                 else:
                     # A file it holds open stays as an orphan (an mds restarted since
                     # counts no opens yet): its claim first.
@@ -991,11 +1004,19 @@ class MetaServer:
                         await self.sessions.set_opens(s, ino, claimed[ino])
                     await self._unlink_at(s, args)
             except FsError as exc:
-                log.warning("%s: %s of %r in inode %d, made under a create lease, failed on "
-                            "its way again: %s", conn.peer, name, args[1], args[0],
-                            exc.args[1] if len(exc.args) > 1 else exc)
+                why = exc.args[1] if len(exc.args) > 1 else exc
+                if name == "setattr_at":
+                    log.warning("%s: setattr of inode %d, made under a write lease, failed on "
+                                "its way again: %s", conn.peer, args[0], why)
+                else:
+                    log.warning("%s: %s of %r in inode %d, made under a create lease, failed "
+                                "on its way again: %s", conn.peer, name, args[1], args[0], why)
                 refused_ops.append([k, exc.errno])
             self._journal_destroys()
+        for ino, size, mtime, _ in settles or ():
+            if ino in set_at and self.store.settle_now(ino, size, mtime, False, (0, 0)) \
+                    and self.journal is not None:
+                self.journal.append(self._t, "settle", [ino, size, mtime, 0, 0, 0])
         if renamed or first:
             # The client hears a token other than the one its inode numbers were
             # reserved under and drops them (RemoteMeta._connect): so do we, once its
@@ -1079,6 +1100,25 @@ class MetaServer:
         if self.journal is not None:
             self.journal.append(t, "unlink", [parent, name])
         return [ino, t]
+
+    async def _setattr_at(self, session: Session, args: list[Any], held: bool) -> None:
+        """A setattr a client made under its write lease of the file, at its time
+        (RemoteMeta.setattr): *held* is whether its lease still holds (no other
+        session has the file's state then: nothing to recall).  Else refused: the
+        lease ended without the client's word (its answer to a recall carries what
+        it holds, and goes after this), and another client may have changed the
+        file since."""
+        ino, fields, *values, t = args
+        if not 0 < fields < 2 * codec.SET_MTIME:
+            raise FsError(errno.EINVAL, f"setattr_at: bad fields {fields}")
+        changes = codec.setattr_at_changes(fields, *values)
+        if not held:
+            raise FsError(errno.ESTALE, f"setattr of inode {ino} refused: the write lease "
+                                        "ended without this client")
+        self._t = t
+        await self.meta.setattr(ino, changes)
+        if self.journal is not None:
+            self.journal.append(t, "setattr", [ino, codec.setattr_to_wire(changes)])
 
     # -- fencing: a lease taken without the client's word ------------------------------
 

@@ -418,20 +418,24 @@ class Connection:
 
 
     async def _run_made_now(self) -> None:
-        """Creates and unlinks made under a create lease, and opens made under a
-        file's lease (``codec.HELD_CALLS``), that wait in this connection's queue
-        (behind a call that waits, for a recall from another client say) run now,
-        before the recall answer that came after them is applied: the client answers
-        a recall once its creates are answered (or after ``answer_within`` anyway),
-        and sends its held opens before the answer, and the call that recalled must
-        see them (an unlink must find the file open there).  They never wait (a create's
-        directory is this session's alone, and an open's file has no other writer
-        while this session holds it; a create that would waits in turn, and the
-        creates after it too) and do not depend on the calls they pass: a call
-        naming one of their files comes after its create, and one before its unlink
-        (a release, a write's allocation, a setattr) works as well on the unlinked
-        file, an orphan until its last release.  (Opens held under a file's lease
-        seldom wait here: :meth:`serve` runs them as it reads them.)"""
+        """Creates and unlinks made under a create lease, opens made under a file's
+        lease and setattrs made under its write lease (``codec.HELD_CALLS``), that
+        wait in this connection's queue (behind a call that waits, for a recall
+        from another client say) run now, before the recall answer that came after
+        them is applied: the client answers a recall once its creates are answered
+        (or after ``answer_within`` anyway), and sends its held opens and setattrs
+        before the answer, and the call that recalled must see them (an unlink must
+        find the file open there, a stat the mode set).  They never wait (a create's
+        directory is this session's alone, and an open's or setattr's file has no
+        other writer while this session holds it; a create that would waits in
+        turn, and the creates after it too; an open that waits holds up nothing)
+        and do not depend on the calls they pass: a call naming one of their files
+        comes after its create, and one before its unlink (a release, a write's
+        allocation, a setattr) works as well on the unlinked file, an orphan until
+        its last release; the client holds no setattr while a report, truncate or
+        setattr of the file's mtime it sent waits (``LeaseKeeper.quiet``).  (Opens
+        held under a file's lease seldom wait here: :meth:`serve` runs them as it
+        reads them.)"""
         if self.registering:  # (they came after it, and its session is not settled yet)
             return
         server = self.server
@@ -443,6 +447,11 @@ class Connection:
             made = isinstance(parsed, tuple) and parsed[0].name in (*codec.HELD_CALLS, "made")
             if (parsed is None and value[0] not in ("ping", "describe")) or (
                     made and server.may_wait(self.session, value, parsed)):
+                if made and codec.opens_only(parsed):
+                    # Opens that wait (for another node's write lease) hold up
+                    # nothing: what follows names other files, or counts handles.
+                    rest.append(item)
+                    continue
                 # A session change, or one of them that must wait: they keep their
                 # order among themselves, so what follows keeps its turn.
                 rest += calls[n:]

@@ -571,6 +571,51 @@ def test_xattr_names_cached_on_one_node_follow_changes_on_the_other(cluster: Clu
     assert log_lines(cluster, "mds.log", " WARNING ", " ERROR ") == []
 
 
+def test_times_owner_and_mode_set_while_writing_are_seen_at_once_elsewhere(cluster: Cluster) -> None:
+    """tar's way with every file (create, write, futimens, fchown, fchmod, close): the
+    writer's node answers those under its write lease, without the mds; the other
+    node's very next stat sees them all, ctime too, over many rounds both ways, also
+    while the file is still open; and ``tar -d`` on the other node finds nothing
+    different from the archive extracted on the first."""
+    c1, c2 = cluster.mnt["c1"], cluster.mnt["c2"]
+    rng = random.Random(43)
+    for r in range(40):
+        mine, other = (c1, c2) if r % 2 == 0 else (c2, c1)
+        name = f"t{r}"
+        data = rng.randbytes(rng.randint(1, 200_000))
+        mtime = rng.randint(-10**9, 1_700_000_000) * 10**9 + rng.randrange(10**9)
+        mode, uid, gid = rng.choice([0o644, 0o600, 0o755, 0o640]), rng.randrange(5000), rng.randrange(5000)
+        fd = os.open(mine / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, data)
+            os.utime(fd, ns=(mtime, mtime))
+            if r % 4 == 0:  # seen while still open (the write lease recalled)
+                st = other.joinpath(name).stat()
+                assert (st.st_size, st.st_mtime_ns) == (len(data), mtime)
+            os.fchown(fd, uid, gid)
+            os.fchmod(fd, mode)
+        finally:
+            os.close(fd)
+        st = same_stat(other / name, mine / name)
+        assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid, st.st_mtime_ns, st.st_size) == \
+            (mode, uid, gid, mtime, len(data))
+        assert (other / name).read_bytes() == data
+    src = cluster.tmp / "src"
+    for k in range(60):
+        p = src / f"d{k % 6}" / f"f{k}"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(rng.randbytes(rng.randint(0, 30_000)))
+        p.chmod(rng.choice([0o644, 0o600, 0o755, 0o444]))
+        os.chown(p, rng.randrange(5000), rng.randrange(5000))
+        os.utime(p, ns=(rng.randrange(10**18), rng.randrange(10**18)))
+    tarball = cluster.tmp / "src.tar"
+    subprocess.run(["tar", "-C", str(src), "-cf", str(tarball), "."], check=True)
+    subprocess.run(["tar", "-C", str(c1), "-xf", str(tarball)], check=True)
+    diff = subprocess.run(["tar", "-C", str(c2), "-df", str(tarball)], capture_output=True, text=True)
+    assert diff.returncode == 0, diff.stdout + diff.stderr
+    assert log_lines(cluster, "mds.log", " WARNING ", " ERROR ") == []
+
+
 def test_concurrent_creates_in_one_directory(cluster: Cluster) -> None:
     """Both nodes create files in one directory at the same time (N ranks writing their
     output side by side): every create succeeds promptly, nobody is evicted, and both

@@ -4361,3 +4361,214 @@ async def _unmarked(server: MetaServer, ino: int) -> None:
     with trio.fail_after(5):
         while server.leases.placed.get(ino):  # noqa: ASYNC110
             await trio.sleep(0.01)
+
+
+# -- setattrs under a write lease (RemoteMeta.setattr) -------------------------------------
+
+#: an mtime long before any write here (tar sets the archive's)
+OLD_MTIME = 1_000_000_000_123_456_789
+
+
+async def _writing(a: RemoteMeta, name: bytes = b"f") -> Attr:
+    """File *name* made by *a*, with 100 bytes written under a's write lease, open."""
+    f = await a.create(ROOT, name, F, 0, 0)
+    await a.map_write(f.ino, 0, 100)
+    assert a.cache.is_writer(f.ino)
+    await a.statfs()  # (what was held is sent)
+    return f
+
+
+def _made_setattrs(seen: list[Any]) -> list[Any]:
+    return [c for v in seen if v[0] == "made" for c in v[1] if c[0] == "setattr_at"] + \
+        [v for v in seen if v[0] == "setattr_at"]
+
+
+async def test_a_setattr_under_the_write_lease_asks_nothing_and_a_stat_elsewhere_sees_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """tar's futimens, fchown and fchmod of the file it writes are answered here and
+    held; another node's stat recalls the writer first, whose answer goes after
+    them, and sees each (the writer's ctime too), the time set older than the
+    writes' kept."""
+    _hold_long(monkeypatch)
+    async with cluster(2) as (server, (a, b), _):
+        f = await _writing(a)
+        seen = _calls_seen(server)
+        await a.setattr(f.ino, SetAttr(mtime_ns=OLD_MTIME))
+        await a.setattr(f.ino, SetAttr(uid=7, gid=8))
+        got = await a.setattr(f.ino, SetAttr(mode=0o640))
+        assert seen == []
+        assert (got.mode, got.uid, got.gid, got.mtime_ns, got.size) == \
+            (stat.S_IFREG | 0o640, 7, 8, OLD_MTIME, 100)
+        assert await a.getattr(f.ino) == got
+        other = await b.getattr(f.ino)
+        assert len(_made_setattrs(seen)) == 3
+        assert (other.mode, other.uid, other.gid, other.mtime_ns, other.ctime_ns, other.size) == \
+            (got.mode, 7, 8, OLD_MTIME, got.ctime_ns, 100)
+        assert not a.cache.is_writer(f.ino)
+        assert not a.creates.pending
+
+
+async def test_a_time_set_under_the_lease_survives_the_close_and_later_writes_move_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The close's report carries the writes' size, not their mtime over the one set;
+    a write after the setattr moves the mtime again (and the ctime with it)."""
+    _hold_long(monkeypatch)
+    async with cluster(2) as (server, (a, b), _):
+        f = await _writing(a)
+        await a.setattr(f.ino, SetAttr(mtime_ns=OLD_MTIME))
+        await a.release(f.ino)  # the report that ends the lease
+        i = server.store.inodes[f.ino]
+        assert (i.size, i.mtime_ns) == (100, OLD_MTIME)
+        g = await _writing(a, b"g")
+        set_at = (await a.setattr(g.ino, SetAttr(mtime_ns=OLD_MTIME))).ctime_ns
+        await a.map_write(g.ino, 100, 50)  # a write after it
+        other = await b.getattr(g.ino)
+        assert other.size == 150 and other.mtime_ns >= set_at > OLD_MTIME
+        assert other.ctime_ns == other.mtime_ns
+        assert (await a.getattr(g.ino)).mtime_ns == other.mtime_ns
+
+
+async def test_a_setattr_held_behind_calls_that_wait_is_applied_before_the_recall_answer(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """a's opens of files a stopped node c writes wait at the mds; a then sets the
+    mode of f, which it writes, held and sent behind them, and b's stat of f recalls
+    a.  The mds runs the setattr before it applies a's answer: b sees the mode, and
+    did not wait for c."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]  # c is evicted
+    async with cluster(3) as (server, (a, b, c), _):
+        f = await _writing(a)
+        await a.sync(f.ino)  # (no report of it left to send: it would wait behind them too)
+        gs = [await c.create(ROOT, b"g%d" % k, F, 0, 0) for k in range(2)]
+        for g in gs:
+            await c.map_write(g.ino, 0, 100)
+        assert c._conn is not None
+        c._conn.on_recall = lambda *args: None  # c is stopped
+        async with trio.open_nursery() as n:
+            for g in gs:
+                n.start_soon(a.open, g.ino)  # each waits for c
+            await trio.sleep(0.1)
+            with trio.fail_after(0.1):
+                await a.setattr(f.ino, SetAttr(mode=0o600))  # held, sent behind them
+            assert a.creates.pending
+            await trio.sleep(0.05)
+            with trio.fail_after(0.8):  # (c is evicted after 2 s)
+                other = await b.getattr(f.ino)
+            assert other.mode == stat.S_IFREG | 0o600 and other.size == 100
+            n.cancel_scope.cancel()
+
+
+async def test_a_setattr_lost_with_the_connection_is_sent_again_and_fsync_waits_for_it(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.expected_warnings = True  # type: ignore[attr-defined]  # the connection drops
+    _hold_long(monkeypatch)
+    async with cluster(2) as (server, (a, b), _):
+        f = await _writing(a)
+        await a.map_write(f.ino, 100, 100)  # size 200, not reported yet
+        got = await a.setattr(f.ino, SetAttr(mode=0o600, mtime_ns=OLD_MTIME))
+        assert a.creates.pending_about(f.ino) and not a.creates.pending_under(f.ino)
+        assert _drop_unsent(a._conn)  # lost in the cut
+        detach = server.sessions.detach
+
+        def cut(c: Connection, nursery: trio.Nursery | None) -> None:
+            c.clean_close = False  # as the mds sees a cut: the session keeps its leases
+            detach(c, nursery)
+
+        monkeypatch.setattr(server.sessions, "detach", cut)
+        assert a._conn is not None
+        a._conn.kill("test")
+        await a.getattr(ROOT)  # registers again: the setattr is replayed, after the size
+        i = server.store.inodes[f.ino]
+        assert (i.mode, i.mtime_ns, i.ctime_ns, i.size) == (got.mode, OLD_MTIME, got.ctime_ns, 200)
+        assert not a.creates.pending
+        # fsync: answered once the server has it
+        await a.map_write(f.ino, 0, 10)  # the lease again
+        assert a.cache.is_writer(f.ino)
+        await a.setattr(f.ino, SetAttr(uid=5))
+        await a.sync(f.ino)
+        assert server.store.inodes[f.ino].uid == 5 and not a.creates.pending
+        await a.release(f.ino)
+        assert (await b.getattr(f.ino)).uid == 5
+
+
+async def test_a_setattr_refused_after_an_eviction_fails_the_files_writers(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Evicted with a setattr unsent, and the file changed by another client
+    meanwhile: the setattr, sent again, is refused (the other's change stays) and
+    the file's writers here hear EIO."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]  # a is evicted
+    async with cluster(2, recall_timeout=0.3, term=0.6) as (server, (a, b), _):
+        f = await _writing(a)
+        await a.setattr(f.ino, SetAttr(mode=0o600))
+        conn = a._conn
+        assert conn is not None and _drop_unsent(conn)  # a stopped before sending it
+        conn.on_recall = lambda *args: None
+        real_connect = a._connect
+
+        async def late(first: bool) -> Any:
+            await trio.sleep(1.5)
+            return await real_connect(first)
+
+        a._connect = late  # type: ignore[method-assign]
+        await b.setattr(f.ino, SetAttr(mode=0o444))  # a is evicted after 0.3 s
+        await a.getattr(ROOT)  # back: the setattr is refused
+        assert server.store.inodes[f.ino].mode == stat.S_IFREG | 0o444
+        assert f.ino in a.write_errors
+        with pytest.raises(FsError) as info:
+            await a.sync(f.ino)
+        assert info.value.errno == errno.EIO
+        assert (await a.getattr(f.ino)).mode == stat.S_IFREG | 0o444
+
+
+async def test_a_setattr_asks_while_a_report_of_the_file_is_on_its_way(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A report taken before (waiting for its bytes to land) would reach the server
+    after a held setattr, with the writes' newer mtime: the setattr asks, after it.
+    Without the lease, or to an older mds, it asks too."""
+    _hold_long(monkeypatch)
+    async with cluster(1) as (server, (a,), _):
+        f = await _writing(a)
+        seen = _calls_seen(server)
+        a.leases._reporting[f.ino] = 1
+        a.leases._report_over(f.ino)  # (over: no wait)
+        a.leases._reporting[f.ino] = 1
+        assert not a.leases.quiet(f.ino)
+        del a.leases._reporting[f.ino]
+        a.held_setattrs = False  # an older mds
+        await a.setattr(f.ino, SetAttr(mode=0o600))
+        assert [v[0] for v in seen] == ["setattr"]
+        a.held_setattrs = True
+        await a.release(f.ino)
+        await a.setattr(f.ino, SetAttr(mode=0o640))  # no write lease now
+        assert [v[0] for v in seen][-1] == "setattr"
+        assert not _made_setattrs(seen)
+
+
+async def test_setattrs_made_under_the_lease_survive_a_journal_replay(tmp_path: Any) -> None:
+    from tests.unit.test_journal import recovered, served
+
+    async with served(tmp_path) as (_, a):
+        assert isinstance(a, RemoteMeta)
+        f = await _writing(a)
+        got = await a.setattr(f.ino, SetAttr(mode=0o600, uid=3, mtime_ns=OLD_MTIME))
+        await a.sync(f.ino)
+        await a.release(f.ino)
+    i = (await recovered(tmp_path)).inodes[f.ino]
+    assert (i.mode, i.uid, i.mtime_ns, i.ctime_ns, i.size) == \
+        (got.mode, 3, OLD_MTIME, got.ctime_ns, 100)
+
+
+async def test_a_setattr_at_without_the_write_lease_or_with_bad_fields_is_refused() -> None:
+    async with cluster(2) as (server, (a, b), _):
+        f = await _writing(a)
+        for who, fields, err in ((b, codec.SET_MODE, errno.ESTALE), (a, 0, errno.EINVAL),
+                                 (a, 2 * codec.SET_MTIME, errno.EINVAL)):
+            with pytest.raises(FsError) as info:
+                await who._call("setattr_at", f.ino, fields, 0o600, 0, 0, 0, 0, 1)
+            assert info.value.errno == err
+        assert server.store.inodes[f.ino].mode == F

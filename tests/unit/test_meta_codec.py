@@ -122,7 +122,8 @@ SAMPLE_ARGS: dict[str, tuple[Any, ...]] = {
     "open": (7,),
     "release": (7,),
     "releases": ([7, 8, 7],),
-    "made": ([["create_at", 1, b"n", 0o100644, 1, 2, 9, 5], ["unlink_at", 1, b"n", 9, 6]],),
+    "made": ([["create_at", 1, b"n", 0o100644, 1, 2, 9, 5], ["unlink_at", 1, b"n", 9, 6],
+              ["setattr_at", 9, codec.SET_UID, 0, 7, 0, 0, 0, 6]],),
     "getxattr": (7, b"user.a"),
     "setxattr": (7, b"user.a", b"\0v"),
     "listxattr": (7,),
@@ -139,6 +140,7 @@ SAMPLE_ARGS: dict[str, tuple[Any, ...]] = {
     "reserve_inos": (1024,),
     "create_at": (1, b"n", 0o100644, 1, 2, 1000, 1_700_000_000_000_000_000),
     "unlink_at": (1, b"n", 1000, 1_700_000_000_000_000_000),
+    "setattr_at": (1000, codec.SET_MODE | codec.SET_MTIME, 0o600, 0, 0, 0, -5, 1_700_000_000_000_000_000),
     "getlk": (7, -(1 << 62), 1, 0, 0, 4242),
     "setlk": (7, 1 << 62, 0, 10, 20, 4242, 1),
     "flock": (7, 5, 1, 0),
@@ -160,6 +162,14 @@ def test_calls_round_trip(method: str) -> None:
     assert not (m.mutates and m.retry), "a call that changes metadata is never resent"
     # The client's encoder for its hot path writes the very same bytes.
     assert codec.call_payload(method, *args) == wire.encode(codec.encode_call(method, *args))
+
+
+def test_setattr_at_says_which_fields_it_sets_times_before_1970_too() -> None:
+    for changes in (SetAttr(mode=0o600), SetAttr(uid=0, gid=0), SetAttr(atime_ns=-1, mtime_ns=0),
+                    SetAttr(0o644, 1, 2, 3, 4)):
+        args = codec.setattr_at_args(changes)
+        assert codec.setattr_at_changes(*args) == changes
+    assert codec.setattr_at_args(SetAttr(mtime_ns=-7))[0] == codec.SET_MTIME
 
 
 def test_call_payload_falls_back_for_what_it_does_not_encode_itself() -> None:
