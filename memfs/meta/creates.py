@@ -37,6 +37,13 @@ unlink (evicted, and the file renamed by another client meanwhile) is logged,
 and the directory is looked up again.  Sent again after a lost connection,
 what the server applied before counts as done.
 
+A setattr of a file under this client's write lease (``setattr_at``, made by
+RemoteMeta.setattr) is pending here too, the same way (in order, replayed,
+waited for by ``fsync``), but a recall's answer does not wait for it: the
+server runs it before the answer that comes after it (``Connection._run_made_now``).
+One refused (the write lease ended without this client's word, and another
+client may have changed the file) is logged and fails the file's writers.
+
 Everything here runs in the client's trio loop and never awaits, except
 :meth:`AsyncCreates.wait`.
 """
@@ -71,8 +78,8 @@ class AsyncCreates:
         self.cache = cache
         #: inode numbers the server reserved for this client's session
         self.inos: collections.deque[int] = collections.deque()
-        #: operation id -> the call (``create_at`` or ``unlink_at``, then its arguments),
-        #: made and not answered yet, in the order they were made
+        #: operation id -> the call (``create_at``, ``unlink_at`` or ``setattr_at``, then
+        #: its arguments), made and not answered yet, in the order they were made
         self.pending: dict[int, list[Any]] = {}
         self._next_op = 1
         self._answered = trio.Event()

@@ -24,7 +24,9 @@ Kinds of holding (CephFS capabilities and Lustre LDLM locks in miniature):
 * **write** (at most one session per file, and only while no other session has
   fetched the file's state): it may write the chunks it holds without asking,
   and keeps the file's size and mtime itself, sending them now and then
-  (``settle``).  Any other session's call that reads or changes the file first
+  (``settle``); it also sets the file's mode, owner and times itself (no set-ID
+  bits), and sends each ``setattr_at`` without waiting, before its next call and
+  before any answer to a recall.  Any other session's call that reads or changes the file first
   revokes the write lease: the holder answers with its exact size and mtime,
   which are applied before that call runs.  Unused preallocated chunks (past
   EOF) are freed when a write lease ends.

@@ -312,7 +312,10 @@ class Placement:
             i.size = size
             changed = True
         if mtime_ns > i.mtime_ns and size >= 0:
-            i.mtime_ns = i.ctime_ns = mtime_ns
+            # (A setattr the writer made after those writes, under its lease, may have
+            # arrived first: its ctime stays.)
+            i.mtime_ns = mtime_ns
+            i.ctime_ns = max(i.ctime_ns, mtime_ns)
             changed = True
         if trim and i.chunks:
             cs = self.chunk_size

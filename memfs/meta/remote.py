@@ -189,6 +189,8 @@ class RemoteMeta(Meta):
         self.held_opens = False
         #: and setattrs (PoolDescription.held_setattrs)
         self.held_setattrs = False
+        #: the server closed a registration that replayed setattrs (see _register)
+        self._no_setattr_at = False
         self._ready = trio.Event()
         self._closed = False
         self._scope = trio.CancelScope()
@@ -311,6 +313,7 @@ class RemoteMeta(Meta):
         self.maps.appends = desc.appends
         self.held_opens = desc.held_opens
         self.held_setattrs = desc.held_setattrs
+        self._no_setattr_at = False
         if first:
             self.pool = desc
             self.chunk_size, self.n_volumes = desc.chunk_size, desc.n_volumes
@@ -395,9 +398,16 @@ class RemoteMeta(Meta):
         told = {**self.cache.answered, **self.cache.dirty}
         settles = [[ino, size, mtime] for ino, (size, mtime) in told.items()]
         failed: list[int] = []
-        # Creates and unlinks made under create leases and not answered: applied
-        # first, in order.
+        # Creates and unlinks made under create leases (and setattrs under write
+        # leases) and not answered: applied first, in order.
         ops = self.creates.unanswered()
+        if self._no_setattr_at:
+            # The server closed the last registration that carried some: an older mds
+            # (a downgrade at a restart) takes none.  Failed here, not sent again.
+            for op, c in ops:
+                if c[0] == "setattr_at" and self.creates.answered(op) is not None:
+                    self._setattr_failed(c[1], errno.EOPNOTSUPP, "an older metadata server")
+            ops = [(op, c) for op, c in ops if c[0] != "setattr_at"]
         while True:
             version = self._opens_version
             claimed = [[ino, n] for ino, n in self.opens.items() if n > 0]
@@ -416,6 +426,7 @@ class RemoteMeta(Meta):
             while len(replies) < 2:
                 got = await fs.receive()
                 if got is None:
+                    self._no_setattr_at = any(c[0] == "setattr_at" for _, c in ops)
                     raise WireError("connection closed during registration")
                 h = got[0]
                 if h.kind is Kind.UNLOCKED:  # (a lock went while the server registered us)
@@ -769,9 +780,9 @@ class RemoteMeta(Meta):
         way, which the server must see in the order taken)."""
         conn = self._conn
         cache = self.cache
-        if (not self.held_setattrs or conn is None or conn.dead or not cache.is_writer(ino)
-                or (a := cache.attr(ino)) is None or not stat.S_ISREG(a.mode)
-                or not self.leases.quiet(ino)):
+        if (not self.held_setattrs or conn is None or conn.dead or changes == SetAttr()
+                or not cache.is_writer(ino) or (a := cache.attr(ino)) is None
+                or not stat.S_ISREG(a.mode) or not self.leases.quiet(ino)):
             return None
         t = _now_ns()
         new = Attr(ino, a.mode, a.nlink, a.uid, a.gid, a.rdev, a.size, a.blocks, a.atime_ns,
@@ -802,7 +813,8 @@ class RemoteMeta(Meta):
 
     def _setattr_failed(self, ino: int, err: int, msg: str) -> None:
         """The server refused a setattr we made under a write lease: the lease ended
-        without our word (evicted), and another node may have changed the file."""
+        without our word (evicted, or back after a restart to a file changed since),
+        or an older server came back; the change is lost."""
         log.error("setattr of inode %d, made under a write lease, was refused by the metadata "
                   "server: %s; its writers get EIO", ino, msg or os.strerror(err))
         if self.opens.get(ino):

@@ -47,6 +47,7 @@ import logging
 import math
 import os
 import socket
+import stat
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -938,9 +939,12 @@ class MetaServer:
                                            and ANY_EARLIER not in marks.get(ino, ()))
 
         # Setattrs it made under write leases count as its sizes do (decided before
-        # those end the leases); replayed below, then its mtimes again: one set
-        # before writes it made after would take theirs away.
-        set_at = {args[0] for name, args in ops or () if name == "setattr_at" and counts(args[0])}
+        # those end the leases), unless, back after a restart, the file changed after
+        # it (another client, this grace); replayed below, then its mtimes again: one
+        # set before writes it made after would take theirs away.
+        set_at = {args[0] for name, args in ops or () if name == "setattr_at" and counts(args[0])
+                  and (self.leases.writers.get(args[0]) is not None
+                       or (i := self.store.inodes.get(args[0])) is None or i.ctime_ns <= args[-1])}
         for ino, size, mtime, span in settles or ():
             w = self.leases.writers.get(ino)
             if counts(ino):
@@ -988,7 +992,8 @@ class MetaServer:
         unlinked_later = {args[2]: k for k, (name, args) in enumerate(replayed) if name == "unlink_at"}
         for k, (name, args) in enumerate(replayed):
             try:
-                await self.lease_policy.recall_for(s, name, args)
+                # (A setattr made under a lease now replayed: others may hold the file.)
+                await self.lease_policy.recall_for(s, "setattr" if name == "setattr_at" else name, args)
                 if name == "create_at":
                     if unlinked_later.get(args[5], -1) > k and args[5] not in self.store.inodes \
                             and args[5] not in self.store.delegated.get(sid, ()):
@@ -1104,15 +1109,23 @@ class MetaServer:
     async def _setattr_at(self, session: Session, args: list[Any], held: bool) -> None:
         """A setattr a client made under its write lease of the file, at its time
         (RemoteMeta.setattr): *held* is whether its lease still holds (no other
-        session has the file's state then: nothing to recall).  Else refused: the
-        lease ended without the client's word (its answer to a recall carries what
-        it holds, and goes after this), and another client may have changed the
-        file since."""
+        session has the file's state then: nothing to recall), or, replayed by a
+        registration, whether it counts (``register``).  Else refused, unless
+        applied already (sent again after a lost connection): the lease ended
+        without the client's word (its answers to recalls go after this), and
+        another client may have changed the file since."""
         ino, fields, *values, t = args
         if not 0 < fields < 2 * codec.SET_MTIME:
             raise FsError(errno.EINVAL, f"setattr_at: bad fields {fields}")
         changes = codec.setattr_at_changes(fields, *values)
         if not held:
+            i = self.store.inodes.get(ino)
+            if i is not None and i.ctime_ns >= t and all(
+                    v is None or (stat.S_IMODE(v) == stat.S_IMODE(i.mode) if k == "mode"
+                                  else v == getattr(i, k))
+                    for k, v in zip(("mode", "uid", "gid", "atime_ns", "mtime_ns"),
+                                    codec.setattr_to_wire(changes), strict=True)):
+                return
             raise FsError(errno.ESTALE, f"setattr of inode {ino} refused: the write lease "
                                         "ended without this client")
         self._t = t

@@ -4572,3 +4572,107 @@ async def test_a_setattr_at_without_the_write_lease_or_with_bad_fields_is_refuse
                 await who._call("setattr_at", f.ino, fields, 0o600, 0, 0, 0, 0, 1)
             assert info.value.errno == err
         assert server.store.inodes[f.ino].mode == F
+
+
+async def test_a_setattr_after_unreported_writes_keeps_its_ctime_when_their_report_comes_after() -> None:
+    """A write, then a chmod under the lease: the write's report (with its older
+    mtime) reaches the server after the setattr; the ctime the chmod returned stays,
+    on both nodes."""
+    async with cluster(2) as (server, (a, b), _):
+        f = await _writing(a)
+        await a.sync(f.ino)
+        await trio.sleep(0.02)
+        await a.map_write(f.ino, 100, 50)  # a write under the lease, not reported yet
+        assert f.ino in a.cache.dirty
+        await trio.sleep(0.02)  # (the coarse clock moves on)
+        got = await a.setattr(f.ino, SetAttr(mode=0o600))
+        assert got.ctime_ns > got.mtime_ns
+        other = await b.getattr(f.ino)
+        assert (other.ctime_ns, other.mtime_ns, other.size) == (got.ctime_ns, got.mtime_ns, 150)
+        assert (await a.getattr(f.ino)).ctime_ns == got.ctime_ns
+
+
+async def test_a_setattr_of_nothing_asks_the_server() -> None:
+    """``chown(f, -1, -1)`` (a setattr of no field: only the ctime moves) is the
+    server's, as before."""
+    async with cluster(1) as (server, (a,), _):
+        f = await _writing(a)
+        seen = _calls_seen(server)
+        got = await a.setattr(f.ino, SetAttr())
+        assert [v[0] for v in seen] == ["setattr"] and not a.write_errors
+        assert server.store.inodes[f.ino].ctime_ns == got.ctime_ns
+        await a.sync(f.ino)
+
+
+async def test_a_setattr_applied_whose_answer_was_lost_is_done_when_sent_again(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The mds ran a held setattr and ended the lease with the recall's answer; the
+    setattr's reply was lost with the connection.  Sent again by the registration,
+    it is answered as done: nothing was lost, no writer hears EIO."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]  # the connection drops
+    _hold_long(monkeypatch)
+    async with cluster(2) as (server, (a, b), _):
+        f = await _writing(a)
+        await a.setattr(f.ino, SetAttr(mode=0o600, mtime_ns=OLD_MTIME))
+        conn = a._conn
+        assert conn is not None
+        conn._frame_made()
+        conn.pending.pop(max(conn.pending))  # its reply is never heard
+        assert (await b.getattr(f.ino)).mode == stat.S_IFREG | 0o600  # recalls a
+        assert a.creates.pending
+        conn.kill("test: cut")
+        await a.getattr(ROOT)  # registers again, sending it again
+        assert not a.creates.pending and not a.write_errors
+        await a.sync(f.ino)
+        assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
+async def test_a_setattr_replayed_after_a_restart_does_not_undo_a_later_change_elsewhere(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The mds restarted before a held setattr reached it; another client changed the
+    file after that (its recovery window over); the setattr, sent again within the
+    grace, is refused, and its writers here hear EIO.  One that the file did not
+    change after is applied, and other clients' caches recalled."""
+    from tests.unit.test_journal import POOL as JPOOL
+    from tests.unit.test_journal import SECRET as JSECRET
+
+    caplog.expected_warnings = True  # type: ignore[attr-defined]  # the mds goes away
+    _hold_long(monkeypatch)
+    async with journaled_server(tmp_path, lease_term=1.0, session_grace=30) as (port, journal, kill), \
+            open_remote_meta("127.0.0.1", port, JSECRET) as a, \
+            open_remote_meta("127.0.0.1", port, JSECRET) as b:
+        f = await _writing(a)
+        g = await _writing(a, b"g")
+        for x in (f, g):
+            await a.sync(x.ino)
+        await a.setattr(f.ino, SetAttr(mode=0o600))
+        await a.setattr(g.ino, SetAttr(mode=0o600))
+        conn = a._conn
+        assert conn is not None and _drop_unsent(conn)  # the mds dies before they arrive
+        kill()
+        await trio.sleep(0.05)
+        journal.close()
+        journal = Journal(tmp_path)
+        try:
+            store = await journal.open(JPOOL)
+            async with trio.open_nursery() as n:
+                server = MetaServer(store, JSECRET, None, journal, lease_term=1.0, session_grace=30)
+                b.port = await n.start(server.serve, "127.0.0.1", 0)
+                a.port = 1  # (a stays away for now)
+                conn.kill("mds restarted")
+                await until_back(lambda: b.getattr(ROOT))
+                await b.setattr(f.ino, SetAttr(mode=0o640))  # after a's, once the window passed
+                assert (await b.getattr(g.ino)).mode == F  # b holds g
+                a.port = b.port
+                await until_back(lambda: a.getattr(ROOT))  # back: both sent again
+                assert store.inodes[f.ino].mode == stat.S_IFREG | 0o640
+                assert f.ino in a.write_errors and g.ino not in a.write_errors
+                assert store.inodes[g.ino].mode == stat.S_IFREG | 0o600
+                for c in (a, b):
+                    assert (await c.getattr(f.ino)).mode == stat.S_IFREG | 0o640
+                    assert (await c.getattr(g.ino)).mode == stat.S_IFREG | 0o600
+                n.cancel_scope.cancel()
+        finally:
+            journal.close()
