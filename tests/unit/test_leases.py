@@ -4676,3 +4676,23 @@ async def test_a_setattr_replayed_after_a_restart_does_not_undo_a_later_change_e
                 n.cancel_scope.cancel()
         finally:
             journal.close()
+
+
+async def test_a_setattr_an_older_mds_will_not_take_back_fails_and_lets_the_client_in(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Back to an mds that replays no setattr (a downgrade at a restart), which closes
+    a registration that carries one: the next registration goes without it, the
+    file's writers here hear EIO, and the client is in again."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]  # the connection drops
+    _hold_long(monkeypatch)
+    async with cluster(1) as (server, (a,), _):
+        f = await _writing(a)
+        await a.setattr(f.ino, SetAttr(mode=0o600))
+        assert _drop_unsent(a._conn)
+        monkeypatch.setattr(codec, "MADE_CALLS", ("create_at", "unlink_at"))  # the older mds
+        assert a._conn is not None
+        a._conn.kill("test")
+        await until_back(lambda: a.getattr(ROOT))
+        assert f.ino in a.write_errors and not a.creates.pending
+        assert server.store.inodes[f.ino].mode == F
