@@ -89,9 +89,10 @@ MAX_MADE = 128
 MADE_CALLS = ("create_at", "unlink_at", "setattr_at")
 #: a ``setattr_at`` call's field bits: which of mode, uid, gid, atime, mtime it sets
 SET_MODE, SET_UID, SET_GID, SET_ATIME, SET_MTIME = 1, 2, 4, 8, 16
-#: the calls a ``made`` call carries: those above, and opens a client made under its
-#: lease of the file (answered by no one: only counted; see RemoteMeta.open)
-HELD_CALLS = (*MADE_CALLS, "open")
+#: the calls a ``made`` call carries: those above, opens a client made under its
+#: lease of the file (answered by no one: only counted; see RemoteMeta.open), and
+#: the access times of reads it served from its cached chunk map (MapClient.read)
+HELD_CALLS = (*MADE_CALLS, "open", "atime_at")
 
 
 def append_offset(floor: int) -> int:
@@ -380,6 +381,9 @@ METHODS: dict[str, Method] = {m.name: m for m in [
     # SET_* bits of those it sets; journaled as the setattr it is
     _m("setattr_at", "int int int int int int int int", _none_to_wire, _none_from_wire, "session",
        _server_only),
+    # a read's access time (relatime), moved by a client that read from the chunk map
+    # it caches (ino, time_ns): journaled as the map_read that moves it
+    _m("atime_at", "int int", _none_to_wire, _none_from_wire, "session", _server_only),
     # several of those in one call, run in order (the server's cost is mostly per
     # call): answered with [position, errno, message] of each refused
     _m("made", "made", _same, _refusals_from_wire, "session", _server_only),

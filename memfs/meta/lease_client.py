@@ -20,7 +20,7 @@ import trio
 from memfs import wire
 from memfs.errors import FsError
 from memfs.meta import Attr
-from memfs.meta.cache import ClientCache
+from memfs.meta.cache import ClientCache, FileState
 from memfs.meta.creates import AsyncCreates
 from memfs.meta.leases import items_from_wire
 
@@ -362,8 +362,15 @@ class LeaseKeeper:
         if trim:
             # No more writes without asking; the size stays in ``dirty`` until the
             # server has it (a reconnection in between sends it with the registration).
-            cache.files.pop(ino, None)
+            f = cache.files.pop(ino, None)
             cache.reported.pop(ino, None)
+            if f is not None and d[0] > 0 and ino not in self.truncating:
+                # The map below our size stays, to read by: we still hold the file
+                # (a change elsewhere recalls us), and the server frees only chunks
+                # past its size, which is no smaller.  So the first read after a
+                # close (grep, cp, a build) asks nothing.
+                keep = -(-d[0] // cache.chunk_size)
+                cache.files[ino] = FileState({k: v for k, v in f.chunks.items() if k < keep})
         gen = cache.generation(ino)
         # What was written since the last report; writes made from now on start a
         # new span, sent with the next report (their bytes may land after this one).

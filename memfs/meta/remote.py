@@ -130,6 +130,8 @@ class PoolDescription:
     held_opens: bool = False
     #: and setattrs made under a write lease (``setattr_at``): see RemoteMeta.setattr
     held_setattrs: bool = False
+    #: and access times of reads from cached maps (``atime_at``): see MapClient.read
+    held_atimes: bool = False
 
     @classmethod
     def from_wire(cls, v: Any) -> PoolDescription:
@@ -150,6 +152,7 @@ class PoolDescription:
                 appends=v.get("appends") is True,
                 held_opens=v.get("held_opens") is True,
                 held_setattrs=v.get("held_setattrs") is True,
+                held_atimes=v.get("held_atimes") is True,
             )
         except KeyError as exc:
             raise WireError(f"describe: missing {exc}") from None
@@ -189,6 +192,8 @@ class RemoteMeta(Meta):
         self.held_opens = False
         #: and setattrs (PoolDescription.held_setattrs)
         self.held_setattrs = False
+        #: and access times (PoolDescription.held_atimes)
+        self.held_atimes = False
         #: the server closed a registration that replayed setattrs (see _register)
         self._no_setattr_at = False
         self._ready = trio.Event()
@@ -209,6 +214,7 @@ class RemoteMeta(Meta):
         #: the chunk maps reads and writes go by (memfs.meta.remote_maps)
         self.maps = MapClient(self.cache, self.leases, self._call_kind, self.getattr,
                               self.opens, self._check_write_error)
+        self.maps.touch = self._touch_atime
         #: truncates and punches (memfs.meta.remote_cut)
         self.cutter = Cutter(self.cache, self.leases, self.maps, self._call, timeout)
         self._last_open: tuple[int, bool] = (0, False)
@@ -313,6 +319,7 @@ class RemoteMeta(Meta):
         self.maps.appends = desc.appends
         self.held_opens = desc.held_opens
         self.held_setattrs = desc.held_setattrs
+        self.held_atimes = desc.held_atimes
         self._no_setattr_at = False
         if first:
             self.pool = desc
@@ -811,6 +818,14 @@ class RemoteMeta(Meta):
         cache.changed(new, True)
         return new
 
+    def _touch_atime(self, ino: int, t: int) -> bool:
+        """Hold a read's access time for the server (``MapClient.touch``)."""
+        conn = self._conn
+        if not self.held_atimes or conn is None or conn.dead:
+            return False
+        conn.hold(codec.call_payload("atime_at", ino, t), _no_answer, _atime_refused)
+        return True
+
     def _setattr_failed(self, ino: int, err: int, msg: str) -> None:
         """The server refused a setattr we made under a write lease: the lease ended
         without our word (evicted, or back after a restart to a file changed since),
@@ -1204,6 +1219,14 @@ class RemoteMeta(Meta):
 
 #: the clock the metadata server stamps with too: timestamps stay in the kernel's order
 _now_ns = clock.now_ns
+
+
+def _no_answer(kind: Kind, payload: bytes) -> None:
+    """A held call whose answer says nothing (an access time moved)."""
+
+
+def _atime_refused(kind: Kind, payload: bytes) -> None:
+    log.debug("access time refused: %s", wire.decode_error(payload)[1])
 
 
 @asynccontextmanager

@@ -57,6 +57,9 @@ class MapClient:
         self._maps_plain: set[int] = set()
         #: the server places appends itself (``codec.append_offset``; set at registration)
         self.appends = False
+        #: hold a read's access time for the server, ``touch(ino, time_ns)``; False if
+        #: it cannot (no connection, an older mds): set by RemoteMeta
+        self.touch: Callable[[int, int], bool] | None = None
         #: files whose space ahead of need the server may hold for us although the reply
         #: that gave it was not cacheable here (a recall or a change of ours came
         #: meanwhile): their last close gives it back all the same
@@ -176,12 +179,17 @@ class MapClient:
         if a is not None and stale_atime and cache.is_writer(ino):
             a.atime_ns = _now_ns()  # relatime, kept here: our own writes are not news
             stale_atime = False
-        if a is not None and not stale_atime:
+        if a is not None:
             end = min(offset + length, a.size)
-            if end <= offset:
-                return []
-            extents = cache.extents(ino, offset, end)
-            if extents is not None:
+            extents = [] if end <= offset else cache.extents(ino, offset, end)
+            if extents is not None and stale_atime and self.touch is not None \
+                    and self.touch(ino, t := _now_ns()):
+                # relatime, the server told with our next call, not asked: no other
+                # holder is recalled for an access time anyway (the first read of
+                # every file after it was written: grep, cp, a build)
+                a.atime_ns = t
+                stale_atime = False
+            if extents is not None and not stale_atime:
                 return extents
         if stale_atime:
             cache.attrs.pop(ino, None)  # the server moves atime (relatime): ask it next time

@@ -624,6 +624,9 @@ class MetaServer:
                 result = None
             elif m.name == "unlink_at":
                 result = await self._unlink_at(session, args)
+            elif m.name == "atime_at":
+                self._atime_at(args)
+                result = None
             elif m.name == "setattr_at":
                 await self._setattr_at(session, args, self.leases.is_writer(session, args[0]))
                 result = None
@@ -842,6 +845,8 @@ class MetaServer:
                 "held_opens": True,
                 # and setattrs made under a write lease (RemoteMeta.setattr)
                 "held_setattrs": True,
+                # and access times of reads from cached maps (MapClient.read)
+                "held_atimes": True,
             }
         if name == "control" and len(raw) == 2:
             op, args = raw
@@ -1105,6 +1110,15 @@ class MetaServer:
         if self.journal is not None:
             self.journal.append(t, "unlink", [parent, name])
         return [ino, t]
+
+    def _atime_at(self, args: list[Any]) -> None:
+        """A read's access time, from a client that read from the chunk map it caches
+        (relatime, at its time, without waiting: no holder of the file is recalled
+        for an access time, here or at a map_read).  A file gone since: nothing."""
+        ino, t = args
+        self._t = t
+        if self.store.read_at(ino) and self.journal is not None:
+            self.journal.append(t, "map_read", [ino, 0, 0])  # (replayed: the same rule)
 
     async def _setattr_at(self, session: Session, args: list[Any], held: bool) -> None:
         """A setattr a client made under its write lease of the file, at its time

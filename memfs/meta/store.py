@@ -815,14 +815,26 @@ class MetaStore(Meta):
 
     # -- data placement -------------------------------------------------------------
 
+    def _read_now(self, i: Inode) -> bool:
+        """A read of *i* now: relatime (enough for ``find -atime`` and mail readers,
+        cheap on the read path).  True if its access time moved."""
+        if i.atime_ns <= i.mtime_ns or i.atime_ns <= i.ctime_ns or self.now() - i.atime_ns > _DAY_NS:
+            i.atime_ns = self.now()
+            return True
+        return False
+
+    def read_at(self, ino: int) -> bool:
+        """A read of regular file *ino* now, served from a client's cached chunk map
+        (its access time, as :meth:`map_read`'s); True if it moved.  A file gone: False."""
+        i = self.inodes.get(ino)
+        return i is not None and i.chunks is not None and self._read_now(i)
+
     async def map_read(self, ino: int, offset: int, length: int) -> list[Extent]:
         i = self._get(ino)
         if i.chunks is None:
             raise FsError(errno.EISDIR if i.children is not None else errno.EINVAL)
         end = min(offset + length, i.size)
-        # relatime: enough for `find -atime` and mail readers, cheap on the read path
-        if i.atime_ns <= i.mtime_ns or i.atime_ns <= i.ctime_ns or self.now() - i.atime_ns > _DAY_NS:
-            i.atime_ns = self.now()
+        self._read_now(i)
         if end <= offset:
             return []
         return self.placement.extents_of(i, offset, end)

@@ -2995,6 +2995,7 @@ async def test_a_chunk_map_answered_before_our_truncate_is_not_kept_after_it() -
         await a.map_write(f.ino, 0, 1 << 20)
         await a.release(f.ino)
         await a.open(f.ino)
+        a.cache.files.pop(f.ino)  # (the map asked for again)
         server.meta = held = AnsweredThenHeld(server.store, "map_read")  # type: ignore[assignment]
         async with trio.open_nursery() as nursery:
             nursery.start_soon(a.map_read, f.ino, 0, 1 << 20)
@@ -4696,3 +4697,54 @@ async def test_a_setattr_an_older_mds_will_not_take_back_fails_and_lets_the_clie
         await until_back(lambda: a.getattr(ROOT))
         assert f.ino in a.write_errors and not a.creates.pending
         assert server.store.inodes[f.ino].mode == F
+
+
+# -- access times of reads from cached maps (MapClient.read) -------------------------------
+
+
+async def test_a_first_read_from_a_cached_map_moves_atime_without_asking(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first read after a write (relatime moves the access time) reads from the
+    map the node caches and tells the server with its next call; a read after it
+    tells nothing.  Without the map, or to an older mds, the read asks (map_read)."""
+    _hold_long(monkeypatch)
+    async with cluster(1) as (server, (a,), _):
+        f = await _writing(a)
+        await a.release(f.ino)  # (the lease ends: the map below the size stays)
+        await a.statfs()  # (the release goes)
+        assert not a.cache.is_writer(f.ino)
+        assert set(a.cache.files[f.ino].chunks) == {0}  # (not the space ahead, freed)
+        assert set(server.store.inodes[f.ino].chunks or ()) == {0}
+        a.cache.attrs[f.ino].atime_ns = server.store.inodes[f.ino].atime_ns = 1  # stale
+        seen = _calls_seen(server)
+        assert await a.map_read(f.ino, 0, 100)
+        moved = (await a.getattr(f.ino)).atime_ns
+        assert moved > server.store.inodes[f.ino].mtime_ns and seen == []
+        assert await a.map_read(f.ino, 0, 100)  # fresh now: nothing more
+        await a.statfs()
+        assert [c[0] for v in seen for c in (v[1] if v[0] == "made" else [v])] == ["atime_at", "statfs"]
+        assert server.store.inodes[f.ino].atime_ns == moved
+        a.cache.attrs[f.ino].atime_ns = 1
+        a.held_atimes = False  # an older mds
+        assert await a.map_read(f.ino, 0, 100)
+        assert seen[-1][0] == "map_read"
+
+
+async def test_an_access_time_held_for_a_file_gone_since_changes_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _hold_long(monkeypatch)
+    async with cluster(2) as (server, (a, b), _):
+        f = await _writing(a)
+        await a.release(f.ino)
+        a.cache.attrs[f.ino].atime_ns = 1
+        assert await a.map_read(f.ino, 0, 100)
+        conn = a._conn
+        assert conn is not None
+        held = _drop_unsent(conn)
+        await b.unlink(ROOT, b"f")  # (a answers the recall: what it held went already)
+        assert f.ino not in server.store.inodes
+        conn._send(held, trio.current_time())  # late: the file is gone
+        await a.statfs()
+        await b.statfs()
