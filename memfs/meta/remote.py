@@ -971,6 +971,7 @@ class RemoteMeta(Meta):
         ino, op, call = removed
         self._hold_made(conn, op, call, lambda err, msg: self._unlink_failed(parent, name, err, msg))
         self.cache.removed(parent, name, ino, t, 0, True)
+        self._gone_here(ino)
         return True
 
     def _hold_made(
@@ -1025,6 +1026,14 @@ class RemoteMeta(Meta):
             return
         kind, (child, t) = await self._call_kind("unlink", parent, name)
         self.cache.removed(parent, name, child, t, 0, kind is Kind.OK_CACHE)
+        self._gone_here(child)
+
+    def _gone_here(self, ino: int) -> None:
+        """We unlinked (or renamed over) *ino*: its chunk map goes now, unless a handle
+        here still reads by it (then at its last close): the mds may have destroyed
+        the file, and then never recalls it."""
+        if ino and not self.opens.get(ino):
+            self.cache.files.pop(ino, None)
 
     async def rmdir(self, parent: int, name: bytes) -> None:
         kind, (child, t) = await self._call_kind("rmdir", parent, name)
@@ -1052,6 +1061,8 @@ class RemoteMeta(Meta):
             cache.put_entry(parent, name, dst if flags & RENAME_EXCHANGE else 0)
         if src:
             cache.dirs.pop(src, None)  # its ".."
+        if not flags & RENAME_EXCHANGE:
+            self._gone_here(dst)
 
     async def readlink(self, ino: int) -> bytes:
         return await self._call("readlink", ino)
@@ -1130,6 +1141,8 @@ class RemoteMeta(Meta):
         a = self.cache.attrs.get(ino)
         if a is not None and a.nlink <= 0 and self.opens[ino] == 1:
             self.cache.drop(ino)  # our last handle of an unlinked file: it is gone now
+        elif a is None and self.opens[ino] == 1:
+            self.cache.files.pop(ino, None)  # (unlinked here, maybe: see _gone_here)
         conn = self._conn
         if conn is not None and not conn.dead:
             # Sent without a reply (before our next call): it says nothing we need,

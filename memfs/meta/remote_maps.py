@@ -177,16 +177,21 @@ class MapClient:
             a = cache.attr(ino)
         stale_atime = a is not None and (a.atime_ns <= a.mtime_ns or a.atime_ns <= a.ctime_ns)
         if a is not None and stale_atime and cache.is_writer(ino):
-            a.atime_ns = _now_ns()  # relatime, kept here: our own writes are not news
+            # relatime, kept here (our own writes are not news) and told (else, once
+            # our lease ends, the map we keep serves reads and nothing tells it)
+            a.atime_ns = t = _now_ns()
+            if self.touch is not None:
+                self.touch(ino, t)
             stale_atime = False
         if a is not None:
             end = min(offset + length, a.size)
             extents = [] if end <= offset else cache.extents(ino, offset, end)
             if extents is not None and stale_atime and self.touch is not None \
                     and self.touch(ino, t := _now_ns()):
-                # relatime, the server told with our next call, not asked: no other
-                # holder is recalled for an access time anyway (the first read of
-                # every file after it was written: grep, cp, a build)
+                # relatime, the server told with our next call (within 1 ms), not
+                # asked: no holder elsewhere is recalled for an access time anyway
+                # (the first read of every file after it was written: grep, cp, a
+                # build)
                 a.atime_ns = t
                 stale_atime = False
             if extents is not None and not stale_atime:

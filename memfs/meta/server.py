@@ -1114,7 +1114,8 @@ class MetaServer:
     def _atime_at(self, args: list[Any]) -> None:
         """A read's access time, from a client that read from the chunk map it caches
         (relatime, at its time, without waiting: no holder of the file is recalled
-        for an access time, here or at a map_read).  A file gone since: nothing."""
+        for an access time, here or at a map_read, which recalls only writers).  A
+        file gone since: nothing."""
         ino, t = args
         self._t = t
         if self.store.read_at(ino) and self.journal is not None:

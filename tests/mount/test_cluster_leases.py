@@ -616,6 +616,27 @@ def test_times_owner_and_mode_set_while_writing_are_seen_at_once_elsewhere(clust
     assert log_lines(cluster, "mds.log", " WARNING ", " ERROR ") == []
 
 
+def test_a_first_read_after_writing_moves_atime_for_every_node(cluster: Cluster) -> None:
+    """A node reads files it wrote from the chunk map it kept at the close, asking
+    the mds nothing; the access time moves there at once (relatime) and reaches
+    the other node within a moment (told with the node's next call)."""
+    c1, c2 = cluster.mnt["c1"], cluster.mnt["c2"]
+    for k in range(10):
+        (c1 / f"a{k}").write_bytes(b"a" * 5000 * (k + 1))
+    time.sleep(0.05)  # (the coarse clock moves past the writes)
+    for k in range(10):
+        assert (c1 / f"a{k}").read_bytes() == b"a" * 5000 * (k + 1)
+        st = (c1 / f"a{k}").stat()
+        assert st.st_atime_ns > st.st_mtime_ns
+    def read_there(k: int) -> bool:
+        st = (c2 / f"a{k}").stat()
+        return st.st_atime_ns > st.st_mtime_ns
+
+    for k in range(10):
+        until(functools.partial(read_there, k), timeout=5)
+    assert log_lines(cluster, "mds.log", " WARNING ", " ERROR ") == []
+
+
 def test_concurrent_creates_in_one_directory(cluster: Cluster) -> None:
     """Both nodes create files in one directory at the same time (N ranks writing their
     output side by side): every create succeeds promptly, nobody is evicted, and both

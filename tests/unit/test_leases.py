@@ -4711,6 +4711,7 @@ async def test_a_first_read_from_a_cached_map_moves_atime_without_asking(
     _hold_long(monkeypatch)
     async with cluster(1) as (server, (a,), _):
         f = await _writing(a)
+        await trio.sleep(0.02)  # (the coarse clock moves on: a read's atime is past the write's)
         await a.release(f.ino)  # (the lease ends: the map below the size stays)
         await a.statfs()  # (the release goes)
         assert not a.cache.is_writer(f.ino)
@@ -4748,3 +4749,41 @@ async def test_an_access_time_held_for_a_file_gone_since_changes_nothing(
         conn._send(held, trio.current_time())  # late: the file is gone
         await a.statfs()
         await b.statfs()
+
+
+async def test_a_writers_own_read_back_moves_atime_at_the_server_too() -> None:
+    """The holder of the write lease reads what it wrote (a database, a linker): the
+    access time moves here and at the server, which another node then sees, also
+    once the lease ended and the map kept serves the reads."""
+    async with cluster(2) as (server, (a, b), _):
+        f = await _writing(a)
+        await trio.sleep(0.02)  # (the coarse clock moves on)
+        assert await a.map_read(f.ino, 0, 100)  # the writer reads back
+        await a.release(f.ino)
+        await a.statfs()
+        i = server.store.inodes[f.ino]
+        assert i.atime_ns > i.mtime_ns
+        other = await b.getattr(f.ino)
+        assert other.atime_ns > other.mtime_ns
+
+
+async def test_the_map_of_a_file_unlinked_or_replaced_here_goes_with_it() -> None:
+    """Kept after the close, the map of a file this node then unlinks (or renames
+    over) goes at once, or at the last close of a handle still open here: the mds
+    destroys the file and never recalls it."""
+    async with cluster(1) as (server, (a,), _):
+        files = [await _writing(a, b"f%d" % k) for k in range(3)]
+        for f in files:
+            await a.release(f.ino)
+        assert all(f.ino in a.cache.files for f in files)
+        await a.unlink(ROOT, b"f0")
+        await a.rename(ROOT, b"f1", ROOT, b"f2")  # f2 replaced
+        assert files[0].ino not in a.cache.files and files[2].ino not in a.cache.files
+        assert files[1].ino in a.cache.files  # (renamed: the same file, kept)
+        g = await _writing(a, b"g")  # open here
+        await a.unlink(ROOT, b"g")
+        assert await a.map_read(g.ino, 0, 100)  # read by the open handle
+        await a.release(g.ino)
+        assert g.ino not in a.cache.files
+        await a.statfs()
+        assert g.ino not in server.store.inodes
