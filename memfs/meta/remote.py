@@ -777,9 +777,10 @@ class RemoteMeta(Meta):
         return a
 
     def _setattr_here(self, ino: int, changes: SetAttr) -> Attr | None:
-        """A setattr under our write lease of regular file *ino*: applied here, the
-        server told without waiting (``tar x`` sets times, owner and mode of every
-        file it writes).  No other node has the file's state then, and any call
+        """A setattr under our write lease of regular file *ino*, or our create lease
+        of directory *ino*: applied here, the server told without waiting (``tar x``
+        sets times, owner and mode of every file it writes, and of every directory
+        once its files are in).  No other node has the file's state then, and any call
         about it recalls us first; the ``setattr_at`` held goes before our answer,
         and the server runs it before the answer is applied (as creates: see
         memfs.meta.creates).  None: this one asks the server (no such lease, set-ID
@@ -788,8 +789,9 @@ class RemoteMeta(Meta):
         conn = self._conn
         cache = self.cache
         if (not self.held_setattrs or conn is None or conn.dead or changes == SetAttr()
-                or not cache.is_writer(ino) or (a := cache.attr(ino)) is None
-                or not stat.S_ISREG(a.mode) or not self.leases.quiet(ino)):
+                or (a := cache.attr(ino)) is None or not self.leases.quiet(ino)
+                or not (stat.S_ISREG(a.mode) and cache.is_writer(ino)
+                        or stat.S_ISDIR(a.mode) and ino in cache.creators)):
             return None
         t = _now_ns()
         new = Attr(ino, a.mode, a.nlink, a.uid, a.gid, a.rdev, a.size, a.blocks, a.atime_ns,

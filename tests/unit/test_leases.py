@@ -1053,11 +1053,13 @@ def _calls_seen(server: MetaServer) -> list[Any]:
     return seen
 
 
-async def _leased_directory(a: RemoteMeta, reserve: int = 0) -> tuple[Attr, int, MdsConnection]:
-    """Directory ``d`` made by *a*, with its create lease (the create that got it,
+async def _leased_directory(
+    a: RemoteMeta, reserve: int = 0, name: bytes = b"d",
+) -> tuple[Attr, int, MdsConnection]:
+    """Directory *name* made by *a*, with its create lease (the create that got it,
     closed); the first of *reserve* inode numbers reserved for calls made by hand;
     *a*'s connection."""
-    d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)
+    d = await a.mknod(ROOT, name, stat.S_IFDIR | 0o755, 0, 0)
     await a.release((await a.create(d.ino, b"f0", F, 0, 0)).ino)
     first = await a._call("reserve_inos", reserve) if reserve else 0
     conn = a._conn
@@ -4787,3 +4789,32 @@ async def test_the_map_of_a_file_unlinked_or_replaced_here_goes_with_it() -> Non
         assert g.ino not in a.cache.files
         await a.statfs()
         assert g.ino not in server.store.inodes
+
+
+async def test_a_setattr_of_a_directory_under_the_create_lease_asks_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """tar sets a directory's times and mode once its files are in: under the
+    create lease (no other node holds the directory at all) that is answered here
+    and held; a create after it moves the mtime again; another node's stat of the
+    directory recalls the lease first and sees both, in order."""
+    _hold_long(monkeypatch)
+    async with cluster(2) as (server, (a, b), _):
+        d, _, _ = await _leased_directory(a)
+        await a.statfs()
+        seen = _calls_seen(server)
+        got = await a.setattr(d.ino, SetAttr(mode=0o700, mtime_ns=OLD_MTIME))
+        assert seen == [] and got.mtime_ns == OLD_MTIME and got.mode == stat.S_IFDIR | 0o700
+        other = await b.getattr(d.ino)
+        assert (other.mode, other.mtime_ns, other.ctime_ns) == (got.mode, OLD_MTIME, got.ctime_ns)
+        assert _made_setattrs(seen)
+        # without the lease now (b looked): asked
+        seen.clear()
+        await a.setattr(d.ino, SetAttr(mode=0o755))
+        assert [v[0] for v in seen] == ["setattr"]
+        # a create lease again, a setattr, then a create in it: the mtime the create's
+        e, _, _ = await _leased_directory(a, name=b"e")
+        await a.setattr(e.ino, SetAttr(mtime_ns=OLD_MTIME))
+        (x,) = await _made_here(a, e.ino, [b"x"])
+        assert (await a.getattr(e.ino)).mtime_ns == x.ctime_ns
+        assert (await b.getattr(e.ino)).mtime_ns == x.ctime_ns
