@@ -123,6 +123,29 @@ class SetAttr:
     mtime_ns: int | None = None
 
 
+class _Settable(Protocol):
+    mode: int
+    uid: int
+    gid: int
+    atime_ns: int
+    mtime_ns: int
+
+
+def apply_setattr(x: _Settable, changes: SetAttr) -> None:
+    """Lay *changes* over *x* (an inode, or attributes; its file type stays): the
+    store's setattr, and a client's made under its lease (RemoteMeta.setattr)."""
+    if changes.mode is not None:
+        x.mode = stat.S_IFMT(x.mode) | (changes.mode & 0o7777)
+    if changes.uid is not None:
+        x.uid = changes.uid
+    if changes.gid is not None:
+        x.gid = changes.gid
+    if changes.atime_ns is not None:
+        x.atime_ns = changes.atime_ns
+    if changes.mtime_ns is not None:
+        x.mtime_ns = changes.mtime_ns
+
+
 NAME_MAX = 255
 #: file capabilities (setcap); a change of a file's data or owner takes them away
 CAPABILITY_XATTR = b"security.capability"

@@ -64,6 +64,7 @@ from memfs.meta import (
     SetAttr,
     StatFs,
     WritePlan,
+    apply_setattr,
     check_xattr_name,
     clock,
     codec,
@@ -796,20 +797,12 @@ class RemoteMeta(Meta):
         t = _now_ns()
         new = Attr(ino, a.mode, a.nlink, a.uid, a.gid, a.rdev, a.size, a.blocks, a.atime_ns,
                    a.mtime_ns, t)
-        if changes.mode is not None:
-            new.mode = stat.S_IFMT(a.mode) | (changes.mode & 0o7777)
+        apply_setattr(new, changes)
         if new.mode & (stat.S_ISUID | stat.S_ISGID):
             # Another node's write must drop them, asking the server only if it sees
             # some (MetaServer: drop_privileges recalls no writer otherwise).
             return None
-        if changes.uid is not None:
-            new.uid = changes.uid
-        if changes.gid is not None:
-            new.gid = changes.gid
-        if changes.atime_ns is not None:
-            new.atime_ns = changes.atime_ns
         if changes.mtime_ns is not None:
-            new.mtime_ns = changes.mtime_ns
             cache.mtime_set(ino, changes.mtime_ns)  # (reports from now on carry it)
         call = ["setattr_at", ino, *codec.setattr_at_args(changes), t]
         op = self.creates.setattr_made(call)

@@ -38,6 +38,7 @@ from memfs.meta import (
     SetAttr,
     StatFs,
     WritePlan,
+    apply_setattr,
     check_xattr_name,
     clock,
     set_ids_to_drop,
@@ -386,18 +387,10 @@ class MetaStore(Meta):
 
     async def setattr(self, ino: int, changes: SetAttr) -> Attr:
         i = self._get(ino)
-        if changes.mode is not None:
-            i.mode = stat.S_IFMT(i.mode) | (changes.mode & 0o7777)
-        if changes.uid is not None:
-            i.uid = changes.uid
-        if changes.gid is not None:
-            i.gid = changes.gid
-        if changes.atime_ns is not None:
-            i.atime_ns = changes.atime_ns
-            clock.saw(changes.atime_ns)
-        if changes.mtime_ns is not None:
-            i.mtime_ns = changes.mtime_ns
-            clock.saw(changes.mtime_ns)
+        apply_setattr(i, changes)
+        for t in (changes.atime_ns, changes.mtime_ns):
+            if t is not None:
+                clock.saw(t)
         i.ctime_ns = self.now()
         if self.watcher is not None and (
             changes.mode is not None or changes.uid is not None
