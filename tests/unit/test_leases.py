@@ -3769,6 +3769,29 @@ async def journaled_server(
         outer.cancel_scope.cancel()
 
 
+@asynccontextmanager
+async def restarted(
+    tmp_path: Any, journal: Journal, kill: Callable[[], object], **server_args: Any,
+) -> AsyncIterator[tuple[MetaServer, int]]:
+    """The server of :func:`journaled_server` killed and started again from its
+    journal: (the new server, its port)."""
+    from tests.unit.test_journal import POOL as JPOOL
+    from tests.unit.test_journal import SECRET as JSECRET
+
+    kill()
+    await trio.sleep(0.05)
+    journal.close()
+    journal2 = Journal(tmp_path)
+    try:
+        store = await journal2.open(JPOOL)
+        async with trio.open_nursery() as n:
+            server = MetaServer(store, JSECRET, None, journal2, **server_args)
+            yield server, await n.start(server.serve, "127.0.0.1", 0)
+            n.cancel_scope.cancel()
+    finally:
+        journal2.close()
+
+
 async def until_back(call: Callable[[], Awaitable[Any]]) -> Any:
     """*call*, again while its client reconnects (EIO meanwhile)."""
     with trio.fail_after(10):
@@ -3786,7 +3809,6 @@ async def test_an_unlink_replayed_after_an_mds_restart_keeps_the_open_file(
     reached it: replayed at the registration, the file stays as an orphan until its
     last close here (its claim first), not destroyed under the open handle."""
     caplog.expected_warnings = True  # type: ignore[attr-defined]  # the mds goes away
-    from tests.unit.test_journal import POOL as JPOOL
     from tests.unit.test_journal import SECRET as JSECRET
 
     async with journaled_server(tmp_path, session_grace=5) as (port, journal, kill):
@@ -3798,27 +3820,17 @@ async def test_an_unlink_replayed_after_an_mds_restart_keeps_the_open_file(
             await a.unlink(d.ino, b"f")  # held, f still open
             conn = a._conn
             assert conn is not None and _drop_unsent(conn)  # the mds dies before it arrives
-            kill()
-            await trio.sleep(0.05)
-            journal.close()
-            journal2 = Journal(tmp_path)
-            try:
-                store2 = await journal2.open(JPOOL)
+            async with restarted(tmp_path, journal, kill, session_grace=5) as (server2, a.port):
+                store2 = server2.store
                 assert store2.inodes[f.ino].nlink == 1 and store2.inodes[f.ino].opens == 0
-                async with trio.open_nursery() as n2:
-                    server2 = MetaServer(store2, JSECRET, None, journal2, session_grace=5)
-                    a.port = await n2.start(server2.serve, "127.0.0.1", 0)
-                    conn.kill("mds restarted")
-                    await until_back(lambda: a.getattr(ROOT))
-                    i = server2.store.inodes.get(f.ino)
-                    assert i is not None and i.nlink == 0 and i.opens == 1 and a.opens.get(f.ino) == 1
-                    assert b"f" not in _children(server2, d.ino)
-                    await a.release(f.ino)
-                    assert await a._conn.delivered()  # type: ignore[union-attr]
-                    assert f.ino not in server2.store.inodes
-                    n2.cancel_scope.cancel()
-            finally:
-                journal2.close()
+                conn.kill("mds restarted")
+                await until_back(lambda: a.getattr(ROOT))
+                i = server2.store.inodes.get(f.ino)
+                assert i is not None and i.nlink == 0 and i.opens == 1 and a.opens.get(f.ino) == 1
+                assert b"f" not in _children(server2, d.ino)
+                await a.release(f.ino)
+                assert await a._conn.delivered()  # type: ignore[union-attr]
+                assert f.ino not in server2.store.inodes
 
 
 async def test_creates_and_unlinks_queued_behind_a_waiting_call_are_seen_by_the_recaller(
@@ -4638,7 +4650,6 @@ async def test_a_setattr_replayed_after_a_restart_does_not_undo_a_later_change_e
     file after that (its recovery window over); the setattr, sent again within the
     grace, is refused, and its writers here hear EIO.  One that the file did not
     change after is applied, and other clients' caches recalled."""
-    from tests.unit.test_journal import POOL as JPOOL
     from tests.unit.test_journal import SECRET as JSECRET
 
     caplog.expected_warnings = True  # type: ignore[attr-defined]  # the mds goes away
@@ -4654,31 +4665,21 @@ async def test_a_setattr_replayed_after_a_restart_does_not_undo_a_later_change_e
         await a.setattr(g.ino, SetAttr(mode=0o600))
         conn = a._conn
         assert conn is not None and _drop_unsent(conn)  # the mds dies before they arrive
-        kill()
-        await trio.sleep(0.05)
-        journal.close()
-        journal = Journal(tmp_path)
-        try:
-            store = await journal.open(JPOOL)
-            async with trio.open_nursery() as n:
-                server = MetaServer(store, JSECRET, None, journal, lease_term=1.0, session_grace=30)
-                b.port = await n.start(server.serve, "127.0.0.1", 0)
-                a.port = 1  # (a stays away for now)
-                conn.kill("mds restarted")
-                await until_back(lambda: b.getattr(ROOT))
-                await b.setattr(f.ino, SetAttr(mode=0o640))  # after a's, once the window passed
-                assert (await b.getattr(g.ino)).mode == F  # b holds g
-                a.port = b.port
-                await until_back(lambda: a.getattr(ROOT))  # back: both sent again
-                assert store.inodes[f.ino].mode == stat.S_IFREG | 0o640
-                assert f.ino in a.write_errors and g.ino not in a.write_errors
-                assert store.inodes[g.ino].mode == stat.S_IFREG | 0o600
-                for c in (a, b):
-                    assert (await c.getattr(f.ino)).mode == stat.S_IFREG | 0o640
-                    assert (await c.getattr(g.ino)).mode == stat.S_IFREG | 0o600
-                n.cancel_scope.cancel()
-        finally:
-            journal.close()
+        async with restarted(tmp_path, journal, kill, lease_term=1.0, session_grace=30) as (server, b.port):
+            store = server.store
+            a.port = 1  # (a stays away for now)
+            conn.kill("mds restarted")
+            await until_back(lambda: b.getattr(ROOT))
+            await b.setattr(f.ino, SetAttr(mode=0o640))  # after a's, once the window passed
+            assert (await b.getattr(g.ino)).mode == F  # b holds g
+            a.port = b.port
+            await until_back(lambda: a.getattr(ROOT))  # back: both sent again
+            assert store.inodes[f.ino].mode == stat.S_IFREG | 0o640
+            assert f.ino in a.write_errors and g.ino not in a.write_errors
+            assert store.inodes[g.ino].mode == stat.S_IFREG | 0o600
+            for c in (a, b):
+                assert (await c.getattr(f.ino)).mode == stat.S_IFREG | 0o640
+                assert (await c.getattr(g.ino)).mode == stat.S_IFREG | 0o600
 
 
 async def test_a_setattr_an_older_mds_will_not_take_back_fails_and_lets_the_client_in(
