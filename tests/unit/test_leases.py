@@ -1151,6 +1151,26 @@ async def test_an_open_held_when_the_connection_went_is_claimed_at_the_registrat
         assert f.ino not in server.store.inodes
 
 
+async def _a_stopped_writer(server: MetaServer, c: RemoteMeta) -> list[Attr]:
+    """Files g0 and g1, which *c* writes under its write leases; then c stops (it
+    answers no recall, and is evicted after the recall timeout)."""
+    gs = [await c.create(ROOT, b"g%d" % k, F, 0, 0) for k in range(2)]
+    for g in gs:
+        await c.map_write(g.ino, 0, 100)
+        assert server.leases.is_writer(server.sessions[c.session], g.ino)
+    assert c._conn is not None
+    c._conn.on_recall = lambda *args: None
+    return gs
+
+
+async def _waiting_behind(n: trio.Nursery, a: RemoteMeta, gs: list[Attr]) -> None:
+    """*a* opens *gs* in *n*: each waits at the mds for their stopped writer, and
+    a's calls after them queue behind them there."""
+    for g in gs:
+        n.start_soon(a.open, g.ino)
+    await trio.sleep(0.1)
+
+
 async def test_a_held_open_behind_calls_that_wait_is_counted_before_a_recall_answer(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -1164,16 +1184,9 @@ async def test_a_held_open_behind_calls_that_wait_is_counted_before_a_recall_ans
     async with cluster(3) as (server, (a, b, c), _):
         d = await a.mknod(ROOT, b"d", stat.S_IFDIR | 0o755, 0, 0)  # (c never looks in it)
         f = await a.mknod(d.ino, b"f", F, 0, 0)
-        gs = [await c.create(ROOT, b"g%d" % k, F, 0, 0) for k in range(2)]
-        for g in gs:
-            await c.map_write(g.ino, 0, 100)  # c's write leases
-            assert server.leases.is_writer(server.sessions[c.session], g.ino)
-        assert c._conn is not None
-        c._conn.on_recall = lambda *args: None  # c is stopped
+        gs = await _a_stopped_writer(server, c)
         async with trio.open_nursery() as n:
-            for g in gs:
-                n.start_soon(a.open, g.ino)  # each waits for c
-            await trio.sleep(0.1)
+            await _waiting_behind(n, a, gs)
             await a.open(f.ino)  # under a's lease: held, and sent behind them
             await trio.sleep(0.05)
             with trio.fail_after(0.8):  # (c is evicted after 2 s; a answers within 1.2)
@@ -1750,8 +1763,12 @@ async def test_after_an_mds_restart_the_token_fenced_is_the_one_transfers_named(
     """A restarted server knows no tokens of its earlier run (a session is new to it,
     with a new token): the registration names the token to fence."""
     caplog.expected_warnings = True  # type: ignore[attr-defined]  # the mds goes away
-    from tests.unit.test_journal import POOL as JPOOL
     from tests.unit.test_journal import SECRET as JSECRET
+
+    fences = Fences(["m:1"])
+
+    def fenced(server: MetaServer) -> None:
+        server.fencing.fences = fences
 
     async with journaled_server(tmp_path, session_grace=5) as (port, journal, kill):
         async with open_remote_meta("127.0.0.1", port, JSECRET) as a:
@@ -1761,22 +1778,10 @@ async def test_after_an_mds_restart_the_token_fenced_is_the_one_transfers_named(
             token, conn = a.token, a._conn
             assert conn is not None
             with a.io(f.ino, here=False):  # an array transfer, begun before the mds died
-                kill()
-                await trio.sleep(0.05)
-                journal.close()
-                journal2 = Journal(tmp_path)
-                try:
-                    store2 = await journal2.open(JPOOL)
-                    async with trio.open_nursery() as n2:
-                        server2 = MetaServer(store2, JSECRET, None, journal2, session_grace=5)
-                        server2.fencing.fences = fences = Fences(["m:1"])
-                        a.port = await n2.start(server2.serve, "127.0.0.1", 0)
-                        conn.kill("mds restarted")
-                        await until_back(lambda: a.getattr(ROOT))
-                        assert token in fences.pending["m:1"] and a.token != token
-                        n2.cancel_scope.cancel()
-                finally:
-                    journal2.close()
+                async with restarted(tmp_path, journal, kill, fenced, session_grace=5) as (_, a.port):
+                    conn.kill("mds restarted")
+                    await until_back(lambda: a.getattr(ROOT))
+                    assert token in fences.pending["m:1"] and a.token != token
 
 
 async def test_a_truncate_waits_for_the_transfers_of_its_own_node() -> None:
@@ -3771,10 +3776,11 @@ async def journaled_server(
 
 @asynccontextmanager
 async def restarted(
-    tmp_path: Any, journal: Journal, kill: Callable[[], object], **server_args: Any,
+    tmp_path: Any, journal: Journal, kill: Callable[[], object],
+    setup: Callable[[MetaServer], object] = lambda s: None, **server_args: Any,
 ) -> AsyncIterator[tuple[MetaServer, int]]:
     """The server of :func:`journaled_server` killed and started again from its
-    journal: (the new server, its port)."""
+    journal (*setup* called with it before it serves): (the new server, its port)."""
     from tests.unit.test_journal import POOL as JPOOL
     from tests.unit.test_journal import SECRET as JSECRET
 
@@ -3786,6 +3792,7 @@ async def restarted(
         store = await journal2.open(JPOOL)
         async with trio.open_nursery() as n:
             server = MetaServer(store, JSECRET, None, journal2, **server_args)
+            setup(server)
             yield server, await n.start(server.serve, "127.0.0.1", 0)
             n.cancel_scope.cancel()
     finally:
@@ -4000,7 +4007,6 @@ async def test_a_restarted_server_waits_for_its_clients_a_bounded_time(
     client that never comes back holds them up for the recovery window only
     (a lease term here), not for --grace and never for good."""
     caplog.expected_warnings = True  # type: ignore[attr-defined]  # the mds goes away
-    from tests.unit.test_journal import POOL as JPOOL
     from tests.unit.test_journal import SECRET as JSECRET
 
     term = 1.0
@@ -4012,23 +4018,14 @@ async def test_a_restarted_server_waits_for_its_clients_a_bounded_time(
                 kill()  # the mds dies with both sessions registered
                 await trio.sleep(0.05)
             # (dead's session is in the journal; it never registers again)
-            journal.close()
-            journal2 = Journal(tmp_path)
-            try:
-                store2 = await journal2.open(JPOOL)
-                async with trio.open_nursery() as n2:
-                    server2 = MetaServer(store2, JSECRET, None, journal2, lease_term=term,
-                                         session_grace=30)
-                    b.port = await n2.start(server2.serve, "127.0.0.1", 0)
-                    started = trio.current_time()
-                    await until_back(lambda: b.getattr(ROOT))
-                    waited = trio.current_time() - started
-                    assert term * 0.8 <= waited <= term + 2.0, waited
-                    assert server2._recovered.is_set()
-                    assert server2.store.eligible, "the grace (30 s) has not ended"
-                    n2.cancel_scope.cancel()
-            finally:
-                journal2.close()
+            async with restarted(tmp_path, journal, lambda: None, lease_term=term,
+                                 session_grace=30) as (server2, b.port):
+                started = trio.current_time()
+                await until_back(lambda: b.getattr(ROOT))
+                waited = trio.current_time() - started
+                assert term * 0.8 <= waited <= term + 2.0, waited
+                assert server2._recovered.is_set()
+                assert server2.store.eligible, "the grace (30 s) has not ended"
 
 
 async def test_a_recall_is_not_answered_while_old_map_transfers_still_run(
@@ -4456,15 +4453,9 @@ async def test_a_setattr_held_behind_calls_that_wait_is_applied_before_the_recal
     async with cluster(3) as (server, (a, b, c), _):
         f = await _writing(a)
         await a.sync(f.ino)  # (no report of it left to send: it would wait behind them too)
-        gs = [await c.create(ROOT, b"g%d" % k, F, 0, 0) for k in range(2)]
-        for g in gs:
-            await c.map_write(g.ino, 0, 100)
-        assert c._conn is not None
-        c._conn.on_recall = lambda *args: None  # c is stopped
+        gs = await _a_stopped_writer(server, c)
         async with trio.open_nursery() as n:
-            for g in gs:
-                n.start_soon(a.open, g.ino)  # each waits for c
-            await trio.sleep(0.1)
+            await _waiting_behind(n, a, gs)
             with trio.fail_after(0.1):
                 await a.setattr(f.ino, SetAttr(mode=0o600))  # held, sent behind them
             assert a.creates.pending
