@@ -80,8 +80,9 @@ def _inode_list(v: Any, what: str) -> list[int]:
     return [check_int(x, what) for x in items]
 
 
-#: most creates and unlinks one ``made`` call carries (the mds runs them without
-#: serving other clients meanwhile: about 4 ms of its time at most)
+#: most held calls (creates, unlinks, setattrs, opens, access times) one ``made`` call
+#: carries (the mds runs them without serving other clients meanwhile: about 4 ms of
+#: its time at most)
 MAX_MADE = 128
 #: the creates and unlinks a client makes itself under a create lease, and the setattrs
 #: it makes under a file's write lease (a ``made`` call carries them; a registration

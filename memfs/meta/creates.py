@@ -150,7 +150,9 @@ class AsyncCreates:
         """A ``setattr_at`` made under a file's write lease (RemoteMeta.setattr): its
         operation id.  Pending as the others (fsync waits for it, a registration
         sends it again), but a recall's answer does not wait for it
-        (:meth:`pending_under`): the server runs it before it applies the answer."""
+        (:meth:`pending_under`; one of a directory's own, which ``wait`` matches,
+        is answered before it anyway): the server runs it before it applies the
+        answer."""
         return self._add(call)
 
     @staticmethod

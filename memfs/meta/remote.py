@@ -129,7 +129,7 @@ class PoolDescription:
     appends: bool = False
     #: a ``made`` call may carry opens (``codec.HELD_CALLS``): see RemoteMeta.open
     held_opens: bool = False
-    #: and setattrs made under a write lease (``setattr_at``): see RemoteMeta.setattr
+    #: and setattrs made under a write or create lease (``setattr_at``): see RemoteMeta.setattr
     held_setattrs: bool = False
     #: and access times of reads from cached maps (``atime_at``): see MapClient.read
     held_atimes: bool = False
@@ -195,8 +195,8 @@ class RemoteMeta(Meta):
         self.held_setattrs = False
         #: and access times (PoolDescription.held_atimes)
         self.held_atimes = False
-        #: the server closed a registration that replayed setattrs (see _register)
-        self._no_setattr_at = False
+        #: registrations that replayed setattrs the server closed in a row (_register)
+        self._no_setattr_at = 0
         self._ready = trio.Event()
         self._closed = False
         self._scope = trio.CancelScope()
@@ -321,7 +321,7 @@ class RemoteMeta(Meta):
         self.held_opens = desc.held_opens
         self.held_setattrs = desc.held_setattrs
         self.held_atimes = desc.held_atimes
-        self._no_setattr_at = False
+        self._no_setattr_at = 0
         if first:
             self.pool = desc
             self.chunk_size, self.n_volumes = desc.chunk_size, desc.n_volumes
@@ -409,9 +409,10 @@ class RemoteMeta(Meta):
         # Creates and unlinks made under create leases (and setattrs under write
         # leases) and not answered: applied first, in order.
         ops = self.creates.unanswered()
-        if self._no_setattr_at:
-            # The server closed the last registration that carried some: an older mds
-            # (a downgrade at a restart) takes none.  Failed here, not sent again.
+        if self._no_setattr_at >= 2:
+            # The server closed the last two registrations that carried some: an
+            # older mds (a downgrade at a restart) takes none.  Failed here, not sent
+            # again.  (One close may be a restart or a cut: they go again first.)
             for op, c in ops:
                 if c[0] == "setattr_at" and self.creates.answered(op) is not None:
                     self._setattr_failed(c[1], errno.EOPNOTSUPP, "an older metadata server")
@@ -434,7 +435,8 @@ class RemoteMeta(Meta):
             while len(replies) < 2:
                 got = await fs.receive()
                 if got is None:
-                    self._no_setattr_at = any(c[0] == "setattr_at" for _, c in ops)
+                    carried = any(c[0] == "setattr_at" for _, c in ops)
+                    self._no_setattr_at = self._no_setattr_at + 1 if carried else 0
                     raise WireError("connection closed during registration")
                 h = got[0]
                 if h.kind is Kind.UNLOCKED:  # (a lock went while the server registered us)
@@ -822,10 +824,10 @@ class RemoteMeta(Meta):
         return True
 
     def _setattr_failed(self, ino: int, err: int, msg: str) -> None:
-        """The server refused a setattr we made under a write lease: the lease ended
+        """The server refused a setattr we made under a write (or create) lease: the lease ended
         without our word (evicted, or back after a restart to a file changed since),
         or an older server came back; the change is lost."""
-        log.error("setattr of inode %d, made under a write lease, was refused by the metadata "
+        log.error("setattr of inode %d, made under a lease, was refused by the metadata "
                   "server: %s; its writers get EIO", ino, msg or os.strerror(err))
         if self.opens.get(ino):
             self.write_errors.add(ino)
@@ -1124,6 +1126,11 @@ class RemoteMeta(Meta):
             # The last handle here: our size goes to the server, our write lease and
             # the space it took ahead of need go back.
             await self.leases.settle(ino, trim=True)
+            a = self.cache.attr(ino)
+            if a is not None and a.atime_ns > a.mtime_ns:
+                # Our reads under the lease moved the access time here only (once the
+                # lease ends, the map we keep serves reads, and nothing would tell it).
+                self._touch_atime(ino, a.atime_ns)
         def uncount() -> None:
             n = self.opens[ino] - 1
             if n:

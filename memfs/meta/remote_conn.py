@@ -147,7 +147,7 @@ class MdsConnection:
         #: call of at most :attr:`made_max`, placed before the next call (each on its
         #: own if the server takes none: an older one)
         self._made: list[tuple[bytes, OnReply, OnReply]] = []
-        #: what :attr:`_made` holds: opens, or creates and unlinks (never both)
+        #: what :attr:`_made` holds: opens, or the other held calls (never both)
         self._made_opens = False
         #: inodes released since: one ``releases`` call, placed before the next call
         #: after the creates and unlinks held (:meth:`release`)

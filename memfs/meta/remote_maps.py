@@ -177,11 +177,9 @@ class MapClient:
             a = cache.attr(ino)
         stale_atime = a is not None and (a.atime_ns <= a.mtime_ns or a.atime_ns <= a.ctime_ns)
         if a is not None and stale_atime and cache.is_writer(ino):
-            # relatime, kept here (our own writes are not news) and told (else, once
-            # our lease ends, the map we keep serves reads and nothing tells it)
-            a.atime_ns = t = _now_ns()
-            if self.touch is not None:
-                self.touch(ino, t)
+            # relatime, kept here (our own writes are not news; told at our last
+            # close: RemoteMeta.release), not at every read after a write
+            a.atime_ns = _now_ns()
             stale_atime = False
         if a is not None:
             end = min(offset + length, a.size)

@@ -843,7 +843,7 @@ class MetaServer:
                 # a made call may carry opens, run before a recall's answer read
                 # after them (RemoteMeta.open)
                 "held_opens": True,
-                # and setattrs made under a write lease (RemoteMeta.setattr)
+                # and setattrs made under a write or create lease (RemoteMeta.setattr)
                 "held_setattrs": True,
                 # and access times of reads from cached maps (MapClient.read)
                 "held_atimes": True,
@@ -1016,7 +1016,7 @@ class MetaServer:
             except FsError as exc:
                 why = exc.args[1] if len(exc.args) > 1 else exc
                 if name == "setattr_at":
-                    log.warning("%s: setattr of inode %d, made under a write lease, failed on "
+                    log.warning("%s: setattr of inode %d, made under a lease, failed on "
                                 "its way again: %s", conn.peer, args[0], why)
                 else:
                     log.warning("%s: %s of %r in inode %d, made under a create lease, failed "
@@ -1058,7 +1058,7 @@ class MetaServer:
         return first
 
     async def _run_made(self, conn: Connection, calls: list[list[Any]], checked: bool) -> tuple[Kind, bytes]:
-        """A ``made`` call: each of its creates and unlinks as if it came on its own, in
+        """A ``made`` call: each of its held calls as if it came on its own, in
         order (its recalls, its journal record, its metrics); answered with the
         position, errno and message of each refused, all at once: one that waits for
         a recall (only once the client lost its create lease) holds up the answers
@@ -1143,7 +1143,9 @@ class MetaServer:
                 return
             raise FsError(errno.ESTALE, f"setattr of inode {ino} refused: the write lease "
                                         "ended without this client")
-        self._t = t
+        i = self.store.inodes.get(ino)
+        # (Never a ctime below the file's: a replay after writes of ours it passed.)
+        self._t = t = t if i is None else max(t, i.ctime_ns)
         await self.meta.setattr(ino, changes)
         if self.journal is not None:
             self.journal.append(t, "setattr", [ino, codec.setattr_to_wire(changes)])

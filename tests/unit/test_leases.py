@@ -4540,14 +4540,13 @@ async def test_a_setattr_asks_while_a_report_of_the_file_is_on_its_way(
     async with cluster(1) as (server, (a,), _):
         f = await _writing(a)
         seen = _calls_seen(server)
-        a.leases._reporting[f.ino] = 1
-        a.leases._report_over(f.ino)  # (over: no wait)
-        a.leases._reporting[f.ino] = 1
-        assert not a.leases.quiet(f.ino)
-        del a.leases._reporting[f.ino]
-        a.held_setattrs = False  # an older mds
+        a.leases._reporting[f.ino] = 1  # a report on its way
         await a.setattr(f.ino, SetAttr(mode=0o600))
         assert [v[0] for v in seen] == ["setattr"]
+        del a.leases._reporting[f.ino]
+        a.held_setattrs = False  # an older mds
+        await a.setattr(f.ino, SetAttr(mode=0o644))
+        assert [v[0] for v in seen] == ["setattr", "setattr"]
         a.held_setattrs = True
         await a.release(f.ino)
         await a.setattr(f.ino, SetAttr(mode=0o640))  # no write lease now
@@ -4686,6 +4685,7 @@ async def test_a_setattr_an_older_mds_will_not_take_back_fails_and_lets_the_clie
         await a.setattr(f.ino, SetAttr(mode=0o600))
         assert _drop_unsent(a._conn)
         monkeypatch.setattr(codec, "MADE_CALLS", ("create_at", "unlink_at"))  # the older mds
+        # (it closes two registrations that carry it, then one goes without)
         assert a._conn is not None
         a._conn.kill("test")
         await until_back(lambda: a.getattr(ROOT))
@@ -4738,6 +4738,7 @@ async def test_an_access_time_held_for_a_file_gone_since_changes_nothing(
         conn = a._conn
         assert conn is not None
         held = _drop_unsent(conn)
+        assert b"atime_at" in held
         await b.unlink(ROOT, b"f")  # (a answers the recall: what it held went already)
         assert f.ino not in server.store.inodes
         conn._send(held, trio.current_time())  # late: the file is gone
@@ -4810,3 +4811,33 @@ async def test_a_setattr_of_a_directory_under_the_create_lease_asks_nothing(
         (x,) = await _made_here(a, e.ino, [b"x"])
         assert (await a.getattr(e.ino)).mtime_ns == x.ctime_ns
         assert (await b.getattr(e.ino)).mtime_ns == x.ctime_ns
+
+
+async def test_a_setattr_replayed_before_later_writes_of_ours_leaves_ctime_past_them(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A setattr, then a write, both unsent when the connection was cut: the
+    registration's sizes come first, then the setattr is replayed; the file's ctime
+    is not left below the write's mtime."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]  # the connection drops
+    _hold_long(monkeypatch)
+    async with cluster(1) as (server, (a,), _):
+        f = await _writing(a)
+        got = await a.setattr(f.ino, SetAttr(mode=0o600))
+        set_at = got.ctime_ns  # (the cached attributes move on with the write)
+        await trio.sleep(0.02)  # (the coarse clock moves on)
+        await a.map_write(f.ino, 100, 100)  # a write after it, not reported
+        assert _drop_unsent(a._conn)
+        detach = server.sessions.detach
+
+        def cut(c: Connection, nursery: trio.Nursery | None) -> None:
+            c.clean_close = False  # as the mds sees a cut: the session keeps its leases
+            detach(c, nursery)
+
+        monkeypatch.setattr(server.sessions, "detach", cut)
+        assert a._conn is not None
+        a._conn.kill("test")
+        await a.getattr(ROOT)
+        i = server.store.inodes[f.ino]
+        assert i.mode == got.mode and i.size == 200
+        assert i.ctime_ns >= i.mtime_ns > set_at
