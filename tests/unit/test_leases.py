@@ -1091,6 +1091,18 @@ async def test_releases_since_the_last_call_go_in_one_call_before_the_next() -> 
         assert server.sessions[a.session].opens == {inos[1]: 1, inos[2]: 1}
 
 
+def _closes_seen_as_cuts(monkeypatch: pytest.MonkeyPatch, server: MetaServer) -> None:
+    """The mds takes every connection that closes for a cut (not a clean close, which
+    ends its session at once): the session keeps its leases for the client's return."""
+    detach = server.sessions.detach
+
+    def cut(c: Connection, nursery: trio.Nursery | None) -> None:
+        c.clean_close = False
+        detach(c, nursery)
+
+    monkeypatch.setattr(server.sessions, "detach", cut)
+
+
 def _hold_long(monkeypatch: pytest.MonkeyPatch) -> None:
     """Calls held (creates, opens, releases) leave only with the next call."""
     monkeypatch.setattr(remote_conn, "CREATE_HOLD", 60.0)
@@ -1233,13 +1245,7 @@ async def test_handles_a_registration_claims_count_before_the_recalls_waiting_fo
         conn = a._conn
         assert conn is not None and _drop_unsent(conn)  # lost in the cut
         conn.on_recall = lambda *args: None  # not answered
-        detach = server.sessions.detach
-
-        def cut(c: Connection, nursery: trio.Nursery | None) -> None:
-            c.clean_close = False  # as the mds sees a cut: the session waits for a
-            detach(c, nursery)
-
-        monkeypatch.setattr(server.sessions, "detach", cut)
+        _closes_seen_as_cuts(monkeypatch, server)  # (the session waits for a)
         real = server.lease_policy.recall_for
 
         async def slow(*args: Any) -> None:
@@ -4477,13 +4483,7 @@ async def test_a_setattr_lost_with_the_connection_is_sent_again_and_fsync_waits_
         got = await a.setattr(f.ino, SetAttr(mode=0o600, mtime_ns=OLD_MTIME))
         assert a.creates.pending_about(f.ino) and not a.creates.pending_under(f.ino)
         assert _drop_unsent(a._conn)  # lost in the cut
-        detach = server.sessions.detach
-
-        def cut(c: Connection, nursery: trio.Nursery | None) -> None:
-            c.clean_close = False  # as the mds sees a cut: the session keeps its leases
-            detach(c, nursery)
-
-        monkeypatch.setattr(server.sessions, "detach", cut)
+        _closes_seen_as_cuts(monkeypatch, server)
         assert a._conn is not None
         a._conn.kill("test")
         await a.getattr(ROOT)  # registers again: the setattr is replayed, after the size
@@ -4828,13 +4828,7 @@ async def test_a_setattr_replayed_before_later_writes_of_ours_leaves_ctime_past_
         await trio.sleep(0.02)  # (the coarse clock moves on)
         await a.map_write(f.ino, 100, 100)  # a write after it, not reported
         assert _drop_unsent(a._conn)
-        detach = server.sessions.detach
-
-        def cut(c: Connection, nursery: trio.Nursery | None) -> None:
-            c.clean_close = False  # as the mds sees a cut: the session keeps its leases
-            detach(c, nursery)
-
-        monkeypatch.setattr(server.sessions, "detach", cut)
+        _closes_seen_as_cuts(monkeypatch, server)
         assert a._conn is not None
         a._conn.kill("test")
         await a.getattr(ROOT)
