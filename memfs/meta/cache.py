@@ -52,6 +52,9 @@ class FileState:
     last_end: int = -1
     #: space asked ahead last time (it doubles while the writer stays sequential)
     ahead: int = 0
+    #: a read under our write lease moved the access time here only (told at our
+    #: last close: RemoteMeta.release)
+    read_here: bool = False
 
 
 @dataclass(slots=True)

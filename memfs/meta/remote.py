@@ -1125,9 +1125,10 @@ class RemoteMeta(Meta):
         if self.opens[ino] == 1 and (self.cache.is_writer(ino) or ino in self.cache.dirty or unsure):
             # The last handle here: our size goes to the server, our write lease and
             # the space it took ahead of need go back.
+            f = self.cache.files.get(ino)
+            read_here = f is not None and f.read_here
             await self.leases.settle(ino, trim=True)
-            a = self.cache.attr(ino)
-            if a is not None and a.atime_ns > a.mtime_ns:
+            if read_here and (a := self.cache.attr(ino)) is not None:
                 # Our reads under the lease moved the access time here only (once the
                 # lease ends, the map we keep serves reads, and nothing would tell it).
                 self._touch_atime(ino, a.atime_ns)

@@ -180,6 +180,7 @@ class MapClient:
             # relatime, kept here (our own writes are not news; told at our last
             # close: RemoteMeta.release), not at every read after a write
             a.atime_ns = _now_ns()
+            cache.files[ino].read_here = True
             stale_atime = False
         if a is not None:
             end = min(offset + length, a.size)

@@ -4835,3 +4835,17 @@ async def test_a_setattr_replayed_before_later_writes_of_ours_leaves_ctime_past_
         i = server.store.inodes[f.ino]
         assert i.mode == got.mode and i.size == 200
         assert i.ctime_ns >= i.mtime_ns > set_at
+
+
+async def test_a_writer_that_did_not_read_tells_no_access_time_at_its_close(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """tar's files (written, an older mtime set, closed): no access time to tell."""
+    _hold_long(monkeypatch)
+    async with cluster(1) as (server, (a,), _):
+        f = await _writing(a)
+        seen = _calls_seen(server)
+        await a.setattr(f.ino, SetAttr(mtime_ns=OLD_MTIME))
+        await a.release(f.ino)
+        await a.statfs()
+        assert "atime_at" not in str(seen) and "setattr_at" in str(seen)
