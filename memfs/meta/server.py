@@ -977,6 +977,23 @@ class MetaServer:
             self._lost_write_of(ino, sid)
         for ino in lost_here.difference(failed):
             self._lost_write_of(ino, sid, False)
+        # The files those setattrs change, as they are now (our sizes in): one another
+        # session changes while we wait below (a claim, a recall) was changed after
+        # ours, which then counts no more (refused, as after a restart).  Checked after
+        # each wait and taken again after each replayed change of ours.
+        seen: dict[int, int] = {}
+
+        def taken() -> None:
+            seen.clear()
+            seen.update((ino, i.ctime_ns) for ino in set_at
+                        if (i := self.store.inodes.get(ino)) is not None)
+
+        def changed_elsewhere() -> None:
+            for ino in [ino for ino in set_at if (i := self.store.inodes.get(ino)) is None
+                        or i.ctime_ns != seen.get(ino)]:
+                set_at.discard(ino)
+
+        taken()
         # Handles it claims beyond those counted here (opens it made under its lease
         # and had not sent when its connection went: RemoteMeta.open) are counted
         # before the forget lets the recalls waiting for it go, and before any await:
@@ -999,6 +1016,13 @@ class MetaServer:
             try:
                 # (A setattr made under a lease now replayed: others may hold the file.)
                 await self.lease_policy.recall_for(s, "setattr" if name == "setattr_at" else name, args)
+                if name == "unlink_at":
+                    # A file it holds open stays as an orphan (an mds restarted since
+                    # counts no opens yet): its claim first.
+                    ino = args[2]
+                    if claimed.get(ino, 0) > s.opens.get(ino, 0) and ino in self.store.inodes:
+                        await self.sessions.set_opens(s, ino, claimed[ino])
+                changed_elsewhere()  # (the store applies what follows without awaiting)
                 if name == "create_at":
                     if unlinked_later.get(args[5], -1) > k and args[5] not in self.store.inodes \
                             and args[5] not in self.store.delegated.get(sid, ()):
@@ -1007,11 +1031,6 @@ class MetaServer:
                 elif name == "setattr_at":
                     await self._setattr_at(s, args, args[0] in set_at)
                 else:
-                    # A file it holds open stays as an orphan (an mds restarted since
-                    # counts no opens yet): its claim first.
-                    ino = args[2]
-                    if claimed.get(ino, 0) > s.opens.get(ino, 0) and ino in self.store.inodes:
-                        await self.sessions.set_opens(s, ino, claimed[ino])
                     await self._unlink_at(s, args)
             except FsError as exc:
                 why = exc.args[1] if len(exc.args) > 1 else exc
@@ -1022,6 +1041,8 @@ class MetaServer:
                     log.warning("%s: %s of %r in inode %d, made under a create lease, failed "
                                 "on its way again: %s", conn.peer, name, args[1], args[0], why)
                 refused_ops.append([k, exc.errno])
+            finally:
+                taken()
             self._journal_destroys()
         for ino, size, mtime, _ in settles or ():
             if ino in set_at and self.store.settle_now(ino, size, mtime, False, (0, 0)) \

@@ -4672,6 +4672,43 @@ async def test_a_setattr_replayed_after_a_restart_does_not_undo_a_later_change_e
                 assert (await c.getattr(g.ino)).mode == stat.S_IFREG | 0o600
 
 
+async def test_a_setattr_replayed_does_not_undo_a_change_made_elsewhere_while_the_registration_waits(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """a's connection drops with two setattrs unsent, under its write leases of f and
+    g; while its registration waits (the recall its replay of f's makes), b changes
+    g: a's setattr of g is refused then (b's change came after it), f's applied."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]  # the connection drops
+    _hold_long(monkeypatch)
+    async with cluster(2) as (server, (a, b), _):
+        f = await _writing(a)
+        g = await _writing(a, b"g")
+        await a.setattr(f.ino, SetAttr(mode=0o600))
+        await a.setattr(g.ino, SetAttr(mode=0o600))
+        assert _drop_unsent(a._conn)  # lost in the cut
+        _closes_seen_as_cuts(monkeypatch, server)
+        policy = server.lease_policy
+        recall_for = policy.recall_for
+        changed: list[Attr] = []
+
+        async def meanwhile(session: Any, name: str, args: list[Any]) -> None:
+            if name == "setattr" and not changed:
+                changed.append(await b.setattr(g.ino, SetAttr(mode=0o640)))
+            await recall_for(session, name, args)
+
+        monkeypatch.setattr(policy, "recall_for", meanwhile)
+        assert a._conn is not None
+        a._conn.kill("test")
+        await a.getattr(ROOT)  # registers again: both replayed
+        assert changed
+        store = server.store
+        assert store.inodes[f.ino].mode == stat.S_IFREG | 0o600
+        assert store.inodes[g.ino].mode == stat.S_IFREG | 0o640
+        assert g.ino in a.write_errors and f.ino not in a.write_errors
+        for c in (a, b):
+            assert (await c.getattr(g.ino)).mode == stat.S_IFREG | 0o640
+
+
 async def test_a_setattr_an_older_mds_will_not_take_back_fails_and_lets_the_client_in(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
 ) -> None:
