@@ -119,7 +119,7 @@ class ChangeGates:
     def others_reading(self, session: Holder, ino: int) -> bool:
         """Is a ``map_read`` of *ino* by another session under way?  (Its answer,
         built later, may name chunks a change is filling now: no write lease is
-        granted then, see :meth:`MetaServer._run_call`.)"""
+        granted then, see :meth:`MetaServer.run_call`.)"""
         g = self._gates.get(ino)
         return g is not None and any(s is not session for s in g.readers)
 

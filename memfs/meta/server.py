@@ -1,11 +1,13 @@
 """The metadata server (``memfs mds``): one :class:`MetaStore` served to many mounts.
 
-This module gives calls their meaning (registrations, leases, locks, recovery);
+This module gives calls their meaning (leases, locks, recovery);
 :mod:`memfs.meta.server_conn` runs each connection (handshake, frames, order of
 calls and replies), :mod:`memfs.meta.sessions` keeps the client sessions and
-their open counts, :mod:`memfs.meta.lease_policy` says what each call recalls
-and what its reply may be cached for, and :mod:`memfs.meta.fencing` keeps the
-fences of lease tokens.
+their open counts, :mod:`memfs.meta.server_claims` takes their registrations,
+:mod:`memfs.meta.server_made` the calls clients made under their leases,
+:mod:`memfs.meta.lease_policy` says what each call recalls and what its reply
+may be cached for, and :mod:`memfs.meta.fencing` keeps the fences of lease
+tokens.
 
 Protocol (frames from :mod:`memfs.wire`):
 
@@ -47,7 +49,6 @@ import logging
 import math
 import os
 import socket
-import stat
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -62,12 +63,9 @@ from memfs.meta.conn import MAX_REPLY, FrameSocket
 from memfs.meta.fencing import Fencing
 from memfs.meta.gates import ChangeGates
 from memfs.meta.journal import (
-    CREATE_AT,
     GRACE_ENDED,
     LOST_WRITE,
     NEW_RUN,
-    REGISTERED,
-    RESERVE_INOS,
     SESSION_GONE,
     Journal,
 )
@@ -79,10 +77,10 @@ from memfs.meta.leases import (
     Holder,
     Item,
     LeaseTable,
-    Settle,
     settles_from_wire,
 )
 from memfs.meta.locks import LockService
+from memfs.meta.server_claims import SessionClaims
 from memfs.meta.server_conn import (
     HANDSHAKE_MAX_PAYLOAD,
     CloseConnection,
@@ -92,6 +90,7 @@ from memfs.meta.server_conn import (
     handshake,
     new_token,
 )
+from memfs.meta.server_made import MadeCalls
 from memfs.meta.sessions import Registration, SessionTable
 from memfs.meta.store import ANY_EARLIER, MetaStore
 from memfs.wire import Kind, WireError
@@ -137,8 +136,6 @@ _MAPS = frozenset({"map_read", "map_write", "allocate_ahead", "truncate", "punch
 #: file's gate (memfs.meta.gates)
 _GATED = {"map_read": gates.READ, "map_write": gates.CHANGE, "allocate_ahead": gates.CHANGE,
           "truncate": gates.CUT, "punch": gates.CUT}
-#: most inode numbers one reserve_inos call hands a session
-MAX_RESERVE = 4096
 
 
 #: cluster-wide lock calls (memfs.meta.locks)
@@ -182,9 +179,9 @@ class MetaServer:
         #: told to every client, and to each that registers from then on
         self.adopted: dict[str, int] = {}
         # One timestamp per call, recorded in the journal, so replay stamps the same.
-        self._real_now = store.now
-        self._t = self._real_now()
-        store.now = self._clock
+        self.real_now = store.now
+        self._t = self.real_now()
+        store.now = self.clock
         self._destroyed: list[int] = []
         store.on_destroy = self._destroyed.append
         if journal is not None:
@@ -193,24 +190,24 @@ class MetaServer:
             store.wait_durable = self._wait_durable
         #: after a restart, until --grace has passed: sessions of the previous run may
         #: come back and report what they wrote (their write leases died with it)
-        self._recovering = False
+        self.recovering = False
         #: set once calls may run after a restart: every session of the run before
         #: registered again (replaying its unsent creates, unlinks and sizes), or
         #: the recovery window passed (see _recovery_window)
         self._recovered = trio.Event()
         self._recovered.set()
-        self._nursery: trio.Nursery | None = None
+        self.nursery: trio.Nursery | None = None
         #: lease_term 0: clients cache nothing (every call goes to the server)
         self.leases = LeaseTable(term=lease_term, recall_timeout=recall_timeout,
                                  settle=self._settle, lost=self._lost_write,
-                                 unsaid=self._take_token)
+                                 unsaid=self.take_token)
         self.gates = ChangeGates(self.leases)
         #: what each call recalls first and what its reply may be cached for
-        self.lease_policy = LeasePolicy(store, self.leases, lambda: self._recovering)
+        self.lease_policy = LeasePolicy(store, self.leases, lambda: self.recovering)
         #: the clients' sessions by id, and their open counts
         self.sessions = SessionTable(store, self.leases, grace=session_grace,
-                                     conflicts=self.lease_policy.conflicts, stamp=self._stamp,
-                                     destroyed=self._journal_destroys, gone=self._session_gone)
+                                     conflicts=self.lease_policy.conflicts, stamp=self.stamp,
+                                     destroyed=self.journal_destroys, gone=self._session_gone)
         #: fences of tokens whose leases were taken (memfs.mds sets ``fencing.fences``)
         self.fencing = Fencing()
         #: request counters and latencies (``memfs mds --metrics``); None: not kept
@@ -220,6 +217,10 @@ class MetaServer:
         #: grant write leases through a backing directory too (``memfs mds
         #: --no-backing-write-leases`` turns them off there)
         self.backing_write_leases = True
+        #: calls clients made under their leases (memfs.meta.server_made), and their
+        #: registrations (memfs.meta.server_claims)
+        self.made = MadeCalls(self)
+        self.claims = SessionClaims(self)
         self.locks = LockService(self.sessions.holder_silent, self.sessions.evict,
                                  self.sessions.tell_unlocked, trio.current_time)
 
@@ -274,7 +275,7 @@ class MetaServer:
         size_ = -1 if size is None else size
         if self.store.settle_now(ino, size_, mtime_ns, True, span) and self.journal is not None:
             self.journal.append(self._t, "settle", [ino, size_, mtime_ns, 1, *span])
-        self._journal_destroys()
+        self.journal_destroys()
 
     def _lost_write(self, holder: Any, ino: int) -> None:
         """*holder*'s write lease on *ino* ended without its word (MetaStore.unsaid).
@@ -282,9 +283,9 @@ class MetaServer:
         arrived are the client's to send again."""
         i = self.store.inodes.get(ino)
         if i is not None and i.children is None:
-            self._lost_write_of(ino, holder.sid)
+            self.lost_write_of(ino, holder.sid)
 
-    def _lost_write_of(self, ino: int, sid: bytes, lost: bool = True) -> None:
+    def lost_write_of(self, ino: int, sid: bytes, lost: bool = True) -> None:
         if self.store.lost_write(ino, sid, lost) and self.journal is not None:
             self.journal.append(self._t, LOST_WRITE, [ino, sid, int(lost)])
 
@@ -292,17 +293,17 @@ class MetaServer:
         self.locks.drop_session(sid)
         if sid in self.store.this_run or sid in self.store.eligible:
             self.store.session_gone(sid)
-            self._journal_session(SESSION_GONE, sid)
-            self._check_recovered()
+            self.journal_session(SESSION_GONE, sid)
+            self.check_recovered()
 
-    def _journal_session(self, kind: str, *args: Any) -> None:
+    def journal_session(self, kind: str, *args: Any) -> None:
         if self.journal is not None:
-            self.journal.append(self._real_now(), kind, list(args))
+            self.journal.append(self.real_now(), kind, list(args))
 
     def journal_now(self, kind: str, args: list[Any]) -> None:
         """Record a change the server makes by itself (not a call), stamped now."""
         if self.journal is not None:
-            self.journal.append(self._real_now(), kind, args)
+            self.journal.append(self.real_now(), kind, args)
 
     async def durable(self) -> None:
         """Until every record appended so far is durable (nothing to wait for without
@@ -323,12 +324,12 @@ class MetaServer:
         assert self.journal is not None
         await self.journal.wait_durable(self.journal.seq)
 
-    def _clock(self) -> int:
+    def clock(self) -> int:
         return self._t
 
-    def _stamp(self) -> None:
-        """What follows is stamped with the time now (one timestamp per change)."""
-        self._t = self._real_now()
+    def stamp(self, t: int | None = None) -> None:
+        """What follows is stamped with *t*, or the time now (one timestamp per change)."""
+        self._t = self.real_now() if t is None else t
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -342,15 +343,15 @@ class MetaServer:
         listeners = net.listen(host, port)
         try:
             async with trio.open_nursery() as nursery:
-                self._nursery = nursery
+                self.nursery = nursery
                 if self.journal is not None:
                     await nursery.start(self.journal.run)
                 await self.sessions.hold_orphans(nursery)
                 if self.journal is not None:
                     # Sessions of the runs before may come back and report (MetaStore.eligible).
                     self.store.new_run()
-                    self._journal_session(NEW_RUN)
-                    self._recovering = True
+                    self.journal_session(NEW_RUN)
+                    self.recovering = True
                     nursery.start_soon(self._end_recovery)
                     if self.leases.term > 0 and self.store.eligible:
                         self._recovered = trio.Event()
@@ -365,8 +366,8 @@ class MetaServer:
                 net.close_socket(sock)
 
     async def _accept(self, listener: socket.socket) -> None:
-        assert self._nursery is not None
-        nursery = self._nursery
+        assert self.nursery is not None
+        nursery = self.nursery
 
         def serve(sock: socket.socket, addr: tuple[Any, ...]) -> None:
             sock.setblocking(False)
@@ -392,7 +393,7 @@ class MetaServer:
                      len(self.store.eligible - self.store.this_run))
             self._recovered.set()
 
-    def _check_recovered(self) -> None:
+    def check_recovered(self) -> None:
         if not self._recovered.is_set() and self.store.eligible <= self.store.this_run:
             log.info("every client of the previous run is back (or its session ended)")
             self._recovered.set()
@@ -406,10 +407,10 @@ class MetaServer:
         (``session``); until then, chunks past EOF may hold their data.
         """
         await trio.sleep(self.session_grace)
-        self._recovering = False
+        self.recovering = False
         self.store.grace_ended()
-        self._journal_session(GRACE_ENDED)
-        self._t = self._real_now()
+        self.journal_session(GRACE_ENDED)
+        self._t = self.real_now()
         n = 0
         for ino in self.store.preallocated():
             if ino not in self.leases.writers:
@@ -437,10 +438,10 @@ class MetaServer:
             log.exception("%s: connection failed", peer)
         finally:
             fs.close()
-            self.sessions.detach(conn, self._nursery)
+            self.sessions.detach(conn, self.nursery)
 
     def recalled(self, session: Session, rid: int, payload: Any) -> None:
-        self._t = self._real_now()
+        self._t = self.real_now()
         self.leases.recalled(session, rid, settles_from_wire(payload))
 
     def may_wait(self, session: Session, value: Any, parsed: Parsed) -> bool:
@@ -531,9 +532,9 @@ class MetaServer:
             await self._recovered.wait()  # bounded: see _recovery_window
         session = conn.session
         if m.name == "made":
-            return await self._run_made(conn, args[0], checked)
+            return await self.made.run(conn, args[0], checked)
         if self.meta is self.store or m.name not in _GATED:
-            return await self._run_call(conn, value, m, args, checked=checked)
+            return await self.run_call(conn, value, m, args, checked=checked)
         # Through a backing directory the call may wait between its recall and its
         # change: one session's at a time (memfs.meta.gates).  Its wait there and
         # for DIR share one bound, the client's call timeout being well above it.
@@ -544,12 +545,12 @@ class MetaServer:
         except FsError as exc:
             return Kind.ERROR, wire.encode_error(exc.errno, exc.args[1])
         try:
-            return await self._run_call(conn, value, m, args,
+            return await self.run_call(conn, value, m, args,
                                         max(start + CALL_WAIT, trio.current_time() + CALL_WAIT / 3))
         finally:
             self.gates.leave(session, args[0], mode=mode)
 
-    async def _run_call(
+    async def run_call(
         self, conn: Connection, value: Any, m: codec.Method, args: list[Any],
         until: float = math.inf, *, checked: bool = False,
     ) -> tuple[Kind, bytes]:
@@ -593,10 +594,10 @@ class MetaServer:
             # again at the reply (a mark the reader's recall cleared: that recall also
             # moved our client's generation, so it asks again, recalling the reader).
             self.leases.wrote(session, args[0])
-        self._t = self._real_now()
-        if self._recovering and m.name in _CHUNK_CHANGES and self.store.eligible:
+        self._t = self.real_now()
+        if self.recovering and m.name in _CHUNK_CHANGES and self.store.eligible:
             # A writer of an earlier run may no longer have its space past EOF here.
-            self._lost_write_of(args[0], ANY_EARLIER)
+            self.lost_write_of(args[0], ANY_EARLIER)
         atime = self._atime(args[0]) if m.name == "map_read" and self.journal else None
         journaled = m.mutates
         widen = True
@@ -618,17 +619,17 @@ class MetaServer:
                     raise FsError(errno.ENOENT, f"no inode {args[0]}")
                 result = self.locks.call(session.sid, m.name, args)
             elif m.name == "reserve_inos":
-                result = self._reserve_inos(session, args[0])
+                result = self.made.reserve_inos(session, args[0])
             elif m.name == "create_at":
-                self._create_at(session, args)
+                self.made.create_at(session, args)
                 result = None
             elif m.name == "unlink_at":
-                result = await self._unlink_at(session, args)
+                result = await self.made.unlink_at(session, args)
             elif m.name == "atime_at":
-                self._atime_at(args)
+                self.made.atime_at(args)
                 result = None
             elif m.name == "setattr_at":
-                await self._setattr_at(session, args, self.leases.is_writer(session, args[0]))
+                await self.made.setattr_at(session, args, self.leases.is_writer(session, args[0]))
                 result = None
             elif m.name == "settle":
                 # Only the writer's reports count: one sent before its lease was
@@ -646,9 +647,9 @@ class MetaServer:
                                                 "the write lease ended without this client")
                 result = None
             elif m.name in ("unlink", "rmdir", "rename"):
-                named = [self._child(args[0], args[1])]
+                named = [self.child(args[0], args[1])]
                 if m.name == "rename":
-                    named.append(self._child(args[2], args[3]))
+                    named.append(self.child(args[2], args[3]))
                 await self._call(m, args)
                 # what the names named, and the directories' new mtime (the call's time)
                 result = [*named, self._t]
@@ -670,7 +671,7 @@ class MetaServer:
             else:
                 result = await self._call(m, args, until)
         except FsError as exc:
-            self._journal_destroys()
+            self.journal_destroys()
             kind = Kind.ERROR
             if (((m.name == "lookup" and exc.errno == errno.ENOENT)
                     or (m.name == "getxattr" and exc.errno == errno.ENODATA))
@@ -691,7 +692,7 @@ class MetaServer:
                 self.journal.append(self._t, m.name, args[:4] if m.name == "allocate_ahead" else value[1:])
             elif atime is not None and self._atime(args[0]) != atime:
                 self.journal.append(self._t, "map_read", [args[0], 0, 0])
-        self._journal_destroys()
+        self.journal_destroys()
         body = wire.encode(m.result_to_wire(result))
         if len(body) > MAX_REPLY:
             log.error("%s: %s reply of %d bytes is too large", conn.peer, m.name, len(body))
@@ -765,10 +766,10 @@ class MetaServer:
         leases) into chunks an eviction would free, and its reports come with its
         registration.  (A burst buffer's eviction waits; calls that need room wait
         with it, asking again as usual.)"""
-        return (self.write_leases and self._recovering
+        return (self.write_leases and self.recovering
                 and bool(self.store.eligible - self.store.this_run))
 
-    def _child(self, parent: int, name: bytes) -> int:
+    def child(self, parent: int, name: bytes) -> int:
         d = self.store.inodes.get(parent)
         if d is None or d.children is None:
             return 0
@@ -808,7 +809,7 @@ class MetaServer:
         i = self.store.inodes.get(ino)
         return None if i is None else i.atime_ns
 
-    def _journal_destroys(self) -> None:
+    def journal_destroys(self) -> None:
         if self._destroyed:
             for ino in self._destroyed:
                 if self.journal is not None:
@@ -864,316 +865,19 @@ class MetaServer:
         if name == "session" and len(raw) in (2, 3, 4, 5, 6):
             r = Registration.from_wire(raw)
             if r.ops is None:
-                return await self._claim_session(conn, r.sid, r.claimed, r.settles)
+                return await self.claims.claim(conn, r.sid, r.claimed, r.settles)
             if r.locks is None:
-                return await self._claim_session(conn, r.sid, r.claimed, r.settles, r.ops)
-            answer = await self._claim_session(conn, r.sid, r.claimed, r.settles, r.ops, fence=r.fence)
+                return await self.claims.claim(conn, r.sid, r.claimed, r.settles, r.ops)
+            answer = await self.claims.claim(conn, r.sid, r.claimed, r.settles, r.ops, fence=r.fence)
             # The locks its client holds (memfs.meta.locks): those lost meanwhile are
             # refused (after the handles: a lock is on an open file).
             conn.session.last_heard = trio.current_time()  # (the above may have waited)
             return [*answer, self.locks.reclaim(conn.session.sid, r.locks, self.store.inodes.__contains__)]
         raise WireError(f"malformed {name} call")
 
-    # -- registrations (memfs.meta.sessions keeps the sessions and their open counts) -------
-
-    async def _claim_session(
-        self, conn: Connection, sid: bytes, claimed: dict[int, int],
-        settles: list[Settle] | None = None,
-        ops: list[tuple[str, list[Any]]] | None = None,
-        *, fence: int = 0,
-    ) -> list[Any]:
-        """Attach *conn* to session *sid* and make its open counts exactly *claimed*.
-
-        The client starts from empty caches on every connection, so whatever the
-        session held is forgotten; *settles* are the sizes and mtimes of the files it
-        was writing under write leases (kept unless its leases were taken from it:
-        after a server restart nobody holds any, and they are what it wrote).
-        Returns the inodes that no longer exist (the client drops those handles),
-        those whose reported writes were refused (the client fails their writers) and
-        the lease token its memory-server connections must name.  *fence*: the token
-        under which transfers the client cannot stop (memfs.array processes') may
-        still run: fenced before anything the session held is let go.
-        """
-        s = await self.sessions.attach(conn, sid)
-        s.last_heard = trio.current_time()  # (this frame was read before it was named)
-        self._t = self._real_now()
-        # A size counts if the session still holds the write lease (cut off for less
-        # than its term, or evicted and back before its lease ran out: its chunks are
-        # all there), or if it is a session of an earlier run back within --grace of
-        # a restart (nobody holds leases then, and chunks past EOF are kept until the
-        # grace ends) on a file that is not marked for it (``store.unsaid``: its lease
-        # ended without its word before the restart) nor for every earlier session
-        # (``ANY_EARLIER``: the file's chunks changed during this grace).  Where the
-        # file is marked for it, or it is a stranger to this run (back after the
-        # grace, or after its session expired), the chunks past the end of file known
-        # then were freed: a larger size covers freed space, and the client must tell
-        # its writers (EIO), never report it.  A size no larger than the known one is
-        # stale (an answer that did arrive): ignored.
-        s.registrations += 1
-        if fence:
-            # Before the forget below lets the recalls waiting for it go: a change
-            # they let through that grants or cuts chunks waits for this fence
-            # (_run_call).  Its sizes count as usual: only the token is taken.
-            log.warning("%s: transfers under lease token %x may still run: fencing it",
-                        conn.peer, fence)
-            if fence == s.token:
-                self._take_token(s)
-            elif self._nursery is not None:
-                # A token of the session before it expired, or of an earlier run of
-                # this server (tokens are not journaled): not the session's now.
-                self.fencing.begin(self._nursery, fence)
-        renamed = s.fenced  # its token changed since it last heard one
-        s.fenced = False  # it hears its token now
-        # The session's first registration in this run: of an earlier run (eligible
-        # within --grace of the restart), or a stranger (back too late).
-        first = self.store.registered(sid)
-        if first:
-            self._journal_session(REGISTERED, sid)
-        previous_run = self._recovering and first and sid in self.store.eligible
-        marks = self.store.unsaid
-        lost_here = {ino for ino, sids in marks.items() if sid in sids}
-        # The same client under an older object (dropped from the session table with no open
-        # handles while it still held a write lease): still its lease.
-        olds = {w for w in self.leases.writers.values()
-                if w is not s and isinstance(w, Session) and w.sid == sid}
-        failed = []
-
-        def counts(ino: int) -> bool:
-            w = self.leases.writers.get(ino)
-            return w is s or w in olds or (previous_run and w is None and ino not in lost_here
-                                           and ANY_EARLIER not in marks.get(ino, ()))
-
-        # Setattrs it made under write leases count as its sizes do (decided before
-        # those end the leases), unless, back after a restart, the file changed after
-        # it (another client, this grace); replayed below, then its mtimes again: one
-        # set before writes it made after would take theirs away.
-        set_at = {args[0] for name, args in ops or () if name == "setattr_at" and counts(args[0])
-                  and (self.leases.writers.get(args[0]) is not None
-                       or (i := self.store.inodes.get(args[0])) is None or i.ctime_ns <= args[-1])}
-        for ino, size, mtime, span in settles or ():
-            w = self.leases.writers.get(ino)
-            if counts(ino):
-                if w is not None:
-                    # Its lease ends here with its word: what it took ahead goes now.
-                    self.leases.release_write(w, ino)
-                if self.store.settle_now(ino, size, mtime, True, span) and self.journal is not None:
-                    self.journal.append(self._t, "settle", [ino, size, mtime, 1, *span])
-                continue
-            i = self.store.inodes.get(ino)
-            if i is None or (size <= i.size and self.meta is self.store):
-                continue
-            # Through a backing directory no size is stale evidence: an overwrite in
-            # place reports the size the file has, and eviction may have freed the
-            # chunks it wrote.
-            if ino in lost_here or first:
-                log.warning("%s: size %d of inode %d (%d known) not applied: the client lost "
-                            "its write lease without its word (evicted, cut off, or back after "
-                            "--grace); its writes since its last report are lost",
-                            conn.peer, size, ino, i.size)
-                failed.append(ino)
-        # Refusals stay marked until a registration no longer reports them (this answer
-        # may be lost, and the same sizes come again); the rest are settled now.
-        for ino in failed:
-            self._lost_write_of(ino, sid)
-        for ino in lost_here.difference(failed):
-            self._lost_write_of(ino, sid, False)
-        # The files those setattrs change, as they are now (our sizes in): one another
-        # session changes while we wait below (a claim, a recall) was changed after
-        # ours, which then counts no more (refused, as after a restart).  Checked after
-        # each wait and taken again after each replayed change of ours.
-        seen: dict[int, int] = {}
-
-        def taken() -> None:
-            seen.clear()
-            seen.update((ino, i.ctime_ns) for ino in set_at
-                        if (i := self.store.inodes.get(ino)) is not None)
-
-        def changed_elsewhere() -> None:
-            for ino in [ino for ino in set_at if (i := self.store.inodes.get(ino)) is None
-                        or i.ctime_ns != seen.get(ino)]:
-                set_at.discard(ino)
-
-        taken()
-        # Handles it claims beyond those counted here (opens it made under its lease
-        # and had not sent when its connection went: RemoteMeta.open) are counted
-        # before the forget lets the recalls waiting for it go, and before any await:
-        # a change let through (an unlink elsewhere) must find those files open.
-        # (Lower counts wait for the end: a release must not free a file the
-        # replayed creates or unlinks below still name.)
-        for ino, n in claimed.items():
-            if n > s.opens.get(ino, 0) and ino in self.store.inodes:
-                await self.sessions.set_opens(s, ino, n)  # (the store does not await)
-        for o in olds:
-            self.leases.forget(o, said=True)
-        self.leases.forget(s, said=True)  # it has just said every size it had
-        # Creates and unlinks it made under a create lease and has no answer to (in its
-        # order; one that arrived before is answered as it is): before its claims,
-        # which count their handles.
-        refused_ops = []
-        replayed = ops or []
-        unlinked_later = {args[2]: k for k, (name, args) in enumerate(replayed) if name == "unlink_at"}
-        for k, (name, args) in enumerate(replayed):
-            try:
-                # (A setattr made under a lease now replayed: others may hold the file.)
-                await self.lease_policy.recall_for(s, "setattr" if name == "setattr_at" else name, args)
-                if name == "unlink_at":
-                    # A file it holds open stays as an orphan (an mds restarted since
-                    # counts no opens yet): its claim first.
-                    ino = args[2]
-                    if claimed.get(ino, 0) > s.opens.get(ino, 0) and ino in self.store.inodes:
-                        await self.sessions.set_opens(s, ino, claimed[ino])
-                changed_elsewhere()  # (the store applies what follows without awaiting)
-                if name == "create_at":
-                    if unlinked_later.get(args[5], -1) > k and args[5] not in self.store.inodes \
-                            and args[5] not in self.store.delegated.get(sid, ()):
-                        continue  # made and unlinked before (answers lost), and gone since
-                    self._create_at(s, args)
-                elif name == "setattr_at":
-                    await self._setattr_at(s, args, args[0] in set_at)
-                else:
-                    await self._unlink_at(s, args)
-            except FsError as exc:
-                why = exc.args[1] if len(exc.args) > 1 else exc
-                if name == "setattr_at":
-                    log.warning("%s: setattr of inode %d, made under a lease, failed on "
-                                "its way again: %s", conn.peer, args[0], why)
-                else:
-                    log.warning("%s: %s of %r in inode %d, made under a create lease, failed "
-                                "on its way again: %s", conn.peer, name, args[1], args[0], why)
-                refused_ops.append([k, exc.errno])
-            finally:
-                taken()
-            self._journal_destroys()
-        for ino, size, mtime, _ in settles or ():
-            if ino in set_at and self.store.settle_now(ino, size, mtime, False, (0, 0)) \
-                    and self.journal is not None:
-                self.journal.append(self._t, "settle", [ino, size, mtime, 0, 0, 0])
-        if renamed or first:
-            # The client hears a token other than the one its inode numbers were
-            # reserved under and drops them (RemoteMeta._connect): so do we, once its
-            # creates above had theirs.  (Not journaled: a restart makes this
-            # registration a first one again.)
-            self.store.delegated.pop(sid, None)
-        lost = [ino for ino in set(claimed) | set(s.opens)
-                if not await self.sessions.set_opens(s, ino, claimed.get(ino, 0))]
-        self._journal_destroys()
-        if claimed:
-            log.info("%s: session re-registered %d open inodes (%d gone)", conn.peer, len(claimed), len(lost))
-        self._check_recovered()
-        if self.adopted:  # (before the answer: the client adopts once registered)
-            s.send_pool(dict(self.adopted))
-        if ops is not None:
-            return [sorted(lost), failed, s.token, refused_ops]
-        return [sorted(lost), failed, s.token]
-
-    # -- asynchronous creates (create leases) -------------------------------------------------
-
-    def _reserve_inos(self, session: Session, count: int) -> int:
-        if not self.create_leases:
-            raise FsError(errno.EOPNOTSUPP, "this metadata server makes every create itself")
-        if not 0 < count <= MAX_RESERVE:
-            raise FsError(errno.EINVAL, f"reserve 1 to {MAX_RESERVE} inode numbers, not {count}")
-        first = self.store.reserve_inos(session.sid, count)
-        if self.journal is not None:
-            self.journal.append(self._t, RESERVE_INOS, [session.sid, first, count])
-        return first
-
-    async def _run_made(self, conn: Connection, calls: list[list[Any]], checked: bool) -> tuple[Kind, bytes]:
-        """A ``made`` call: each of its held calls as if it came on its own, in
-        order (its recalls, its journal record, its metrics); answered with the
-        position, errno and message of each refused, all at once: one that waits for
-        a recall (only once the client lost its create lease) holds up the answers
-        of those before it.
-
-        *checked* (:meth:`may_wait` found nothing to recall for any of them) holds
-        across ``create_at`` calls: one neither awaits nor changes what another
-        session holds.  After anything else the conflicts are asked again."""
-        refused = []
-        obs = self.metrics
-        for k, call in enumerate(calls):
-            name = call[0]
-            started = time.perf_counter() if obs is not None else 0.0
-            kind, body = await self._run_call(conn, call, codec.METHODS[name], call[1:], checked=checked)
-            checked = checked and name == "create_at"
-            err = None
-            if kind is Kind.ERROR:
-                err, msg = wire.decode_error(body)
-                refused.append([k, err, msg])
-            if obs is not None:
-                obs.observe(name, started, err)
-        return Kind.OK, wire.encode(refused)
-
-    def _create_at(self, session: Session, args: list[Any]) -> None:
-        """A create a client made under its create lease (see memfs.meta.leases): at
-        its time, with an inode number reserved for it, and the file open there."""
-        parent, name, mode, uid, gid, ino, t = args
-        self._t = t
-        _, new = self.store.create_at(session.sid, parent, name, mode, uid, gid, ino)
-        if new:
-            self.store.inodes[ino].opens += 1
-            session.opens[ino] = session.opens.get(ino, 0) + 1
-            if self.journal is not None:
-                self.journal.append(t, CREATE_AT, [session.sid, parent, name, mode, uid, gid, ino])
-
-    async def _unlink_at(self, session: Session, args: list[Any]) -> list[int]:
-        """An unlink a client made under its create lease, at its time, of a file it
-        made there: journaled as a plain unlink.  One that was applied before (sent
-        again after a lost connection) is answered as it is."""
-        parent, name, ino, t = args
-        child = self._child(parent, name)
-        if child != ino:
-            i = self.store.inodes.get(ino)
-            if i is None or i.nlink == 0:
-                return [ino, t]  # unlinked already (sent again), whatever took the name since
-            raise FsError(errno.ENOENT, f"{name!r} no longer names inode {ino}")
-        self._t = t
-        await self.meta.unlink(parent, name)
-        if self.journal is not None:
-            self.journal.append(t, "unlink", [parent, name])
-        return [ino, t]
-
-    def _atime_at(self, args: list[Any]) -> None:
-        """A read's access time, from a client that read from the chunk map it caches
-        (relatime, at its time, without waiting: no holder of the file is recalled
-        for an access time, here or at a map_read, which recalls only writers).  A
-        file gone since: nothing."""
-        ino, t = args
-        self._t = t
-        if self.store.read_at(ino) and self.journal is not None:
-            self.journal.append(t, "map_read", [ino, 0, 0])  # (replayed: the same rule)
-
-    async def _setattr_at(self, session: Session, args: list[Any], held: bool) -> None:
-        """A setattr a client made under its write lease of the file, at its time
-        (RemoteMeta.setattr): *held* is whether its lease still holds (no other
-        session has the file's state then: nothing to recall), or, replayed by a
-        registration, whether it counts (``register``).  Else refused, unless
-        applied already (sent again after a lost connection): the lease ended
-        without the client's word (its answers to recalls go after this), and
-        another client may have changed the file since."""
-        ino, fields, *values, t = args
-        if not 0 < fields < 2 * codec.SET_MTIME:
-            raise FsError(errno.EINVAL, f"setattr_at: bad fields {fields}")
-        changes = codec.setattr_at_changes(fields, *values)
-        if not held:
-            i = self.store.inodes.get(ino)
-            if i is not None and i.ctime_ns >= t and all(
-                    v is None or (stat.S_IMODE(v) == stat.S_IMODE(i.mode) if k == "mode"
-                                  else v == getattr(i, k))
-                    for k, v in zip(("mode", "uid", "gid", "atime_ns", "mtime_ns"),
-                                    codec.setattr_to_wire(changes), strict=True)):
-                return
-            raise FsError(errno.ESTALE, f"setattr of inode {ino} refused: the write lease "
-                                        "ended without this client")
-        i = self.store.inodes.get(ino)
-        # (Never a ctime below the file's: a replay after writes of ours it passed.)
-        self._t = t = t if i is None else max(t, i.ctime_ns)
-        await self.meta.setattr(ino, changes)
-        if self.journal is not None:
-            self.journal.append(t, "setattr", [ino, codec.setattr_to_wire(changes)])
-
     # -- fencing: a lease taken without the client's word ------------------------------
 
-    def _take_token(self, holder: Holder) -> None:
+    def take_token(self, holder: Holder) -> None:
         """*holder*'s leases are being taken without its word (evicted, cut off, gone):
         give it a new token (its next registration hears it) and fence the old one on
         every memory server, so that no transfer it began under them lands from now
@@ -1183,5 +887,5 @@ class MetaServer:
             return
         holder.fenced = True
         old, holder.token = holder.token, new_token()
-        if self._nursery is not None:
-            self.fencing.begin(self._nursery, old)
+        if self.nursery is not None:
+            self.fencing.begin(self.nursery, old)

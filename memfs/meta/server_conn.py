@@ -97,7 +97,7 @@ class Session:
     sid: bytes
     opens: dict[int, int] = field(default_factory=dict)
     #: what it names to the memory servers (SESSION); replaced, and the old one
-    #: fenced, when its leases are taken without its word (MetaServer._take_token)
+    #: fenced, when its leases are taken without its word (MetaServer.take_token)
     token: int = field(default_factory=new_token)
     #: its token was replaced since it last registered
     fenced: bool = False

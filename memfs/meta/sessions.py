@@ -12,7 +12,7 @@ are held for the same time so their clients can reconnect and claim them.
 that names it, keeps its open counts in the store, and lets it go once its client
 is gone (its leases when their term runs out, its handles after the grace).  What
 a registration says besides (sizes, replayed creates, fences, locks) is the
-server's business (``MetaServer._claim_session``).
+server's business (``SessionClaims.claim``, memfs.meta.server_claims).
 """
 
 from __future__ import annotations

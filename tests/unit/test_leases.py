@@ -2491,10 +2491,10 @@ async def _moved_session(
     registered on (as a client does that gave the old one up); and a helper that runs
     a call on either as its connection would."""
     server = MetaServer(metadata_only(POOL), SECRET, lease_term=4.0, recall_timeout=2.0)
-    server._nursery = nursery
+    server.nursery = nursery
     old = Connection("old", server.sessions.new(), server)
     old.session.conn = old
-    await server._claim_session(old, b"S" * 16, {})
+    await server.claims.claim(old, b"S" * 16, {})
 
     async def run(conn: Connection, *value: Any) -> tuple[Kind, Any]:
         kind, body = await conn._execute(list(value), parse_call(list(value)))
@@ -2513,7 +2513,7 @@ async def test_a_report_left_on_a_given_up_connection_does_not_end_the_new_write
     async with trio.open_nursery() as nursery:
         server, old, new, run = await _moved_session(nursery)
         _, (ino, *_) = await run(old, "create", ROOT, b"f", F, 0, 0)
-        await server._claim_session(new, b"S" * 16, {ino: 1})
+        await server.claims.claim(new, b"S" * 16, {ino: 1})
         assert old.superseded and new.session.conn is new
         kind, _ = await run(new, "allocate_ahead", ino, 0, 65536, 1 << 20)
         assert kind is Kind.OK_WRITE
@@ -2534,7 +2534,7 @@ async def test_a_release_left_on_a_given_up_connection_does_not_free_an_open_fil
         _, (ino, *_) = await run(old, "create", ROOT, b"f", F, 0, 0)
         await run(old, "open", ino)
         await run(old, "unlink", ROOT, b"f")
-        await server._claim_session(new, b"S" * 16, {ino: 1})
+        await server.claims.claim(new, b"S" * 16, {ino: 1})
         await run(old, "release", ino)
         assert ino in server.store.inodes and new.session.opens == {ino: 1}
         nursery.cancel_scope.cancel()
@@ -2550,10 +2550,10 @@ async def test_a_connection_older_than_one_that_registered_may_not_register() ->
         late.session.conn = late
         newest = Connection("newest", server.sessions.new(), server)
         newest.session.conn = newest
-        await server._claim_session(newest, b"S" * 16, {})
+        await server.claims.claim(newest, b"S" * 16, {})
         assert server.sessions[b"S" * 16].conn is newest and old.retired
         with pytest.raises(FsError) as info:
-            await server._claim_session(late, b"S" * 16, {})
+            await server.claims.claim(late, b"S" * 16, {})
         assert info.value.errno == errno.ESTALE
         assert server.sessions[b"S" * 16].conn is newest
         nursery.cancel_scope.cancel()
@@ -2573,7 +2573,7 @@ async def test_the_connection_given_up_ending_first_leaves_the_registration_its_
         old.clean_close = True  # the client closed it (EOF read)
         old.superseded = True  # a registration waits for it (Connection.supersede)
         server.sessions.detach(old, nursery)
-        _, failed, _ = await server._claim_session(
+        _, failed, _ = await server.claims.claim(
             new, b"S" * 16, {ino: 1}, [(ino, 12288, 1, (0, 12288))])
         assert failed == [] and server.store.inodes[ino].size == 12288
         nursery.cancel_scope.cancel()
@@ -2585,7 +2585,7 @@ async def test_every_registration_waiting_for_a_connection_given_up_goes_on() ->
     async with trio.open_nursery() as nursery:
         server, old, new, run = await _moved_session(nursery)
         gate = trio.Event()
-        run_call = server._run_call
+        run_call = server.run_call
 
         async def stuck(conn: Any, value: Any, m: Any, args: Any, until: float = math.inf,
                         **kw: Any) -> Any:
@@ -2593,7 +2593,7 @@ async def test_every_registration_waiting_for_a_connection_given_up_goes_on() ->
                 await gate.wait()
             return await run_call(conn, value, m, args, until, **kw)
 
-        server._run_call = stuck  # type: ignore[method-assign]
+        server.run_call = stuck  # type: ignore[method-assign]
         nursery.start_soon(run, old, "getattr", ROOT)
         await trio.testing.wait_all_tasks_blocked()
         newer = Connection("newer", server.sessions.new(), server)
@@ -2602,7 +2602,7 @@ async def test_every_registration_waiting_for_a_connection_given_up_goes_on() ->
 
         async def claim(conn: Connection) -> None:
             try:
-                await server._claim_session(conn, b"S" * 16, {})
+                await server.claims.claim(conn, b"S" * 16, {})
                 done[conn.peer] = "registered"
             except FsError as exc:
                 done[conn.peer] = exc.errno
@@ -2626,7 +2626,7 @@ def _recall_at_registration(
     """Make *server* send a RECALL (request 999) of *ino*, and an UNLOCKED if
     *unlocked*, at the start of each registration, which first waits for the answer
     if *wait*; the event is set once the answer is read."""
-    claim = server._claim_session
+    claim = server.claims.claim
     recalled = server.recalled
     answered = trio.Event()
 
@@ -2644,7 +2644,7 @@ def _recall_at_registration(
             answered.set()
         recalled(session, rid, payload)
 
-    server._claim_session = chatty  # type: ignore[method-assign]
+    server.claims.claim = chatty  # type: ignore[method-assign]
     server.recalled = recalled_too  # type: ignore[method-assign]
     return answered
 
@@ -2704,7 +2704,7 @@ async def test_a_recall_while_the_session_moves_goes_to_the_connection_given_up(
         assert given_up is not None
         gate = trio.Event()
         ran_on: list[Any] = []
-        run_call = server._run_call
+        run_call = server.run_call
 
         async def stuck(conn: Any, value: Any, m: Any, args: Any, until: float = math.inf,
                         **kw: Any) -> Any:
@@ -2713,7 +2713,7 @@ async def test_a_recall_while_the_session_moves_goes_to_the_connection_given_up(
                 ran_on.append(conn)
             return await run_call(conn, value, m, args, until, **kw)
 
-        server._run_call = stuck  # type: ignore[method-assign]
+        server.run_call = stuck  # type: ignore[method-assign]
         assert a._conn is not None
         old = a._conn
         old.on_recall = lambda *args: None  # (the client no longer listens there)

@@ -1,0 +1,226 @@
+"""A session's registration: the ``session`` call a client makes on every connection.
+
+The client states its open handles, the sizes it wrote under write leases,
+the calls it made under its leases and has no answer to (memfs.meta.creates),
+and the lease token its transfers may still run under.  The server makes the
+session's open counts exactly those, keeps or refuses the sizes (after a
+restart, within ``--grace``), replays the held calls in their order, and
+answers with what is lost.  :mod:`memfs.meta.sessions` keeps the sessions and
+their open counts.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from memfs.errors import FsError
+from memfs.meta.journal import REGISTERED
+from memfs.meta.leases import Settle
+from memfs.meta.server_conn import Connection, Session
+from memfs.meta.store import ANY_EARLIER
+
+if TYPE_CHECKING:
+    from memfs.meta.server import MetaServer
+
+log = logging.getLogger(__name__)
+
+
+class SessionClaims:
+    """Registrations of client sessions; see the module docstring."""
+
+    def __init__(self, server: MetaServer) -> None:
+        self.server = server
+
+    async def claim(
+        self, conn: Connection, sid: bytes, claimed: dict[int, int],
+        settles: list[Settle] | None = None,
+        ops: list[tuple[str, list[Any]]] | None = None,
+        *, fence: int = 0,
+    ) -> list[Any]:
+        """Attach *conn* to session *sid* and make its open counts exactly *claimed*.
+
+        The client starts from empty caches on every connection, so whatever the
+        session held is forgotten; *settles* are the sizes and mtimes of the files it
+        was writing under write leases (kept unless its leases were taken from it:
+        after a server restart nobody holds any, and they are what it wrote).
+        Returns the inodes that no longer exist (the client drops those handles),
+        those whose reported writes were refused (the client fails their writers) and
+        the lease token its memory-server connections must name.  *fence*: the token
+        under which transfers the client cannot stop (memfs.array processes') may
+        still run: fenced before anything the session held is let go.
+        """
+        srv = self.server
+        s = await srv.sessions.attach(conn, sid)
+        s.last_heard = trio.current_time()  # (this frame was read before it was named)
+        srv.stamp()
+        # A size counts if the session still holds the write lease (cut off for less
+        # than its term, or evicted and back before its lease ran out: its chunks are
+        # all there), or if it is a session of an earlier run back within --grace of
+        # a restart (nobody holds leases then, and chunks past EOF are kept until the
+        # grace ends) on a file that is not marked for it (``store.unsaid``: its lease
+        # ended without its word before the restart) nor for every earlier session
+        # (``ANY_EARLIER``: the file's chunks changed during this grace).  Where the
+        # file is marked for it, or it is a stranger to this run (back after the
+        # grace, or after its session expired), the chunks past the end of file known
+        # then were freed: a larger size covers freed space, and the client must tell
+        # its writers (EIO), never report it.  A size no larger than the known one is
+        # stale (an answer that did arrive): ignored.
+        s.registrations += 1
+        if fence:
+            # Before the forget below lets the recalls waiting for it go: a change
+            # they let through that grants or cuts chunks waits for this fence
+            # (_run_call).  Its sizes count as usual: only the token is taken.
+            log.warning("%s: transfers under lease token %x may still run: fencing it",
+                        conn.peer, fence)
+            if fence == s.token:
+                srv.take_token(s)
+            elif srv.nursery is not None:
+                # A token of the session before it expired, or of an earlier run of
+                # this server (tokens are not journaled): not the session's now.
+                srv.fencing.begin(srv.nursery, fence)
+        renamed = s.fenced  # its token changed since it last heard one
+        s.fenced = False  # it hears its token now
+        # The session's first registration in this run: of an earlier run (eligible
+        # within --grace of the restart), or a stranger (back too late).
+        first = srv.store.registered(sid)
+        if first:
+            srv.journal_session(REGISTERED, sid)
+        previous_run = srv.recovering and first and sid in srv.store.eligible
+        marks = srv.store.unsaid
+        lost_here = {ino for ino, sids in marks.items() if sid in sids}
+        # The same client under an older object (dropped from the session table with no open
+        # handles while it still held a write lease): still its lease.
+        olds = {w for w in srv.leases.writers.values()
+                if w is not s and isinstance(w, Session) and w.sid == sid}
+        failed = []
+
+        def counts(ino: int) -> bool:
+            w = srv.leases.writers.get(ino)
+            return w is s or w in olds or (previous_run and w is None and ino not in lost_here
+                                           and ANY_EARLIER not in marks.get(ino, ()))
+
+        # Setattrs it made under write leases count as its sizes do (decided before
+        # those end the leases), unless, back after a restart, the file changed after
+        # it (another client, this grace); replayed below, then its mtimes again: one
+        # set before writes it made after would take theirs away.
+        set_at = {args[0] for name, args in ops or () if name == "setattr_at" and counts(args[0])
+                  and (srv.leases.writers.get(args[0]) is not None
+                       or (i := srv.store.inodes.get(args[0])) is None or i.ctime_ns <= args[-1])}
+        for ino, size, mtime, span in settles or ():
+            w = srv.leases.writers.get(ino)
+            if counts(ino):
+                if w is not None:
+                    # Its lease ends here with its word: what it took ahead goes now.
+                    srv.leases.release_write(w, ino)
+                if srv.store.settle_now(ino, size, mtime, True, span) and srv.journal is not None:
+                    srv.journal.append(srv.clock(), "settle", [ino, size, mtime, 1, *span])
+                continue
+            i = srv.store.inodes.get(ino)
+            if i is None or (size <= i.size and srv.meta is srv.store):
+                continue
+            # Through a backing directory no size is stale evidence: an overwrite in
+            # place reports the size the file has, and eviction may have freed the
+            # chunks it wrote.
+            if ino in lost_here or first:
+                log.warning("%s: size %d of inode %d (%d known) not applied: the client lost "
+                            "its write lease without its word (evicted, cut off, or back after "
+                            "--grace); its writes since its last report are lost",
+                            conn.peer, size, ino, i.size)
+                failed.append(ino)
+        # Refusals stay marked until a registration no longer reports them (this answer
+        # may be lost, and the same sizes come again); the rest are settled now.
+        for ino in failed:
+            srv.lost_write_of(ino, sid)
+        for ino in lost_here.difference(failed):
+            srv.lost_write_of(ino, sid, False)
+        # The files those setattrs change, as they are now (our sizes in): one another
+        # session changes while we wait below (a claim, a recall) was changed after
+        # ours, which then counts no more (refused, as after a restart).  Checked after
+        # each wait and taken again after each replayed change of ours.
+        seen: dict[int, int] = {}
+
+        def taken() -> None:
+            seen.clear()
+            seen.update((ino, i.ctime_ns) for ino in set_at
+                        if (i := srv.store.inodes.get(ino)) is not None)
+
+        def changed_elsewhere() -> None:
+            for ino in [ino for ino in set_at if (i := srv.store.inodes.get(ino)) is None
+                        or i.ctime_ns != seen.get(ino)]:
+                set_at.discard(ino)
+
+        taken()
+        # Handles it claims beyond those counted here (opens it made under its lease
+        # and had not sent when its connection went: RemoteMeta.open) are counted
+        # before the forget lets the recalls waiting for it go, and before any await:
+        # a change let through (an unlink elsewhere) must find those files open.
+        # (Lower counts wait for the end: a release must not free a file the
+        # replayed creates or unlinks below still name.)
+        for ino, n in claimed.items():
+            if n > s.opens.get(ino, 0) and ino in srv.store.inodes:
+                await srv.sessions.set_opens(s, ino, n)  # (the store does not await)
+        for o in olds:
+            srv.leases.forget(o, said=True)
+        srv.leases.forget(s, said=True)  # it has just said every size it had
+        # Creates and unlinks it made under a create lease and has no answer to (in its
+        # order; one that arrived before is answered as it is): before its claims,
+        # which count their handles.
+        refused_ops = []
+        replayed = ops or []
+        unlinked_later = {args[2]: k for k, (name, args) in enumerate(replayed) if name == "unlink_at"}
+        for k, (name, args) in enumerate(replayed):
+            try:
+                # (A setattr made under a lease now replayed: others may hold the file.)
+                await srv.lease_policy.recall_for(s, "setattr" if name == "setattr_at" else name, args)
+                if name == "unlink_at":
+                    # A file it holds open stays as an orphan (an mds restarted since
+                    # counts no opens yet): its claim first.
+                    ino = args[2]
+                    if claimed.get(ino, 0) > s.opens.get(ino, 0) and ino in srv.store.inodes:
+                        await srv.sessions.set_opens(s, ino, claimed[ino])
+                changed_elsewhere()  # (the store applies what follows without awaiting)
+                if name == "create_at":
+                    if unlinked_later.get(args[5], -1) > k and args[5] not in srv.store.inodes \
+                            and args[5] not in srv.store.delegated.get(sid, ()):
+                        continue  # made and unlinked before (answers lost), and gone since
+                    srv.made.create_at(s, args)
+                elif name == "setattr_at":
+                    await srv.made.setattr_at(s, args, args[0] in set_at)
+                else:
+                    await srv.made.unlink_at(s, args)
+            except FsError as exc:
+                why = exc.args[1] if len(exc.args) > 1 else exc
+                if name == "setattr_at":
+                    log.warning("%s: setattr of inode %d, made under a lease, failed on "
+                                "its way again: %s", conn.peer, args[0], why)
+                else:
+                    log.warning("%s: %s of %r in inode %d, made under a create lease, failed "
+                                "on its way again: %s", conn.peer, name, args[1], args[0], why)
+                refused_ops.append([k, exc.errno])
+            finally:
+                taken()
+            srv.journal_destroys()
+        for ino, size, mtime, _ in settles or ():
+            if ino in set_at and srv.store.settle_now(ino, size, mtime, False, (0, 0)) \
+                    and srv.journal is not None:
+                srv.journal.append(srv.clock(), "settle", [ino, size, mtime, 0, 0, 0])
+        if renamed or first:
+            # The client hears a token other than the one its inode numbers were
+            # reserved under and drops them (RemoteMeta._connect): so do we, once its
+            # creates above had theirs.  (Not journaled: a restart makes this
+            # registration a first one again.)
+            srv.store.delegated.pop(sid, None)
+        lost = [ino for ino in set(claimed) | set(s.opens)
+                if not await srv.sessions.set_opens(s, ino, claimed.get(ino, 0))]
+        srv.journal_destroys()
+        if claimed:
+            log.info("%s: session re-registered %d open inodes (%d gone)", conn.peer, len(claimed), len(lost))
+        srv.check_recovered()
+        if srv.adopted:  # (before the answer: the client adopts once registered)
+            s.send_pool(dict(srv.adopted))
+        if ops is not None:
+            return [sorted(lost), failed, s.token, refused_ops]
+        return [sorted(lost), failed, s.token]
