@@ -6,7 +6,8 @@ idle connection provably alive (:mod:`memfs.meta.remote_conn`).
 :func:`open_remote_meta` owns the nursery these tasks run in.  Chunk maps for
 reads and writes: :mod:`memfs.meta.remote_maps`; truncates and punched holes:
 :mod:`memfs.meta.remote_cut`; the lease token and the memory servers taken back:
-:mod:`memfs.meta.remote_pool`.
+:mod:`memfs.meta.remote_pool`; creates, unlinks, opens, setattrs and access times
+made under a lease and told without waiting: :mod:`memfs.meta.remote_held`.
 
 Deadlines: every call finishes within ``timeout`` seconds, counting any wait for
 a reconnection; otherwise it fails with ``FsError(EIO)``.  A call that times
@@ -64,7 +65,6 @@ from memfs.meta import (
     SetAttr,
     StatFs,
     WritePlan,
-    apply_setattr,
     check_xattr_name,
     clock,
     codec,
@@ -72,7 +72,7 @@ from memfs.meta import (
 )
 from memfs.meta.cache import READ_AT, ClientCache
 from memfs.meta.conn import MAX_REPLY, FrameSocket
-from memfs.meta.creates import RESERVE, AsyncCreates
+from memfs.meta.creates import AsyncCreates
 from memfs.meta.lease_client import LeaseKeeper
 from memfs.meta.lock_client import LockClient
 from memfs.meta.remote_conn import (
@@ -84,6 +84,7 @@ from memfs.meta.remote_conn import (
     handshake,
 )
 from memfs.meta.remote_cut import Cutter, ZeroTails
+from memfs.meta.remote_held import HeldCalls
 from memfs.meta.remote_maps import MapClient
 from memfs.meta.remote_pool import PoolFollower, incarnations_from_wire
 from memfs.net import connect
@@ -127,9 +128,9 @@ class PoolDescription:
     made_max: int = 0
     #: the server places ``O_APPEND`` writes itself (``codec.append_offset``)
     appends: bool = False
-    #: a ``made`` call may carry opens (``codec.HELD_CALLS``): see RemoteMeta.open
+    #: a ``made`` call may carry opens (``codec.HELD_CALLS``): see HeldCalls.open_here
     held_opens: bool = False
-    #: and setattrs made under a write or create lease (``setattr_at``): see RemoteMeta.setattr
+    #: and setattrs made under a write or create lease (``setattr_at``): see HeldCalls.setattr_here
     held_setattrs: bool = False
     #: and access times of reads from cached maps (``atime_at``): see MapClient.read
     held_atimes: bool = False
@@ -189,12 +190,6 @@ class RemoteMeta(Meta):
         self.write_errors: set[int] = set()
         self._opens_version = 0
         self._conn: MdsConnection | None = None
-        #: the server takes opens in made calls (PoolDescription.held_opens)
-        self.held_opens = False
-        #: and setattrs (PoolDescription.held_setattrs)
-        self.held_setattrs = False
-        #: and access times (PoolDescription.held_atimes)
-        self.held_atimes = False
         #: registrations that replayed setattrs the server closed in a row (_register)
         self._no_setattr_at = 0
         self._ready = trio.Event()
@@ -206,16 +201,17 @@ class RemoteMeta(Meta):
         self.cache = ClientCache()
         #: creates made under create leases (memfs.meta.creates)
         self.creates = AsyncCreates(self.cache)
-        self._reserving: trio.Event | None = None
-        #: the lease token of the registration our reserved inode numbers came under
-        self._inos_token = 0
         self.leases = LeaseKeeper(self.cache, self._call, self, self.creates)
+        #: calls made under a lease and told without waiting (memfs.meta.remote_held)
+        self.held = HeldCalls(self.cache, self.creates, self.leases, lambda: self._conn,
+                              lambda: self.token, self._call, self.opens, self.write_errors,
+                              self.count_open, self._gone_here)
         #: this client's cluster-wide file locks
         self.lock_client = LockClient(self.session, self._call)
         #: the chunk maps reads and writes go by (memfs.meta.remote_maps)
         self.maps = MapClient(self.cache, self.leases, self._call_kind, self.getattr,
                               self.opens, self._check_write_error)
-        self.maps.touch = self._touch_atime
+        self.maps.touch = self.held.touch_atime
         #: truncates and punches (memfs.meta.remote_cut)
         self.cutter = Cutter(self.cache, self.leases, self.maps, self._call, timeout)
         self._last_open: tuple[int, bool] = (0, False)
@@ -318,9 +314,9 @@ class RemoteMeta(Meta):
                 raise
         # (Also after a restart: the server may have been upgraded or downgraded.)
         self.maps.appends = desc.appends
-        self.held_opens = desc.held_opens
-        self.held_setattrs = desc.held_setattrs
-        self.held_atimes = desc.held_atimes
+        self.held.takes_opens = desc.held_opens
+        self.held.takes_setattrs = desc.held_setattrs
+        self.held.takes_atimes = desc.held_atimes
         self._no_setattr_at = 0
         if first:
             self.pool = desc
@@ -348,7 +344,7 @@ class RemoteMeta(Meta):
             if self.opens.pop(ino, None):
                 self._opens_version += 1
         self.write_lost(failed)
-        if self.token != self._inos_token:
+        if self.token != self.held.inos_token:
             # A token other than the one our numbers came under: our session expired
             # (the numbers reserved for it went with it), our leases were taken, or the
             # server restarted; the server forgets them too (MetaServer._claim_session).
@@ -415,7 +411,7 @@ class RemoteMeta(Meta):
             # again.  (One close may be a restart or a cut: they go again first.)
             for op, c in ops:
                 if c[0] == "setattr_at" and self.creates.answered(op) is not None:
-                    self._setattr_failed(c[1], errno.EOPNOTSUPP, "an older metadata server")
+                    self.held.setattr_failed(c[1], errno.EOPNOTSUPP, "an older metadata server")
             ops = [(op, c) for op, c in ops if c[0] != "setattr_at"]
         while True:
             version = self._opens_version
@@ -471,15 +467,7 @@ class RemoteMeta(Meta):
                 refused_ops = {codec.check_int(k, "operation"): codec.check_int(err, "errno")
                                for k, err in (codec.check_list(x, "refused", 2)
                                               for x in codec.check_list(answer[3], "refused"))}
-                for k, (op, c) in enumerate(ops):
-                    if self.creates.answered(op) is None or k not in refused_ops:
-                        continue
-                    if c[0] == "create_at":
-                        self._create_failed(c[6], c[1], c[2], refused_ops[k], "")
-                    elif c[0] == "setattr_at":
-                        self._setattr_failed(c[1], refused_ops[k], "")
-                    else:
-                        self._unlink_failed(c[1], c[2], refused_ops[k], "")
+                self.held.replay_refused(ops, refused_ops)
                 ops = []
             lost = [codec.check_int(x, "lost inode") for x in codec.check_list(gone, "lost")]
             failed += [codec.check_int(x, "failed inode") for x in codec.check_list(refused, "failed")
@@ -694,17 +682,7 @@ class RemoteMeta(Meta):
 
     async def sync(self, ino: int) -> None:
         self._check_write_error(ino)
-        if self.creates.pending_about(ino):
-            # A create made under a create lease (of this file, or in this directory),
-            # or a setattr under a write lease, is durable once the server answered it.
-            conn = self._conn
-            if conn is not None:
-                conn.flush_held()
-            with trio.move_on_after(self.timeout * 2) as scope:
-                await self.creates.wait([ino])
-            if scope.cancelled_caught:
-                raise FsError(errno.EIO, f"the metadata server has not confirmed the create of "
-                                         f"inode {ino} (or of files in it), or a change to it")
+        await self.held.wait_answered(ino, self.timeout * 2)
         cache = self.cache
         if ino in cache.dirty or ino in cache.spans or ino in cache.sending:
             await self.leases.settle(ino, trim=False, again=True)
@@ -760,7 +738,7 @@ class RemoteMeta(Meta):
         return a
 
     async def setattr(self, ino: int, changes: SetAttr) -> Attr:
-        if (a := self._setattr_here(ino, changes)) is not None:
+        if (a := self.held.setattr_here(ino, changes)) is not None:
             return a
         if (w := self.leases.settled_first(ino)) is not None:
             await w
@@ -778,61 +756,6 @@ class RemoteMeta(Meta):
                 clock.saw(t)  # (the stamps of our writes under a lease come after it)
         self.cache.changed(a, kind is Kind.OK_CACHE)
         return a
-
-    def _setattr_here(self, ino: int, changes: SetAttr) -> Attr | None:
-        """A setattr under our write lease of regular file *ino*, or our create lease
-        of directory *ino*: applied here, the server told without waiting (``tar x``
-        sets times, owner and mode of every file it writes, and of every directory
-        once its files are in).  No other node has the file's state then, and any call
-        about it recalls us first; the ``setattr_at`` held goes before our answer,
-        and the server runs it before the answer is applied (as creates: see
-        memfs.meta.creates).  None: this one asks the server (no such lease, set-ID
-        bits, or a report, recall answer, truncate or setattr of the file on its
-        way, which the server must see in the order taken)."""
-        conn = self._conn
-        cache = self.cache
-        if (not self.held_setattrs or conn is None or conn.dead or changes == SetAttr()
-                or (a := cache.attr(ino)) is None or not self.leases.quiet(ino)
-                or not (stat.S_ISREG(a.mode) and cache.is_writer(ino)
-                        or stat.S_ISDIR(a.mode) and ino in cache.creators)):
-            return None
-        t = _now_ns()
-        new = Attr(ino, a.mode, a.nlink, a.uid, a.gid, a.rdev, a.size, a.blocks, a.atime_ns,
-                   a.mtime_ns, t)
-        apply_setattr(new, changes)
-        if new.mode & (stat.S_ISUID | stat.S_ISGID):
-            # Another node's write must drop them, asking the server only if it sees
-            # some (MetaServer: drop_privileges recalls no writer otherwise).
-            return None
-        if changes.mtime_ns is not None:
-            cache.mtime_set(ino, changes.mtime_ns)  # (reports from now on carry it)
-        call = ["setattr_at", ino, *codec.setattr_at_args(changes), t]
-        op = self.creates.setattr_made(call)
-        self._hold_made(conn, op, call, lambda err, msg: self._setattr_failed(ino, err, msg))
-        for x in (changes.atime_ns, changes.mtime_ns, t):
-            if x is not None:
-                clock.saw(x)
-        cache.changed(new, True)
-        return new
-
-    def _touch_atime(self, ino: int, t: int) -> bool:
-        """Hold a read's access time for the server (``MapClient.touch``)."""
-        conn = self._conn
-        if not self.held_atimes or conn is None or conn.dead:
-            return False
-        conn.hold(codec.call_payload("atime_at", ino, t), _no_answer, _atime_refused)
-        return True
-
-    def _setattr_failed(self, ino: int, err: int, msg: str) -> None:
-        """The server refused a setattr we made under a write (or create) lease: the lease ended
-        without our word (evicted, or back after a restart to a file changed since),
-        or an older server came back; the change is lost."""
-        log.error("setattr of inode %d, made under a lease, was refused by the metadata "
-                  "server: %s; its writers get EIO", ino, msg or os.strerror(err))
-        if self.opens.get(ino):
-            self.write_errors.add(ino)
-        self.cache.drop(ino)
-        self.leases.drop_kernel([ino])
 
     async def drop_privileges(self, ino: int, set_ids: bool) -> bool:
         """One call that drops and says whether it did (never a read-modify-write a
@@ -897,14 +820,14 @@ class RemoteMeta(Meta):
 
     async def create(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Attr:
         if parent in self.cache.creators:
-            a = await self._create_here(parent, name, mode, uid, gid)
+            a = await self.held.create_here(parent, name, mode, uid, gid)
             if a is not None:
+                self._last_open = (a.ino, True)
                 return a
 
         def counted(kind: Kind, payload: bytes) -> None:  # as the reply is read: no reconnection in between
             ino = wire.decode(payload)[0]
-            self.opens[ino] = self.opens.get(ino, 0) + 1
-            self._opens_version += 1
+            self.count_open(ino)
             if kind is Kind.OK_WRITE:  # a create lease on the directory (before any recall of it)
                 self.cache.creators.setdefault(parent, set())
 
@@ -915,103 +838,6 @@ class RemoteMeta(Meta):
         self._last_open = (a.ino, kind is Kind.OK_CACHE)
         return a
 
-    async def _create_here(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Attr | None:
-        """Create under our create lease on *parent* (memfs.meta.creates): answered
-        here, the server told without waiting.  None: this one must ask the server."""
-        creates = self.creates
-        if not creates.inos:
-            await self._reserve_inos()
-        conn = self._conn
-        if conn is None or conn.dead:
-            return None
-        made = creates.make(parent, name, mode, uid, gid, _now_ns())
-        if made is None:
-            return None
-        a, op, call = made
-        ino = a.ino
-        self._hold_made(conn, op, call, lambda err, msg: self._create_failed(ino, parent, name, err, msg))
-        self.opens[ino] = self.opens.get(ino, 0) + 1
-        self._opens_version += 1
-        self.cache.created(parent, name, a, True)
-        self._last_open = (ino, True)
-        return a
-
-    async def _reserve_inos(self) -> None:
-        """Ask for inode numbers for our creates (once at a time)."""
-        if self._reserving is not None:
-            await self._reserving.wait()
-            return
-        self._reserving = done = trio.Event()
-        try:
-            first = await self._call("reserve_inos", RESERVE)
-            # Not retried: answered on the connection whose registration named this token.
-            self._inos_token = self.token
-            self.creates.inos.extend(range(first, first + RESERVE))
-        except FsError as exc:
-            log.debug("no inode numbers reserved: %s", exc)
-            if exc.errno == errno.EOPNOTSUPP:
-                self.cache.creators.clear()
-        finally:
-            self._reserving = None
-            done.set()
-
-    def _unlink_here(self, parent: int, name: bytes) -> bool:
-        """Unlink under our create lease on *parent* a file we made there (see
-        memfs.meta.creates), the server told without waiting; False: ask the server."""
-        conn = self._conn
-        if conn is None or conn.dead or not self.cache.valid():
-            return False
-        t = _now_ns()
-        removed = self.creates.remove(parent, name, t)
-        if removed is None:
-            return False
-        ino, op, call = removed
-        self._hold_made(conn, op, call, lambda err, msg: self._unlink_failed(parent, name, err, msg))
-        self.cache.removed(parent, name, ino, t, 0, True)
-        self._gone_here(ino)
-        return True
-
-    def _hold_made(
-        self, conn: MdsConnection, op: int, call: list[Any], refused: Callable[[int, str], None],
-    ) -> None:
-        """Send *call* (operation *op* of :class:`AsyncCreates`) without waiting; its
-        answer settles it, and *refused* hears of a refusal."""
-        creates = self.creates
-
-        def ok(kind: Kind, payload: bytes) -> None:
-            creates.answered(op)
-
-        def failed(kind: Kind, payload: bytes) -> None:
-            if creates.answered(op) is not None:
-                refused(*wire.decode_error(payload))
-
-        conn.hold(codec.call_payload(*call), ok, failed)
-
-    def _unlink_failed(self, parent: int, name: bytes, err: int, msg: str) -> None:
-        """The server refused an unlink we made under a create lease (we lost the lease
-        meanwhile, and another client renamed the file): ask about the directory again."""
-        log.error("unlink of %r in inode %d, made under a create lease, was refused by the "
-                  "metadata server: %s", name, parent, msg or os.strerror(err))
-        self.cache.drop(parent)
-        self.leases.drop_kernel([parent])
-        self.leases.forget_kernel_names()
-
-    def _create_failed(self, ino: int, parent: int, name: bytes, err: int, msg: str) -> None:
-        """The server refused a create we made under a create lease (we lost the lease
-        meanwhile, and the name or our numbers with it): the file is gone."""
-        log.error("create of %r in inode %d (inode %d), made under a create lease, was refused "
-                  "by the metadata server: %s; its writers get EIO", name, parent, ino,
-                  msg or os.strerror(err))
-        if err == errno.EINVAL:  # our reserved numbers are not ours any more
-            self.creates.inos.clear()
-        if self.opens.get(ino):
-            self.write_errors.add(ino)
-        self.cache.drop(ino)
-        self.cache.drop_entry(parent, name)
-        self.cache.attrs.pop(parent, None)
-        self.leases.drop_kernel([ino, parent])
-        self.leases.forget_kernel_names()
-
     async def link(self, ino: int, parent: int, name: bytes) -> Attr:
         self.cache.named_elsewhere(ino)
         kind, a = await self._call_kind("link", ino, parent, name)
@@ -1019,11 +845,16 @@ class RemoteMeta(Meta):
         return a
 
     async def unlink(self, parent: int, name: bytes) -> None:
-        if parent in self.cache.creators and self._unlink_here(parent, name):
+        if parent in self.cache.creators and self.held.unlink_here(parent, name):
             return
         kind, (child, t) = await self._call_kind("unlink", parent, name)
         self.cache.removed(parent, name, child, t, 0, kind is Kind.OK_CACHE)
         self._gone_here(child)
+
+    def count_open(self, ino: int) -> None:
+        """A handle of *ino* opened here: counted, and claimed by every registration."""
+        self.opens[ino] = self.opens.get(ino, 0) + 1
+        self._opens_version += 1
 
     def _gone_here(self, ino: int) -> None:
         """We unlinked (or renamed over) *ino*: its chunk map goes now, unless a handle
@@ -1079,23 +910,11 @@ class RemoteMeta(Meta):
 
     async def open(self, ino: int) -> Attr:
         def counted(kind: Kind, payload: bytes) -> None:  # as the reply is read: no reconnection in between
-            self.opens[ino] = self.opens.get(ino, 0) + 1
-            self._opens_version += 1
+            self.count_open(ino)
 
         if (w := self.leases.settled_first(ino)) is not None:
             await w
-        conn = self._conn
-        if (self.held_opens and conn is not None and not conn.dead and not self.cache.invalidating
-                and (a := self.cache.attr(ino)) is not None and a.nlink > 0):
-            # Under our lease of the file: the server hears of this handle with our next
-            # call (held, as creates are), and no one waits for its answer.  It counts
-            # it before it reads our answer to any recall sent after it
-            # (MdsConnection.hold_open), so an unlink elsewhere, which recalls us,
-            # finds the file open here.  A connection lost first: the next
-            # registration claims our handles.
-            conn.hold_open(ino, self._held_open_refused)
-            self.opens[ino] = self.opens.get(ino, 0) + 1
-            self._opens_version += 1
+        if (a := self.held.open_here(ino)) is not None:
             self._last_open = (ino, True)
             return a
         sent = self.cache.seq
@@ -1105,15 +924,6 @@ class RemoteMeta(Meta):
             self.cache.put_attr(a)
         self._last_open = (ino, cacheable)
         return a
-
-    @staticmethod
-    def _held_open_refused(kind: Kind, payload: bytes) -> None:
-        """A held open the server refused: the file is gone there, which it cannot be
-        while our lease of it lasts (we lost it without knowing: an eviction).  The
-        handle's next calls fail; its release is ignored there."""
-        err, msg = wire.decode_error(payload)
-        log.warning("the metadata server refused an open made under our lease: %s (%s)",
-                    msg, errno.errorcode.get(err, err))
 
     async def release(self, ino: int) -> None:
         if self.opens.get(ino, 0) <= 0:
@@ -1131,7 +941,7 @@ class RemoteMeta(Meta):
             if read_here and (a := self.cache.attr(ino)) is not None:
                 # Our reads under the lease moved the access time here only (once the
                 # lease ends, the map we keep serves reads, and nothing would tell it).
-                self._touch_atime(ino, a.atime_ns)
+                self.held.touch_atime(ino, a.atime_ns)
         def uncount() -> None:
             n = self.opens[ino] - 1
             if n:
@@ -1231,18 +1041,6 @@ class RemoteMeta(Meta):
 
     async def reclaim(self) -> None:
         await self._call("reclaim")
-
-
-#: the clock the metadata server stamps with too: timestamps stay in the kernel's order
-_now_ns = clock.now_ns
-
-
-def _no_answer(kind: Kind, payload: bytes) -> None:
-    """A held call whose answer says nothing (an access time moved)."""
-
-
-def _atime_refused(kind: Kind, payload: bytes) -> None:
-    log.debug("access time refused: %s", wire.decode_error(payload)[1])
 
 
 @asynccontextmanager

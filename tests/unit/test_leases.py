@@ -1272,7 +1272,7 @@ async def test_an_open_without_the_lease_or_to_an_older_server_asks(
         seen = _calls_seen(server)
         await a.open(f.ino)
         assert seen == [["open", f.ino]]
-        a.held_opens = False  # a server that takes no opens in made calls
+        a.held.takes_opens = False  # a server that takes no opens in made calls
         seen.clear()
         assert a.cache.attr(f.ino) is not None  # (now held)
         await a.open(f.ino)
@@ -4544,10 +4544,10 @@ async def test_a_setattr_asks_while_a_report_of_the_file_is_on_its_way(
         await a.setattr(f.ino, SetAttr(mode=0o600))
         assert [v[0] for v in seen] == ["setattr"]
         del a.leases._reporting[f.ino]
-        a.held_setattrs = False  # an older mds
+        a.held.takes_setattrs = False  # an older mds
         await a.setattr(f.ino, SetAttr(mode=0o644))
         assert [v[0] for v in seen] == ["setattr", "setattr"]
-        a.held_setattrs = True
+        a.held.takes_setattrs = True
         await a.release(f.ino)
         await a.setattr(f.ino, SetAttr(mode=0o640))  # no write lease now
         assert [v[0] for v in seen][-1] == "setattr"
@@ -4758,7 +4758,7 @@ async def test_a_first_read_from_a_cached_map_moves_atime_without_asking(
         assert [c[0] for v in seen for c in (v[1] if v[0] == "made" else [v])] == ["atime_at", "statfs"]
         assert server.store.inodes[f.ino].atime_ns == moved
         a.cache.attrs[f.ino].atime_ns = 1
-        a.held_atimes = False  # an older mds
+        a.held.takes_atimes = False  # an older mds
         assert await a.map_read(f.ino, 0, 100)
         assert seen[-1][0] == "map_read"
 
