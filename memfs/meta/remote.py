@@ -347,7 +347,7 @@ class RemoteMeta(Meta):
         if self.token != self.held.inos_token:
             # A token other than the one our numbers came under: our session expired
             # (the numbers reserved for it went with it), our leases were taken, or the
-            # server restarted; the server forgets them too (MetaServer._claim_session).
+            # server restarted; the server forgets them too (SessionClaims.claim).
             # Compared with the reservation's token, not the last attempt's: an attempt
             # that registered and then failed must not hide the change.
             self.creates.inos.clear()

@@ -80,7 +80,7 @@ from memfs.meta.leases import (
     settles_from_wire,
 )
 from memfs.meta.locks import LockService
-from memfs.meta.server_claims import SessionClaims
+from memfs.meta.server_claims import CHANGES, SessionClaims
 from memfs.meta.server_conn import (
     HANDSHAKE_MAX_PAYLOAD,
     CloseConnection,
@@ -442,7 +442,10 @@ class MetaServer:
 
     def recalled(self, session: Session, rid: int, payload: Any) -> None:
         self._t = self.real_now()
-        self.leases.recalled(session, rid, settles_from_wire(payload))
+        settles = settles_from_wire(payload)
+        if self.claims.watching:  # (its sizes: changes a registration's replay must not undo)
+            self.claims.changed(session, [st[0] for st in settles])
+        self.leases.recalled(session, rid, settles)
 
     def may_wait(self, session: Session, value: Any, parsed: Parsed) -> bool:
         """Could executing this call wait?  Then it must not run in the reading task.
@@ -599,6 +602,10 @@ class MetaServer:
             # A writer of an earlier run may no longer have its space past EOF here.
             self.lost_write_of(args[0], ANY_EARLIER)
         atime = self._atime(args[0]) if m.name == "map_read" and self.journal else None
+        # What it changes, for registrations replaying setattrs (memfs.meta.server_claims)
+        # (before the change: an unlink's child is named then).
+        changes = ([args[0], *(it.ino for it in self.lease_policy.conflicts(session, m.name, args))]
+                   if self.claims.watching and m.name in CHANGES else None)
         journaled = m.mutates
         widen = True
         try:
@@ -686,6 +693,8 @@ class MetaServer:
             return Kind.ERROR, wire.encode_error(errno.EIO, "internal error in the metadata server")
         if m.name == "drop_privileges" and not result:
             journaled = False  # nothing dropped: nothing to replay
+        if changes is not None:
+            self.claims.changed(session, changes)
         if self.journal is not None:
             if journaled:
                 # (allocate_ahead: as applied, its offset placed and its space ahead given)

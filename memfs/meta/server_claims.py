@@ -12,6 +12,8 @@ their open counts.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -28,11 +30,35 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+#: calls of other sessions after which a setattr replayed for the same file is stale
+#: (they change what it sets, or came after it; not reads, releases or locks)
+CHANGES = frozenset({
+    "setattr", "truncate", "punch", "map_write", "allocate_ahead", "settle", "setxattr",
+    "removexattr", "drop_privileges", "link", "unlink", "rmdir", "rename", "mknod", "create",
+    "create_at", "unlink_at", "setattr_at",
+})
+
+
+@dataclass(eq=False)
+class _Watch:
+    """A registration's replayed setattrs, and the files of theirs that another
+    session changed meanwhile."""
+
+    session: Session
+    setattrs: set[int]
+    changed: set[int] = field(default_factory=set)
+
+    def counted(self) -> set[int]:
+        return self.setattrs - self.changed
+
+
 class SessionClaims:
     """Registrations of client sessions; see the module docstring."""
 
     def __init__(self, server: MetaServer) -> None:
         self.server = server
+        #: registrations replaying setattrs, which changes by other sessions make stale
+        self.watching: list[_Watch] = []
 
     async def claim(
         self, conn: Connection, sid: bytes, claimed: dict[int, int],
@@ -136,75 +162,17 @@ class SessionClaims:
             srv.lost_write_of(ino, sid)
         for ino in lost_here.difference(failed):
             srv.lost_write_of(ino, sid, False)
-        # The files those setattrs change, as they are now (our sizes in): one another
-        # session changes while we wait below (a claim, a recall) was changed after
-        # ours, which then counts no more (refused, as after a restart).  Checked after
-        # each wait and taken again after each replayed change of ours.
-        seen: dict[int, int] = {}
-
-        def taken() -> None:
-            seen.clear()
-            seen.update((ino, i.ctime_ns) for ino in set_at
-                        if (i := srv.store.inodes.get(ino)) is not None)
-
-        def changed_elsewhere() -> None:
-            for ino in [ino for ino in set_at if (i := srv.store.inodes.get(ino)) is None
-                        or i.ctime_ns != seen.get(ino)]:
-                set_at.discard(ino)
-
-        taken()
-        # Handles it claims beyond those counted here (opens it made under its lease
-        # and had not sent when its connection went: RemoteMeta.open) are counted
-        # before the forget lets the recalls waiting for it go, and before any await:
-        # a change let through (an unlink elsewhere) must find those files open.
-        # (Lower counts wait for the end: a release must not free a file the
-        # replayed creates or unlinks below still name.)
-        for ino, n in claimed.items():
-            if n > s.opens.get(ino, 0) and ino in srv.store.inodes:
-                await srv.sessions.set_opens(s, ino, n)  # (the store does not await)
-        for o in olds:
-            srv.leases.forget(o, said=True)
-        srv.leases.forget(s, said=True)  # it has just said every size it had
-        # Creates and unlinks it made under a create lease and has no answer to (in its
-        # order; one that arrived before is answered as it is): before its claims,
-        # which count their handles.
-        refused_ops = []
-        replayed = ops or []
-        unlinked_later = {args[2]: k for k, (name, args) in enumerate(replayed) if name == "unlink_at"}
-        for k, (name, args) in enumerate(replayed):
-            try:
-                # (A setattr made under a lease now replayed: others may hold the file.)
-                await srv.lease_policy.recall_for(s, "setattr" if name == "setattr_at" else name, args)
-                if name == "unlink_at":
-                    # A file it holds open stays as an orphan (an mds restarted since
-                    # counts no opens yet): its claim first.
-                    ino = args[2]
-                    if claimed.get(ino, 0) > s.opens.get(ino, 0) and ino in srv.store.inodes:
-                        await srv.sessions.set_opens(s, ino, claimed[ino])
-                changed_elsewhere()  # (the store applies what follows without awaiting)
-                if name == "create_at":
-                    if unlinked_later.get(args[5], -1) > k and args[5] not in srv.store.inodes \
-                            and args[5] not in srv.store.delegated.get(sid, ()):
-                        continue  # made and unlinked before (answers lost), and gone since
-                    srv.made.create_at(s, args)
-                elif name == "setattr_at":
-                    await srv.made.setattr_at(s, args, args[0] in set_at)
-                else:
-                    await srv.made.unlink_at(s, args)
-            except FsError as exc:
-                why = exc.args[1] if len(exc.args) > 1 else exc
-                if name == "setattr_at":
-                    log.warning("%s: setattr of inode %d, made under a lease, failed on "
-                                "its way again: %s", conn.peer, args[0], why)
-                else:
-                    log.warning("%s: %s of %r in inode %d, made under a create lease, failed "
-                                "on its way again: %s", conn.peer, name, args[1], args[0], why)
-                refused_ops.append([k, exc.errno])
-            finally:
-                taken()
-            srv.journal_destroys()
+        # Another session that changes one of those files while we wait below (a claim,
+        # a recall) changed it after that setattr, which then counts no more (refused,
+        # as one after a restart): watched until the replay is done.
+        watch = _Watch(s, set_at)
+        self.watching.append(watch)
+        try:
+            refused_ops = await self._replay(s, conn, claimed, olds, ops or [], watch)
+        finally:
+            self.watching.remove(watch)
         for ino, size, mtime, _ in settles or ():
-            if ino in set_at and srv.store.settle_now(ino, size, mtime, False, (0, 0)) \
+            if ino in watch.counted() and srv.store.settle_now(ino, size, mtime, False, (0, 0)) \
                     and srv.journal is not None:
                 srv.journal.append(srv.clock(), "settle", [ino, size, mtime, 0, 0, 0])
         if renamed or first:
@@ -224,3 +192,65 @@ class SessionClaims:
         if ops is not None:
             return [sorted(lost), failed, s.token, refused_ops]
         return [sorted(lost), failed, s.token]
+
+    async def _replay(
+        self, s: Session, conn: Connection, claimed: dict[int, int], olds: set[Session],
+        ops: list[tuple[str, list[Any]]], watch: _Watch,
+    ) -> list[list[int]]:
+        """Count *s*'s claimed handles, end its (and its *olds*') leases, and replay the
+        calls it made under them (*ops*): the positions and errnos of those refused."""
+        srv = self.server
+        # Handles it claims beyond those counted here (opens it made under its lease
+        # and had not sent when its connection went: RemoteMeta.open) are counted
+        # before the forget lets the recalls waiting for it go, and before any await:
+        # a change let through (an unlink elsewhere) must find those files open.
+        # (Lower counts wait for the end: a release must not free a file the
+        # replayed creates or unlinks below still name.)
+        for ino, n in claimed.items():
+            if n > s.opens.get(ino, 0) and ino in srv.store.inodes:
+                await srv.sessions.set_opens(s, ino, n)  # (the store does not await)
+        for o in olds:
+            srv.leases.forget(o, said=True)
+        srv.leases.forget(s, said=True)  # it has just said every size it had
+        # Creates and unlinks it made under a create lease and has no answer to (in its
+        # order; one that arrived before is answered as it is): before its claims,
+        # which count their handles.
+        refused_ops: list[list[int]] = []
+        unlinked_later = {args[2]: k for k, (name, args) in enumerate(ops) if name == "unlink_at"}
+        for k, (name, args) in enumerate(ops):
+            try:
+                # (A setattr made under a lease now replayed: others may hold the file.)
+                await srv.lease_policy.recall_for(s, "setattr" if name == "setattr_at" else name, args)
+                if name == "unlink_at":
+                    # A file it holds open stays as an orphan (an mds restarted since
+                    # counts no opens yet): its claim first.
+                    ino = args[2]
+                    if claimed.get(ino, 0) > s.opens.get(ino, 0) and ino in srv.store.inodes:
+                        await srv.sessions.set_opens(s, ino, claimed[ino])
+                if name == "create_at":
+                    if unlinked_later.get(args[5], -1) > k and args[5] not in srv.store.inodes \
+                            and args[5] not in srv.store.delegated.get(s.sid, ()):
+                        continue  # made and unlinked before (answers lost), and gone since
+                    srv.made.create_at(s, args)
+                elif name == "setattr_at":
+                    await srv.made.setattr_at(s, args, args[0] in watch.counted())
+                else:
+                    await srv.made.unlink_at(s, args)
+            except FsError as exc:
+                why = exc.args[1] if len(exc.args) > 1 else exc
+                if name == "setattr_at":
+                    log.warning("%s: setattr of inode %d, made under a lease, failed on "
+                                "its way again: %s", conn.peer, args[0], why)
+                else:
+                    log.warning("%s: %s of %r in inode %d, made under a create lease, failed "
+                                "on its way again: %s", conn.peer, name, args[1], args[0], why)
+                refused_ops.append([k, exc.errno])
+            srv.journal_destroys()
+        return refused_ops
+
+    def changed(self, session: Session | None, inos: Iterable[int]) -> None:
+        """*session* (None: the server) changed *inos*: setattrs a registration of
+        another session replays no longer count for those (see :meth:`claim`)."""
+        for w in self.watching:
+            if w.session is not session:
+                w.changed.update(w.setattrs.intersection(inos))
