@@ -80,7 +80,7 @@ from memfs.meta.leases import (
     settles_from_wire,
 )
 from memfs.meta.locks import LockService
-from memfs.meta.server_claims import CHANGES, SessionClaims
+from memfs.meta.server_claims import SessionClaims, fields_set
 from memfs.meta.server_conn import (
     HANDSHAKE_MAX_PAYLOAD,
     CloseConnection,
@@ -273,8 +273,11 @@ class MetaServer:
         """A write lease ended: its size and mtime (None: unknown), what it wrote and
         the end of its preallocation, applied and journaled."""
         size_ = -1 if size is None else size
-        if self.store.settle_now(ino, size_, mtime_ns, True, span) and self.journal is not None:
-            self.journal.append(self._t, "settle", [ino, size_, mtime_ns, 1, *span])
+        if self.store.settle_now(ino, size_, mtime_ns, True, span):
+            if size is not None and self.claims.watching:  # (a holder's writes, after...)
+                self.claims.changed(None, ino, codec.SET_MTIME)
+            if self.journal is not None:
+                self.journal.append(self._t, "settle", [ino, size_, mtime_ns, 1, *span])
         self.journal_destroys()
 
     def _lost_write(self, holder: Any, ino: int) -> None:
@@ -410,7 +413,7 @@ class MetaServer:
         self.recovering = False
         self.store.grace_ended()
         self.journal_session(GRACE_ENDED)
-        self._t = self.real_now()
+        self.stamp()
         n = 0
         for ino in self.store.preallocated():
             if ino not in self.leases.writers:
@@ -441,11 +444,8 @@ class MetaServer:
             self.sessions.detach(conn, self.nursery)
 
     def recalled(self, session: Session, rid: int, payload: Any) -> None:
-        self._t = self.real_now()
-        settles = settles_from_wire(payload)
-        if self.claims.watching:  # (its sizes: changes a registration's replay must not undo)
-            self.claims.changed(session, [st[0] for st in settles])
-        self.leases.recalled(session, rid, settles)
+        self.stamp()
+        self.leases.recalled(session, rid, settles_from_wire(payload))
 
     def may_wait(self, session: Session, value: Any, parsed: Parsed) -> bool:
         """Could executing this call wait?  Then it must not run in the reading task.
@@ -597,15 +597,11 @@ class MetaServer:
             # again at the reply (a mark the reader's recall cleared: that recall also
             # moved our client's generation, so it asks again, recalling the reader).
             self.leases.wrote(session, args[0])
-        self._t = self.real_now()
+        self.stamp()
         if self.recovering and m.name in _CHUNK_CHANGES and self.store.eligible:
             # A writer of an earlier run may no longer have its space past EOF here.
             self.lost_write_of(args[0], ANY_EARLIER)
         atime = self._atime(args[0]) if m.name == "map_read" and self.journal else None
-        # What it changes, for registrations replaying setattrs (memfs.meta.server_claims)
-        # (before the change: an unlink's child is named then).
-        changes = ([args[0], *(it.ino for it in self.lease_policy.conflicts(session, m.name, args))]
-                   if self.claims.watching and m.name in CHANGES else None)
         journaled = m.mutates
         widen = True
         try:
@@ -693,8 +689,10 @@ class MetaServer:
             return Kind.ERROR, wire.encode_error(errno.EIO, "internal error in the metadata server")
         if m.name == "drop_privileges" and not result:
             journaled = False  # nothing dropped: nothing to replay
-        if changes is not None:
-            self.claims.changed(session, changes)
+        if self.claims.watching and journaled:
+            # What it set, for registrations replaying setattrs (memfs.meta.server_claims)
+            for ino, bits in fields_set(m.name, args, result):
+                self.claims.changed(session.sid, ino, bits)
         if self.journal is not None:
             if journaled:
                 # (allocate_ahead: as applied, its offset placed and its space ahead given)

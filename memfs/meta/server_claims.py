@@ -12,13 +12,13 @@ their open counts.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import trio
 
 from memfs.errors import FsError
+from memfs.meta import codec
 from memfs.meta.journal import REGISTERED
 from memfs.meta.leases import Settle
 from memfs.meta.server_conn import Connection, Session
@@ -30,26 +30,47 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-#: calls of other sessions after which a setattr replayed for the same file is stale
-#: (they change what it sets, or came after it; not reads, releases or locks)
-CHANGES = frozenset({
-    "setattr", "truncate", "punch", "map_write", "allocate_ahead", "settle", "setxattr",
-    "removexattr", "drop_privileges", "link", "unlink", "rmdir", "rename", "mknod", "create",
-    "create_at", "unlink_at", "setattr_at",
-})
+#: a setattr's fields (codec.SET_*): what a chown also changes (set-ID bits go)
+_OWNER = codec.SET_UID | codec.SET_GID
+
+
+def fields_set(name: str, args: list[Any], result: Any) -> list[tuple[int, int]]:
+    """The setattr fields (codec.SET_*) a call applied sets, per inode: what a
+    setattr replayed for the same file must no longer set (SessionClaims.changed).
+    A write or truncate moves the mtime, a change of names its directory's, a
+    chown and a privileges drop the mode; nothing else sets a field."""
+    if name == "setattr":
+        bits = codec.setattr_at_args(args[1])[0]
+        return [(args[0], bits | codec.SET_MODE if bits & _OWNER else bits)]
+    if name == "setattr_at":
+        return [(args[0], args[1] | codec.SET_MODE if args[1] & _OWNER else args[1])]
+    if name == "drop_privileges":
+        return [(args[0], codec.SET_MODE)] if result else []
+    if name in ("map_write", "allocate_ahead", "truncate", "punch", "settle", "create", "mknod",
+                "create_at", "unlink_at", "unlink", "rmdir"):
+        return [(args[0], codec.SET_MTIME)]
+    if name == "link":
+        return [(args[1], codec.SET_MTIME)]
+    if name == "rename":
+        return [(args[0], codec.SET_MTIME), (args[2], codec.SET_MTIME)]
+    return []
 
 
 @dataclass(eq=False)
 class _Watch:
-    """A registration's replayed setattrs, and the files of theirs that another
-    session changed meanwhile."""
+    """A registration's replayed setattrs, and the fields of their files that other
+    sessions set meanwhile."""
 
-    session: Session
+    sid: bytes
     setattrs: set[int]
-    changed: set[int] = field(default_factory=set)
+    #: ino -> fields (codec.SET_*) set by others since the registration began
+    taken: dict[int, int] = field(default_factory=dict)
 
-    def counted(self) -> set[int]:
-        return self.setattrs - self.changed
+    def left(self, args: list[Any]) -> list[Any] | None:
+        """A replayed ``setattr_at`` without the fields others set since (None: no
+        field left: each was set again later, as if this one came first)."""
+        fields = args[1] & ~self.taken.get(args[0], 0)
+        return None if not fields else [args[0], fields, *args[2:]]
 
 
 class SessionClaims:
@@ -98,7 +119,7 @@ class SessionClaims:
         if fence:
             # Before the forget below lets the recalls waiting for it go: a change
             # they let through that grants or cuts chunks waits for this fence
-            # (_run_call).  Its sizes count as usual: only the token is taken.
+            # (MetaServer.run_call).  Its sizes count as usual: only the token is taken.
             log.warning("%s: transfers under lease token %x may still run: fencing it",
                         conn.peer, fence)
             if fence == s.token:
@@ -141,8 +162,11 @@ class SessionClaims:
                 if w is not None:
                     # Its lease ends here with its word: what it took ahead goes now.
                     srv.leases.release_write(w, ino)
-                if srv.store.settle_now(ino, size, mtime, True, span) and srv.journal is not None:
-                    srv.journal.append(srv.clock(), "settle", [ino, size, mtime, 1, *span])
+                if srv.store.settle_now(ino, size, mtime, True, span):
+                    if self.watching:
+                        self.changed(sid, ino, codec.SET_MTIME)
+                    if srv.journal is not None:
+                        srv.journal.append(srv.clock(), "settle", [ino, size, mtime, 1, *span])
                 continue
             i = srv.store.inodes.get(ino)
             if i is None or (size <= i.size and srv.meta is srv.store):
@@ -162,19 +186,18 @@ class SessionClaims:
             srv.lost_write_of(ino, sid)
         for ino in lost_here.difference(failed):
             srv.lost_write_of(ino, sid, False)
-        # Another session that changes one of those files while we wait below (a claim,
-        # a recall) changed it after that setattr, which then counts no more (refused,
-        # as one after a restart): watched until the replay is done.
-        watch = _Watch(s, set_at)
-        self.watching.append(watch)
+        # Another session that sets a field of one of those files while we wait below
+        # (a claim, a recall, a registration of its own) sets it after this setattr,
+        # which then leaves that field alone (as if it came first): watched until the
+        # replay is done.
+        watch = _Watch(sid, set_at)
+        if set_at:
+            self.watching.append(watch)
         try:
-            refused_ops = await self._replay(s, conn, claimed, olds, ops or [], watch)
+            refused_ops = await self._replay(s, conn, claimed, olds, ops or [], settles or [], watch)
         finally:
-            self.watching.remove(watch)
-        for ino, size, mtime, _ in settles or ():
-            if ino in watch.counted() and srv.store.settle_now(ino, size, mtime, False, (0, 0)) \
-                    and srv.journal is not None:
-                srv.journal.append(srv.clock(), "settle", [ino, size, mtime, 0, 0, 0])
+            if set_at:
+                self.watching.remove(watch)
         if renamed or first:
             # The client hears a token other than the one its inode numbers were
             # reserved under and drops them (RemoteMeta._connect): so do we, once its
@@ -195,7 +218,7 @@ class SessionClaims:
 
     async def _replay(
         self, s: Session, conn: Connection, claimed: dict[int, int], olds: set[Session],
-        ops: list[tuple[str, list[Any]]], watch: _Watch,
+        ops: list[tuple[str, list[Any]]], settles: list[Settle], watch: _Watch,
     ) -> list[list[int]]:
         """Count *s*'s claimed handles, end its (and its *olds*') leases, and replay the
         calls it made under them (*ops*): the positions and errnos of those refused."""
@@ -233,9 +256,22 @@ class SessionClaims:
                         continue  # made and unlinked before (answers lost), and gone since
                     srv.made.create_at(s, args)
                 elif name == "setattr_at":
-                    await srv.made.setattr_at(s, args, args[0] in watch.counted())
+                    ino = args[0]
+                    if ino in watch.setattrs:
+                        left = watch.left(args)
+                        if left is None:
+                            continue
+                        args = left
+                        await srv.made.setattr_at(s, args, True)
+                        if args[1] & codec.SET_MTIME:
+                            self._mtimes_again(ino, settles)
+                    else:
+                        await srv.made.setattr_at(s, args, False)
                 else:
                     await srv.made.unlink_at(s, args)
+                if self.watching:  # (others' watches: what it replays comes after theirs)
+                    for ino, bits in fields_set(name, args, None):
+                        self.changed(s.sid, ino, bits)
             except FsError as exc:
                 why = exc.args[1] if len(exc.args) > 1 else exc
                 if name == "setattr_at":
@@ -248,9 +284,22 @@ class SessionClaims:
             srv.journal_destroys()
         return refused_ops
 
-    def changed(self, session: Session | None, inos: Iterable[int]) -> None:
-        """*session* (None: the server) changed *inos*: setattrs a registration of
-        another session replays no longer count for those (see :meth:`claim`)."""
+    def _mtimes_again(self, ino: int, settles: list[Settle]) -> None:
+        """After a replayed setattr of *ino*'s mtime, the mtimes of the writes the
+        session reported (made after it, or the setattr would carry theirs): a
+        time set before writes made after must not take theirs away.  Never its
+        size again (another session may have truncated the file since)."""
+        srv = self.server
+        i = srv.store.inodes.get(ino)
+        for f, _, mtime, _ in settles:
+            if f == ino and i is not None and srv.store.settle_now(ino, i.size, mtime, False, (0, 0)) \
+                    and srv.journal is not None:
+                srv.journal.append(srv.clock(), "settle", [ino, i.size, mtime, 0, 0, 0])
+
+    def changed(self, sid: bytes | None, ino: int, fields: int) -> None:
+        """Session *sid* (None: the one whose recall answer reported writes) set
+        *fields* (codec.SET_*) of *ino*: setattrs that other sessions' registrations
+        replay no longer set those (see :meth:`claim`)."""
         for w in self.watching:
-            if w.session is not session:
-                w.changed.update(w.setattrs.intersection(inos))
+            if w.sid != sid and ino in w.setattrs:
+                w.taken[ino] = w.taken.get(ino, 0) | fields

@@ -56,7 +56,7 @@ class MadeCalls:
         a recall (only once the client lost its create lease) holds up the answers
         of those before it.
 
-        *checked* (:meth:`may_wait` found nothing to recall for any of them) holds
+        *checked* (:meth:`MetaServer.may_wait` found nothing to recall for any of them) holds
         across ``create_at`` calls: one neither awaits nor changes what another
         session holds.  After anything else the conflicts are asked again."""
         srv = self.server
@@ -121,7 +121,7 @@ class MadeCalls:
         """A setattr a client made under its write lease of the file, at its time
         (RemoteMeta.setattr): *held* is whether its lease still holds (no other
         session has the file's state then: nothing to recall), or, replayed by a
-        registration, whether it counts (``register``).  Else refused, unless
+        registration, whether it counts (``SessionClaims.claim``).  Else refused, unless
         applied already (sent again after a lost connection): the lease ended
         without the client's word (its answers to recalls go after this), and
         another client may have changed the file since."""
