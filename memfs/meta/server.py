@@ -80,7 +80,7 @@ from memfs.meta.leases import (
     settles_from_wire,
 )
 from memfs.meta.locks import LockService
-from memfs.meta.server_claims import SessionClaims, fields_set
+from memfs.meta.server_claims import SessionClaims
 from memfs.meta.server_conn import (
     HANDSHAKE_MAX_PAYLOAD,
     CloseConnection,
@@ -273,11 +273,11 @@ class MetaServer:
         """A write lease ended: its size and mtime (None: unknown), what it wrote and
         the end of its preallocation, applied and journaled."""
         size_ = -1 if size is None else size
-        if self.store.settle_now(ino, size_, mtime_ns, True, span):
-            if size is not None and self.claims.watching:  # (a holder's writes, after...)
-                self.claims.changed(None, ino, codec.SET_MTIME)
-            if self.journal is not None:
-                self.journal.append(self._t, "settle", [ino, size_, mtime_ns, 1, *span])
+        seen = self.claims.before(None, "settle", [ino]) if self.claims.watching else None
+        if self.store.settle_now(ino, size_, mtime_ns, True, span) and self.journal is not None:
+            self.journal.append(self._t, "settle", [ino, size_, mtime_ns, 1, *span])
+        if seen:  # (a holder's writes: registrations replaying setattrs hear of them)
+            self.claims.after(seen)
         self.journal_destroys()
 
     def _lost_write(self, holder: Any, ino: int) -> None:
@@ -294,6 +294,7 @@ class MetaServer:
 
     def _session_gone(self, sid: bytes) -> None:
         self.locks.drop_session(sid)
+        self.claims.taken.pop(sid, None)
         if sid in self.store.this_run or sid in self.store.eligible:
             self.store.session_gone(sid)
             self.journal_session(SESSION_GONE, sid)
@@ -604,6 +605,8 @@ class MetaServer:
         atime = self._atime(args[0]) if m.name == "map_read" and self.journal else None
         journaled = m.mutates
         widen = True
+        # What it sets of files whose setattrs a registration replays (memfs.meta.server_claims)
+        seen = self.claims.before(session.sid, m.name, args) if self.claims.watching else None
         try:
             if m.name == "open":
                 result: Any = await self.sessions.open(session, args[0])
@@ -689,10 +692,8 @@ class MetaServer:
             return Kind.ERROR, wire.encode_error(errno.EIO, "internal error in the metadata server")
         if m.name == "drop_privileges" and not result:
             journaled = False  # nothing dropped: nothing to replay
-        if self.claims.watching and journaled:
-            # What it set, for registrations replaying setattrs (memfs.meta.server_claims)
-            for ino, bits in fields_set(m.name, args, result):
-                self.claims.changed(session.sid, ino, bits)
+        if seen:
+            self.claims.after(seen)
         if self.journal is not None:
             if journaled:
                 # (allocate_ahead: as applied, its offset placed and its space ahead given)

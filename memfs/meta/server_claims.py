@@ -30,30 +30,35 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-#: a setattr's fields (codec.SET_*): what a chown also changes (set-ID bits go)
-_OWNER = codec.SET_UID | codec.SET_GID
+#: the attributes a setattr sets, as codec.SET_* bits
+_FIELDS = ((codec.SET_MODE, "mode"), (codec.SET_UID, "uid"), (codec.SET_GID, "gid"),
+           (codec.SET_ATIME, "atime_ns"), (codec.SET_MTIME, "mtime_ns"))
+Fields = tuple[int, int, int, int, int]
 
 
-def fields_set(name: str, args: list[Any], result: Any) -> list[tuple[int, int]]:
-    """The setattr fields (codec.SET_*) a call applied sets, per inode: what a
-    setattr replayed for the same file must no longer set (SessionClaims.changed).
-    A write or truncate moves the mtime, a change of names its directory's, a
-    chown and a privileges drop the mode; nothing else sets a field."""
+def fields_set(name: str, args: list[Any]) -> dict[int, int]:
+    """The inodes whose setattr fields (codec.SET_*) call *name* may set, with those
+    it sets whenever it is applied: a setattr its own, a write or truncate the
+    mtime, a change of names the directory's.  Whatever else moves (an access
+    time, a settle's mtime) is found by comparing (:meth:`SessionClaims.after`):
+    the clock is coarse, so a field set to the value it had would not show.  A
+    privileges drop sets only set-ID bits, which no setattr made under a lease
+    carries; a chown leaves the mode alone."""
+    if name == "drop_privileges" or not args or type(args[0]) is not int:
+        return {}
     if name == "setattr":
-        bits = codec.setattr_at_args(args[1])[0]
-        return [(args[0], bits | codec.SET_MODE if bits & _OWNER else bits)]
+        return {args[0]: codec.setattr_at_args(args[1])[0]}
     if name == "setattr_at":
-        return [(args[0], args[1] | codec.SET_MODE if args[1] & _OWNER else args[1])]
-    if name == "drop_privileges":
-        return [(args[0], codec.SET_MODE)] if result else []
-    if name in ("map_write", "allocate_ahead", "truncate", "punch", "settle", "create", "mknod",
-                "create_at", "unlink_at", "unlink", "rmdir"):
-        return [(args[0], codec.SET_MTIME)]
+        return {args[0]: args[1]}
+    if name in ("map_write", "allocate_ahead"):
+        return {args[0]: codec.SET_MTIME if args[2] else 0}
+    if name in ("truncate", "punch", "create", "mknod", "create_at", "unlink_at", "unlink", "rmdir"):
+        return {args[0]: codec.SET_MTIME}
     if name == "link":
-        return [(args[1], codec.SET_MTIME)]
+        return {args[1]: codec.SET_MTIME}
     if name == "rename":
-        return [(args[0], codec.SET_MTIME), (args[2], codec.SET_MTIME)]
-    return []
+        return {args[0]: codec.SET_MTIME, args[2]: codec.SET_MTIME}
+    return {args[0]: 0}
 
 
 @dataclass(eq=False)
@@ -65,6 +70,15 @@ class _Watch:
     setattrs: set[int]
     #: ino -> fields (codec.SET_*) set by others since the registration began
     taken: dict[int, int] = field(default_factory=dict)
+
+    def before(self, sets: dict[int, int], store: Any) -> dict[int, tuple[int, Fields]] | None:
+        """For those of *sets* (ino -> fields a change sets) watched here: those
+        fields and what the inode has now (None: none watched)."""
+        out = {}
+        for ino, bits in sets.items():
+            if ino in self.setattrs and (i := store.inodes.get(ino)) is not None:
+                out[ino] = (bits, (i.mode, i.uid, i.gid, i.atime_ns, i.mtime_ns))
+        return out or None
 
     def left(self, args: list[Any]) -> list[Any] | None:
         """A replayed ``setattr_at`` without the fields others set since (None: no
@@ -80,6 +94,9 @@ class SessionClaims:
         self.server = server
         #: registrations replaying setattrs, which changes by other sessions make stale
         self.watching: list[_Watch] = []
+        #: session -> setattrs (inode, time) its last registration replayed with fields
+        #: taken by others: done, also if sent again (that answer may be lost)
+        self.taken: dict[bytes, set[tuple[int, int]]] = {}
 
     async def claim(
         self, conn: Connection, sid: bytes, claimed: dict[int, int],
@@ -162,11 +179,10 @@ class SessionClaims:
                 if w is not None:
                     # Its lease ends here with its word: what it took ahead goes now.
                     srv.leases.release_write(w, ino)
-                if srv.store.settle_now(ino, size, mtime, True, span):
-                    if self.watching:
-                        self.changed(sid, ino, codec.SET_MTIME)
-                    if srv.journal is not None:
-                        srv.journal.append(srv.clock(), "settle", [ino, size, mtime, 1, *span])
+                seen = self.before(sid, "settle", [ino])
+                if srv.store.settle_now(ino, size, mtime, True, span) and srv.journal is not None:
+                    srv.journal.append(srv.clock(), "settle", [ino, size, mtime, 1, *span])
+                self.after(seen)
                 continue
             i = srv.store.inodes.get(ino)
             if i is None or (size <= i.size and srv.meta is srv.store):
@@ -239,6 +255,7 @@ class SessionClaims:
         # order; one that arrived before is answered as it is): before its claims,
         # which count their handles.
         refused_ops: list[list[int]] = []
+        taken: set[tuple[int, int]] = set()
         unlinked_later = {args[2]: k for k, (name, args) in enumerate(ops) if name == "unlink_at"}
         for k, (name, args) in enumerate(ops):
             try:
@@ -250,28 +267,36 @@ class SessionClaims:
                     ino = args[2]
                     if claimed.get(ino, 0) > s.opens.get(ino, 0) and ino in srv.store.inodes:
                         await srv.sessions.set_opens(s, ino, claimed[ino])
+                # (What each sets goes to other registrations' watches: before/after.)
                 if name == "create_at":
                     if unlinked_later.get(args[5], -1) > k and args[5] not in srv.store.inodes \
                             and args[5] not in srv.store.delegated.get(s.sid, ()):
                         continue  # made and unlinked before (answers lost), and gone since
+                    seen = self.before(s.sid, name, args)
                     srv.made.create_at(s, args)
                 elif name == "setattr_at":
                     ino = args[0]
+                    if (ino, args[-1]) in self.taken.get(s.sid, ()):
+                        taken.add((ino, args[-1]))  # done by the registration before
+                        continue
                     if ino in watch.setattrs:
                         left = watch.left(args)
+                        if left != args:
+                            taken.add((ino, args[-1]))
                         if left is None:
                             continue
                         args = left
+                        seen = self.before(s.sid, name, args)
                         await srv.made.setattr_at(s, args, True)
                         if args[1] & codec.SET_MTIME:
                             self._mtimes_again(ino, settles)
                     else:
+                        seen = self.before(s.sid, name, args)
                         await srv.made.setattr_at(s, args, False)
                 else:
+                    seen = self.before(s.sid, name, args)
                     await srv.made.unlink_at(s, args)
-                if self.watching:  # (others' watches: what it replays comes after theirs)
-                    for ino, bits in fields_set(name, args, None):
-                        self.changed(s.sid, ino, bits)
+                self.after(seen)
             except FsError as exc:
                 why = exc.args[1] if len(exc.args) > 1 else exc
                 if name == "setattr_at":
@@ -282,6 +307,10 @@ class SessionClaims:
                                 "on its way again: %s", conn.peer, name, args[1], args[0], why)
                 refused_ops.append([k, exc.errno])
             srv.journal_destroys()
+        if taken:
+            self.taken[s.sid] = taken
+        else:
+            self.taken.pop(s.sid, None)
         return refused_ops
 
     def _mtimes_again(self, ino: int, settles: list[Settle]) -> None:
@@ -296,10 +325,27 @@ class SessionClaims:
                     and srv.journal is not None:
                 srv.journal.append(srv.clock(), "settle", [ino, i.size, mtime, 0, 0, 0])
 
-    def changed(self, sid: bytes | None, ino: int, fields: int) -> None:
-        """Session *sid* (None: the one whose recall answer reported writes) set
-        *fields* (codec.SET_*) of *ino*: setattrs that other sessions' registrations
-        replay no longer set those (see :meth:`claim`)."""
+    def before(
+        self, sid: bytes | None, name: str, args: list[Any],
+    ) -> list[tuple[_Watch, dict[int, tuple[int, Fields]]]]:
+        """Before session *sid* (None: one whose recall answer reported writes) applies
+        call *name*: what it may set of files other sessions' registrations watch;
+        :meth:`after` tells them what it did set."""
+        sets = fields_set(name, args)
+        out = []
         for w in self.watching:
-            if w.sid != sid and ino in w.setattrs:
-                w.taken[ino] = w.taken.get(ino, 0) | fields
+            if w.sid != sid and (seen := w.before(sets, self.server.store)) is not None:
+                out.append((w, seen))
+        return out
+
+    def after(self, seen: list[tuple[_Watch, dict[int, tuple[int, Fields]]]]) -> None:
+        """The call :meth:`before` was asked about is applied: the fields it set are
+        taken from the setattrs those registrations replay (see :meth:`claim`)."""
+        inodes = self.server.store.inodes
+        for w, fields in seen:
+            for ino, (bits, old) in fields.items():
+                i = inodes.get(ino)
+                new = old if i is None else (i.mode, i.uid, i.gid, i.atime_ns, i.mtime_ns)
+                bits |= sum(bit for (bit, _), a, b in zip(_FIELDS, old, new, strict=True) if a != b)
+                if bits:
+                    w.taken[ino] = w.taken.get(ino, 0) | bits

@@ -66,7 +66,7 @@ async def test_a_setattr_another_registration_replays_meanwhile_stays(
     (newer, t2).  b registers while a's registration waits (a recall of its replay):
     b's mode stays, and a's setattr, with nothing left to set, is done."""
     async with trio.open_nursery() as nursery:
-        server = MetaServer(metadata_only(POOL), SECRET, lease_term=4.0, recall_timeout=2.0)
+        server = MetaServer(metadata_only(POOL), SECRET, lease_term=1.0, recall_timeout=0.3)
         f, g = await _files(server, nursery)
         c0 = server.store.inodes[f].ctime_ns
         t1, t2 = c0 + 10, c0 + 20
@@ -99,7 +99,7 @@ async def test_a_replayed_touch_gives_way_to_the_mtime_of_writes_made_after_it(
     write's mtime again, also when b chmods f while a later replayed call of a's
     waits (b's chmod sets no mtime)."""
     async with trio.open_nursery() as nursery:
-        server = MetaServer(metadata_only(POOL), SECRET, lease_term=4.0, recall_timeout=2.0)
+        server = MetaServer(metadata_only(POOL), SECRET, lease_term=1.0, recall_timeout=0.3)
         f, g = await _files(server, nursery)
         c0 = server.store.inodes[f].ctime_ns
         old = 1_000_000_000
@@ -134,7 +134,7 @@ async def test_a_replayed_touch_gives_way_to_later_writes_without_a_restart_too(
     """As above, a holding the write leases of f and g (its connection given up,
     registering on a new one)."""
     async with trio.open_nursery() as nursery:
-        server = MetaServer(metadata_only(POOL), SECRET, lease_term=4.0, recall_timeout=2.0)
+        server = MetaServer(metadata_only(POOL), SECRET, lease_term=1.0, recall_timeout=0.3)
         server.nursery = nursery
         a1 = _conn(server, "a1")
         await server.claims.claim(a1, SA, {})
@@ -183,7 +183,7 @@ async def test_a_truncate_elsewhere_leaves_a_replayed_chmod_to_apply(
     grow f back."""
     caplog.expected_warnings = True  # type: ignore[attr-defined]  # b answers no recall here
     async with trio.open_nursery() as nursery:
-        server = MetaServer(metadata_only(POOL), SECRET, lease_term=4.0, recall_timeout=2.0)
+        server = MetaServer(metadata_only(POOL), SECRET, lease_term=1.0, recall_timeout=0.3)
         server.nursery = nursery
         a1 = _conn(server, "a1")
         await server.claims.claim(a1, SA, {})
@@ -216,4 +216,258 @@ async def test_a_truncate_elsewhere_leaves_a_replayed_chmod_to_apply(
         assert server.store.inodes[f].size == 100
         assert answer[3] == [], answer
         assert server.store.inodes[f].mode == stat.S_IFREG | 0o600
+        nursery.cancel_scope.cancel()
+
+
+D = stat.S_IFDIR | 0o755
+
+
+async def _two_leased(server: MetaServer, nursery: trio.Nursery) -> list[int]:
+    """Files f and g made by session a (SA), each under its write lease."""
+    server.nursery = nursery
+    a1 = _conn(server, "a1")
+    await server.claims.claim(a1, SA, {})
+    inos = []
+    for name in (b"f", b"g"):
+        _, (ino, *_) = await _run(a1, "create", ROOT, name, F, 0, 0)
+        kind, _ = await _run(a1, "allocate_ahead", ino, 0, 65536, 1 << 20)
+        assert kind.name == "OK_WRITE"
+        inos.append(ino)
+    return inos
+
+
+async def test_a_setattr_made_elsewhere_under_a_new_lease_stays(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """a's chmod 600 of f (t1, under its lease) is replayed; meanwhile b takes f's
+    write lease and chmods f to 640 under it (a setattr_at, t2 > t1): 640 stays, as
+    in the serial order."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]  # b answers no recall
+    async with trio.open_nursery() as nursery:
+        server = MetaServer(metadata_only(POOL), SECRET, lease_term=1.0, recall_timeout=0.3)
+        f, g = await _two_leased(server, nursery)
+        c0 = max(server.store.inodes[x].ctime_ns for x in (f, g))
+        b = _conn(server, "b")
+        await server.claims.claim(b, SB, {})
+        policy = server.lease_policy
+        recall_for = policy.recall_for
+        done: list[Any] = []
+
+        async def meanwhile(session: Any, name: str, args: list[Any]) -> None:
+            if session.sid == SA and name == "setattr" and args[0] == g and not done:
+                k, _ = await _run(b, "allocate_ahead", f, 0, 100, 0)
+                done.append(k)
+                fields, *vals = codec.setattr_at_args(SetAttr(mode=0o640))
+                done.append(await _run(b, "setattr_at", f, fields, *vals, c0 + 20))
+                server.leases.forget(b.session, said=True)  # (b answers a recall)
+            await recall_for(session, name, args)
+
+        monkeypatch.setattr(policy, "recall_for", meanwhile)
+        a2 = _conn(server, "a2")
+        answer = await server.claims.claim(
+            a2, SA, {}, [],
+            [_setattr_at(g, SetAttr(mode=0o600), c0 + 10),
+             _setattr_at(f, SetAttr(mode=0o600), c0 + 10)])
+        assert done and done[0].name == "OK_WRITE", done
+        assert done[1][0].name.startswith("OK"), done
+        assert answer[3] == [], answer
+        assert stat.S_IMODE(server.store.inodes[f].mode) == 0o640, oct(server.store.inodes[f].mode)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_create_elsewhere_keeps_its_directorys_mtime_over_a_replayed_touch(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """After a restart a replays a touch of directory d (t1, an old mtime); meanwhile
+    b creates d/x: d keeps the create's mtime, as in the serial order (also within
+    one tick of the coarse clock, where the mtime's value does not move)."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]  # b answers no recall
+    async with trio.open_nursery() as nursery:
+        server = MetaServer(metadata_only(POOL), SECRET, lease_term=1.0, recall_timeout=0.3)
+        f, g = await _files(server, nursery)
+        c = _conn(server, "maker2")
+        await server.claims.claim(c, b"M" * 16, {})
+        _, (d, *_) = await _run(c, "mknod", ROOT, b"d", D, 0, 0, 0, None)
+        server.leases.forget(c.session, said=True)
+        c0 = max(server.store.inodes[x].ctime_ns for x in (d, g))
+        _restarted(server, SA, SB)
+        a, b = _conn(server, "a"), _conn(server, "b")
+        await server.claims.claim(b, SB, {})
+        policy = server.lease_policy
+        recall_for = policy.recall_for
+        done: list[Any] = []
+
+        async def meanwhile(session: Any, name: str, args: list[Any]) -> None:
+            if session.sid == SA and name == "setattr" and args[0] == g and not done:
+                done.append(await _run(b, "create", d, b"x", F, 0, 0))
+            await recall_for(session, name, args)
+
+        monkeypatch.setattr(policy, "recall_for", meanwhile)
+        old = 1_000_000_000
+        answer = await server.claims.claim(
+            a, SA, {}, [],
+            [_setattr_at(g, SetAttr(mode=0o600), c0 + 10),
+             _setattr_at(d, SetAttr(mtime_ns=old), c0 + 10)])
+        assert done and done[0][0].name.startswith("OK"), done
+        assert answer[3] == [], answer
+        assert server.store.inodes[d].mtime_ns != old, "b's create's mtime was undone"
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_chown_elsewhere_leaves_a_replayed_chmod_to_apply(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """After a restart a replays chmod 600 of f (t1); meanwhile b chowns f (the
+    store's chown leaves the mode): mode 600 and b's owner, as in the serial order."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]  # b answers no recall
+    async with trio.open_nursery() as nursery:
+        server = MetaServer(metadata_only(POOL), SECRET, lease_term=1.0, recall_timeout=0.3)
+        f, g = await _files(server, nursery)
+        c0 = max(server.store.inodes[x].ctime_ns for x in (f, g))
+        _restarted(server, SA, SB)
+        a, b = _conn(server, "a"), _conn(server, "b")
+        await server.claims.claim(b, SB, {})
+        policy = server.lease_policy
+        recall_for = policy.recall_for
+        done: list[Any] = []
+
+        async def meanwhile(session: Any, name: str, args: list[Any]) -> None:
+            if session.sid == SA and name == "setattr" and args[0] == g and not done:
+                done.append(await _run(b, "setattr", f, [None, 1000, None, None, None]))
+            await recall_for(session, name, args)
+
+        monkeypatch.setattr(policy, "recall_for", meanwhile)
+        answer = await server.claims.claim(
+            a, SA, {}, [],
+            [_setattr_at(g, SetAttr(mode=0o600), c0 + 10),
+             _setattr_at(f, SetAttr(mode=0o600), c0 + 10)])
+        assert done and done[0][0].name.startswith("OK"), done
+        assert answer[3] == [], answer
+        i = server.store.inodes[f]
+        assert i.uid == 1000
+        assert stat.S_IMODE(i.mode) == 0o600, oct(i.mode)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_read_elsewhere_keeps_the_access_time_it_moved(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """After a restart a replays a utime of f (an old atime, t1); meanwhile b reads f
+    (relatime moves the atime, as it would after a's utime in the serial order):
+    the read's atime stays."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]  # b answers no recall
+    async with trio.open_nursery() as nursery:
+        server = MetaServer(metadata_only(POOL), SECRET, lease_term=1.0, recall_timeout=0.3)
+        f, g = await _files(server, nursery)
+        c0 = max(server.store.inodes[x].ctime_ns for x in (f, g))
+        _restarted(server, SA, SB)
+        a, b = _conn(server, "a"), _conn(server, "b")
+        await server.claims.claim(b, SB, {})
+        policy = server.lease_policy
+        recall_for = policy.recall_for
+        done: list[Any] = []
+
+        async def meanwhile(session: Any, name: str, args: list[Any]) -> None:
+            if session.sid == SA and name == "setattr" and args[0] == g and not done:
+                await trio.sleep(0.05)  # (the coarse clock)
+                before = server.store.inodes[f].atime_ns
+                done.append(await _run(b, "map_read", f, 0, 10))
+                done.append(server.store.inodes[f].atime_ns != before)
+            await recall_for(session, name, args)
+
+        monkeypatch.setattr(policy, "recall_for", meanwhile)
+        old = 1_000_000_000
+        await server.claims.claim(
+            a, SA, {}, [],
+            [_setattr_at(g, SetAttr(mode=0o600), c0 + 10),
+             _setattr_at(f, SetAttr(atime_ns=old), c0 + 10)])
+        assert done and done[0][0].name.startswith("OK") and done[1], done
+        assert server.store.inodes[f].atime_ns != old, "b's read's atime was undone"
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_stale_report_of_another_registration_leaves_a_replayed_touch(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """After a restart (the preallocation of the run before kept within grace) a
+    replays a touch of f; meanwhile b (also of the run before) registers with a stale
+    report of f (an older mtime, no larger size), whose settle only trims: a's touch
+    is applied."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]
+    async with trio.open_nursery() as nursery:
+        server = MetaServer(metadata_only(POOL), SECRET, lease_term=1.0, recall_timeout=0.3)
+        server.nursery = nursery
+        c = _conn(server, "maker")
+        await server.claims.claim(c, b"C" * 16, {})
+        inos = []
+        for name in (b"f", b"g"):
+            _, (ino, *_) = await _run(c, "create", ROOT, name, F, 0, 0)
+            kind, _ = await _run(c, "allocate_ahead", ino, 0, 100, 1 << 20)
+            assert kind.name == "OK_WRITE"
+            await _run(c, "release", ino)
+            inos.append(ino)
+        f, g = inos
+        assert len(server.store.inodes[f].chunks or {}) > 1  # preallocated past EOF
+        settle, server.leases.settle = server.leases.settle, None
+        server.leases.forget(c.session, said=True)  # (a restart: no leases, chunks kept)
+        server.leases.settle = settle
+        i = server.store.inodes[f]
+        m0, c0 = i.mtime_ns, max(server.store.inodes[x].ctime_ns for x in inos)
+        _restarted(server, SA, SB)
+        a, b = _conn(server, "a"), _conn(server, "b")
+        policy = server.lease_policy
+        recall_for = policy.recall_for
+        done: list[Any] = []
+
+        async def meanwhile(session: Any, name: str, args: list[Any]) -> None:
+            if session.sid == SA and name == "setattr" and args[0] == g and not done:
+                n = len(server.store.inodes[f].chunks or {})
+                done.append(await server.claims.claim(b, SB, {}, [(f, 50, m0 - 5, (0, 50))], []))
+                done.append(len(server.store.inodes[f].chunks or {}) < n)  # trimmed only
+            await recall_for(session, name, args)
+
+        monkeypatch.setattr(policy, "recall_for", meanwhile)
+        touch = c0 + 1_000_000
+        await server.claims.claim(
+            a, SA, {}, [],
+            [_setattr_at(g, SetAttr(mode=0o600), c0 + 10),
+             _setattr_at(f, SetAttr(mtime_ns=touch), c0 + 10)])
+        assert done and done[1], done
+        assert server.store.inodes[f].mtime_ns == touch, (server.store.inodes[f].mtime_ns, m0)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_setattr_left_with_nothing_to_set_is_done_also_when_sent_again(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """a's chmod of f has nothing left to set (b chmodded f while a's registration
+    waited) and is answered as done; that answer is lost, and a registers again with
+    the same calls: done again, not refused."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]
+    async with trio.open_nursery() as nursery:
+        server = MetaServer(metadata_only(POOL), SECRET, lease_term=1.0, recall_timeout=0.3)
+        f, g = await _files(server, nursery)
+        c0 = max(server.store.inodes[x].ctime_ns for x in (f, g))
+        _restarted(server, SA, SB)
+        a, b = _conn(server, "a"), _conn(server, "b")
+        await server.claims.claim(b, SB, {})
+        policy = server.lease_policy
+        recall_for = policy.recall_for
+        done: list[Any] = []
+
+        async def meanwhile(session: Any, name: str, args: list[Any]) -> None:
+            if session.sid == SA and name == "setattr" and args[0] == g and not done:
+                done.append(await _run(b, "setattr", f, [0o640, None, None, None, None]))
+                server.leases.forget(b.session, said=True)  # (b answers a recall)
+            await recall_for(session, name, args)
+
+        monkeypatch.setattr(policy, "recall_for", meanwhile)
+        ops = [_setattr_at(g, SetAttr(mode=0o600), c0 + 10),
+               _setattr_at(f, SetAttr(mode=0o600), c0 + 10)]
+        first = await server.claims.claim(a, SA, {}, [], ops)
+        assert first[3] == [], first
+        assert stat.S_IMODE(server.store.inodes[f].mode) == 0o640
+        a2 = _conn(server, "a2")  # (the first answer was lost)
+        again = await server.claims.claim(a2, SA, {}, [], ops)
+        assert again[3] == [], again
         nursery.cancel_scope.cancel()
