@@ -678,6 +678,8 @@ class MetaServer:
                 result = await self._call(m, args, until)
         except FsError as exc:
             self.journal_destroys()
+            if seen:  # (a fetch's wait may have moved an access time)
+                self.claims.after(seen, applied=False)
             kind = Kind.ERROR
             if (((m.name == "lookup" and exc.errno == errno.ENOENT)
                     or (m.name == "getxattr" and exc.errno == errno.ENODATA))
@@ -689,6 +691,8 @@ class MetaServer:
             return kind, wire.encode_error(exc.errno, exc.args[1])
         except Exception:
             log.exception("%s: %s failed", conn.peer, m.name)
+            if seen:
+                self.claims.after(seen, applied=False)
             return Kind.ERROR, wire.encode_error(errno.EIO, "internal error in the metadata server")
         if m.name == "drop_privileges" and not result:
             journaled = False  # nothing dropped: nothing to replay

@@ -12,6 +12,7 @@ their open counts.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +23,7 @@ from memfs.meta import codec
 from memfs.meta.journal import REGISTERED
 from memfs.meta.leases import Settle
 from memfs.meta.server_conn import Connection, Session
-from memfs.meta.store import ANY_EARLIER
+from memfs.meta.store import ANY_EARLIER, Inode, MetaStore
 
 if TYPE_CHECKING:
     from memfs.meta.server import MetaServer
@@ -61,6 +62,16 @@ def fields_set(name: str, args: list[Any]) -> dict[int, int]:
     return {args[0]: 0}
 
 
+def _values(i: Inode) -> Fields:
+    mode, uid, gid, atime, mtime = (getattr(i, name) for _, name in _FIELDS)
+    return mode, uid, gid, atime, mtime
+
+
+#: a change under way (SessionClaims.before): the watches it may concern, and per
+#: watched inode the fields it always sets and the values before it
+_Window = list[tuple["_Watch", dict[int, tuple[int, Fields]]]]
+
+
 @dataclass(eq=False)
 class _Watch:
     """A registration's replayed setattrs, and the fields of their files that other
@@ -71,13 +82,13 @@ class _Watch:
     #: ino -> fields (codec.SET_*) set by others since the registration began
     taken: dict[int, int] = field(default_factory=dict)
 
-    def before(self, sets: dict[int, int], store: Any) -> dict[int, tuple[int, Fields]] | None:
+    def before(self, sets: dict[int, int], store: MetaStore) -> dict[int, tuple[int, Fields]] | None:
         """For those of *sets* (ino -> fields a change sets) watched here: those
         fields and what the inode has now (None: none watched)."""
         out = {}
         for ino, bits in sets.items():
             if ino in self.setattrs and (i := store.inodes.get(ino)) is not None:
-                out[ino] = (bits, (i.mode, i.uid, i.gid, i.atime_ns, i.mtime_ns))
+                out[ino] = (bits, _values(i))
         return out or None
 
     def left(self, args: list[Any]) -> list[Any] | None:
@@ -94,9 +105,11 @@ class SessionClaims:
         self.server = server
         #: registrations replaying setattrs, which changes by other sessions make stale
         self.watching: list[_Watch] = []
-        #: session -> setattrs (inode, time) its last registration replayed with fields
-        #: taken by others: done, also if sent again (that answer may be lost)
-        self.taken: dict[bytes, set[tuple[int, int]]] = {}
+        #: session -> setattrs (inode, fields, time) its last registration replayed
+        #: with fields taken by others: done, also if sent again (that answer may be lost)
+        self.taken: dict[bytes, set[tuple[int, int, int]]] = {}
+        #: changes by other sessions under way (before/after), which may await between
+        self._open: list[_Window] = []
 
     async def claim(
         self, conn: Connection, sid: bytes, claimed: dict[int, int],
@@ -214,6 +227,9 @@ class SessionClaims:
         finally:
             if set_at:
                 self.watching.remove(watch)
+                # (Changes cancelled under way never came back to say what they set.)
+                self._open = [window for window in self._open
+                              if any(w in self.watching for w, _ in window)]
         if renamed or first:
             # The client hears a token other than the one its inode numbers were
             # reserved under and drops them (RemoteMeta._connect): so do we, once its
@@ -255,9 +271,14 @@ class SessionClaims:
         # order; one that arrived before is answered as it is): before its claims,
         # which count their handles.
         refused_ops: list[list[int]] = []
-        taken: set[tuple[int, int]] = set()
+        taken: set[tuple[int, int, int]] = set()
         unlinked_later = {args[2]: k for k, (name, args) in enumerate(ops) if name == "unlink_at"}
         for k, (name, args) in enumerate(ops):
+            key = (args[0], args[1], args[-1]) if name == "setattr_at" else None
+            seen: _Window = []
+            if key is not None and key in self.taken.get(s.sid, ()):
+                taken.add(key)  # done by the registration before (its answer lost)
+                continue
             try:
                 # (A setattr made under a lease now replayed: others may hold the file.)
                 await srv.lease_policy.recall_for(s, "setattr" if name == "setattr_at" else name, args)
@@ -275,21 +296,19 @@ class SessionClaims:
                     seen = self.before(s.sid, name, args)
                     srv.made.create_at(s, args)
                 elif name == "setattr_at":
+                    assert key is not None
                     ino = args[0]
-                    if (ino, args[-1]) in self.taken.get(s.sid, ()):
-                        taken.add((ino, args[-1]))  # done by the registration before
-                        continue
                     if ino in watch.setattrs:
                         left = watch.left(args)
-                        if left != args:
-                            taken.add((ino, args[-1]))
                         if left is None:
+                            taken.add(key)
                             continue
-                        args = left
-                        seen = self.before(s.sid, name, args)
-                        await srv.made.setattr_at(s, args, True)
-                        if args[1] & codec.SET_MTIME:
+                        seen = self.before(s.sid, name, left)
+                        await srv.made.setattr_at(s, left, True)
+                        if left[1] & codec.SET_MTIME:
                             self._mtimes_again(ino, settles)
+                        if left != args:
+                            taken.add(key)
                     else:
                         seen = self.before(s.sid, name, args)
                         await srv.made.setattr_at(s, args, False)
@@ -297,7 +316,9 @@ class SessionClaims:
                     seen = self.before(s.sid, name, args)
                     await srv.made.unlink_at(s, args)
                 self.after(seen)
+                self._ours(watch, fields_set(name, args))
             except FsError as exc:
+                self.after(seen, applied=False)
                 why = exc.args[1] if len(exc.args) > 1 else exc
                 if name == "setattr_at":
                     log.warning("%s: setattr of inode %d, made under a lease, failed on "
@@ -325,27 +346,45 @@ class SessionClaims:
                     and srv.journal is not None:
                 srv.journal.append(srv.clock(), "settle", [ino, i.size, mtime, 0, 0, 0])
 
-    def before(
-        self, sid: bytes | None, name: str, args: list[Any],
-    ) -> list[tuple[_Watch, dict[int, tuple[int, Fields]]]]:
+    def before(self, sid: bytes | None, name: str, args: list[Any]) -> _Window:
         """Before session *sid* (None: one whose recall answer reported writes) applies
         call *name*: what it may set of files other sessions' registrations watch;
-        :meth:`after` tells them what it did set."""
+        :meth:`after` tells them what it did set (there may be awaits between)."""
         sets = fields_set(name, args)
-        out = []
+        window: _Window = []
         for w in self.watching:
             if w.sid != sid and (seen := w.before(sets, self.server.store)) is not None:
-                out.append((w, seen))
-        return out
+                window.append((w, seen))
+        if window:
+            self._open.append(window)
+        return window
 
-    def after(self, seen: list[tuple[_Watch, dict[int, tuple[int, Fields]]]]) -> None:
-        """The call :meth:`before` was asked about is applied: the fields it set are
-        taken from the setattrs those registrations replay (see :meth:`claim`)."""
+    def after(self, window: _Window, *, applied: bool = True) -> None:
+        """The call :meth:`before` was asked about is over: the fields it set (those it
+        always sets if *applied*, and any that moved) are taken from the setattrs
+        those registrations replay (see :meth:`claim`)."""
+        if not window:
+            return
+        for k, open_ in enumerate(self._open):
+            if open_ is window:
+                del self._open[k]
+                break
         inodes = self.server.store.inodes
-        for w, fields in seen:
+        for w, fields in window:
             for ino, (bits, old) in fields.items():
                 i = inodes.get(ino)
-                new = old if i is None else (i.mode, i.uid, i.gid, i.atime_ns, i.mtime_ns)
-                bits |= sum(bit for (bit, _), a, b in zip(_FIELDS, old, new, strict=True) if a != b)
-                if bits:
+                new = old if i is None else _values(i)
+                moved = sum(bit for (bit, _), a, b in zip(_FIELDS, old, new, strict=True) if a != b)
+                if bits := (bits if applied else 0) | moved:
                     w.taken[ino] = w.taken.get(ino, 0) | bits
+
+    def _ours(self, watch: _Watch, inos: Iterable[int]) -> None:
+        """The replay of *watch* changed *inos*: changes by others still under way
+        (awaiting the backing directory, say) compare with the values it left."""
+        inodes = self.server.store.inodes
+        for window in self._open:
+            for w, fields in window:
+                if w is watch:
+                    for ino in inos:
+                        if ino in fields and (i := inodes.get(ino)) is not None:
+                            fields[ino] = (fields[ino][0], _values(i))

@@ -471,3 +471,63 @@ async def test_a_setattr_left_with_nothing_to_set_is_done_also_when_sent_again(
         again = await server.claims.claim(a2, SA, {}, [], ops)
         assert again[3] == [], again
         nursery.cancel_scope.cancel()
+
+
+def _slow_truncate(
+    server: MetaServer, monkeypatch: pytest.MonkeyPatch,
+) -> tuple[trio.Event, trio.Event]:
+    """A truncate waits (as through a backing directory, for the fetch of the last
+    chunk) before it applies: set once it waits, and what lets it go on."""
+    entered, gate = trio.Event(), trio.Event()
+    orig = server.store.truncate
+
+    async def truncate(ino: int, size: int) -> Any:
+        entered.set()
+        await gate.wait()
+        return await orig(ino, size)
+
+    monkeypatch.setattr(server.store, "truncate", truncate)
+    return entered, gate
+
+
+async def test_a_replayed_change_is_not_taken_for_anothers_change_under_way(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """a replays chmod 600 then chmod 640 of f; b's truncate of f (which sets no
+    mode) waits, as through a backing directory, while a's first chmod applies: the
+    mode that moved meanwhile is a's own, and a's second chmod still sets it (640,
+    as in the serial order)."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]
+    async with trio.open_nursery() as nursery:
+        server = MetaServer(metadata_only(POOL), SECRET, lease_term=1.0, recall_timeout=0.3)
+        f, g = await _files(server, nursery)
+        c0 = server.store.inodes[f].ctime_ns
+        _restarted(server, SA, SB)
+        a, b = _conn(server, "a"), _conn(server, "b")
+        await server.claims.claim(b, SB, {})
+        entered, gate = _slow_truncate(server, monkeypatch)
+        b_done = trio.Event()
+        policy = server.lease_policy
+        recall_for = policy.recall_for
+
+        async def b_truncate() -> None:
+            await _run(b, "truncate", f, 0)
+            b_done.set()
+
+        async def meanwhile(session: Any, name: str, args: list[Any]) -> None:
+            if session.sid == SA and args[0] == f and args[-1] == c0 + 10:
+                nursery.start_soon(b_truncate)
+                await entered.wait()  # b's call snapshotted f, and waits
+            if session.sid == SA and args[0] == f and args[-1] == c0 + 20:
+                gate.set()
+                await b_done.wait()
+            await recall_for(session, name, args)
+
+        monkeypatch.setattr(policy, "recall_for", meanwhile)
+        answer = await server.claims.claim(
+            a, SA, {}, [],
+            [_setattr_at(f, SetAttr(mode=0o600), c0 + 10),
+             _setattr_at(f, SetAttr(mode=0o640), c0 + 20)])
+        assert answer[3] == [], answer
+        assert stat.S_IMODE(server.store.inodes[f].mode) == 0o640, oct(server.store.inodes[f].mode)
+        nursery.cancel_scope.cancel()
