@@ -19,6 +19,7 @@ import trio
 from memfs import wire
 from memfs.errors import FsError
 from memfs.meta import codec
+from memfs.meta.contention import Span
 from memfs.meta.leases import Item, LeaseTable
 from memfs.meta.server_conn import Session
 from memfs.meta.store import MetaStore
@@ -51,8 +52,10 @@ class LeasePolicy:
         leases = self.leases
         if name == "map_read":
             ino = args[0]
-            return ([Item(ino, write_only=True)]
+            return ([Item(ino, write_only=True, span=self.span(name, args))]
                     if ino in leases.writers or leases.others_writing(session, ino) else [])
+        if name in ("map_write", "allocate_ahead"):
+            return [Item(args[0], span=self.span(name, args))]
         if name in ("getattr", "open", "readlink", "seek"):  # (seek: for the writers' sizes)
             return [Item(args[0], write_only=True)] if args[0] in leases.writers else []
         if name == "lookup":
@@ -73,8 +76,7 @@ class LeasePolicy:
             if args[0] in leases.writers:
                 items.append(Item(args[0], write_only=True))
             return items
-        if name in ("setattr", "truncate", "punch", "map_write", "allocate_ahead", "setxattr",
-                    "removexattr"):
+        if name in ("setattr", "truncate", "punch", "setxattr", "removexattr"):
             return [Item(args[0])]
         if name == "drop_privileges":  # only if there is something to drop
             return [Item(args[0])] if store.has_privileges(args[0], bool(args[1])) else []
@@ -110,6 +112,19 @@ class LeasePolicy:
                     left[ino] = left.get(ino, i.opens) - 1
             return [Item(ino) for ino, n in left.items() if n <= 0]
         return []
+
+    def span(self, name: str, args: list[Any]) -> Span | None:
+        """The whole chunks a read or write of a contended file touches (its space ahead
+        included), for recalls by range (memfs.meta.contention); None: the whole file
+        (not contended, an append, anything else)."""
+        ino = args[0]
+        contention = self.leases.contention
+        if (name not in ("map_read", "map_write", "allocate_ahead") or not contention.until
+                or not contention.contended(ino) or args[1] < 0):
+            return None
+        cs = self.store.chunk_size
+        end = args[1] + args[2] + (args[3] if name == "allocate_ahead" else 0)
+        return (args[1] - args[1] % cs, -(-end // cs) * cs)
 
     async def recall_for(self, session: Session, name: str, args: list[Any]) -> None:
         """Recall what other sessions hold that call *name* changes."""

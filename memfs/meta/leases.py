@@ -75,6 +75,7 @@ from typing import Any, Protocol
 
 import trio
 
+from memfs.meta.contention import Contention, Span, overlap
 from memfs.wire import WireError
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,9 @@ class Item:
     directory: bool = False
     #: only a write lease conflicts (a read by another session: a "glimpse")
     write_only: bool = False
+    #: the bytes a read or write of a contended file touches (memfs.meta.contention):
+    #: receivers of maps elsewhere in the file are not recalled; None: the whole file
+    span: Span | None = None
 
     def to_wire(self, revoke: bool) -> list[Any]:
         return [self.ino, list(self.names), revoke]
@@ -208,13 +212,16 @@ class LeaseTable:
         self._changing: dict[int, tuple[Holder, int]] = {}
         self._waiting: dict[int, _Waiting] = {}
         self._next_rid = 1
+        #: files written from several sessions at once, and the ranges of maps sent of them
+        self.contention = Contention()
         #: counters for status and tests
         self.recalls_sent = 0
         self.evictions = 0
 
     # -- granting ------------------------------------------------------------------------
 
-    def register(self, holder: Holder, inos: Iterable[int], *, transfer: bool = False) -> bool:
+    def register(self, holder: Holder, inos: Iterable[int], *, transfer: bool = False,
+                 span: Span | None = None) -> bool:
         """*holder* is being sent the state of *inos*; True if it may cache it.
 
         While an inode is being recalled, what is sent of it is not cacheable, and
@@ -224,11 +231,14 @@ class LeaseTable:
         transfer, so its receiver is asked again.
         (Marking every receiver touched let a client that stats a file in a loop
         hold off another's chmod of it for as long as the loop ran: each recall
-        made its next stat a call, which asked for another recall.)
+        made its next stat a call, which asked for another recall.)  Of a contended
+        file nothing is cacheable, and a transfer's receiver is marked for its
+        *span* only (memfs.meta.contention).
         """
         cacheable = True
         recalling = self._recalling
         changing = self._changing
+        contention = self.contention
         for ino in inos:
             hs = self.holders.get(ino)
             if hs is None:
@@ -238,6 +248,12 @@ class LeaseTable:
                 if mine is None:
                     mine = self._inos_of[holder] = set()
                 mine.add(ino)
+            if contention.until and contention.contended(ino):
+                cacheable = False
+                hs[holder] = hs.get(holder, False)
+                if transfer:
+                    contention.sent(holder, ino, span)
+                continue
             w = self.writers.get(ino)
             if (ino in recalling or (ino in changing and changing[ino][0] is not holder)
                     or (w is not None and w is not holder)):
@@ -266,8 +282,9 @@ class LeaseTable:
             del self._changing[ino]
 
     def grant_write(self, holder: Holder, ino: int) -> bool:
-        """Make *holder* the writer of *ino* if no other session has its state."""
-        if ino in self._recalling:
+        """Make *holder* the writer of *ino* if no other session has its state (and
+        the file is not contended)."""
+        if ino in self._recalling or (self.contention.until and self.contention.contended(ino)):
             return False
         w = self.writers.get(ino)
         if w is not None:
@@ -275,6 +292,8 @@ class LeaseTable:
         for h, touched in self.holders.get(ino, {}).items():
             if touched and h is not holder:
                 return False
+        if any(h is not holder for h in self.contention.spans.get(ino, ())):
+            return False  # (pages of it elsewhere: the next change recalls them first)
         self.writers[ino] = holder
         return True
 
@@ -353,17 +372,23 @@ class LeaseTable:
         ``may_wait`` takes all three empty for "nothing to recall" (state read here
         must be added there).
         """
+        spans = self.contention.spans
         for it in items:
             w = self.writers.get(it.ino)
             if w is not None and w is not holder:
                 return True
+            sent = spans.get(it.ino)
             if it.write_only:
-                if self.others_writing(holder, it.ino):
+                if any(h is not holder and _writing_in(h, it, sent)
+                       for h in self.writing.get(it.ino, ())):
                     return True
                 continue
             for h, touched in self.holders.get(it.ino, {}).items():
                 if h is not holder and (touched or (first and it.directory)):
                     return True
+            if sent is not None and any(h is not holder and overlap(s, it.span)
+                                        for h, s in sent.items()):
+                return True
         return False
 
     async def recall(self, holder: Holder | None, items: list[Item], *, once: bool = False) -> None:
@@ -386,18 +411,24 @@ class LeaseTable:
                     # Writers without a lease: in the first round only (one that writes
                     # again meanwhile is the caller's to look for again, within its time).
                     ws = self.writing.get(it.ino, ()) if first else ()
+                    # Receivers of maps of a contended file: where they overlap it.
+                    sent = self.contention.spans.get(it.ino)
                     for h, touched in hs.items():
                         if h is holder:
                             continue
                         revoke = w is h
-                        if (revoke or h in ws
-                                or (not it.write_only and (touched or (first and it.directory)))):
+                        if (revoke or (h in ws and _writing_in(h, it, sent))
+                                or (not it.write_only and (
+                                    touched or (first and it.directory)
+                                    or (sent is not None and h in sent and overlap(sent[h], it.span))))):
                             targets.setdefault(h, []).append(it.to_wire(revoke))
                             hs[h] = False
+                            if sent is not None:
+                                self.contention.take(h, it.ino)  # (its answer ends them)
                     if w is not None and w is not holder and w not in hs:
                         targets.setdefault(w, []).append(it.to_wire(True))
                     for h in ws:
-                        if h is not holder and h not in hs:
+                        if h is not holder and h not in hs and _writing_in(h, it, sent):
                             targets.setdefault(h, []).append(it.to_wire(False))
                 if not targets or (once and not first):
                     return
@@ -499,6 +530,7 @@ class LeaseTable:
             # stay, and readers still wait for it.)
             for ino in list(self._marked_of.get(holder, ())):
                 self.done_writing(holder, ino)
+        self.contention.forget(holder)
         for ino in self._inos_of.pop(holder, ()):
             hs = self.holders.get(ino)
             if hs is not None:
@@ -523,6 +555,7 @@ class LeaseTable:
         for h in list(self.writing.get(ino, ())):
             self.done_writing(h, ino)
         self.placed.pop(ino, None)
+        self.contention.destroyed(ino)
         hs = self.holders.pop(ino, None)
         for h in hs or ():
             mine = self._inos_of.get(h)
@@ -532,3 +565,9 @@ class LeaseTable:
 
     def holds(self, holder: Holder) -> int:
         return len(self._inos_of.get(holder, ()))
+
+
+def _writing_in(h: Holder, it: Item, sent: dict[Any, list[Span]] | None) -> bool:
+    """Do *h*'s bytes on their way (it is marked writing) concern *it*?  Unless the
+    file is contended and *h* was sent maps of other ranges only."""
+    return it.span is None or sent is None or h not in sent or overlap(sent[h], it.span)

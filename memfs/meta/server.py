@@ -255,6 +255,9 @@ class MetaServer:
             "memfs_mds_sessions_connected": float(self.sessions.connected()),
             "memfs_mds_leased_inodes": float(len(self.leases.holders)),
             "memfs_mds_recalls_sent": float(self.leases.recalls_sent),
+            # files written from several clients by turns (memfs.meta.contention)
+            "memfs_mds_files_contended": float(self.leases.contention.count()),
+            "memfs_mds_contentions": float(self.leases.contention.started),
             "memfs_mds_lease_evictions": float(self.leases.evictions),
             "memfs_mds_fences_sent": float(self.fencing.seq),
             # cluster-wide file locks held, sessions told to wait, holders evicted
@@ -565,6 +568,10 @@ class MetaServer:
         session = conn.session
         first = True
         fenced_before = self.fencing.seq
+        if m.name in ("map_write", "allocate_ahead") and self.leases.term > 0:
+            # Several sessions writing the file by turns make it contended
+            # (memfs.meta.contention): no write leases, recalls by range.
+            self.leases.contention.wrote(session, args[0])
         if m.name == "map_read":
             # A reader waits for writers without a lease to land their bytes; one
             # that writes on and on makes it ask again (EINPROGRESS), not time out.
@@ -663,7 +670,8 @@ class MetaServer:
                 sequential = args[3] > 0
                 # What is journaled is what is given (replay gives the same).
                 args[3] = (self.meta.ahead_room(args[1], args[2], min(args[3], MAX_AHEAD))
-                           if self.write_leases else 0)
+                           if self.write_leases and not self.leases.contention.contended(args[0])
+                           else 0)
                 i = self.store.inodes.get(args[0])
                 had = len(i.chunks) if i is not None and i.chunks is not None else -1
                 result = await self._call(m, args, until)
@@ -712,7 +720,7 @@ class MetaServer:
         kind = Kind.OK
         if m.name in _LEASED and self.leases.term > 0:
             if self.leases.register(session, self.lease_policy.holds(m.name, args, result),
-                                    transfer=m.name in _MAPS):
+                                    transfer=m.name in _MAPS, span=self.lease_policy.span(m.name, args)):
                 kind = Kind.OK_CACHE
                 # Not while another session's map read is under way (waiting for a
                 # fetch, say): registered after this, it would cache what this writer

@@ -512,6 +512,46 @@ def test_own_writes_keep_the_page_cache_until_another_node_writes(cluster: Clust
     assert log_lines(cluster, "mds.log", " WARNING ", " ERROR ") == []
 
 
+def test_a_file_written_from_two_nodes_by_turns_stays_coherent(cluster: Cluster) -> None:
+    """IOR's shared file: two nodes writing their own blocks of one file by turns make
+    it contended (memfs.meta.contention: no write leases, each write asks the mds and
+    recalls only a node whose ranges it overlaps).  Then each node's next read, with
+    the file still open and its own blocks in its page cache, sees the other's
+    writes over them, a truncate's size at once, and the same bytes everywhere."""
+    c1, c2 = cluster.mnt["c1"], cluster.mnt["c2"]
+    block, n = 64 << 10, 100  # (a chunk each)
+    rng = random.Random(5)
+    data = bytearray(2 * n * block)
+    fds = [os.open(c1 / "ior", os.O_CREAT | os.O_RDWR, 0o644)]
+    fds.append(os.open(c2 / "ior", os.O_RDWR))
+    try:
+        for i in range(n):
+            for node in (0, 1):
+                k = 2 * i + node
+                data[k * block : (k + 1) * block] = rng.randbytes(block)
+                assert os.pwrite(fds[node], data[k * block : (k + 1) * block], k * block) == block
+        assert log_lines(cluster, "mds.log", "(contended)"), "the file was never contended"
+        for fd in fds:
+            assert os.pread(fd, len(data), 0) == data
+        for r in range(30):
+            writer = r % 2
+            patch = rng.randbytes(rng.randrange(1, 3 * block))
+            off = rng.randrange(len(data) - len(patch))
+            os.pwrite(fds[writer], patch, off)
+            data[off : off + len(patch)] = patch
+            assert os.pread(fds[1 - writer], len(data), 0) == data, r
+            assert os.fstat(fds[1 - writer]).st_size == len(data)
+        os.ftruncate(fds[0], 3 * block + 5)
+        del data[3 * block + 5 :]
+        assert os.fstat(fds[1]).st_size == len(data)
+        assert os.pread(fds[1], 4 * block, 0) == data
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert (c1 / "ior").read_bytes() == data == (c2 / "ior").read_bytes()
+    assert log_lines(cluster, "mds.log", " WARNING ", " ERROR ") == []
+
+
 def test_a_file_open_on_one_node_outlives_an_unlink_on_the_other(cluster: Cluster) -> None:
     """A node opens a file it holds without asking the mds (the open goes with its
     next call); another node's unlink recalls it first, whose answer carries that

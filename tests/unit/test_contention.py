@@ -1,0 +1,138 @@
+"""Files written from several clients at once (memfs.meta.contention): no write
+leases while contended, recalls only where the ranges touched overlap."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from memfs.meta import contention
+from memfs.meta.contention import WHOLE, Contention
+from memfs.meta.remote import RemoteMeta
+from memfs.meta.server import MetaServer
+from tests.unit.test_leases import POOL, ROOT, F, calls, cluster
+
+CS = POOL.chunk_size
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_switches_within_the_window_make_a_file_contended_for_a_while() -> None:
+    clock = Clock()
+    c = Contention(clock)
+    a, b = object(), object()
+    for _ in range(contention.SWITCHES // 2):
+        c.wrote(a, 1)
+        c.wrote(b, 1)
+        clock.t += 0.01
+    assert not c.contended(1)  # the first write is no switch
+    c.wrote(a, 1)
+    assert c.contended(1) and c.started == 1
+    clock.t += contention.WINDOW / 2
+    c.wrote(b, 1)  # a switch while contended holds it on
+    clock.t += contention.HOLD - 0.01
+    assert c.contended(1)
+    clock.t += 0.02
+    assert not c.contended(1)
+    # Turns further apart than the window are no switches; one writer none at all.
+    for _ in range(3 * contention.SWITCHES):
+        c.wrote(a, 2)
+        clock.t += contention.WINDOW
+        c.wrote(b, 2)
+        c.wrote(b, 3)
+    assert not c.contended(2) and not c.contended(3)
+
+
+def test_ranges_sent_merge_and_overlap_by_chunk() -> None:
+    c = Contention(Clock())
+    a, b = object(), object()
+    for k in range(10):  # a sequential writer: one range
+        c.sent(a, 1, (k * CS, (k + 1) * CS))
+    c.sent(a, 1, (20 * CS, 21 * CS))
+    assert c.spans[1][a] == [(0, 10 * CS), (20 * CS, 21 * CS)]
+    c.sent(a, 1, (5 * CS, 20 * CS))
+    assert c.spans[1][a] == [(0, 21 * CS)]
+    c.sent(b, 1, (30 * CS, 31 * CS))
+    assert c.overlaps(a, 1, (20 * CS, 22 * CS)) and not c.overlaps(a, 1, (21 * CS, 30 * CS))
+    assert c.overlaps(b, 1, None) and not c.overlaps(b, 2, None)
+    for k in range(0, 4 * contention.MAX_SPANS, 2):  # too many apart: one range covers them
+        c.sent(b, 1, (100 * CS + k * CS, 100 * CS + (k + 1) * CS))
+    assert len(c.spans[1][b]) == 1 and c.overlaps(b, 1, (40 * CS, 41 * CS))
+    c.sent(b, 2, None)
+    assert c.spans[2][b] == [WHOLE]
+    c.take(a, 1)
+    c.forget(b)
+    assert c.spans == {}
+
+
+async def _by_turns(server: MetaServer, a: RemoteMeta, b: RemoteMeta, ino: int) -> int:
+    """a and b write chunks 2k and 2k+1 of *ino* by turns until it is contended; the
+    next k."""
+    k = 0
+    while not server.leases.contention.contended(ino):
+        assert k < 2 * contention.SWITCHES, "never contended"
+        await a.map_write(ino, 2 * k * CS, CS)
+        await b.map_write(ino, (2 * k + 1) * CS, CS)
+        k += 1
+    return k
+
+
+async def test_writes_by_turns_to_other_chunks_recall_no_one_once_contended() -> None:
+    async with cluster(2) as (server, (a, b), _):
+        f = await a.create(ROOT, b"shared", F, 0, 0)
+        await b.open(f.ino)
+        k = await _by_turns(server, a, b, f.ino)
+        before = calls(server)
+        for j in range(k, k + 10):
+            await a.map_write(f.ino, 2 * j * CS, CS)
+            await b.map_write(f.ino, (2 * j + 1) * CS, CS)
+        assert calls(server) == before, "writes of other chunks recalled someone"
+        assert not a.cache.is_writer(f.ino) and not b.cache.is_writer(f.ino)
+        assert f.ino not in server.leases.writers
+        end = 2 * (k + 10) * CS
+        # Sizes and times are the server's at once: each asks (nothing is cacheable).
+        assert (await a.getattr(f.ino)).size == end == (await b.getattr(f.ino)).size
+        assert a.attr_ttl(f.ino) == 0 and b.attr_ttl(f.ino) == 0
+        # A write into a chunk b was sent recalls b, and only b.
+        await a.map_write(f.ino, end - CS + 10, 100)
+        assert calls(server) == before + 1
+        # b reads a chunk a is writing: a is recalled (its bytes may be on their way);
+        # a chunk that a has not been sent since its last recall: no one.
+        await a.map_write(f.ino, 0, 10)
+        await b.map_read(f.ino, 0, 10)
+        assert calls(server) == before + 2
+        await b.map_read(f.ino, 4 * CS, 10)
+        assert calls(server) == before + 2
+        # Any other change recalls every receiver of a map: a truncate here.
+        await b.map_write(f.ino, CS, 10)
+        await a.map_write(f.ino, 2 * CS, 10)
+        await a.truncate(f.ino, 3 * CS)
+        assert calls(server) == before + 3
+        assert (await b.getattr(f.ino)).size == 3 * CS
+
+
+async def test_a_contended_file_gets_leases_again_once_its_writers_stop_taking_turns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(contention, "HOLD", 0.3)
+    monkeypatch.setattr(contention, "WINDOW", 0.2)
+    async with cluster(2) as (server, (a, b), _):
+        f = await a.create(ROOT, b"shared", F, 0, 0)
+        await b.open(f.ino)
+        k = await _by_turns(server, a, b, f.ino)
+        await trio.sleep(0.5)  # (a write now is a turn, not a switch)
+        before = calls(server)
+        await a.map_write(f.ino, 2 * k * CS, CS)  # b's chunks go first (its kernel's pages)
+        assert calls(server) == before + 1
+        assert a.cache.is_writer(f.ino)
+        assert len(server.leases.contention.spans[f.ino]) == 1  # a's own ranges only
+        await a.map_write(f.ino, (2 * k + 2) * CS, CS)
+        assert calls(server) == before + 1
+        assert (await b.getattr(f.ino)).size == (2 * k + 3) * CS  # a's lease recalled
+        assert calls(server) == before + 2
