@@ -10,9 +10,9 @@ its own file.  Each round writes both layouts for every --xfer (the order
 alternates from round to round); MiB/s is all bytes over the slowest
 process's time.  The table shows medians and the shared/per-process ratio.
 
-Leases and recalls are whole-file, so on the shared file every switch from
-one node's writes to the other's waits for a recall (README, "Consistency
-across nodes"; docs/ARCHITECTURE.md, "One file written from two nodes").
+Leases are whole-file: on the shared file the nodes' writes by turns make it
+contended (no write leases, recalls only where ranges overlap: README,
+"Consistency across nodes"; docs/ARCHITECTURE.md, "Contended files").
 
 Like bench/clusterbench.py (whose helpers it uses): ``--code DIR`` runs
 another checkout, servers and mounts are stopped on any exit, and a step that

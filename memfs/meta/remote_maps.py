@@ -293,7 +293,13 @@ class MapClient:
                 cache.files.pop(ino, None)
                 if granted and granted[-1] is Kind.OK_WRITE:
                     self.ahead_unsure.add(ino)  # the server holds the lease and space for us
-            return offset, WritePlan(_clip(plan.extents, offset, end), posted=kind is Kind.OK_WRITE)
+            # Posted (not waited for) under our write lease, and, while the server
+            # keeps leases, also without one: the server marks us as writing the file
+            # until our close or our answer to a recall, which waits for those bytes,
+            # so another node's read, write or truncate of it waits for them first.
+            # (Not after a map_write, made without a handle: no close waits for it.)
+            posted = kind is Kind.OK_WRITE or (method == "allocate_ahead" and bool(cache.term))
+            return offset, WritePlan(_clip(plan.extents, offset, end), posted=posted)
 
 
 def _clip(extents: list[Extent], start: int, end: int) -> list[Extent]:

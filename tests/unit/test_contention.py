@@ -90,8 +90,9 @@ async def test_writes_by_turns_to_other_chunks_recall_no_one_once_contended() ->
         k = await _by_turns(server, a, b, f.ino)
         before = calls(server)
         for j in range(k, k + 10):
-            await a.map_write(f.ino, 2 * j * CS, CS)
-            await b.map_write(f.ino, (2 * j + 1) * CS, CS)
+            # Posted (not waited for) without a lease too: the server marks them writing.
+            assert (await a.map_write(f.ino, 2 * j * CS, CS)).posted
+            assert (await b.map_write(f.ino, (2 * j + 1) * CS, CS)).posted
         assert calls(server) == before, "writes of other chunks recalled someone"
         assert not a.cache.is_writer(f.ino) and not b.cache.is_writer(f.ino)
         assert f.ino not in server.leases.writers
