@@ -75,6 +75,7 @@ class Contention:
         self._last: dict[int, tuple[object, float, int, float]] = {}
         #: ino -> receiver -> ranges of chunk maps sent while contended
         self.spans: dict[int, dict[object, list[Span]]] = {}
+        self._pruned = -WINDOW
         #: files that became contended (for status and tests)
         self.started = 0
 
@@ -85,6 +86,8 @@ class Contention:
         if last is None or last[0] is holder:
             n, since = (0, now) if last is None else last[2:]
             self._last[ino] = (holder, now, n, since)
+            if last is None:
+                self._prune(now)
             return
         prev, t, n, since = last
         if now - t >= WINDOW:
@@ -100,13 +103,19 @@ class Contention:
                 log.info("inode %d is written from several clients by turns: no write leases "
                          "for it while that goes on (contended)", ino)
             self.until[ino] = now + HOLD
-        if len(self._last) > _HISTORY:
-            self._last = {i: v for i, v in self._last.items() if now - v[1] < WINDOW}
+        self._prune(now)
 
     def count(self) -> int:
         """Files contended now."""
         now = self._clock()
         return sum(1 for until in self.until.values() if until > now)
+
+    def _prune(self, now: float) -> None:
+        """Forget the writes older than WINDOW once there are many (at most once per
+        WINDOW: a node writing thousands of files a second keeps more)."""
+        if len(self._last) > _HISTORY and now - self._pruned >= WINDOW:
+            self._pruned = now
+            self._last = {i: v for i, v in self._last.items() if now - v[1] < WINDOW}
 
     def contended(self, ino: int) -> bool:
         until = self.until.get(ino)

@@ -49,6 +49,19 @@ def test_switches_within_the_window_make_a_file_contended_for_a_while() -> None:
     assert not c.contended(2) and not c.contended(3)
 
 
+def test_write_histories_are_pruned_at_most_once_a_window() -> None:
+    clock = Clock()
+    c = Contention(clock)
+    a = object()
+    n = contention._HISTORY + 10
+    for ino in range(n):
+        c.wrote(a, ino)
+    assert len(c._last) == n  # all within the window: kept (and not rebuilt per write)
+    clock.t += contention.WINDOW
+    c.wrote(a, n)
+    assert list(c._last) == [n]
+
+
 def test_ranges_sent_merge_and_overlap_by_chunk() -> None:
     c = Contention(Clock())
     a, b = object(), object()
