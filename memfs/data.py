@@ -10,13 +10,15 @@ transfer runs inside ``meta.io(ino)`` and only with a map whose generation did
 not move while it was fetched, so a recall (which waits for ``io``) never lets
 a chunk be freed while a transfer still uses it.
 
-Posted writes (a cluster client holding a file's write lease, tcp): the
-write returns once its frame is in the socket, before the memory server has
-applied it (the socket's buffer is the write-behind buffer: no copy, bounded by
-the kernel).  Until the server answers, the inode stays pinned (``meta.io``), so
-a recall, which any other session's access to the file causes, waits for the
-data; this node's own reads and truncates of the file, its fsync and its
-release wait for them first.  A posted write that failed fails the file's next
+Posted writes (a cluster client holding a file's write lease, or writing it
+through a handle without one while the mds grants leases; tcp): the write
+returns once its frame is in the socket, before the memory server has applied
+it (the socket's buffer is the write-behind buffer: no copy, bounded by the
+kernel).  Until the server answers, the inode stays pinned (``meta.io``), so a
+recall waits for the data: under a lease any other session's access to the
+file causes one; without, the mds marks the writer, and another session's
+read, write or truncate of the bytes it wrote does.  This node's own reads and
+truncates of the file, its fsync and its release wait for them first.  A posted write that failed fails the file's next
 write or fsync with EIO, once (as a local filesystem reports writeback errors:
 not at close; one still unreported at a close is logged and dropped).  Its bytes
 may be lost, or land in part; a late frame is refused once the mds has fenced

@@ -24,10 +24,16 @@ the latter:
   way), and a read recalls only writers whose ranges overlap it; any other
   change of the file (a truncate, a setattr) recalls every receiver;
 * a receiver answers a recall as for any file (its transfers landed, the
-  kernel's pages and attributes dropped), which ends its ranges.
+  kernel's pages and attributes dropped), which ends its ranges; a recall given
+  up on leaves it holding the whole file;
+* a session marked writing (bytes it was sent where to write may be on their
+  way) with no ranges, or ranges over a read, is recalled by that read, and
+  while one is, another session's map is not cached (it would be widened
+  over the writer's chunks).
 
-Ranges outlive the contention: they are kept until recalled, so a lease granted
-later still recalls what was sent before.
+Ranges outlive the contention: they are kept until recalled, and no write lease
+is granted while another session has any (the call asking for one recalls
+them first).
 """
 
 from __future__ import annotations
@@ -118,6 +124,8 @@ class Contention:
             self._last = {i: v for i, v in self._last.items() if now - v[1] < WINDOW}
 
     def contended(self, ino: int) -> bool:
+        if not self.until:  # (the common case: asked at every call of a map)
+            return False
         until = self.until.get(ino)
         if until is None:
             return False

@@ -119,8 +119,8 @@ class LeasePolicy:
         (not contended, an append, anything else)."""
         ino = args[0]
         contention = self.leases.contention
-        if (name not in ("map_read", "map_write", "allocate_ahead") or not contention.until
-                or not contention.contended(ino) or args[1] < 0):
+        if name not in ("map_read", "map_write", "allocate_ahead") or args[1] < 0 \
+                or not contention.contended(ino):
             return None
         cs = self.store.chunk_size
         end = args[1] + args[2] + (args[3] if name == "allocate_ahead" else 0)

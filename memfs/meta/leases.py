@@ -248,12 +248,17 @@ class LeaseTable:
                 if mine is None:
                     mine = self._inos_of[holder] = set()
                 mine.add(ino)
-            if contention.until and contention.contended(ino):
+            if contention.contended(ino):
                 cacheable = False
                 hs[holder] = hs.get(holder, False)
                 if transfer:
                     contention.sent(holder, ino, span)
                 continue
+            if transfer and any(h is not holder for h in self.writing.get(ino, ())):
+                # Another session's bytes may be on their way (its reads were not
+                # recalled where the call's conflicts were limited to its range, the
+                # file contended then): a map is used once, never cached or widened.
+                cacheable = False
             w = self.writers.get(ino)
             if (ino in recalling or (ino in changing and changing[ino][0] is not holder)
                     or (w is not None and w is not holder)):
@@ -284,7 +289,7 @@ class LeaseTable:
     def grant_write(self, holder: Holder, ino: int) -> bool:
         """Make *holder* the writer of *ino* if no other session has its state (and
         the file is not contended)."""
-        if ino in self._recalling or (self.contention.until and self.contention.contended(ino)):
+        if ino in self._recalling or self.contention.contended(ino):
             return False
         w = self.writers.get(ino)
         if w is not None:
@@ -368,9 +373,10 @@ class LeaseTable:
 
         *first* False: after a recall of these items, only holders that fetched state
         since (or a writer) still need one; directories' other holders have heard.
-        Reads :attr:`writers`, :attr:`holders` and :attr:`writing` only: the server's
-        ``may_wait`` takes all three empty for "nothing to recall" (state read here
-        must be added there).
+        Reads :attr:`writers`, :attr:`holders`, :attr:`writing` and the ranges of
+        contended files only: the server's ``may_wait`` takes the first three
+        empty for "nothing to recall" (state read here must be added there; a
+        session with ranges of a file is always among its holders).
         """
         spans = self.contention.spans
         for it in items:
@@ -405,6 +411,7 @@ class LeaseTable:
             first = True
             while True:
                 targets: dict[Holder, list[list[Any]]] = {}
+                took: dict[Holder, set[int]] = {}
                 for it in items:
                     w = self.writers.get(it.ino)
                     hs = self.holders.get(it.ino, {})
@@ -423,8 +430,9 @@ class LeaseTable:
                                     or (sent is not None and h in sent and overlap(sent[h], it.span))))):
                             targets.setdefault(h, []).append(it.to_wire(revoke))
                             hs[h] = False
-                            if sent is not None:
+                            if sent is not None and h in sent:
                                 self.contention.take(h, it.ino)  # (its answer ends them)
+                                took.setdefault(h, set()).add(it.ino)
                     if w is not None and w is not holder and w not in hs:
                         targets.setdefault(w, []).append(it.to_wire(True))
                     for h in ws:
@@ -435,7 +443,7 @@ class LeaseTable:
                 first = False
                 async with trio.open_nursery() as nursery:
                     for h, payload in targets.items():
-                        nursery.start_soon(self._recall_one, h, payload)
+                        nursery.start_soon(self._recall_one, h, payload, took.get(h, set()))
         finally:
             for ino in inos:
                 n = self._recalling[ino] - 1
@@ -444,7 +452,9 @@ class LeaseTable:
                 else:
                     del self._recalling[ino]
 
-    async def _recall_one(self, h: Holder, payload: list[list[Any]]) -> None:
+    async def _recall_one(self, h: Holder, payload: list[list[Any]], taken: set[int]) -> None:
+        """Recall *payload* from *h* (*taken*: the files whose ranges it was sent went
+        with this recall, memfs.meta.contention)."""
         rid = self._next_rid
         self._next_rid = rid % 0xFFFFFFFF + 1
         w = _Waiting(h)
@@ -490,11 +500,14 @@ class LeaseTable:
             if not ended:
                 # Given up (the caller's deadline, a glimpse that stops waiting) before
                 # the holder answered or was forgotten: it may still hold all it held,
-                # so the next change recalls it again (recall() marked it as told).
+                # so the next change recalls it again (recall() marked it as told),
+                # and, of a contended file, any read (its ranges went with the recall).
                 for ino, _names, _revoke in payload:
                     hs = self.holders.get(ino)
                     if hs is not None and h in hs:
                         hs[h] = True
+                    if ino in taken:
+                        self.contention.sent(h, ino, None)
 
     def recalled(self, holder: Holder, rid: int, settles: list[Settle]) -> None:
         """A RECALLED frame from *holder* (unknown or late ones are ignored)."""

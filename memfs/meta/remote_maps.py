@@ -297,8 +297,9 @@ class MapClient:
             # keeps leases, also without one: the server marks us as writing the file
             # until our close or our answer to a recall, which waits for those bytes,
             # so another node's read, write or truncate of it waits for them first.
-            # (Not after a map_write, made without a handle: no close waits for it.)
-            posted = kind is Kind.OK_WRITE or (method == "allocate_ahead" and bool(cache.term))
+            # (Not without a handle: no close would wait for it.)
+            posted = kind is Kind.OK_WRITE or (
+                method == "allocate_ahead" and bool(cache.term) and bool(self.opens.get(ino)))
             return offset, WritePlan(_clip(plan.extents, offset, end), posted=posted)
 
 

@@ -517,7 +517,8 @@ def test_a_file_written_from_two_nodes_by_turns_stays_coherent(cluster: Cluster)
     it contended (memfs.meta.contention: no write leases, each write asks the mds and
     recalls only a node whose ranges it overlaps).  Then each node's next read, with
     the file still open and its own blocks in its page cache, sees the other's
-    writes over them, a truncate's size at once, and the same bytes everywhere."""
+    writes over them, a truncate's size at once, and the same bytes everywhere
+    (whether the file is still contended then or leases came back)."""
     c1, c2 = cluster.mnt["c1"], cluster.mnt["c2"]
     block, n = 64 << 10, 100  # (a chunk each)
     rng = random.Random(5)
@@ -539,6 +540,9 @@ def test_a_file_written_from_two_nodes_by_turns_stays_coherent(cluster: Cluster)
             off = rng.randrange(len(data) - len(patch))
             os.pwrite(fds[writer], patch, off)
             data[off : off + len(patch)] = patch
+            near = max(0, off - block)  # (a read of the chunks around it first)
+            assert os.pread(fds[1 - writer], len(patch) + 2 * block, near) == \
+                data[near : off + len(patch) + block], r
             assert os.pread(fds[1 - writer], len(data), 0) == data, r
             assert os.fstat(fds[1 - writer]).st_size == len(data)
         os.ftruncate(fds[0], 3 * block + 5)

@@ -3,11 +3,15 @@ leases while contended, recalls only where the ranges touched overlap."""
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import pytest
 import trio
 
 from memfs.meta import contention
 from memfs.meta.contention import WHOLE, Contention
+from memfs.meta.leases import Item, LeaseTable
 from memfs.meta.remote import RemoteMeta
 from memfs.meta.server import MetaServer
 from tests.unit.test_leases import POOL, ROOT, F, calls, cluster
@@ -116,18 +120,21 @@ async def test_writes_by_turns_to_other_chunks_recall_no_one_once_contended() ->
         # A write into a chunk b was sent recalls b, and only b.
         await a.map_write(f.ino, end - CS + 10, 100)
         assert calls(server) == before + 1
-        # b reads a chunk a is writing: a is recalled (its bytes may be on their way);
-        # a chunk that a has not been sent since its last recall: no one.
+        # a writes chunk 0 (its bytes may be on their way): b's read of chunk 4, which
+        # a was not sent since, recalls no one; b's read of chunk 0 recalls a.
         await a.map_write(f.ino, 0, 10)
+        await b.map_read(f.ino, 4 * CS, 10)
+        assert calls(server) == before + 1
         await b.map_read(f.ino, 0, 10)
         assert calls(server) == before + 2
-        await b.map_read(f.ino, 4 * CS, 10)
-        assert calls(server) == before + 2
+        # b's kernel may keep the pages it read: a's write there recalls it.
+        await a.map_write(f.ino, 4 * CS, 10)
+        assert calls(server) == before + 3
         # Any other change recalls every receiver of a map: a truncate here.
         await b.map_write(f.ino, CS, 10)
         await a.map_write(f.ino, 2 * CS, 10)
         await a.truncate(f.ino, 3 * CS)
-        assert calls(server) == before + 3
+        assert calls(server) == before + 4
         assert (await b.getattr(f.ino)).size == 3 * CS
 
 
@@ -150,3 +157,56 @@ async def test_a_contended_file_gets_leases_again_once_its_writers_stop_taking_t
         assert calls(server) == before + 1
         assert (await b.getattr(f.ino)).size == (2 * k + 3) * CS  # a's lease recalled
         assert calls(server) == before + 2
+
+
+class _Silent:
+    """A holder that is sent recalls and does not answer them."""
+
+    def __init__(self) -> None:
+        self.last_heard = 0.0
+        self.registrations = 0
+
+    def send_recall(self, rid: int, payload: list[Any]) -> bool:
+        return True
+
+    def evict(self, reason: str) -> None:
+        raise AssertionError("not evicted here")
+
+
+async def test_a_writer_whose_recall_was_given_up_is_recalled_by_any_read() -> None:
+    """A glimpse of a writer that gives up (the write-back waits 0.5 s at most) took
+    its ranges with it: the writer then holds the whole file, so a read of the
+    chunk whose bytes it never confirmed still recalls it, also once it was sent
+    ranges elsewhere."""
+    lt = LeaseTable(term=4.0, recall_timeout=2.0)
+    a, reader = _Silent(), _Silent()
+    ino = 7
+    lt.contention.until[ino] = math.inf
+    lt.register(a, [ino], transfer=True, span=(0, CS))
+    lt.wrote(a, ino, placed=True)
+    read0 = Item(ino, write_only=True, span=(0, CS))
+    assert lt.needs_recall(reader, [read0])
+    with trio.move_on_after(0.1):
+        await lt.recall(None, [Item(ino, write_only=True)])
+    assert lt.writing[ino], "a's mark stays (nothing confirmed)"
+    lt.register(a, [ino], transfer=True, span=(5 * CS, 6 * CS))
+    lt.wrote(a, ino, placed=True)
+    assert lt.needs_recall(reader, [read0])
+
+
+def test_a_map_is_not_cached_while_another_session_writes_without_a_lease() -> None:
+    """A read whose conflicts were limited to its range (the file contended then)
+    and registered once the contention ended: not cacheable (it would be widened
+    over chunks whose bytes the writer may still be sending)."""
+    clock = Clock()
+    lt = LeaseTable(term=4.0, recall_timeout=2.0)
+    lt.contention = Contention(clock)
+    a, reader = _Silent(), _Silent()
+    ino = 7
+    lt.contention.until[ino] = clock.t + 0.001
+    lt.register(a, [ino], transfer=True, span=(CS, 2 * CS))
+    lt.wrote(a, ino, placed=True)
+    read0 = Item(ino, write_only=True, span=(0, CS))
+    assert not lt.needs_recall(reader, [read0])
+    clock.t += 0.01
+    assert not lt.register(reader, [ino], transfer=True, span=(0, CS))
