@@ -41,6 +41,7 @@ from __future__ import annotations
 import bisect
 import logging
 from collections.abc import Callable
+from typing import NamedTuple
 
 import trio
 
@@ -70,6 +71,16 @@ def overlap(spans: list[Span], span: Span | None) -> bool:
     return any(a < hi and lo < b for a, b in spans)
 
 
+class _Turns(NamedTuple):
+    """A file's last write call, and the switches counted in the window."""
+
+    writer: object
+    at: float
+    switches: int
+    #: when the window the switches are counted in began
+    since: float
+
+
 class Contention:
     """Which files are contended, and the ranges sent of them; see the module doc."""
 
@@ -78,7 +89,7 @@ class Contention:
         #: ino -> until when it is contended
         self.until: dict[int, float] = {}
         #: ino -> (last writer, when, switches in the window, the window's start)
-        self._last: dict[int, tuple[object, float, int, float]] = {}
+        self._last: dict[int, _Turns] = {}
         #: ino -> receiver -> ranges of chunk maps sent while contended
         self.spans: dict[int, dict[object, list[Span]]] = {}
         self._pruned = -WINDOW
@@ -89,21 +100,18 @@ class Contention:
         """A write call of *ino* by *holder*: counts the switches."""
         now = self._clock()
         last = self._last.get(ino)
-        if last is None or last[0] is holder:
-            n, since = (0, now) if last is None else last[2:]
-            self._last[ino] = (holder, now, n, since)
+        if last is None or last.writer is holder:
+            self._last[ino] = (_Turns(holder, now, 0, now) if last is None
+                               else last._replace(at=now))
             if last is None:
                 self._prune(now)
             return
-        prev, t, n, since = last
-        if now - t >= WINDOW:
-            self._last[ino] = (holder, now, 0, now)  # a turn, not a switch
+        if now - last.at >= WINDOW:
+            self._last[ino] = _Turns(holder, now, 0, now)  # a turn, not a switch
             return
-        if now - since >= WINDOW:
-            n, since = 0, now
-        n += 1
-        self._last[ino] = (holder, now, n, since)
-        if n >= SWITCHES or self.contended(ino):
+        switches, since = (last.switches, last.since) if now - last.since < WINDOW else (0, now)
+        self._last[ino] = _Turns(holder, now, switches + 1, since)
+        if switches + 1 >= SWITCHES or self.contended(ino):
             if ino not in self.until:
                 self.started += 1
                 log.info("inode %d is written from several clients by turns: no write leases "
@@ -121,7 +129,7 @@ class Contention:
         WINDOW: a node writing thousands of files a second keeps more)."""
         if len(self._last) > _HISTORY and now - self._pruned >= WINDOW:
             self._pruned = now
-            self._last = {i: v for i, v in self._last.items() if now - v[1] < WINDOW}
+            self._last = {i: v for i, v in self._last.items() if now - v.at < WINDOW}
 
     def contended(self, ino: int) -> bool:
         if not self.until:  # (the common case: asked at every call of a map)
