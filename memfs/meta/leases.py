@@ -53,9 +53,11 @@ or partitioned client has stopped trusting its caches by the time the change
 is applied.
 
 * **writing** (marks, no right): a session that was sent where to write a
-  file's data without a write lease moves its bytes after that answer; until
-  it answers a recall of the file (once its transfers landed) or closes it,
-  another session's chunk-map read recalls it first (:meth:`wrote`).
+  file's data without a write lease moves its bytes after that answer (its
+  client may have answered the write(2) already: posted); until it answers a
+  recall of the file (once its transfers landed) or closes it, another
+  session's chunk-map read, and the first round of any change's recalls
+  (also while a recall of it is under way), recall it first (:meth:`wrote`).
 
 Everything here runs in the server's trio loop; methods that do not await are
 atomic.  The wait for acknowledgements is the only await: while an inode is
@@ -395,6 +397,11 @@ class LeaseTable:
             if sent is not None and any(h is not holder and overlap(s, it.span)
                                         for h, s in sent.items()):
                 return True
+            # A session whose bytes may be on their way (a recall of it under way
+            # already marked it told): recall()'s first round asks it too.
+            if first and any(h is not holder and _writing_in(h, it, sent)
+                             for h in self.writing.get(it.ino, ())):
+                return True
         return False
 
     async def recall(self, holder: Holder | None, items: list[Item], *, once: bool = False) -> None:
@@ -410,6 +417,8 @@ class LeaseTable:
         try:
             first = True
             while True:
+                if once and not first:
+                    return  # (before a round that would mark its targets told)
                 targets: dict[Holder, list[list[Any]]] = {}
                 took: dict[Holder, set[int]] = {}
                 for it in items:
@@ -438,7 +447,7 @@ class LeaseTable:
                     for h in ws:
                         if h is not holder and h not in hs and _writing_in(h, it, sent):
                             targets.setdefault(h, []).append(it.to_wire(False))
-                if not targets or (once and not first):
+                if not targets:
                     return
                 first = False
                 async with trio.open_nursery() as nursery:
@@ -506,8 +515,8 @@ class LeaseTable:
                     hs = self.holders.get(ino)
                     if hs is not None and h in hs:
                         hs[h] = True
-                    if ino in taken:
-                        self.contention.sent(h, ino, None)
+                        if ino in taken:
+                            self.contention.sent(h, ino, None)
 
     def recalled(self, holder: Holder, rid: int, settles: list[Settle]) -> None:
         """A RECALLED frame from *holder* (unknown or late ones are ignored)."""

@@ -317,6 +317,8 @@ class RemoteMeta(Meta):
         self.held.takes_opens = desc.held_opens
         self.held.takes_setattrs = desc.held_setattrs
         self.held.takes_atimes = desc.held_atimes
+        # (Marks its writers without a lease only with leases: their writes wait without.)
+        self.maps.posts_unleased = desc.lease_term > 0
         self._no_setattr_at = 0
         if first:
             self.pool = desc

@@ -57,6 +57,9 @@ class MapClient:
         self._maps_plain: set[int] = set()
         #: the server places appends itself (``codec.append_offset``; set at registration)
         self.appends = False
+        #: the server marks writers without a lease (it grants leases: set at registration),
+        #: whose writes may then be posted
+        self.posts_unleased = False
         #: hold a read's access time for the server, ``touch(ino, time_ns)``; False if
         #: it cannot (no connection, an older mds): set by RemoteMeta
         self.touch: Callable[[int, int], bool] | None = None
@@ -294,12 +297,12 @@ class MapClient:
                 if granted and granted[-1] is Kind.OK_WRITE:
                     self.ahead_unsure.add(ino)  # the server holds the lease and space for us
             # Posted (not waited for) under our write lease, and, while the server
-            # keeps leases, also without one: the server marks us as writing the file
+            # keeps leases (this connection's describe said so), also without one: the server marks us as writing the file
             # until our close or our answer to a recall, which waits for those bytes,
             # so another node's read, write or truncate of it waits for them first.
             # (Not without a handle: no close would wait for it.)
             posted = kind is Kind.OK_WRITE or (
-                method == "allocate_ahead" and bool(cache.term) and bool(self.opens.get(ino)))
+                method == "allocate_ahead" and self.posts_unleased and bool(self.opens.get(ino)))
             return offset, WritePlan(_clip(plan.extents, offset, end), posted=posted)
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.lowlevel
 
 from memfs.meta import contention
 from memfs.meta.contention import WHOLE, Contention
@@ -210,3 +211,131 @@ def test_a_map_is_not_cached_while_another_session_writes_without_a_lease() -> N
     assert not lt.needs_recall(reader, [read0])
     clock.t += 0.01
     assert not lt.register(reader, [ino], transfer=True, span=(0, CS))
+
+
+class _Answering:
+    """A holder that answers recalls at once while connected (send_recall False
+    while cut off)."""
+
+    def __init__(self, table: LeaseTable) -> None:
+        self.table = table
+        self.last_heard = 0.0
+        self.registrations = 0
+        self.connected = True
+
+    def send_recall(self, rid: int, payload: list[Any]) -> bool:
+        if not self.connected:
+            return False
+
+        async def answer() -> None:
+            self.table.recalled(self, rid, [])
+
+        trio.lowlevel.spawn_system_task(answer)
+        return True
+
+    def evict(self, reason: str) -> None:
+        pass
+
+
+async def test_a_given_up_recall_gives_nothing_back_to_a_session_that_registered_again(
+    autojump_clock: Any, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A glimpse (0.5 s at most) of a cut-off writer, which registers again within it
+    (and so holds nothing of the file): the glimpse gives up without giving it ranges
+    (which no recall could find: a write elsewhere would loop recalling no one)."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]  # a is evicted
+    lt = LeaseTable(term=4.0, recall_timeout=2.0)
+    a, b = _Answering(lt), _Answering(lt)
+    a.connected = False
+    lt.contention.until[7] = math.inf
+    lt.register(a, [7], transfer=True, span=(0, CS))
+    lt.wrote(a, 7, placed=True)
+    async with trio.open_nursery() as nursery:
+        async def registers_again() -> None:
+            await trio.sleep(0.2)
+            a.registrations += 1
+            a.connected = True
+            lt.forget(a, said=True)  # (SessionClaims._replay)
+
+        nursery.start_soon(registers_again)
+        with trio.move_on_after(0.5):  # (LeasePolicy.glimpse_writers_of)
+            await lt.recall(None, [Item(7, write_only=True)])
+    assert a not in lt.holders.get(7, {}) and a not in lt.contention.spans.get(7, {})
+    items = [Item(7, span=(0, CS))]
+    first = True
+    for _ in range(5):  # (MetaServer.run_call's loop)
+        if not lt.needs_recall(b, items, first=first):
+            break
+        await lt.recall(b, items)
+        first = False
+    else:
+        raise AssertionError("the recalls never end")
+
+
+async def test_a_recall_once_leaves_those_who_fetched_meanwhile_to_the_next_change(
+    autojump_clock: Any,
+) -> None:
+    """recall(once=True) (a takeback's) recalls only who held the file then: one that
+    read a chunk meanwhile keeps its range, so a later write there recalls it."""
+    lt = LeaseTable(term=4.0, recall_timeout=2.0)
+    a, r, b = _Answering(lt), _Answering(lt), _Answering(lt)
+    lt.contention.until[7] = math.inf
+    lt.register(a, [7], transfer=True, span=(0, CS))
+
+    def slowly(rid: int, payload: list[Any]) -> bool:
+        async def answer() -> None:
+            await trio.sleep(0.2)
+            lt.recalled(a, rid, [])
+
+        trio.lowlevel.spawn_system_task(answer)
+        return True
+
+    a.send_recall = slowly  # type: ignore[method-assign]
+    async with trio.open_nursery() as nursery:
+        async def reads_meanwhile() -> None:
+            await trio.sleep(0.1)
+            lt.register(r, [7], transfer=True, span=(3 * CS, 4 * CS))
+
+        nursery.start_soon(reads_meanwhile)
+        await lt.recall(None, [Item(7)], once=True)
+    assert lt.needs_recall(b, [Item(7, span=(3 * CS, 4 * CS))])
+
+
+@pytest.mark.parametrize("contended", [False, True])
+async def test_a_change_waits_for_a_writer_another_recall_waits_for(
+    autojump_clock: Any, contended: bool,
+) -> None:
+    """a's posted bytes are on their way and another session's read recalls a (its
+    answer waits for them): meanwhile b's truncate or write there still recalls a,
+    which a recall under way had marked told (and, contended, taken the ranges of)."""
+    lt = LeaseTable(term=4.0, recall_timeout=2.0)
+    a, c, b = _Silent(), _Silent(), _Silent()
+    if contended:
+        lt.contention.until[7] = math.inf
+    lt.register(a, [7], transfer=True, span=(0, CS) if contended else None)
+    lt.register(a, [7], transfer=True, span=(4 * CS, 5 * CS) if contended else None)
+    lt.wrote(a, 7, placed=True)
+    change = Item(7, span=(4 * CS, 5 * CS)) if contended else Item(7)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(lt.recall, c, [Item(7, write_only=True, span=(0, CS) if contended else None)])
+        await trio.sleep(0.1)
+        waits = lt.needs_recall(b, [change])
+        nursery.cancel_scope.cancel()
+    assert waits
+
+
+async def test_writes_without_a_lease_are_not_posted_once_the_mds_grants_none(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Back to an mds that keeps no leases (restarted with --lease-term 0), which marks
+    no writer: the writes of a client that had leases wait for their bytes again."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]  # the connection drops
+    async with cluster(2) as (server, (a, b), _):
+        f = await a.create(ROOT, b"f", F, 0, 0)
+        await b.open(f.ino)
+        server.leases.term = 0
+        assert b._conn is not None
+        b._conn.kill("test")
+        await b.getattr(ROOT)  # (registered again: its describe says no leases)
+        plan = await b.map_write(f.ino, 0, CS)
+        assert not server.leases.writing and not plan.posted
