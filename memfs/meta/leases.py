@@ -254,7 +254,11 @@ class LeaseTable:
                 cacheable = False
                 hs[holder] = hs.get(holder, False)
                 if transfer:
-                    contention.sent(holder, ino, span)
+                    # Marked writing with no ranges: a recall under way took them, and
+                    # its bytes there may still fly: the whole file until it answers.
+                    told = (holder in self.writing.get(ino, ())
+                            and holder not in contention.spans.get(ino, ()))
+                    contention.sent(holder, ino, None if told else span)
                 continue
             if transfer and any(h is not holder for h in self.writing.get(ino, ())):
                 # Another session's bytes may be on their way (its reads were not

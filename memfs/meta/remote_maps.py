@@ -297,10 +297,11 @@ class MapClient:
                 if granted and granted[-1] is Kind.OK_WRITE:
                     self.ahead_unsure.add(ino)  # the server holds the lease and space for us
             # Posted (not waited for) under our write lease, and, while the server
-            # keeps leases (this connection's describe said so), also without one: the server marks us as writing the file
-            # until our close or our answer to a recall, which waits for those bytes,
-            # so another node's read, write or truncate of it waits for them first.
-            # (Not without a handle: no close would wait for it.)
+            # keeps leases (this connection's describe said so), also without one:
+            # the server marks us as writing the file until our close or our answer
+            # to a recall, which waits for those bytes, so another node's read,
+            # write or truncate of it waits for them first.  (Not without a
+            # handle: no close would wait for it.)
             posted = kind is Kind.OK_WRITE or (
                 method == "allocate_ahead" and self.posts_unleased and bool(self.opens.get(ino)))
             return offset, WritePlan(_clip(plan.extents, offset, end), posted=posted)

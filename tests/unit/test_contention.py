@@ -339,3 +339,26 @@ async def test_writes_without_a_lease_are_not_posted_once_the_mds_grants_none(
         await b.getattr(ROOT)  # (registered again: its describe says no leases)
         plan = await b.map_write(f.ino, 0, CS)
         assert not server.leases.writing and not plan.posted
+
+
+async def test_a_told_writer_sent_another_range_still_holds_off_changes_where_it_wrote(
+    autojump_clock: Any,
+) -> None:
+    """A recall of a contended writer under way (its answer waits for its bytes of X)
+    took its ranges; it is sent a map of Y meanwhile: until it answers it holds the
+    whole file, so another session's write or read of X still waits for it."""
+    lt = LeaseTable(term=4.0, recall_timeout=2.0)
+    a, c, b = _Silent(), _Silent(), _Silent()
+    lt.contention.until[7] = math.inf
+    x, y = (0, CS), (4 * CS, 5 * CS)
+    lt.register(a, [7], transfer=True, span=x)
+    lt.wrote(a, 7, placed=True)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(lt.recall, c, [Item(7, write_only=True, span=x)])
+        await trio.sleep(0.1)
+        lt.register(a, [7], transfer=True, span=y)
+        lt.wrote(a, 7, placed=True)
+        change = lt.needs_recall(b, [Item(7, span=x)])
+        read = lt.needs_recall(b, [Item(7, write_only=True, span=x)])
+        nursery.cancel_scope.cancel()
+    assert (change, read) == (True, True)
