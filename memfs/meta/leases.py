@@ -470,6 +470,7 @@ class LeaseTable:
         with this recall, memfs.meta.contention)."""
         rid = self._next_rid
         self._next_rid = rid % 0xFFFFFFFF + 1
+        registered = h.registrations  # (one since: what it holds now was sent since)
         w = _Waiting(h)
         self._waiting[rid] = w
         self.recalls_sent += 1
@@ -519,7 +520,7 @@ class LeaseTable:
                     hs = self.holders.get(ino)
                     if hs is not None and h in hs:
                         hs[h] = True
-                        if ino in taken:
+                        if ino in taken and h.registrations == registered:
                             self.contention.sent(h, ino, None)
 
     def recalled(self, holder: Holder, rid: int, settles: list[Settle]) -> None:
