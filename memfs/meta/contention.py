@@ -88,7 +88,7 @@ class Contention:
         self._clock = clock
         #: ino -> until when it is contended
         self.until: dict[int, float] = {}
-        #: ino -> (last writer, when, switches in the window, the window's start)
+        #: ino -> its last write call and the switches counted
         self._last: dict[int, _Turns] = {}
         #: ino -> receiver -> ranges of chunk maps sent while contended
         self.spans: dict[int, dict[object, list[Span]]] = {}

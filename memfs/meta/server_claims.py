@@ -31,9 +31,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-#: the attributes a setattr sets, as codec.SET_* bits
-_FIELDS = ((codec.SET_MODE, "mode"), (codec.SET_UID, "uid"), (codec.SET_GID, "gid"),
-           (codec.SET_ATIME, "atime_ns"), (codec.SET_MTIME, "mtime_ns"))
+#: the bits (codec.SET_*) of the attributes a setattr sets, in :func:`_values`' order
+_BITS = (codec.SET_MODE, codec.SET_UID, codec.SET_GID, codec.SET_ATIME, codec.SET_MTIME)
 Fields = tuple[int, int, int, int, int]
 
 
@@ -63,8 +62,7 @@ def fields_set(name: str, args: list[Any]) -> dict[int, int]:
 
 
 def _values(i: Inode) -> Fields:
-    mode, uid, gid, atime, mtime = (getattr(i, name) for _, name in _FIELDS)
-    return mode, uid, gid, atime, mtime
+    return i.mode, i.uid, i.gid, i.atime_ns, i.mtime_ns
 
 
 #: a change under way (SessionClaims.before): the watches it may concern, and per
@@ -374,7 +372,7 @@ class SessionClaims:
             for ino, (bits, old) in fields.items():
                 i = inodes.get(ino)
                 new = old if i is None else _values(i)
-                moved = sum(bit for (bit, _), a, b in zip(_FIELDS, old, new, strict=True) if a != b)
+                moved = sum(bit for bit, a, b in zip(_BITS, old, new, strict=True) if a != b)
                 if bits := (bits if applied else 0) | moved:
                     w.taken[ino] = w.taken.get(ino, 0) | bits
 
