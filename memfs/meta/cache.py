@@ -61,7 +61,75 @@ class FileState:
 class DirState:
     #: name -> inode, 0 for a name known absent
     names: dict[bytes, int] = field(default_factory=dict)
+    #: every name is in *names* but those in *unknown*: any other is absent
     complete: bool = False
+    #: names of a complete directory that a recall (or a reply of ours not cacheable)
+    #: left unknown: asked for, not taken as absent
+    unknown: set[bytes] = field(default_factory=set)
+
+    def forget(self, name: bytes) -> None:
+        """*name* is unknown now; the others stay as they were."""
+        self.names.pop(name, None)
+        if self.complete:
+            if len(self.unknown) >= UNKNOWN_KEPT:
+                self.complete = False
+                self.unknown.clear()
+            else:
+                self.unknown.add(name)
+
+
+class KernelNames:
+    """The names the kernel was told it may cache (an entry timeout), present or
+    absent, since it last forgot them all (``FUSE_NOTIFY_INC_EPOCH``, the one way to
+    make it forget a name without the directory's lock): a recall of other names
+    need not make it forget (every name it holds would be looked up again: two
+    nodes creating in one directory looked up the directory itself at each create).
+    Past KERNEL_NAMES_KEPT, every name counts as held."""
+
+    __slots__ = ("by_dir", "count", "every")
+
+    def __init__(self) -> None:
+        self.by_dir: dict[int, set[bytes]] = {}
+        self.count = 0
+        self.every = False
+
+    def __bool__(self) -> bool:
+        return self.every or self.count > 0
+
+    def add(self, parent: int, name: bytes) -> None:
+        if self.every:
+            return
+        names = self.by_dir.get(parent)
+        if names is None:
+            names = self.by_dir[parent] = set()
+        elif name in names:
+            return
+        if self.count >= KERNEL_NAMES_KEPT:
+            self.by_dir.clear()
+            self.count = 0
+            self.every = True
+            return
+        names.add(name)
+        self.count += 1
+
+    def any_of(self, parent: int, names: list[bytes]) -> bool:
+        if self.every:
+            return True
+        held = self.by_dir.get(parent)
+        return held is not None and any(n in held for n in names)
+
+    def clear(self) -> None:
+        self.by_dir.clear()
+        self.count = 0
+        self.every = False
+
+
+#: names KernelNames keeps apart (~100 bytes each)
+KERNEL_NAMES_KEPT = 1 << 18
+
+#: names a complete directory keeps as unknown (DirState.forget); beyond, it is no
+#: longer complete (a node that another node's creates outnumber asks the mds again)
+UNKNOWN_KEPT = 65536
 
 
 #: own changes remembered one by one (ClientCache.mark); beyond, all are forgotten at once
@@ -176,8 +244,8 @@ class ClientCache:
         self.invalidating = 0
         #: inodes whose attributes the kernel was told it may cache (see fs.Operations)
         self.kernel_inodes: set[int] = set()
-        #: the kernel was told it may cache names (see LeaseKeeper.entry_ttl)
-        self.kernel_names = False
+        #: the names the kernel was told it may cache (see LeaseKeeper.entry_ttl)
+        self.kernel_names = KernelNames()
         #: directories whose create lease we hold -> the files made there under it
         #: (memfs.meta.creates)
         self.creators: dict[int, set[int]] = {}
@@ -213,7 +281,7 @@ class ClientCache:
         if d is None or not self.valid():
             return None
         ino = d.names.get(name)
-        if ino is None and d.complete and name not in (b".", b".."):
+        if ino is None and d.complete and name not in d.unknown and name not in (b".", b".."):
             return 0
         return ino
 
@@ -294,6 +362,7 @@ class ClientCache:
         if d is None:
             d = self.dirs[parent] = DirState()
         d.names[name] = ino
+        d.unknown.discard(name)
 
     def put_listing(self, parent: int, entries: list[tuple[bytes, Attr]], sent: int) -> None:
         """*sent*: ``seq`` when the listing was asked for (see :meth:`stale`)."""
@@ -475,22 +544,24 @@ class ClientCache:
 
     def drop_names(self, ino: int, names: list[bytes]) -> None:
         """A recall of *names* in directory *ino* (another client changed them): those
-        names, the directory's attributes, xattrs and completeness go.  Its other
-        names stay: a directory's holders are recalled at every change of a name in
-        it, even those that fetched nothing since (``LeaseTable.recall``), replies
-        sent meanwhile are not cacheable, and replies read before the recall are
-        not cached after it (``MdsConnection.recalls``), so what is left is still
-        right.  Nothing else stays: the recall leaves us untouched, and other
-        changes of the directory (its xattrs, its mode) recall only touched
-        holders.  (Dropping all names made two nodes creating in one directory
-        ask the server for every name they had cached.)"""
+        names become unknown, and the directory's attributes and xattrs go.  Its
+        other names stay, and so does its completeness (any name neither known nor
+        unknown is absent): a directory's holders are recalled at every change of a
+        name in it, even those that fetched nothing since (``LeaseTable.recall``),
+        replies sent meanwhile are not cacheable, and replies read before the
+        recall are not cached after it (``MdsConnection.recalls``), so what is
+        left is still right.  Nothing else stays: the recall leaves us untouched,
+        and other changes of the directory (its xattrs, its mode) recall only
+        touched holders.  (Dropping all names made two nodes creating in one
+        directory ask the server for every name they had cached; dropping
+        completeness made each node ask it whether each name it then created was
+        free.)"""
         self.attrs.pop(ino, None)
         self.xattrs.pop(ino, None)
         d = self.dirs.get(ino)
         if d is not None:
             for name in names:
-                d.names.pop(name, None)
-            d.complete = False
+                d.forget(name)
         self._gens[ino] = self._gens.get(ino, 0) + 1
 
     def cut(self, ino: int) -> None:
@@ -519,8 +590,7 @@ class ClientCache:
     def drop_entry(self, parent: int, name: bytes) -> None:
         d = self.dirs.get(parent)
         if d is not None:
-            d.names.pop(name, None)
-            d.complete = False
+            d.forget(name)
 
     # -- our own changes, as the server answered them (cacheable: under our lease) ------
 

@@ -120,7 +120,7 @@ class LeaseKeeper:
         created_in: list[int] = []
         done = trio.Event()
         for ino, names, revoke in items:
-            names_changed = names_changed or bool(names)
+            names_changed = names_changed or (bool(names) and cache.kernel_names.any_of(ino, names))
             if cache.creators.pop(ino, None) is not None or (
                     self.creates is not None and self.creates.pending_under(ino)):
                 # Our create lease ends (or ended, and what we made under it has not
@@ -148,8 +148,10 @@ class LeaseKeeper:
                 elif a is not None:
                     settles.append([ino, a.size, 0 if ino in self._setting_mtime else a.mtime_ns,
                                     *span])
-            if names and ino in cache.dirs:
-                cache.drop_names(ino, names)  # (a directory: the names changed go)
+            if (names or revoke) and ino in cache.dirs:
+                # A directory: the names changed go; a create lease taken back changes
+                # none (the creates made under it are answered before our answer).
+                cache.drop_names(ino, names)
             else:
                 cache.drop(ino)
             inos.append(ino)
@@ -294,7 +296,7 @@ class LeaseKeeper:
         for this recall)."""
         forget = self.kernel.names_invalidator
         if forget is not None and self.cache.kernel_names:
-            self.cache.kernel_names = False
+            self.cache.kernel_names.clear()
             forget()
 
     async def _invalidate_all(self, invalidate: Invalidator, inos: list[int]) -> None:
@@ -549,5 +551,5 @@ class LeaseKeeper:
             return 0.0
         ttl = cache.ttl()
         if ttl:
-            cache.kernel_names = True
+            cache.kernel_names.add(parent, name)
         return ttl

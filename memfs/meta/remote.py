@@ -873,6 +873,12 @@ class RemoteMeta(Meta):
     async def rename(
         self, parent: int, name: bytes, new_parent: int, new_name: bytes, flags: int = 0
     ) -> None:
+        # The kernel moves its dentry, with the entry timeout it had, to the new name:
+        # counted from before the call, so a recall of that name read before our caller
+        # runs again makes the kernel forget it.
+        self.cache.kernel_names.add(new_parent, new_name)
+        if flags & RENAME_EXCHANGE:
+            self.cache.kernel_names.add(parent, name)
         # Named elsewhere (or replaced) from now on, even if the answer never comes.
         self.cache.named_elsewhere(self.cache.entry(parent, name))
         self.cache.named_elsewhere(self.cache.entry(new_parent, new_name))
