@@ -279,7 +279,7 @@ class HeldCalls:
         if self.opens.get(ino):
             self.write_errors.add(ino)
         self.cache.drop(ino)
-        self.cache.drop_entry(parent, name)
+        self.cache.dirs.pop(parent, None)  # (which names changed without us is not known)
         self.cache.attrs.pop(parent, None)
         self.leases.drop_kernel([ino, parent])
         self.leases.forget_kernel_names()

@@ -709,6 +709,48 @@ def test_concurrent_creates_in_one_directory(cluster: Cluster) -> None:
             assert (mnt / "out" / name).read_bytes() == name[:2].encode()
 
 
+def test_a_shared_directory_shows_each_node_what_the_other_changed(cluster: Cluster) -> None:
+    """Both nodes work in one directory (mdtest's shared directory).  A node's kernel
+    keeps the names it holds across the other node's changes of other names, and its
+    daemon the directory's completeness: whatever the other node then changes, names
+    this node holds present or absent, or never saw, its next call sees."""
+    c1, c2 = cluster.mnt["c1"], cluster.mnt["c2"]
+    os.mkdir(c1 / "sh")
+    names: set[str] = set()
+    for r in range(30):
+        a, b = (c1 / "sh", c2 / "sh") if r % 2 == 0 else (c2 / "sh", c1 / "sh")
+        if r % 3 == 0:
+            assert sorted(os.listdir(b)) == sorted(names)  # b: complete
+        own, absent = f"own{r}", f"absent{r}"
+        (b / own).write_bytes(own.encode())
+        names.add(own)
+        assert (b / own).stat().st_size == len(own)
+        assert not (b / absent).exists()
+        others = [f"a{r}.{k}" for k in range(8)]
+        for name in others:  # names b never looked up
+            (a / name).write_bytes(name.encode())
+        names.update(others)
+        assert (b / own).read_bytes() == own.encode()
+        (a / absent).write_bytes(b"now")
+        names.add(absent)
+        assert (b / absent).read_bytes() == b"now"
+        os.unlink(a / own)
+        names.discard(own)
+        assert not (b / own).exists()
+        os.rename(a / others[0], a / f"moved{r}")
+        names.discard(others[0])
+        names.add(f"moved{r}")
+        assert not (b / others[0]).exists()
+        assert (b / f"moved{r}").read_bytes() == others[0].encode()
+        for name in others[1:]:
+            assert (b / name).read_bytes() == name.encode()
+        assert not (b / f"never{r}").exists()
+    for mnt in (c1, c2):
+        assert sorted(os.listdir(mnt / "sh")) == sorted(names)
+    same_stat(c2 / "sh", c1 / "sh")
+    assert log_lines(cluster, "mds.log", " WARNING ", " ERROR ") == []
+
+
 EMPTY_CREATOR = """
 import os, sys
 d, tag, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
