@@ -10,6 +10,12 @@ its own file.  Each round writes both layouts for every --xfer (the order
 alternates from round to round); MiB/s is all bytes over the slowest
 process's time.  The table shows medians and the shared/per-process ratio.
 
+Then mdtest's two layouts, with --files empty files per process: created,
+stat'ed and removed (each phase starts on a barrier; files/s is all files over
+the slowest process's time) in one directory that the first node made
+(mdtest's default) or in a directory per process that its own node made
+(mdtest ``-u``).
+
 Leases are whole-file: on the shared file the nodes' writes by turns make it
 contended (no write leases, recalls only where ranges overlap: README,
 "Consistency across nodes"; docs/ARCHITECTURE.md, "Contended files").
@@ -19,7 +25,7 @@ another checkout, servers and mounts are stopped on any exit, and a step that
 runs past its alarm fails the run.  Needs root.
 
     python bench/sharedbench.py [--rounds 3] [--xfer 64K,1M] [--block 4M]
-        [--segments 4] [--procs 2] [--code DIR] [--json FILE]
+        [--segments 4] [--procs 2] [--files 1000] [--code DIR] [--json FILE]
 """
 
 from __future__ import annotations
@@ -42,7 +48,8 @@ from pathlib import Path
 from clusterbench import LOOPBACK, Runner, alarm, mounted, parse_size, server, write_secret
 
 LAYOUTS = ("shared", "per process")
-STEP_TIMEOUT = 600.0  # one layout's writes
+STEP_TIMEOUT = 600.0  # one layout's writes, or one layout's metadata phases
+PHASES = ("create", "stat", "remove")
 
 
 def _writer(path: str, rank: int, ranks: int, shared: bool, block: int, xfer: int,
@@ -58,6 +65,59 @@ def _writer(path: str, rank: int, ranks: int, shared: bool, block: int, xfer: in
     os.fsync(fd)
     os.close(fd)
     out.send(time.perf_counter() - t)
+
+
+def _files(d: str, rank: int, n: int, barrier: Barrier, out: Connection) -> None:
+    names = [os.path.join(d, f"{rank}.{i}") for i in range(n)]
+    times = []
+    for phase in PHASES:
+        barrier.wait()
+        t = time.perf_counter()
+        for p in names:
+            if phase == "create":
+                os.close(os.open(p, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+            elif phase == "stat":
+                os.stat(p)
+            else:
+                os.unlink(p)
+        times.append(time.perf_counter() - t)
+    out.send(times)
+
+
+def files_layout(mounts: list[Path], procs: int, shared: bool, n: int, tag: str) -> list[float]:
+    """Files/s of each phase (create, stat, remove) of one layout: every process of
+    every mount at once, in one directory the first node made or each in its own,
+    made by its own node."""
+    ctx = multiprocessing.get_context("fork")
+    ranks = procs * len(mounts)
+    barrier = ctx.Barrier(ranks)
+    if shared:
+        os.mkdir(mounts[0] / tag)
+    workers, pipes = [], []
+    for r in range(ranks):
+        mnt = mounts[r % len(mounts)]
+        d = mnt / (tag if shared else f"{tag}.{r}")
+        if not shared:
+            os.mkdir(d)
+        recv, send = ctx.Pipe(duplex=False)
+        workers.append(ctx.Process(target=_files, args=(str(d), r, n, barrier, send)))
+        pipes.append(recv)
+    for w in workers:
+        w.start()
+    try:
+        times = [p.recv() for p in pipes]
+    finally:
+        for w in workers:
+            w.join(10)
+            if w.is_alive():
+                w.kill()
+                w.join()
+    bad = [w.exitcode for w in workers if w.exitcode]
+    if bad:
+        raise RuntimeError(f"metadata workers failed: exit codes {bad}")
+    for d in mounts[0].glob(f"{tag}*"):
+        os.rmdir(d)
+    return [ranks * n / max(t[k] for t in times) for k in range(len(PHASES))]
 
 
 def write_layout(mounts: list[Path], procs: int, shared: bool, block: int, xfer: int,
@@ -99,6 +159,8 @@ def main() -> int:
     ap.add_argument("--block", default="4M", help="bytes per process per segment (default 4M)")
     ap.add_argument("--segments", type=int, default=4)
     ap.add_argument("--procs", type=int, default=2, help="processes per mount (default 2)")
+    ap.add_argument("--files", type=int, default=1000,
+                    help="empty files per process for the metadata layouts (default 1000; 0: none)")
     ap.add_argument("--volume-size", default="1G", help="per memd volume (2 memd x 2 volumes)")
     ap.add_argument("--code", help="memfs checkout to run (first on PYTHONPATH of memfs processes)")
     ap.add_argument("--json", help="also write results here")
@@ -108,9 +170,10 @@ def main() -> int:
     if os.geteuid() != 0:
         print("sharedbench needs root (FUSE mounts)", file=sys.stderr)
         return 2
-    if not xfers or any(x <= 0 or block % x for x in xfers) or args.segments < 1 or args.procs < 1:
-        print("--xfer sizes must divide --block; --segments and --procs at least 1",
-              file=sys.stderr)
+    if not xfers or any(x <= 0 or block % x for x in xfers) or args.segments < 1 or args.procs < 1 \
+            or args.files < 0:
+        print("--xfer sizes must divide --block; --segments and --procs at least 1, --files "
+              "not negative", file=sys.stderr)
         return 2
     total = 2 * args.procs * args.segments * block
     if total * 5 // 4 > 4 * parse_size(args.volume_size):
@@ -121,6 +184,7 @@ def main() -> int:
     signal.signal(signal.SIGHUP, lambda *_: sys.exit(129))
 
     samples: dict[tuple[int, str], list[float]] = {(x, lay): [] for x in xfers for lay in LAYOUTS}
+    meta: dict[tuple[str, str], list[float]] = {(ph, lay): [] for ph in PHASES for lay in LAYOUTS}
     tmp = Path(tempfile.mkdtemp(prefix="memfs-sharedbench-"))
     try:
         runner = Runner(tmp, args.code)
@@ -148,6 +212,14 @@ def main() -> int:
                         samples[(x, lay)].append(mibs)
                         print(f"{time.strftime('%H:%M:%S')} round {r + 1}/{args.rounds}: "
                               f"{x >> 10} KiB {lay}: {mibs:.0f} MiB/s", file=sys.stderr, flush=True)
+                for lay in (LAYOUTS if r % 2 == 0 else LAYOUTS[::-1]) if args.files else ():
+                    with alarm(STEP_TIMEOUT, f"{lay} metadata"):
+                        rates = files_layout(mounts, args.procs, lay == "shared", args.files, f"m{r}")
+                    for ph, rate in zip(PHASES, rates, strict=True):
+                        meta[(ph, lay)].append(rate)
+                    print(f"{time.strftime('%H:%M:%S')} round {r + 1}/{args.rounds}: files, {lay}: "
+                          + ", ".join(f"{ph} {rate:.0f}/s" for ph, rate in zip(PHASES, rates, strict=True)),
+                          file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -161,8 +233,20 @@ def main() -> int:
         sh, pp = (statistics.median(samples[(x, lay)]) for lay in LAYOUTS)
         print(f"| {x >> 10} KiB | {sh:.0f} | {pp:.0f} | {sh / pp:.2f} |")
         out.append({"xfer": x, "shared": samples[(x, "shared")], "per_process": samples[(x, "per process")]})
+    files = []
+    if args.files:
+        print(f"\n{args.files} empty files per process, one directory made by the first node "
+              "(mdtest's default) or one per process made by its node (mdtest -u)")
+        print("| phase | shared directory (files/s) | directory per process (files/s) | "
+              "shared/per process |")
+        print("|---|---:|---:|---:|")
+        for ph in PHASES:
+            sh, pp = (statistics.median(meta[(ph, lay)]) for lay in LAYOUTS)
+            print(f"| {ph} | {sh:.0f} | {pp:.0f} | {sh / pp:.2f} |")
+            files.append({"phase": ph, "shared": meta[(ph, "shared")],
+                          "per_process": meta[(ph, "per process")]})
     if args.json:
-        Path(args.json).write_text(json.dumps({"code": code, "results": out}, indent=1))
+        Path(args.json).write_text(json.dumps({"code": code, "results": out, "files": files}, indent=1))
     return 0
 
 
