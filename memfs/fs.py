@@ -442,9 +442,11 @@ class Operations(pyfuse3.Operations):
             self.meta.names_invalidator = self.forget_names
         self.initialized.set()
 
-    def _entry(self, a: Attr, parent: int = 0, name: bytes = b"") -> pyfuse3.EntryAttributes:
-        """What the kernel gets of *a* (found as *name* in *parent*, if given): cached as
-        long as the metadata service says (a cluster client: what its lease covers)."""
+    def _entry(self, a: Attr, parent: int = 0, name: bytes = b"", *,
+               listed: bool = False) -> pyfuse3.EntryAttributes:
+        """What the kernel gets of *a* (found as *name* in *parent*, if given; *listed*:
+        in a listing): cached as long as the metadata service says (a cluster client:
+        what its lease covers)."""
         if self.backing is not None:
             a = self.backing.overlay(a)
         e = pyfuse3.EntryAttributes()
@@ -453,7 +455,13 @@ class Operations(pyfuse3.Operations):
         ttl = self.meta.attr_ttl(a.ino, a)
         e.attr_timeout = self.attr_timeout if ttl is None else ttl
         if parent:
-            ttl = self.meta.entry_ttl(parent, name)
+            if listed:
+                # A cluster client's kernel dates a listing's names when the lister
+                # reads the reply, not when it asked: a recall in between cannot make
+                # it forget them (FUSE_NOTIFY_INC_EPOCH), so they get no timeout.
+                ttl = None if self.meta.entry_ttl(parent, name, a.ino) is None else 0.0
+            else:
+                ttl = self.meta.entry_ttl(parent, name, a.ino)
             e.entry_timeout = self.entry_timeout if ttl is None else ttl
             self._lookups[a.ino] += 1  # an entry reply (nothing below can fail)
         else:
@@ -576,7 +584,7 @@ class Operations(pyfuse3.Operations):
         a = await self.meta.find(parent_inode, name)
         if a is not None:
             return self._entry(a, parent_inode, name)
-        ttl = self.meta.entry_ttl(parent_inode, name)
+        ttl = self.meta.entry_ttl(parent_inode, name, 0)
         ttl = self.negative_timeout if ttl is None else ttl
         if not ttl:
             raise FsError(errno.ENOENT)
@@ -942,7 +950,8 @@ class Operations(pyfuse3.Operations):
                         if exc.errno == errno.ENOENT:
                             continue
                         raise
-                sent = pyfuse3.readdir_reply(token, name, self._entry(a, inode, name), idx + 1)
+                sent = pyfuse3.readdir_reply(token, name, self._entry(a, inode, name, listed=True),
+                                             idx + 1)
                 if not sent or name == b"." or name == b"..":
                     self._forget_one(a.ino)  # not counted by the kernel: not sent, or these two
                 else:

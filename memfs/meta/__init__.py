@@ -325,8 +325,9 @@ class Meta(abc.ABC):
         None: the mount's configured timeouts (every change goes through this node)."""
         return None
 
-    def entry_ttl(self, parent: int, name: bytes) -> float | None:
-        """Like :meth:`attr_ttl`, for the entry *name* of *parent* (present or absent)."""
+    def entry_ttl(self, parent: int, name: bytes, ino: int) -> float | None:
+        """Like :meth:`attr_ttl`, for the entry *name* of *parent* that names inode *ino*
+        (0: absent)."""
         return None
 
     def keep_cache(self, ino: int) -> bool | None:

@@ -124,12 +124,14 @@ class KernelNames:
         self.every = False
 
 
-#: names KernelNames keeps apart (~100 bytes each)
-KERNEL_NAMES_KEPT = 1 << 18
+#: names KernelNames keeps apart (80-320 bytes each: ~80 with many per directory,
+#: a set's cost with one)
+KERNEL_NAMES_KEPT = 1 << 16
 
-#: names a complete directory keeps as unknown (DirState.forget); beyond, it is no
-#: longer complete (a node that another node's creates outnumber asks the mds again)
-UNKNOWN_KEPT = 65536
+#: names a complete directory keeps as unknown (DirState.forget; ~80 bytes each);
+#: beyond, it is no longer complete (a node that another node's creates outnumber
+#: asks the mds again, as for a directory it never knew whole)
+UNKNOWN_KEPT = 16384
 
 
 #: own changes remembered one by one (ClientCache.mark); beyond, all are forgotten at once

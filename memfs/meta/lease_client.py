@@ -117,6 +117,10 @@ class LeaseKeeper:
         told: list[tuple[int, tuple[int, int]]] = []
         inos: list[int] = []
         names_changed = False
+        # A create lease taken back with no names changed anywhere (another session
+        # reads the directory, or changes its attributes) leaves its names right; with
+        # names changed elsewhere in the same change (an rmdir or a rename of it) not.
+        renamed = any(names for _ino, names, _revoke in items)
         created_in: list[int] = []
         done = trio.Event()
         for ino, names, revoke in items:
@@ -148,7 +152,7 @@ class LeaseKeeper:
                 elif a is not None:
                     settles.append([ino, a.size, 0 if ino in self._setting_mtime else a.mtime_ns,
                                     *span])
-            if (names or revoke) and ino in cache.dirs:
+            if (names or (revoke and not renamed)) and ino in cache.dirs:
                 # A directory: the names changed go; a create lease taken back changes
                 # none (the creates made under it are answered before our answer).
                 cache.drop_names(ino, names)
@@ -536,18 +540,21 @@ class LeaseKeeper:
             cache.kernel_inodes.add(ino)
         return ttl
 
-    def entry_ttl(self, parent: int, name: bytes) -> float | None:
+    def entry_ttl(self, parent: int, name: bytes, ino: int) -> float | None:
         # The kernel may cache a name (present or absent) that our lease covers only if
         # it can be made to forget it without the directory's lock: a create or unlink
         # on this node holds that lock while it waits for the mds, which may be waiting
         # for our answer to a recall (FUSE_NOTIFY_INVAL_ENTRY would deadlock two nodes
         # working in one directory).  FUSE_NOTIFY_INC_EPOCH takes no lock but drops every
         # name at once.  Without it, lookups are answered from our cache: a round trip
-        # to this daemon, not to the mds.
+        # to this daemon, not to the mds.  Only if what is sent (*ino*, 0: absent) is
+        # what the cache holds: a listing taken before another node's change of the
+        # name, sent after another call cached the name anew, would give the kernel
+        # the old inode under it for the lease's term (found by a review).
         cache = self.cache
         if not cache.term:
             return None
-        if self.kernel.names_invalidator is None or cache.entry(parent, name) is None:
+        if self.kernel.names_invalidator is None or cache.entry(parent, name) != ino:
             return 0.0
         ttl = cache.ttl()
         if ttl:

@@ -151,7 +151,7 @@ async def test_negative_entries_are_recalled_when_the_name_appears() -> None:
             await b.lookup(ROOT, b"x")
         assert info.value.errno == errno.ENOENT
         assert b.cache.entry(ROOT, b"x") == 0, "absent is cacheable (in the daemon)"
-        assert b.entry_ttl(ROOT, b"x") == 0, "never in the kernel: no dentry to drop"
+        assert b.entry_ttl(ROOT, b"x", 0) == 0, "never in the kernel: no dentry to drop"
         with pytest.raises(FsError):
             await b.lookup(ROOT, b"x")  # from the cache
         x = await a.mknod(ROOT, b"x", F, 0, 0)
@@ -163,18 +163,18 @@ async def test_kernel_names_are_forgotten_before_a_conflicting_change_returns() 
     async with cluster(2, kernel_names=True) as (server, (a, b), (_, kb)):
         with pytest.raises(FsError):
             await b.lookup(ROOT, b"x")
-        assert (b.entry_ttl(ROOT, b"x") or 0) > 0, "a kernel that can forget names lock-free may cache them"
-        assert b.entry_ttl(ROOT, b"unknown") == 0, "only what the lease covers"
+        assert (b.entry_ttl(ROOT, b"x", 0) or 0) > 0, "a kernel that can forget names lock-free may cache them"
+        assert b.entry_ttl(ROOT, b"unknown", 0) == 0, "only what the lease covers"
         await a.setattr(ROOT, SetAttr(mode=stat.S_IFDIR | 0o700))
         assert kb.names_forgotten == 0, "an attribute change leaves names alone"
         with pytest.raises(FsError):
             await b.lookup(ROOT, b"x")
-        assert (b.entry_ttl(ROOT, b"x") or 0) > 0
+        assert (b.entry_ttl(ROOT, b"x", 0) or 0) > 0
         x = await a.mknod(ROOT, b"x", F, 0, 0)
         assert kb.names_forgotten == 1, "b's kernel dropped its names before a's create returned"
-        assert b.entry_ttl(ROOT, b"x") == 0
+        assert b.entry_ttl(ROOT, b"x", 0) == 0 and b.entry_ttl(ROOT, b"x", x.ino) == 0
         assert (await b.lookup(ROOT, b"x")).ino == x.ino
-        assert (b.entry_ttl(ROOT, b"x") or 0) > 0  # what the FUSE layer asks before it answers
+        assert (b.entry_ttl(ROOT, b"x", x.ino) or 0) > 0  # what the FUSE layer asks before it answers
         await a.rename(ROOT, b"x", ROOT, b"y")
         assert kb.names_forgotten == 2
         await a.mknod(ROOT, b"z", F, 0, 0)

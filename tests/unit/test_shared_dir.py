@@ -12,7 +12,7 @@ import pytest
 
 from memfs.errors import FsError
 from memfs.meta import cache as cache_mod
-from tests.unit.test_leases import ROOT, F, _calls_seen, cluster
+from tests.unit.test_leases import ROOT, F, _calls_seen, _leased_directory, cluster
 
 D = stat.S_IFDIR | 0o755
 
@@ -25,15 +25,16 @@ async def test_a_recall_of_names_the_kernel_was_not_given_leaves_its_names() -> 
     async with cluster(2, kernel_names=True) as (server, (a, b), (_, kb)):
         d = await a.mknod(ROOT, b"d", D, 0, 0)
         assert (await b.lookup(ROOT, b"d")).ino == d.ino
-        assert (b.entry_ttl(ROOT, b"d") or 0) > 0  # the FUSE layer's reply
+        assert (b.entry_ttl(ROOT, b"d", d.ino) or 0) > 0  # the FUSE layer's reply
         mine = await b.create(d.ino, b"mine", F, 0, 0)
         await b.release(mine.ino)
-        assert (b.entry_ttl(d.ino, b"mine") or 0) > 0
+        assert (b.entry_ttl(d.ino, b"mine", mine.ino) or 0) > 0
         for k in range(3):
             f = await a.create(d.ino, b"a%d" % k, F, 0, 0)  # recalls b: b"a<k>"
             await a.release(f.ino)
         assert kb.names_forgotten == 0, "b's kernel was never given those names"
-        assert (b.entry_ttl(ROOT, b"d") or 0) > 0 and (b.entry_ttl(d.ino, b"mine") or 0) > 0
+        assert (b.entry_ttl(ROOT, b"d", d.ino) or 0) > 0
+        assert (b.entry_ttl(d.ino, b"mine", mine.ino) or 0) > 0
         await a.unlink(d.ino, b"mine")  # a name b's kernel holds
         assert kb.names_forgotten == 1, "b's kernel forgot its names before a's unlink returned"
         with pytest.raises(FsError):
@@ -41,7 +42,7 @@ async def test_a_recall_of_names_the_kernel_was_not_given_leaves_its_names() -> 
         # An absent name given to the kernel counts too.
         with pytest.raises(FsError):
             await b.lookup(d.ino, b"later")
-        assert (b.entry_ttl(d.ino, b"later") or 0) > 0
+        assert (b.entry_ttl(d.ino, b"later", 0) or 0) > 0
         await a.create(d.ino, b"later", F, 0, 0)
         assert kb.names_forgotten == 2
 
@@ -52,7 +53,7 @@ async def test_a_name_the_kernel_moved_in_our_rename_counts_as_given() -> None:
     async with cluster(2, kernel_names=True) as (server, (a, b), (_, kb)):
         f = await b.create(ROOT, b"x", F, 0, 0)
         await b.release(f.ino)
-        assert (b.entry_ttl(ROOT, b"x") or 0) > 0
+        assert (b.entry_ttl(ROOT, b"x", f.ino) or 0) > 0
         await b.rename(ROOT, b"x", ROOT, b"y")
         assert kb.names_forgotten == 0
         await a.unlink(ROOT, b"y")
@@ -66,7 +67,7 @@ async def test_past_the_names_kept_every_recall_of_names_forgets(monkeypatch: py
         for name in (b"n0", b"n1", b"n2"):  # the third is one too many
             with pytest.raises(FsError):
                 await b.lookup(d.ino, name)
-            b.entry_ttl(d.ino, name)
+            b.entry_ttl(d.ino, name, 0)
         await a.mknod(d.ino, b"other", F, 0, 0)
         assert kb.names_forgotten == 1, "no longer known which names the kernel holds"
         await a.mknod(d.ino, b"other2", F, 0, 0)
@@ -124,3 +125,71 @@ async def test_a_directory_with_too_many_unknown_names_is_no_longer_complete(
         with pytest.raises(FsError):
             await b.lookup(d.ino, b"free")
         assert [v[0] for v in seen] == ["lookup"]
+
+
+async def test_an_entry_gets_a_timeout_only_for_the_inode_the_cache_holds() -> None:
+    """A listing is taken, then sent entry by entry after other awaits (its "." and
+    ".." are looked up): meanwhile another node unlinks a name and another call here
+    caches it as absent.  The listing's inode under that name gets no timeout
+    (found by a review: the kernel kept the unlinked inode under the name)."""
+    async with cluster(2, kernel_names=True) as (server, (a, b), _):
+        d = await a.mknod(ROOT, b"d", D, 0, 0)
+        x = await a.create(d.ino, b"x", F, 0, 0)  # kept open: the inode lives on
+        await b.lookup(ROOT, b"d")
+        snapshot = dict(await b.readdirplus(d.ino))
+        await a.unlink(d.ino, b"x")  # recalls b: b"x"
+        with pytest.raises(FsError):
+            await b.lookup(d.ino, b"x")  # absent, cached
+        assert snapshot[b"x"].ino == x.ino
+        assert b.entry_ttl(d.ino, b"x", x.ino) == 0
+        assert (b.entry_ttl(d.ino, b"x", 0) or 0) > 0
+
+
+async def test_a_directory_removed_under_our_create_lease_is_forgotten() -> None:
+    """A create lease taken back keeps the directory's names, but not when the
+    directory itself goes (an rmdir elsewhere): the mds never recalls a destroyed
+    inode again (found by a review: its names were kept for good)."""
+    async with cluster(2) as (server, (a, b), _):
+        d, _, _ = await _leased_directory(a)
+        await a.unlink(d.ino, b"f0")  # held: made here under the lease
+        assert d.ino in a.cache.creators
+        await b.rmdir(ROOT, b"d")
+        assert d.ino not in server.store.inodes
+        assert d.ino not in a.cache.dirs
+
+
+async def test_a_cluster_listing_gives_its_names_no_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel dates a listing's names (readdirplus) with its name epoch when the
+    lister reads the reply, not when it asked: a recall in between could not make
+    it forget them.  A cluster client's listing gives names no timeout (its lookups
+    do); an embedded mount's listing gives the mount's."""
+    import pyfuse3
+
+    from memfs.config import PoolConfig
+    from memfs.data import DataEngine
+    from memfs.fs import Operations
+    from memfs.meta.store import MetaStore
+    from memfs.transport.local import LocalTransport
+
+    got: dict[bytes, float] = {}
+
+    def reply(token: object, name: bytes, attr: pyfuse3.EntryAttributes, next_id: int) -> bool:
+        got[name] = attr.entry_timeout
+        return True
+
+    monkeypatch.setattr(pyfuse3, "readdir_reply", reply)
+    pool = PoolConfig(size=16 << 20, volumes=2)
+    store = MetaStore(pool)
+    volumes = LocalTransport(pool.volumes, pool.volume_size)
+    ops = Operations(store, DataEngine(store, volumes))
+    await store.create(ROOT, b"a", F, 0, 0)
+    for leased in (False, True):
+        if leased:  # what a cluster client's lease allows
+            monkeypatch.setattr(store, "entry_ttl", lambda parent, name, ino: 3.0)
+        got.clear()
+        fh = await ops.opendir(ROOT, None)  # type: ignore[arg-type]
+        await ops.readdir(fh, 0, None)  # type: ignore[arg-type]
+        await ops.releasedir(fh)
+        assert got[b"a"] == (0.0 if leased else ops.entry_timeout)
+        assert (await ops.lookup(ROOT, b"a")).entry_timeout == (3.0 if leased else ops.entry_timeout)
+    await volumes.aclose()
