@@ -456,10 +456,11 @@ class Operations(pyfuse3.Operations):
         e.attr_timeout = self.attr_timeout if ttl is None else ttl
         if parent:
             if listed:
-                # A cluster client's kernel dates a listing's names when the lister
-                # reads the reply, not when it asked: a recall in between cannot make
-                # it forget them (FUSE_NOTIFY_INC_EPOCH), so they get no timeout.
-                ttl = None if self.meta.entry_ttl(parent, name, a.ino) is None else 0.0
+                # A cluster client's kernel links a listing's names when the lister
+                # reads the reply, not dated by the epoch of when it asked (as lookups
+                # and creates are): a recall in between could not make it forget them
+                # (FUSE_NOTIFY_INC_EPOCH), so they get no timeout.
+                ttl = self.meta.entry_ttl(parent, name, a.ino, listed=True)
             else:
                 ttl = self.meta.entry_ttl(parent, name, a.ino)
             e.entry_timeout = self.entry_timeout if ttl is None else ttl

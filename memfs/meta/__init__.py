@@ -325,9 +325,9 @@ class Meta(abc.ABC):
         None: the mount's configured timeouts (every change goes through this node)."""
         return None
 
-    def entry_ttl(self, parent: int, name: bytes, ino: int) -> float | None:
+    def entry_ttl(self, parent: int, name: bytes, ino: int, listed: bool = False) -> float | None:
         """Like :meth:`attr_ttl`, for the entry *name* of *parent* that names inode *ino*
-        (0: absent)."""
+        (0: absent), found by a lookup or made here, or (*listed*) in a listing."""
         return None
 
     def keep_cache(self, ino: int) -> bool | None:

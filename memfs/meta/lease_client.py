@@ -152,7 +152,9 @@ class LeaseKeeper:
                 elif a is not None:
                     settles.append([ino, a.size, 0 if ino in self._setting_mtime else a.mtime_ns,
                                     *span])
-            if (names or (revoke and not renamed)) and ino in cache.dirs:
+            if b"." in names:
+                cache.drop(ino)  # (the directory itself went: rmdir, renamed over)
+            elif (names or (revoke and not renamed)) and ino in cache.dirs:
                 # A directory: the names changed go; a create lease taken back changes
                 # none (the creates made under it are answered before our answer).
                 cache.drop_names(ino, names)
@@ -540,7 +542,7 @@ class LeaseKeeper:
             cache.kernel_inodes.add(ino)
         return ttl
 
-    def entry_ttl(self, parent: int, name: bytes, ino: int) -> float | None:
+    def entry_ttl(self, parent: int, name: bytes, ino: int, listed: bool = False) -> float | None:
         # The kernel may cache a name (present or absent) that our lease covers only if
         # it can be made to forget it without the directory's lock: a create or unlink
         # on this node holds that lock while it waits for the mds, which may be waiting
@@ -554,7 +556,7 @@ class LeaseKeeper:
         cache = self.cache
         if not cache.term:
             return None
-        if self.kernel.names_invalidator is None or cache.entry(parent, name) != ino:
+        if listed or self.kernel.names_invalidator is None or cache.entry(parent, name) != ino:
             return 0.0
         ttl = cache.ttl()
         if ttl:

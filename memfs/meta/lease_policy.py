@@ -18,7 +18,7 @@ import trio
 
 from memfs import wire
 from memfs.errors import FsError
-from memfs.meta import codec
+from memfs.meta import RENAME_EXCHANGE, codec
 from memfs.meta.contention import Span
 from memfs.meta.leases import Item, LeaseTable
 from memfs.meta.server_conn import Session
@@ -89,18 +89,23 @@ class LeasePolicy:
             d = store.inodes.get(args[0])
             child = d.children.get(args[1]) if d is not None and d.children is not None else None
             if child is not None:
-                items.append(Item(child, directory=name == "rmdir"))
+                # (b".",): the directory itself goes (its holders forget its names)
+                items.append(Item(child, (b".",) if name == "rmdir" else (),
+                                  directory=name == "rmdir"))
             return items
         if name == "rename":
             parent, old, new_parent, new = args[:4]
             items = [Item(parent, (old,), directory=True), Item(new_parent, (new,), directory=True)]
+            exchange = len(args) > 4 and args[4] & RENAME_EXCHANGE
             for d_ino, n in ((parent, old), (new_parent, new)):
                 d = store.inodes.get(d_ino)
                 child = d.children.get(n) if d is not None and d.children is not None else None
                 if child is not None:
                     c = store.inodes[child]
-                    # a moved directory's ".." changes
-                    items.append(Item(child, (b"..",) if c.children is not None else (),
+                    # a moved directory's ".." changes; one renamed over goes (b".")
+                    gone = d_ino == new_parent and n == new and not exchange
+                    items.append(Item(child, ((b".",) if gone else (b"..",))
+                                      if c.children is not None else (),
                                       directory=c.children is not None))
             return items
         if name in ("release", "releases"):

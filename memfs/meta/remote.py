@@ -585,8 +585,8 @@ class RemoteMeta(Meta):
     def attr_ttl(self, ino: int, returned: Attr | None = None) -> float | None:
         return self.leases.attr_ttl(ino, returned)
 
-    def entry_ttl(self, parent: int, name: bytes, ino: int) -> float | None:
-        return self.leases.entry_ttl(parent, name, ino)
+    def entry_ttl(self, parent: int, name: bytes, ino: int, listed: bool = False) -> float | None:
+        return self.leases.entry_ttl(parent, name, ino, listed)
 
     def keep_cache(self, ino: int) -> bool | None:
         if not self.cache.term:

@@ -5,12 +5,15 @@ names first."""
 
 from __future__ import annotations
 
+import collections
 import errno
 import stat
 
 import pytest
+import trio
 
 from memfs.errors import FsError
+from memfs.fs import Operations
 from memfs.meta import cache as cache_mod
 from tests.unit.test_leases import ROOT, F, _calls_seen, _leased_directory, cluster
 
@@ -185,7 +188,7 @@ async def test_a_cluster_listing_gives_its_names_no_timeout(monkeypatch: pytest.
     await store.create(ROOT, b"a", F, 0, 0)
     for leased in (False, True):
         if leased:  # what a cluster client's lease allows
-            monkeypatch.setattr(store, "entry_ttl", lambda parent, name, ino: 3.0)
+            monkeypatch.setattr(store, "entry_ttl", lambda parent, name, ino, listed=False: 0.0 if listed else 3.0)
         got.clear()
         fh = await ops.opendir(ROOT, None)  # type: ignore[arg-type]
         await ops.readdir(fh, 0, None)  # type: ignore[arg-type]
@@ -193,3 +196,70 @@ async def test_a_cluster_listing_gives_its_names_no_timeout(monkeypatch: pytest.
         assert got[b"a"] == (0.0 if leased else ops.entry_timeout)
         assert (await ops.lookup(ROOT, b"a")).entry_timeout == (3.0 if leased else ops.entry_timeout)
     await volumes.aclose()
+
+
+def _fuse_layer(meta: object) -> Operations:
+    """Just enough of fs.Operations to call _entry as the FUSE layer does."""
+    ops = Operations.__new__(Operations)
+    ops.backing = None
+    ops.meta = meta  # type: ignore[assignment]
+    ops.attr_timeout = ops.entry_timeout = 1.0
+    ops._lookups = collections.Counter()
+    return ops
+
+
+async def test_a_listing_given_no_timeout_does_not_count_as_kernel_names() -> None:
+    """Names a listing gave the kernel with no timeout are not names it holds: another
+    node's unlink of one leaves the kernel's names alone (found by a review)."""
+    async with cluster(2, kernel_names=True) as (server, (a, b), (_, kb)):
+        d = await a.mknod(ROOT, b"d", D, 0, 0)
+        x = await a.create(d.ino, b"x", F, 0, 0)
+        await a.release(x.ino)
+        await b.lookup(ROOT, b"d")
+        ops = _fuse_layer(b)
+        for name, at in await b.readdirplus(d.ino):
+            assert ops._entry(at, d.ino, name, listed=True).entry_timeout == 0.0
+        assert not b.cache.kernel_names.any_of(d.ino, [b"x"])
+        await a.unlink(d.ino, b"x")
+        assert kb.names_forgotten == 0
+
+
+async def test_rmdir_under_a_create_lease_held_without_the_parent(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """a holds d's create lease but not ROOT (it registered again, then created in d
+    by its inode: a working directory kept across the reconnection).  b's rmdir of d
+    recalls a with d alone: the mds says the directory goes (b"."), and a forgets it
+    (found by a review: kept for good, the mds never recalls a destroyed inode)."""
+    caplog.expected_warnings = True  # type: ignore[attr-defined]
+    async with cluster(2) as (server, (a, b), _):
+        d = await a.mknod(ROOT, b"d", D, 0, 0)
+        assert a._conn is not None
+        a._conn.kill("test: cut")
+        await trio.sleep(0.5)
+        with trio.fail_after(10):
+            await a.getattr(d.ino)  # waits for the reconnection (holds d only)
+        f = await a.create(d.ino, b"f", F, 0, 0)
+        await a.release(f.ino)
+        assert d.ino in a.cache.creators
+        holder = server.sessions[a.session]
+        assert holder not in server.leases.holders.get(ROOT, {}), "a does not hold ROOT"
+        await a.unlink(d.ino, b"f")  # under the lease
+        await b.rmdir(ROOT, b"d")
+        assert d.ino not in server.store.inodes
+        assert d.ino not in a.cache.dirs
+
+
+async def test_a_directory_replaced_by_a_rename_is_forgotten_by_its_holders() -> None:
+    """A rename over an empty directory z: z's holders forget it (b"."), not keep it
+    complete for good as a moved directory's holders keep theirs (its ".." aside)."""
+    async with cluster(2) as (server, (a, b), _):
+        z = await b.mknod(ROOT, b"z", D, 0, 0)
+        y = await a.mknod(ROOT, b"y", D, 0, 0)
+        await b.lookup(ROOT, b"y")
+        with pytest.raises(FsError):
+            await b.lookup(y.ino, b"inside")  # b holds y's names
+        await a.rename(ROOT, b"y", ROOT, b"z")
+        assert z.ino not in server.store.inodes
+        assert z.ino not in b.cache.dirs
+        assert b.cache.entry(y.ino, b"inside") == 0, "the moved directory keeps its names"
