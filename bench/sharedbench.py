@@ -40,10 +40,12 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from multiprocessing.connection import Connection
 from multiprocessing.synchronize import Barrier
 from pathlib import Path
+from typing import Any
 
 from clusterbench import LOOPBACK, Runner, alarm, mounted, parse_size, server, write_secret
 
@@ -84,6 +86,30 @@ def _files(d: str, rank: int, n: int, barrier: Barrier, out: Connection) -> None
     out.send(times)
 
 
+def _run(ctx: Any, target: Callable[..., None], jobs: list[tuple[Any, ...]], what: str) -> list[Any]:
+    """Run *target* once per job in its own process (each given a pipe to send its
+    result on last) and return their results in order."""
+    workers, pipes = [], []
+    for job in jobs:
+        recv, send = ctx.Pipe(duplex=False)
+        workers.append(ctx.Process(target=target, args=(*job, send)))
+        pipes.append(recv)
+    for w in workers:
+        w.start()
+    try:
+        results = [p.recv() for p in pipes]
+    finally:
+        for w in workers:
+            w.join(10)
+            if w.is_alive():
+                w.kill()
+                w.join()
+    bad = [w.exitcode for w in workers if w.exitcode]
+    if bad:
+        raise RuntimeError(f"{what} failed: exit codes {bad}")
+    return results
+
+
 def files_layout(mounts: list[Path], procs: int, shared: bool, n: int, tag: str) -> list[float]:
     """Files/s of each phase (create, stat, remove) of one layout: every process of
     every mount at once, in one directory the first node made or each in its own,
@@ -93,28 +119,14 @@ def files_layout(mounts: list[Path], procs: int, shared: bool, n: int, tag: str)
     barrier = ctx.Barrier(ranks)
     if shared:
         os.mkdir(mounts[0] / tag)
-    workers, pipes = [], []
+    jobs = []
     for r in range(ranks):
         mnt = mounts[r % len(mounts)]
         d = mnt / (tag if shared else f"{tag}.{r}")
         if not shared:
             os.mkdir(d)
-        recv, send = ctx.Pipe(duplex=False)
-        workers.append(ctx.Process(target=_files, args=(str(d), r, n, barrier, send)))
-        pipes.append(recv)
-    for w in workers:
-        w.start()
-    try:
-        times = [p.recv() for p in pipes]
-    finally:
-        for w in workers:
-            w.join(10)
-            if w.is_alive():
-                w.kill()
-                w.join()
-    bad = [w.exitcode for w in workers if w.exitcode]
-    if bad:
-        raise RuntimeError(f"metadata workers failed: exit codes {bad}")
+        jobs.append((str(d), r, n, barrier))
+    times = _run(ctx, _files, jobs, "metadata workers")
     for d in mounts[0].glob(f"{tag}*"):
         os.rmdir(d)
     return [ranks * n / max(t[k] for t in times) for k in range(len(PHASES))]
@@ -126,27 +138,12 @@ def write_layout(mounts: list[Path], procs: int, shared: bool, block: int, xfer:
     ctx = multiprocessing.get_context("fork")
     ranks = procs * len(mounts)
     barrier = ctx.Barrier(ranks)
-    workers, pipes = [], []
+    jobs = []
     for r in range(ranks):
         mnt = mounts[r % len(mounts)]  # ranks alternate between the nodes, as IOR's do
         path = mnt / (f"{tag}.shared" if shared else f"{tag}.{r}")
-        recv, send = ctx.Pipe(duplex=False)
-        workers.append(ctx.Process(target=_writer, args=(
-            str(path), r, ranks, shared, block, xfer, segments, barrier, send)))
-        pipes.append(recv)
-    for w in workers:
-        w.start()
-    try:
-        times = [p.recv() for p in pipes]
-    finally:
-        for w in workers:
-            w.join(10)
-            if w.is_alive():
-                w.kill()
-                w.join()
-    bad = [w.exitcode for w in workers if w.exitcode]
-    if bad:
-        raise RuntimeError(f"writers failed: exit codes {bad}")
+        jobs.append((str(path), r, ranks, shared, block, xfer, segments, barrier))
+    times = _run(ctx, _writer, jobs, "writers")
     for f in mounts[0].glob(f"{tag}.*"):
         f.unlink()
     return ranks * segments * block / max(times) / (1 << 20)
