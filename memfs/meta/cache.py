@@ -67,15 +67,18 @@ class DirState:
     #: left unknown: asked for, not taken as absent
     unknown: set[bytes] = field(default_factory=set)
 
-    def forget(self, name: bytes) -> None:
-        """*name* is unknown now; the others stay as they were."""
+    def forget(self, name: bytes) -> bool:
+        """*name* is unknown now; the others stay as they were.  True if it was added to
+        :attr:`unknown`."""
         self.names.pop(name, None)
         if self.complete:
             if len(self.unknown) >= UNKNOWN_KEPT:
                 self.complete = False
                 self.unknown.clear()
-            else:
+            elif name not in self.unknown:
                 self.unknown.add(name)
+                return True
+        return False
 
 
 class KernelNames:
@@ -132,6 +135,9 @@ KERNEL_NAMES_KEPT = 1 << 16
 #: beyond, it is no longer complete (a node that another node's creates outnumber
 #: asks the mds again, as for a directory it never knew whole)
 UNKNOWN_KEPT = 16384
+#: unknown names all directories keep: beyond, the directories with the most are
+#: no longer complete until half of it is left (ClientCache.trim_unknown)
+UNKNOWN_BUDGET = 1 << 18
 
 
 #: own changes remembered one by one (ClientCache.mark); beyond, all are forgotten at once
@@ -248,6 +254,9 @@ class ClientCache:
         self.kernel_inodes: set[int] = set()
         #: the names the kernel was told it may cache (see LeaseKeeper.entry_ttl)
         self.kernel_names = KernelNames()
+        #: unknown names of complete directories added since the last count
+        #: (:meth:`trim_unknown`)
+        self.unknowns = 0
         #: directories whose create lease we hold -> the files made there under it
         #: (memfs.meta.creates)
         self.creators: dict[int, set[int]] = {}
@@ -563,7 +572,9 @@ class ClientCache:
         d = self.dirs.get(ino)
         if d is not None:
             for name in names:
-                d.forget(name)
+                self.unknowns += d.forget(name)
+            if self.unknowns > UNKNOWN_BUDGET:
+                self.trim_unknown()
         self._gens[ino] = self._gens.get(ino, 0) + 1
 
     def cut(self, ino: int) -> None:
@@ -592,7 +603,24 @@ class ClientCache:
     def drop_entry(self, parent: int, name: bytes) -> None:
         d = self.dirs.get(parent)
         if d is not None:
-            d.forget(name)
+            self.unknowns += d.forget(name)
+            if self.unknowns > UNKNOWN_BUDGET:
+                self.trim_unknown()
+
+    def trim_unknown(self) -> None:
+        """Past UNKNOWN_BUDGET unknown names counted since the last trim (directories
+        listed again or dropped since took theirs away uncounted): count them, and
+        make the directories with the most no longer complete until at most half
+        the budget is left."""
+        dirs = sorted(self.dirs.values(), key=lambda d: len(d.unknown), reverse=True)
+        total = sum(len(d.unknown) for d in dirs)
+        for d in dirs:
+            if total <= UNKNOWN_BUDGET // 2 or not d.unknown:
+                break
+            total -= len(d.unknown)
+            d.complete = False
+            d.unknown.clear()
+        self.unknowns = total
 
     # -- our own changes, as the server answered them (cacheable: under our lease) ------
 
@@ -741,6 +769,7 @@ class ClientCache:
         self.xattrs.clear()
         self.creators.clear()
         self._gens.clear()
+        self.unknowns = 0
         self._epoch += _EPOCH
         self.cuts += 1
         self.until = 0.0

@@ -296,6 +296,12 @@ class LeaseKeeper:
         if invalidate is not None and self.tasks is not None:
             self.tasks.start_soon(self._invalidate_all, invalidate, inos)
 
+    def kernel_named(self, parent: int, name: bytes) -> None:
+        """The kernel holds *name* in *parent* with a timeout (our rename moved a dentry
+        there), if it can be made to forget names at all."""
+        if self.cache.term and self.kernel.names_invalidator is not None:
+            self.cache.kernel_names.add(parent, name)
+
     def forget_kernel_names(self) -> None:
         """Every name the kernel cached goes (lock-free, so at once: a create on this
         node may hold the directory's lock while it waits for the server, which waits

@@ -876,9 +876,9 @@ class RemoteMeta(Meta):
         # The kernel moves its dentry, with the entry timeout it had, to the new name:
         # counted from before the call, so a recall of that name read before our caller
         # runs again makes the kernel forget it.
-        self.cache.kernel_names.add(new_parent, new_name)
+        self.leases.kernel_named(new_parent, new_name)
         if flags & RENAME_EXCHANGE:
-            self.cache.kernel_names.add(parent, name)
+            self.leases.kernel_named(parent, name)
         # Named elsewhere (or replaced) from now on, even if the answer never comes.
         self.cache.named_elsewhere(self.cache.entry(parent, name))
         self.cache.named_elsewhere(self.cache.entry(new_parent, new_name))
@@ -898,6 +898,8 @@ class RemoteMeta(Meta):
         if src:
             cache.dirs.pop(src, None)  # its ".."
         if not flags & RENAME_EXCHANGE:
+            if dst in cache.dirs:
+                cache.drop(dst)  # a directory renamed over is gone (not recalled: ours)
             self._gone_here(dst)
 
     async def readlink(self, ino: int) -> bytes:

@@ -263,3 +263,42 @@ async def test_a_directory_replaced_by_a_rename_is_forgotten_by_its_holders() ->
         assert z.ino not in server.store.inodes
         assert z.ino not in b.cache.dirs
         assert b.cache.entry(y.ino, b"inside") == 0, "the moved directory keeps its names"
+
+
+async def test_a_directory_we_rename_over_is_forgotten_here_too() -> None:
+    """Our own rename over a directory is not recalled from us: we forget the directory
+    there, as at our rmdir (found by a review: its names were kept for good)."""
+    async with cluster(2) as (server, (a, b), _):
+        z, _, _ = await _leased_directory(a, name=b"z")
+        await a.unlink(z.ino, b"f0")  # held: z empty
+        await a.mknod(ROOT, b"y", D, 0, 0)
+        await a.rename(ROOT, b"y", ROOT, b"z")
+        assert z.ino not in server.store.inodes
+        assert z.ino not in a.cache.creators and z.ino not in a.cache.dirs
+
+
+async def test_renames_do_not_count_kernel_names_a_kernel_cannot_forget() -> None:
+    """No way to make the kernel forget names (an older kernel, no kernel): nothing is
+    counted, so nothing grows (found by a review)."""
+    async with cluster(1) as (server, (a,), _):  # no names_invalidator
+        await a.mknod(ROOT, b"f0", F, 0, 0)
+        for k in range(50):
+            await a.rename(ROOT, b"f%d" % k, ROOT, b"f%d" % (k + 1))
+        assert not a.cache.kernel_names
+
+
+def test_unknown_names_of_all_directories_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the budget, the directories with the most unknown names are no longer
+    complete, until half the budget is left (found by a review: 100 directories
+    listed here and filled elsewhere would have kept ~130 MB of names)."""
+    monkeypatch.setattr(cache_mod, "UNKNOWN_BUDGET", 4)
+    c = cache_mod.ClientCache(term=4.0)
+    c.new_directory(1)
+    c.new_directory(2)
+    c.drop_names(1, [b"a", b"b", b"c"])
+    c.drop_names(2, [b"d", b"e"])  # 5 > 4: the first directory goes incomplete
+    assert not c.dirs[1].complete and not c.dirs[1].unknown
+    assert c.dirs[2].complete and c.dirs[2].unknown == {b"d", b"e"}
+    assert c.unknowns == 2
+    c.drop_names(2, [b"d"])  # known unknown already: not counted again
+    assert c.unknowns == 2
