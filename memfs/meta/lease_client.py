@@ -119,7 +119,8 @@ class LeaseKeeper:
         names_changed = False
         # A create lease taken back with no names changed anywhere (another session
         # reads the directory, or changes its attributes) leaves its names right; with
-        # names changed elsewhere in the same change (an rmdir or a rename of it) not.
+        # names changed elsewhere in the same change not (an rmdir or a rename over it
+        # by an mds that does not say b"." for a directory that goes).
         renamed = any(names for _ino, names, _revoke in items)
         created_in: list[int] = []
         done = trio.Event()
