@@ -93,7 +93,8 @@ class Item:
     """One inode a change conflicts with."""
 
     ino: int
-    #: entries of directory *ino* that are added, removed or replaced
+    #: entries of directory *ino* that are added, removed or replaced (b"..": a moved
+    #: directory's parent; b".": the directory itself goes, its holders forget it)
     names: tuple[bytes, ...] = ()
     #: a directory: every holder hears of it (its kernel may hold dentries under it)
     directory: bool = False

@@ -41,6 +41,13 @@ def _setattr_at(ino: int, changes: SetAttr, t: int) -> tuple[str, list[Any]]:
     return ("setattr_at", [ino, *codec.setattr_at_args(changes), t])
 
 
+def _replayed(g: int, ino: int, changes: SetAttr, c0: int) -> list[tuple[str, list[Any]]]:
+    """a's held setattrs as its registration replays them: a chmod of *g* first (what
+    another session does meanwhile runs while its recall waits: _while_replaying),
+    then *changes* of *ino*, both made at ``c0 + 10``."""
+    return [_setattr_at(g, SetAttr(mode=0o600), c0 + 10), _setattr_at(ino, changes, c0 + 10)]
+
+
 @asynccontextmanager
 async def _server() -> AsyncIterator[tuple[MetaServer, trio.Nursery]]:
     """A metadata server with short leases (a recall of a connection with no client
@@ -212,8 +219,7 @@ async def test_a_truncate_elsewhere_leaves_a_replayed_chmod_to_apply(
         a2 = _conn(server, "a2")
         answer = await server.claims.claim(
             a2, SA, {f: 1, g: 1}, [(f, 65536, c0 + 5, (0, 65536)), (g, 65536, c0 + 5, (0, 65536))],
-            [_setattr_at(g, SetAttr(mode=0o600), c0 + 10),
-             _setattr_at(f, SetAttr(mode=0o600), c0 + 10)])
+            _replayed(g, f, SetAttr(mode=0o600), c0))
         assert done and done[0][0].name.startswith("OK")
         assert server.store.inodes[f].size == 100
         assert answer[3] == [], answer
@@ -249,8 +255,7 @@ async def test_a_setattr_made_elsewhere_under_a_new_lease_stays(
         a2 = _conn(server, "a2")
         answer = await server.claims.claim(
             a2, SA, {}, [],
-            [_setattr_at(g, SetAttr(mode=0o600), c0 + 10),
-             _setattr_at(f, SetAttr(mode=0o600), c0 + 10)])
+            _replayed(g, f, SetAttr(mode=0o600), c0))
         assert done and done[0].name == "OK_WRITE", done
         assert done[1][0].name.startswith("OK"), done
         assert answer[3] == [], answer
@@ -278,8 +283,7 @@ async def test_a_create_elsewhere_keeps_its_directorys_mtime_over_a_replayed_tou
         old = 1_000_000_000
         answer = await server.claims.claim(
             a, SA, {}, [],
-            [_setattr_at(g, SetAttr(mode=0o600), c0 + 10),
-             _setattr_at(d, SetAttr(mtime_ns=old), c0 + 10)])
+            _replayed(g, d, SetAttr(mtime_ns=old), c0))
         assert done and done[0][0].name.startswith("OK"), done
         assert answer[3] == [], answer
         assert server.store.inodes[d].mtime_ns != old, "b's create's mtime was undone"
@@ -300,8 +304,7 @@ async def test_a_chown_elsewhere_leaves_a_replayed_chmod_to_apply(
         done = _while_replaying(monkeypatch, server, g, lambda: _run(b, "setattr", f, [None, 1000, None, None, None]))
         answer = await server.claims.claim(
             a, SA, {}, [],
-            [_setattr_at(g, SetAttr(mode=0o600), c0 + 10),
-             _setattr_at(f, SetAttr(mode=0o600), c0 + 10)])
+            _replayed(g, f, SetAttr(mode=0o600), c0))
         assert done and done[0][0].name.startswith("OK"), done
         assert answer[3] == [], answer
         i = server.store.inodes[f]
@@ -335,8 +338,7 @@ async def test_a_read_elsewhere_keeps_the_access_time_it_moved(
         old = 1_000_000_000
         await server.claims.claim(
             a, SA, {}, [],
-            [_setattr_at(g, SetAttr(mode=0o600), c0 + 10),
-             _setattr_at(f, SetAttr(atime_ns=old), c0 + 10)])
+            _replayed(g, f, SetAttr(atime_ns=old), c0))
         assert done and done[0][0].name.startswith("OK") and done[1], done
         assert server.store.inodes[f].atime_ns != old, "b's read's atime was undone"
 
@@ -381,8 +383,7 @@ async def test_a_stale_report_of_another_registration_leaves_a_replayed_touch(
         touch = c0 + 1_000_000
         await server.claims.claim(
             a, SA, {}, [],
-            [_setattr_at(g, SetAttr(mode=0o600), c0 + 10),
-             _setattr_at(f, SetAttr(mtime_ns=touch), c0 + 10)])
+            _replayed(g, f, SetAttr(mtime_ns=touch), c0))
         assert done and done[1], done
         assert server.store.inodes[f].mtime_ns == touch, (server.store.inodes[f].mtime_ns, m0)
 
@@ -408,8 +409,7 @@ async def test_a_setattr_left_with_nothing_to_set_is_done_also_when_sent_again(
                 server.leases.forget(b.session, said=True)  # (b answers a recall)
 
         _before_recalls(monkeypatch, server, meanwhile)
-        ops = [_setattr_at(g, SetAttr(mode=0o600), c0 + 10),
-               _setattr_at(f, SetAttr(mode=0o600), c0 + 10)]
+        ops = _replayed(g, f, SetAttr(mode=0o600), c0)
         first = await server.claims.claim(a, SA, {}, [], ops)
         assert first[3] == [], first
         assert stat.S_IMODE(server.store.inodes[f].mode) == 0o640
