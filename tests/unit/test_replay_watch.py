@@ -89,17 +89,39 @@ def _while_replaying(
     return done
 
 
-async def _files(server: MetaServer, nursery: trio.Nursery) -> tuple[int, int]:
+async def _files(server: MetaServer, nursery: trio.Nursery, *, ahead: int = 0) -> tuple[int, int]:
+    """Files f and g, made by a session that then holds nothing (no recalls of it);
+    *ahead*: each written under a write lease with that much space ahead, which it
+    keeps (as a restart within --grace does)."""
     server.nursery = nursery
     c = _conn(server, "maker")
     await server.claims.claim(c, b"C" * 16, {})
     inos = []
     for name in (b"f", b"g"):
         _, (ino, *_) = await _run(c, "create", ROOT, name, F, 0, 0)
+        if ahead:
+            kind, _ = await _run(c, "allocate_ahead", ino, 0, 100, ahead)
+            assert kind.name == "OK_WRITE"
         await _run(c, "release", ino)
         inos.append(ino)
-    server.leases.forget(c.session, said=True)  # (the maker holds nothing: no recalls)
+    settle, server.leases.settle = server.leases.settle, None
+    server.leases.forget(c.session, said=True)  # (no leases, space ahead kept)
+    server.leases.settle = settle
     return inos[0], inos[1]
+
+
+async def _restarted_with_files(
+    server: MetaServer, nursery: trio.Nursery,
+) -> tuple[int, int, int, Connection, Connection]:
+    """Files f and g, then an mds restart with sessions a and b of the run before
+    (b registered again, a not yet): f, g, the files' last ctime, a's and b's
+    connections."""
+    f, g = await _files(server, nursery)
+    c0 = max(server.store.inodes[x].ctime_ns for x in (f, g))
+    _restarted(server, SA, SB)
+    a, b = _conn(server, "a"), _conn(server, "b")
+    await server.claims.claim(b, SB, {})
+    return f, g, c0, a, b
 
 
 async def _two_leased(server: MetaServer, nursery: trio.Nursery) -> list[int]:
@@ -296,11 +318,7 @@ async def test_a_chown_elsewhere_leaves_a_replayed_chmod_to_apply(
     store's chown leaves the mode): mode 600 and b's owner, as in the serial order."""
     caplog.expected_warnings = True  # type: ignore[attr-defined]  # b answers no recall
     async with _server() as (server, nursery):
-        f, g = await _files(server, nursery)
-        c0 = max(server.store.inodes[x].ctime_ns for x in (f, g))
-        _restarted(server, SA, SB)
-        a, b = _conn(server, "a"), _conn(server, "b")
-        await server.claims.claim(b, SB, {})
+        f, g, c0, a, b = await _restarted_with_files(server, nursery)
         done = _while_replaying(monkeypatch, server, g, lambda: _run(b, "setattr", f, [None, 1000, None, None, None]))
         answer = await server.claims.claim(
             a, SA, {}, [],
@@ -320,11 +338,7 @@ async def test_a_read_elsewhere_keeps_the_access_time_it_moved(
     the read's atime stays."""
     caplog.expected_warnings = True  # type: ignore[attr-defined]  # b answers no recall
     async with _server() as (server, nursery):
-        f, g = await _files(server, nursery)
-        c0 = max(server.store.inodes[x].ctime_ns for x in (f, g))
-        _restarted(server, SA, SB)
-        a, b = _conn(server, "a"), _conn(server, "b")
-        await server.claims.claim(b, SB, {})
+        f, g, c0, a, b = await _restarted_with_files(server, nursery)
         done: list[Any] = []
 
         async def meanwhile(session: Any, name: str, args: list[Any]) -> None:
@@ -352,23 +366,10 @@ async def test_a_stale_report_of_another_registration_leaves_a_replayed_touch(
     is applied."""
     caplog.expected_warnings = True  # type: ignore[attr-defined]
     async with _server() as (server, nursery):
-        server.nursery = nursery
-        c = _conn(server, "maker")
-        await server.claims.claim(c, b"C" * 16, {})
-        inos = []
-        for name in (b"f", b"g"):
-            _, (ino, *_) = await _run(c, "create", ROOT, name, F, 0, 0)
-            kind, _ = await _run(c, "allocate_ahead", ino, 0, 100, 1 << 20)
-            assert kind.name == "OK_WRITE"
-            await _run(c, "release", ino)
-            inos.append(ino)
-        f, g = inos
+        f, g = await _files(server, nursery, ahead=1 << 20)
         assert len(server.store.inodes[f].chunks or {}) > 1  # preallocated past EOF
-        settle, server.leases.settle = server.leases.settle, None
-        server.leases.forget(c.session, said=True)  # (a restart: no leases, chunks kept)
-        server.leases.settle = settle
         i = server.store.inodes[f]
-        m0, c0 = i.mtime_ns, max(server.store.inodes[x].ctime_ns for x in inos)
+        m0, c0 = i.mtime_ns, max(server.store.inodes[x].ctime_ns for x in (f, g))
         _restarted(server, SA, SB)
         a, b = _conn(server, "a"), _conn(server, "b")
         done: list[Any] = []
@@ -396,11 +397,7 @@ async def test_a_setattr_left_with_nothing_to_set_is_done_also_when_sent_again(
     the same calls: done again, not refused."""
     caplog.expected_warnings = True  # type: ignore[attr-defined]
     async with _server() as (server, nursery):
-        f, g = await _files(server, nursery)
-        c0 = max(server.store.inodes[x].ctime_ns for x in (f, g))
-        _restarted(server, SA, SB)
-        a, b = _conn(server, "a"), _conn(server, "b")
-        await server.claims.claim(b, SB, {})
+        f, g, c0, a, b = await _restarted_with_files(server, nursery)
         done: list[Any] = []
 
         async def meanwhile(session: Any, name: str, args: list[Any]) -> None:
